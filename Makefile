@@ -1,0 +1,22 @@
+# The README's two commands: `make demo` and `make test`. Each does its own set-up (scripts/setup.sh).
+PY := .venv/bin/python
+
+.PHONY: setup setup-test demo test lint bench
+
+setup:
+	@bash scripts/setup.sh
+
+setup-test:
+	@bash scripts/setup.sh --test
+
+demo: setup
+	$(PY) -m meshlm train --config gpt-tiny
+
+test: setup-test
+	$(PY) -m pytest tests
+
+lint: setup-test
+	$(PY) -m ruff check meshlm tests benchmarks
+
+bench: setup
+	$(PY) benchmarks/train_step.py

@@ -1,0 +1,339 @@
+"""One config, validated per concern.
+
+Frozen dataclasses per section (`model`, `train`, `optim`, `data`, `parallel`), loaded from a TOML file
+under `configs/` and overridden with `--section.key=value` on the command line. Every section validates
+itself and raises `ConfigError` naming the key and the fix; the CLI prints that one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import typing
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = "gpt-tiny"
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error: the message names the key and the fix."""
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _choices(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    _check(value in allowed, f"{key}={value!r} is not one of {', '.join(allowed)}; pick one of them")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and flavour of the transformer (GPT-2 style by default, Llama style by switches)."""
+
+    vocab_size: int = 50257
+    n_layers: int = 4
+    hidden_size: int = 128
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: multi-head attention (= n_heads)
+    ffn_hidden_size: int | None = None  # None: 4h for GeLU, Llama's 8h/3 rounded to 64 for SwiGLU
+    seq_len: int = 128
+    dropout: float = 0.0
+    position: str = "learned"  # learned | rope
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    activation: str = "gelu"  # gelu | swiglu
+    bias: bool = True
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.n_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.activation == "swiglu":
+            return 64 * ((8 * self.hidden_size // 3 + 63) // 64)
+        return 4 * self.hidden_size
+
+    def validate(self) -> None:
+        for key in ("vocab_size", "n_layers", "hidden_size", "n_heads", "seq_len"):
+            _check(getattr(self, key) > 0, f"model.{key}={getattr(self, key)} must be positive")
+        _check(self.hidden_size % self.n_heads == 0,
+               f"model.hidden_size={self.hidden_size} is not divisible by model.n_heads={self.n_heads}; "
+               f"choose n_heads among {[d for d in range(1, 65) if self.hidden_size % d == 0]}")
+        _check(self.n_kv_heads is None or (self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0),
+               f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
+        _check(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)")
+        _choices("model.position", self.position, ("learned", "rope"))
+        _choices("model.norm", self.norm, ("layernorm", "rmsnorm"))
+        _choices("model.activation", self.activation, ("gelu", "swiglu"))
+        _check(self.position != "rope" or self.head_dim % 2 == 0,
+               f"model.position='rope' needs an even head dim, got {self.head_dim}; change model.n_heads")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    max_steps: int = 300
+    micro_batch_size: int = 8
+    global_batch_size: int = 8
+    seed: int = 1234
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    out_dir: str = "runs/gpt-tiny"
+    save_every: int = 0  # 0: only at the end
+    eval_every: int = 0  # 0: only at the end
+    eval_iters: int = 10
+    resume: str = "auto"  # auto | never | <checkpoint path>
+    log_every: int = 10
+    peak_tflops: float = 0.0  # 0: measure with a short matmul at start
+    device: str = "auto"  # auto | cpu | cuda
+    compile: bool = False
+    progress: bool = True
+    sample_tokens: int = 0  # >0: print a sample of this many tokens at the end
+    sample_prompt: str = "\n"
+
+    def validate(self) -> None:
+        for key in ("max_steps", "micro_batch_size", "global_batch_size", "log_every", "eval_iters"):
+            _check(getattr(self, key) > 0, f"train.{key}={getattr(self, key)} must be positive")
+        for key in ("save_every", "eval_every", "sample_tokens"):
+            _check(getattr(self, key) >= 0, f"train.{key}={getattr(self, key)} must be >= 0 (0 disables)")
+        _check(self.global_batch_size % self.micro_batch_size == 0,
+               f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+               f"train.micro_batch_size={self.micro_batch_size}; set it to "
+               f"{max(1, self.global_batch_size // self.micro_batch_size) * self.micro_batch_size}")
+        _choices("train.precision", self.precision, ("fp32", "bf16", "fp16"))
+        _choices("train.device", self.device, ("auto", "cpu", "cuda"))
+        _check(self.peak_tflops >= 0, f"train.peak_tflops={self.peak_tflops} must be >= 0 (0 measures it)")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    warmup_steps: int = 20
+    decay: str = "cosine"  # cosine | linear | constant | wsd
+    decay_steps: int = 0  # 0: train.max_steps
+    wsd_decay_fraction: float = 0.2  # WSD: share of the steps spent in the final decay
+
+    def validate(self) -> None:
+        _check(self.lr > 0, f"optim.lr={self.lr} must be positive")
+        _check(0 <= self.min_lr <= self.lr, f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
+        _check(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
+        for key in ("beta1", "beta2"):
+            _check(0 <= getattr(self, key) < 1, f"optim.{key}={getattr(self, key)} must be in [0, 1)")
+        _check(self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip} must be >= 0 (0 disables)")
+        _check(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+        _check(self.decay_steps >= 0, f"optim.decay_steps={self.decay_steps} must be >= 0")
+        _choices("optim.decay", self.decay, ("cosine", "linear", "constant", "wsd"))
+        _check(0 < self.wsd_decay_fraction <= 1,
+               f"optim.wsd_decay_fraction={self.wsd_decay_fraction} must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    paths: list[str] = field(default_factory=list)  # empty: the bundled Shakespeare corpus
+    tokenizer: str = "gpt2"
+    split: str = "95,5,0"  # train, validation, test shares, by document
+    cache_dir: str = ""  # "": ~/.cache/meshlm
+
+    @property
+    def split_weights(self) -> tuple[float, float, float]:
+        parts = [float(p) for p in self.split.split(",")]
+        parts += [0.0] * (3 - len(parts))
+        total = sum(parts)
+        return parts[0] / total, parts[1] / total, parts[2] / total
+
+    def validate(self) -> None:
+        try:
+            parts = [float(p) for p in self.split.split(",")]
+        except ValueError:
+            parts = []
+        _check(0 < len(parts) <= 3 and all(p >= 0 for p in parts) and sum(parts) > 0 and parts[0] > 0,
+               f"data.split={self.split!r} must be up to three non-negative weights 'train,valid,test' "
+               "with a positive train share, e.g. '98,1,1'")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 0  # 0: world_size / (tp * pp)
+    sp: bool = False
+    vpp: int = 1
+    timeout_s: float = 600.0
+
+    def validate(self) -> None:
+        for key in ("tp", "pp", "vpp"):
+            _check(getattr(self, key) >= 1, f"parallel.{key}={getattr(self, key)} must be >= 1")
+        _check(self.dp >= 0, f"parallel.dp={self.dp} must be >= 1 (or 0 to fill the world)")
+        _check(not self.sp or self.tp > 1, "parallel.sp=true needs parallel.tp > 1; set parallel.tp or drop sp")
+        _check(self.timeout_s > 0, f"parallel.timeout_s={self.timeout_s} must be positive")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def validate(self) -> Config:
+        for f in fields(self):
+            getattr(self, f.name).validate()
+        m, p = self.model, self.parallel
+        _check(m.n_heads % p.tp == 0,
+               f"parallel.tp={p.tp} does not divide model.n_heads={m.n_heads}; "
+               f"use one of {[d for d in range(1, m.n_heads + 1) if m.n_heads % d == 0]}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTION_TYPES = {"model": ModelConfig, "train": TrainConfig, "optim": OptimConfig, "data": DataConfig,
+                  "parallel": ParallelConfig}
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check (and for strings from the command line, convert) one value against its field's type."""
+    kinds = annotation if isinstance(annotation, tuple) else (annotation,)
+    if value is None and type(None) in kinds:
+        return None
+    for kind in kinds:
+        if kind is bool and isinstance(value, bool):
+            return value
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if kind is str and isinstance(value, str):
+            return value
+        if kind is list and isinstance(value, list):
+            return [str(v) for v in value]
+    names = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+    raise ConfigError(f"{key}={value!r} has the wrong type: expected {names}")
+
+
+def _field_types(section: type) -> dict[str, tuple]:
+    out = {}
+    for name, hint in typing.get_type_hints(section).items():
+        args = typing.get_args(hint)
+        origin = typing.get_origin(hint)
+        if origin is list:
+            out[name] = (list,)
+        elif args:
+            out[name] = tuple(args)
+        else:
+            out[name] = (hint,)
+    return out
+
+
+def _parse_cli_value(text: str) -> Any:
+    """`--train.lr=3e-4` → 3e-4; values are read as TOML, falling back to a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        lowered = text.lower()
+        if lowered in ("true", "false"):
+            return lowered == "true"
+        return text
+
+
+def _unknown(key: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"did you mean {close[0]}?" if close else f"known keys: {', '.join(sorted(known))}"
+    return ConfigError(f"unknown config key {key!r}; {hint}")
+
+
+def build(values: dict[str, dict[str, Any]]) -> Config:
+    """Build a validated Config from nested {section: {key: value}}."""
+    sections = {}
+    all_keys = [f"{s}.{f.name}" for s, t in _SECTION_TYPES.items() for f in fields(t)]
+    for name, body in values.items():
+        if name not in _SECTION_TYPES:
+            raise _unknown(name, list(_SECTION_TYPES))
+        if not isinstance(body, dict):
+            raise ConfigError(f"[{name}] must be a table of keys, got {body!r}")
+        types = _field_types(_SECTION_TYPES[name])
+        kwargs = {}
+        for key, value in body.items():
+            if key not in types:
+                raise _unknown(f"{name}.{key}", all_keys)
+            kwargs[key] = _coerce(f"{name}.{key}", value, types[key])
+        sections[name] = _SECTION_TYPES[name](**kwargs)
+    return Config(**sections).validate()
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        if not path.exists():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass a path to a .toml file or "
+                              f"one of the bundled names: {', '.join(bundled_configs())}")
+        return path
+    bundled = CONFIG_DIR / f"{name_or_path}.toml"
+    if not bundled.exists():
+        raise ConfigError(f"no bundled config named {name_or_path!r}; choose one of "
+                          f"{', '.join(bundled_configs())} or pass a path to a .toml file")
+    return bundled
+
+
+def bundled_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+
+
+def load_toml(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML ({err}); fix the syntax") from None
+
+
+def apply_overrides(values: dict[str, dict[str, Any]], overrides: list[str]) -> dict[str, dict[str, Any]]:
+    """Apply `--section.key=value` (or `section.key=value`) strings to nested values."""
+    merged = {k: dict(v) for k, v in values.items()}
+    for item in overrides:
+        text = item[2:] if item.startswith("--") else item
+        if "=" not in text or "." not in text.split("=", 1)[0]:
+            raise ConfigError(f"override {item!r} is not of the form --section.key=value, "
+                              "e.g. --train.max_steps=100")
+        key, raw = text.split("=", 1)
+        section, name = key.split(".", 1)
+        merged.setdefault(section, {})[name] = _parse_cli_value(raw)
+    return merged
+
+
+def load_config(name_or_path: str = DEFAULT_CONFIG, overrides: list[str] | None = None) -> Config:
+    values = load_toml(resolve_config_path(name_or_path))
+    return build(apply_overrides(values, overrides or []))
+
+
+def config_from_dict(values: dict[str, dict[str, Any]]) -> Config:
+    """Rebuild a Config saved with `Config.to_dict()` (checkpoints store the resolved config)."""
+    return build(values)
+
+
+def with_updates(cfg: Config, **sections: dict[str, Any]) -> Config:
+    """Return a copy of `cfg` with some keys of some sections replaced (validated)."""
+    new = {name: replace(getattr(cfg, name), **changes) for name, changes in sections.items()}
+    return replace(cfg, **new).validate()

@@ -1,0 +1,162 @@
+"""Transformer building blocks: norms, rotary positions, attention (SDPA, GQA, KV cache), MLP.
+
+Single-device modules only. Parallelism is applied from outside (`meshlm.parallel`), which relies on the
+layout documented here: the fused projections are stacked blocks along the output dimension,
+`qkv.weight = [W_q; W_k; W_v]` and, for SwiGLU, `fc.weight = [W_gate; W_up]`, so a column-parallel split
+takes the same slice of every block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshlm.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x²) + eps) · w (Zhang & Sennrich 2019), computed in fp32 as Llama does."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.hidden_size, cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (max_len, head_dim) in the rotate-half layout used by Llama."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    pos = torch.arange(max_len, dtype=torch.float32, device=device)
+    freqs = torch.outer(pos, inv_freq)  # (T, hs/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hs)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, nh, T, hs); cos/sin: (T, hs). Rotates pairs (i, i + hs/2)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class KVCache(nn.Module):
+    """Pre-allocated keys/values for incremental decoding: (B, n_kv_heads, max_len, hs)."""
+
+    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start + k.shape[2]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads; the core runs in `scaled_dot_product_attention`.
+
+    `n_heads`/`n_kv_heads` are the heads this module holds (tensor parallelism lowers them per rank).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        qkv_out = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.bias)
+        self.proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=cfg.bias)
+        self.dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        """softmax(QKᵀ/√d)·V: the memory-heavy, cheap part that selective recomputation redoes."""
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal,
+                                              enable_gqa=self.n_kv_heads != self.n_heads)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim],
+            dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        if rope is not None:
+            cos, sin = rope[0][start:start + T], rope[1][start:start + T]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        causal = True
+        if cache is not None:
+            k, v = cache.update(start, k, v)
+            causal = T > 1  # one new token attends to every cached position
+            if causal and start > 0:
+                raise ValueError("a multi-token chunk after the prompt is not supported with the KV cache")
+        y = self.core(q, k, v, causal)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh·hs)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    """GeLU: proj(gelu(fc x)); SwiGLU: proj(silu(x W_gate) ⊙ x W_up) with fc = [W_gate; W_up]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu = cfg.activation == "swiglu"
+        ffn = cfg.ffn_size
+        self.fc = nn.Linear(cfg.hidden_size, 2 * ffn if self.swiglu else ffn, bias=cfg.bias)
+        self.proj = nn.Linear(ffn, cfg.hidden_size, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.dropout(self.proj(h))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm1 = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.norm2 = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope=None, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope, cache, start)
+        return x + self.mlp(self.norm2(x))
+
+
+def init_weights(module: nn.Module, std: float, n_layers: int) -> None:
+    """GPT-2/Megatron init: N(0, std) everywhere, output projections N(0, std/√(2L)), biases 0, norms 1."""
+    for name, p in module.named_parameters():
+        if p.dim() == 1:
+            is_norm_weight = "norm" in name and name.endswith("weight")
+            nn.init.ones_(p) if is_norm_weight else nn.init.zeros_(p)
+        elif name.endswith("proj.weight"):
+            nn.init.normal_(p, 0.0, std / math.sqrt(2 * n_layers))
+        else:
+            nn.init.normal_(p, 0.0, std)

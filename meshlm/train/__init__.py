@@ -1,0 +1,1 @@
+"""Training: optimizer and schedules, precision, checkpoints, metrics, and the loop itself."""

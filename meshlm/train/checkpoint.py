@@ -1,0 +1,104 @@
+"""Checkpoints written atomically, with a `latest` pointer.
+
+Layout: OUT_DIR/checkpoints/step_000100/{model.pt, optim.pt, state.pt, config.json}, and
+OUT_DIR/checkpoints/latest holding the name of the newest complete one. A checkpoint is written into a
+temporary directory, fsynced, then renamed into place; only then is `latest` replaced (write + rename).
+A crash or SIGKILL at any moment therefore leaves `latest` naming a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LATEST = "latest"
+
+
+class CheckpointError(FileNotFoundError):
+    """No usable checkpoint at a path the user gave."""
+
+
+def checkpoints_dir(out_dir: str | Path) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_file(obj: Any, path: Path) -> None:
+    with open(path, "wb") as fh:
+        torch.save(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def save_checkpoint(out_dir: str | Path, step: int, parts: dict[str, Any], config: dict) -> Path:
+    """Write `parts` (name → object, one file each) and the config; atomically publish as `latest`."""
+    root = checkpoints_dir(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_name(step)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{step_name(step)}-"))
+    for name, obj in parts.items():
+        _save_file(obj, tmp / f"{name}.pt")
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    _fsync_dir(tmp)
+    if final.exists():  # a re-save of the same step (e.g. resumed then stopped at once)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    pointer = root / f".{LATEST}.tmp"
+    pointer.write_text(final.name + "\n")
+    os.replace(pointer, root / LATEST)
+    _fsync_dir(root)
+    return final
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A run directory, its checkpoints/ directory, or one step directory → that complete checkpoint."""
+    p = Path(path)
+    for root in (checkpoints_dir(p), p):
+        if (root / LATEST).exists():
+            target = root / (root / LATEST).read_text().strip()
+            if (target / "config.json").exists():
+                return target
+    if (p / "config.json").exists() and (p / "model.pt").exists():
+        return p
+    raise CheckpointError(f"no checkpoint at {str(p)!r}: expected a run directory with checkpoints/latest, "
+                          "or a checkpoints/step_* directory; train first or fix the path")
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    try:
+        return resolve_checkpoint(out_dir)
+    except CheckpointError:
+        return None
+
+
+def load_part(ckpt: Path, name: str, map_location: str | torch.device = "cpu") -> Any:
+    return torch.load(ckpt / f"{name}.pt", map_location=map_location, weights_only=False)
+
+
+def load_config_dict(ckpt: Path) -> dict:
+    return json.loads((ckpt / "config.json").read_text())
+
+
+def prune_temporaries(out_dir: str | Path) -> None:
+    """Remove half-written temporaries left by a killed run (never a published checkpoint)."""
+    root = checkpoints_dir(out_dir)
+    if root.exists():
+        for tmp in root.glob(".tmp-*"):
+            shutil.rmtree(tmp, ignore_errors=True)

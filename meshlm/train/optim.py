@@ -1,0 +1,50 @@
+"""AdamW with Megatron's weight-decay groups and the learning-rate schedules.
+
+No weight decay on norms, biases and embeddings (token and position): decaying them hurts and is not
+what the regularisation is for. Schedules: linear warmup, then cosine, linear or constant decay to
+`min_lr`, or WSD (warmup-stable-decay: constant, then a linear decay over the last share of the steps).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from meshlm.config import OptimConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        is_embedding = "emb" in name.rsplit(".", 1)[0]  # tok_emb, pos_emb (also once parallelized)
+        (no_decay if p.dim() < 2 or is_embedding else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+
+
+def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """Learning rate for optimizer step `step` (0-based)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    total = cfg.decay_steps or max_steps
+    if cfg.decay == "constant":
+        return cfg.lr
+    if cfg.decay == "wsd":
+        decay_start = total - int(cfg.wsd_decay_fraction * total)
+        if step < decay_start:
+            return cfg.lr
+        frac = min(1.0, (step - decay_start) / max(1, total - decay_start))
+        return cfg.lr - frac * (cfg.lr - cfg.min_lr)
+    frac = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    if cfg.decay == "linear":
+        return cfg.lr - frac * (cfg.lr - cfg.min_lr)
+    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * frac)) * (cfg.lr - cfg.min_lr)

@@ -1,0 +1,291 @@
+"""The training loop: micro-batches accumulated to the global batch, clipped AdamW steps, evaluation,
+checkpoints, metrics, and a clean stop on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from meshlm.config import Config, ConfigError
+from meshlm.data import build_datasets
+from meshlm.data.dataset import BatchLoader, GPTSamples
+from meshlm.infer.generate import generate
+from meshlm.models.gpt import GPT
+from meshlm.train import checkpoint as ckpt
+from meshlm.train.metrics import measure_peak_tflops, model_flops, peak_memory_mb, recompute_flops
+from meshlm.train.optim import build_optimizer, lr_at
+from meshlm.train.precision import Precision
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy; logits (B, T, V), targets (B, T). Computed in fp32."""
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device='cuda' but no CUDA GPU is visible; use train.device=auto or cpu")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, progress: bool | None = None):
+        self.cfg = cfg
+        t = cfg.train
+        self.progress = t.progress if progress is None else progress
+        self.device = pick_device(t.device)
+        if t.precision == "fp16" and self.device.type == "cpu":
+            print("note: fp16 on CPU is emulated and slow; bf16 is the CPU choice")
+        self.out_dir = Path(t.out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.resume_from = self._find_resume()
+        seed_everything(t.seed)
+        self.tokenizer, self.train_set, self.valid_set = build_datasets(cfg, progress=self.progress)
+        if cfg.model.vocab_size < self.tokenizer.vocab_size:
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                              f"{self.tokenizer.vocab_size}; set model.vocab_size={self.tokenizer.vocab_size}")
+        self.model = GPT(cfg.model).to(self.device)
+        self.loss_fn = cross_entropy
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.precision = Precision(t.precision, self.device)
+        self.accum = t.global_batch_size // t.micro_batch_size
+        self.loader = BatchLoader(self.train_set, t.micro_batch_size, t.seed)
+        self.step = 0
+        self.tokens_seen = 0
+        self.stop_signal: str | None = None
+        if self.resume_from is not None:
+            self._load(self.resume_from)
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+    def _find_resume(self) -> Path | None:
+        resume = self.cfg.train.resume
+        ckpt.prune_temporaries(self.out_dir)
+        if resume == "never":
+            return None
+        if resume == "auto":
+            return ckpt.latest_checkpoint(self.out_dir)
+        return ckpt.resolve_checkpoint(resume)
+
+    def state_parts(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optim": self.optimizer.state_dict(),
+            "state": {"step": self.step, "tokens_seen": self.tokens_seen, "rng": rng_state(),
+                      "loader": self.loader.state_dict(), "scaler": self.precision.state_dict(),
+                      "tokenizer": self.tokenizer.name},
+        }
+
+    def save(self) -> Path:
+        return ckpt.save_checkpoint(self.out_dir, self.step, self.state_parts(), self.cfg.to_dict())
+
+    def _load(self, path: Path) -> None:
+        state = ckpt.load_part(path, "state")
+        if state.get("tokenizer", self.tokenizer.name) != self.tokenizer.name:
+            raise ConfigError(f"checkpoint {path} was trained with tokenizer {state['tokenizer']!r}, not "
+                              f"data.tokenizer={self.tokenizer.name!r}; set data.tokenizer to match")
+        self.model.load_state_dict(ckpt.load_part(path, "model", self.device))
+        self.optimizer.load_state_dict(ckpt.load_part(path, "optim", self.device))
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.loader.load_state_dict(state["loader"])
+        self.precision.load_state_dict(state["scaler"])
+        set_rng_state(state["rng"])
+        self._truncate_metrics(self.step)
+        self.log(f"resumed from {path} at step {self.step}")
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Drop metric lines past the resumed step (a killed run may have logged beyond its checkpoint)."""
+        path = self.out_dir / "metrics.jsonl"
+        if path.exists():
+            keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+            path.write_text("".join(ln + "\n" for ln in keep))
+
+    # ---- one step ------------------------------------------------------------------------------------
+    def train_step(self) -> tuple[float, float]:
+        """Accumulate `global/micro` micro-batches, clip, step. Returns (mean loss, grad norm)."""
+        cfg = self.cfg
+        lr = lr_at(self.step, cfg.optim, cfg.train.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.accum):
+            x, y = self.loader.next()
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with self.precision.autocast():
+                loss = self.loss_fn(self.model(x), y) / self.accum
+            self.precision.scaler.scale(loss).backward()
+            total += loss.detach()
+        self.precision.scaler.unscale_(self.optimizer)
+        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.precision.scaler.step(self.optimizer)
+        self.precision.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens_seen += cfg.train.global_batch_size * cfg.model.seq_len
+        return float(total), float(grad_norm)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Validation loss over the first `eval_iters` micro-batches (fixed order), perplexity, bits/byte."""
+        if len(self.valid_set) == 0:
+            return {}
+        self.model.eval()
+        t = self.cfg.train
+        n = min(t.eval_iters, max(1, len(self.valid_set) // t.micro_batch_size))
+        loader = BatchLoader(self.valid_set, min(t.micro_batch_size, len(self.valid_set)), 0, shuffle=False)
+        losses = []
+        for _ in range(n):
+            x, y = loader.next()
+            with self.precision.autocast():
+                losses.append(float(self.loss_fn(self.model(x.to(self.device)), y.to(self.device))))
+        self.model.train()
+        loss = sum(losses) / len(losses)
+        bpb = loss / math.log(2) / self.valid_set.bytes_per_token
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50)), "val_bpb": bpb}
+
+    # ---- loop ----------------------------------------------------------------------------------------
+    def _on_signal(self, signum, frame) -> None:
+        self.stop_signal = signal.Signals(signum).name
+
+    def log(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    _bar = None
+
+    def run(self) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self._run(cfg, t)
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+
+    def _peak_tflops(self) -> float:
+        if self.cfg.train.peak_tflops > 0:
+            return self.cfg.train.peak_tflops
+        dtype = torch.float32 if self.precision.name == "fp32" else self.precision.dtype
+        peak = measure_peak_tflops(self.device, dtype)
+        self.log(f"measured peak: {peak:.2f} TFLOP/s ({self.device.type}, {self.precision.name} matmul); "
+                 "set train.peak_tflops to use a datasheet value")
+        return peak
+
+    def _run(self, cfg: Config, t) -> dict:
+        from tqdm import tqdm
+        from torch.utils.tensorboard import SummaryWriter
+
+        m = cfg.model
+        n_params = self.model.num_params()
+        self.log(f"model: {n_params / 1e6:.2f}M parameters, {m.n_layers} layers, h={m.hidden_size}, "
+                 f"{m.n_heads} heads ({m.kv_heads} kv), seq {m.seq_len}; train {len(self.train_set)} samples "
+                 f"({len(self.train_set.tokens):,} tokens), valid {len(self.valid_set)} samples; device "
+                 f"{self.device.type}, {t.precision}")
+        peak = self._peak_tflops()
+        flops = model_flops(m, t.global_batch_size)
+        hw_flops = flops + recompute_flops(m, t.global_batch_size, "none")
+        writer = SummaryWriter(str(self.out_dir / "tensorboard"))
+        metrics = open(self.out_dir / "metrics.jsonl", "a")
+        self._bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step",
+                         disable=not self.progress, dynamic_ncols=True)
+        last_eval: dict = {}
+        window_start, window_steps = time.perf_counter(), 0
+        try:
+            while self.step < t.max_steps and self.stop_signal is None:
+                loss, grad_norm = self.train_step()
+                window_steps += 1
+                self._bar.update(1)
+                self._bar.set_postfix(loss=f"{loss:.3f}")
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"loss is {loss} at step {self.step}; lower optim.lr or use "
+                                             "train.precision=bf16/fp32")
+                if self.step % t.log_every == 0 or self.step == t.max_steps:
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    dt = (time.perf_counter() - window_start) / window_steps
+                    rec = {"kind": "train", "step": self.step, "loss": loss,
+                           "lr": lr_at(self.step - 1, cfg.optim, t.max_steps), "grad_norm": grad_norm,
+                           "tokens": self.tokens_seen,
+                           "tokens_per_s": t.global_batch_size * m.seq_len / dt,
+                           "tflops": flops / dt / 1e12, "mfu": flops / dt / 1e12 / peak,
+                           "hfu": hw_flops / dt / 1e12 / peak, "peak_mem_mb": peak_memory_mb(self.device),
+                           "step_time_s": dt}
+                    self._write(metrics, writer, rec)
+                    self.log(f"step {self.step:>6} | loss {loss:.4f} | lr {rec['lr']:.2e} | gnorm {grad_norm:.3f}"
+                             f" | {rec['tokens_per_s']:,.0f} tok/s | {rec['tflops']:.3f} TFLOP/s | "
+                             f"MFU {100 * rec['mfu']:.1f}% | mem {rec['peak_mem_mb']:,.0f} MiB")
+                    window_start, window_steps = time.perf_counter(), 0
+                if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps:
+                    last_eval = self._eval_and_log(metrics, writer)
+                    window_start, window_steps = time.perf_counter(), 0
+                if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
+                    self.save()
+            path = self.save()
+            if self.stop_signal is not None:
+                self.log(f"stopped by {self.stop_signal} at step {self.step}; checkpoint saved to {path}")
+            else:
+                self.log(f"saved checkpoint {path}")
+        finally:
+            self._bar.close()
+            self._bar = None
+            metrics.close()
+            writer.close()
+        if t.sample_tokens and self.stop_signal is None:
+            self.print_sample()
+        return {"step": self.step, **last_eval}
+
+    def _eval_and_log(self, metrics, writer) -> dict:
+        result = self.evaluate()
+        if result:
+            self._write(metrics, writer, {"kind": "eval", "step": self.step, "tokens": self.tokens_seen, **result})
+            self.log(f"eval step {self.step}: val loss {result['val_loss']:.4f} | ppl {result['val_ppl']:.1f} | "
+                     f"bits/byte {result['val_bpb']:.3f}")
+        return result
+
+    def _write(self, metrics, writer, rec: dict) -> None:
+        metrics.write(json.dumps(rec) + "\n")
+        metrics.flush()
+        prefix = "valid" if rec["kind"] == "eval" else "train"
+        for key, value in rec.items():
+            if isinstance(value, float) and key != "step":
+                writer.add_scalar(f"{prefix}/{key}", value, rec["tokens"])
+
+    def print_sample(self) -> None:
+        t = self.cfg.train
+        ids = torch.tensor([self.tokenizer.encode(t.sample_prompt)], device=self.device)
+        out = generate(self.model, ids, t.sample_tokens, temperature=0.8, top_k=200, seed=t.seed)
+        text = self.tokenizer.decode(out[0].tolist())
+        print("\n---------------- sample ----------------\n" + text + "\n----------------------------------------")
