@@ -1,0 +1,52 @@
+"""Spawn a gloo world of processes for a test, with a deadline so a hang fails instead of blocking.
+
+`run_world(fn, n, tmp_path)` starts n processes that each call `fn(rank, n, out_dir)` after joining the
+default process group (file rendezvous: no ports); each rank's return value comes back in a list.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def _entry(rank: int, fn, world_size: int, out_dir: str) -> None:
+    torch.set_num_threads(1)  # n processes on a 2-core machine
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        result = fn(rank, world_size, out_dir)
+        torch.save(result, Path(out_dir) / f"result_{rank}.pt")
+    except BaseException:
+        (Path(out_dir) / f"error_{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(fn, world_size: int, out_dir: str | Path, deadline_s: float = 180) -> list:
+    """Run `fn(rank, world_size, out_dir)` on `world_size` spawned processes; returns their results."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = mp.start_processes(_entry, args=(fn, world_size, str(out_dir)), nprocs=world_size, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + deadline_s
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"world of {world_size} did not finish within {deadline_s:.0f}s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return [torch.load(out_dir / f"result_{r}.pt", weights_only=False) for r in range(world_size)]

@@ -1,0 +1,44 @@
+"""The README's user-facing commands, run as a user would (with a few steps instead of hundreds)."""
+
+import json
+
+from tests.conftest import run_cli
+
+SMALL = ["--model.n_layers=2", "--model.hidden_size=32", "--model.seq_len=32", "--train.micro_batch_size=2",
+         "--train.global_batch_size=4", "--train.eval_iters=2", "--train.peak_tflops=1"]
+
+
+def test_train_generate_plot_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    proc = run_cli("train", "--config", "gpt-tiny", *SMALL, "--train.max_steps=6", "--train.log_every=2",
+                   "--train.eval_every=3", "--train.sample_tokens=20", f"--train.out_dir={out}")
+    assert proc.returncode == 0, proc.stderr
+    assert "val loss" in proc.stdout and "bits/byte" in proc.stdout and "---- sample ----" in proc.stdout
+    assert "MFU" in proc.stdout and "TFLOP/s" in proc.stdout and "tok/s" in proc.stdout
+    records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == [2, 4, 6] and [r["step"] for r in evals] == [3, 6]
+    for r in train:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "hfu", "peak_mem_mb"} <= set(r)
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"]
+    assert evals[-1]["val_bpb"] > 0 and evals[-1]["val_ppl"] > 1
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+
+    gen = run_cli("generate", "--checkpoint", str(out), "--prompt", "ROMEO.", "--max-new-tokens", "8",
+                  "--temperature", "0.8", "--top-k", "50", "--top-p", "0.95", "--seed", "1")
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.startswith("ROMEO.")
+    again = run_cli("generate", "--checkpoint", str(out), "--prompt", "ROMEO.", "--max-new-tokens", "8",
+                    "--temperature", "0.8", "--top-k", "50", "--top-p", "0.95", "--seed", "1")
+    assert again.stdout == gen.stdout
+
+    plot = run_cli("plot", str(out))
+    assert plot.returncode == 0, plot.stderr
+    assert (out / "loss.png").stat().st_size > 1000
+
+
+def test_llama_tiny_config_trains(tmp_path):
+    proc = run_cli("train", "--config", "llama-tiny", *SMALL, "--model.n_heads=4", "--model.n_kv_heads=2",
+                   "--train.max_steps=2", "--train.sample_tokens=0", f"--train.out_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
