@@ -149,10 +149,13 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    paths: list[str] = field(default_factory=list)  # empty: the bundled Shakespeare corpus
-    tokenizer: str = "gpt2"
+    # prepared prefixes (PREFIX.bin/.idx) or text (.txt/.jsonl/.gz, dirs, globs), optionally weighted:
+    # ["0.7", "a", "0.3", "b"]; empty: the bundled Shakespeare corpus. See docs/data.md.
+    paths: list[str] = field(default_factory=list)
+    tokenizer: str = "gpt2"  # gpt2 | bert | path to a tokenizer.json (or its dir) | SentencePiece .model
     split: str = "95,5,0"  # train, validation, test shares, by document
-    cache_dir: str = ""  # "": ~/.cache/meshlm
+    cache_dir: str = ""  # "": $MESHLM_CACHE or ~/.cache/meshlm (prepared text and sample indices)
+    json_key: str = "text"  # the field holding the text in .jsonl data.paths
 
     @property
     def split_weights(self) -> tuple[float, float, float]:
