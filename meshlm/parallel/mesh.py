@@ -1,0 +1,155 @@
+"""The process layout: a `pp × dp × tp` DeviceMesh and its process groups, as one explicit object.
+
+Rank r sits at mesh coordinate (pp, dp, tp) with r = (pp·D + dp)·T + tp: tensor-parallel ranks are
+adjacent, so on a node of 8 GPUs a tp=8 group never leaves the node (NVLink), and data/pipeline groups
+cross nodes where the traffic is lighter (Megatron's ordering).
+
+`init_distributed(cfg)` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK), initialises the
+default process group (gloo on CPU, NCCL when CUDA is available: chosen from the hardware, never from an
+environment variable) and returns a `ParallelDims`. A world of one process needs no torch.distributed at
+all: every group is None and every size 1. Nothing here is global; two layouts can coexist in one process
+(tests build a tp=2 and a tp=4 layout inside one world of four).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from meshlm.config import ConfigError, ParallelConfig
+
+DIM_NAMES = ("pp", "dp", "tp")
+
+
+def factor_world(world_size: int, tp: int, pp: int, dp: int = 0) -> tuple[int, int, int]:
+    """(pp, dp, tp) with pp·dp·tp = world_size; dp = 0 means "fill the world". ConfigError otherwise."""
+    if world_size % (tp * pp) != 0:
+        raise ConfigError(f"the world of {world_size} processes is not divisible by parallel.tp={tp} × "
+                          f"parallel.pp={pp} = {tp * pp}; launch a multiple of {tp * pp} processes or change "
+                          "parallel.tp / parallel.pp")
+    if dp == 0:
+        dp = world_size // (tp * pp)
+    if pp * dp * tp != world_size:
+        raise ConfigError(f"parallel.pp={pp} × parallel.dp={dp} × parallel.tp={tp} = {pp * dp * tp} but the world "
+                          f"has {world_size} processes; set parallel.dp={world_size // (tp * pp)} or 0 (auto)")
+    return pp, dp, tp
+
+
+def pick_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def default_device(local_rank: int = 0) -> torch.device:
+    """cuda:LOCAL_RANK when a GPU is visible, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+@dataclass
+class ParallelDims:
+    """Sizes, this process's coordinates, and the groups along each mesh dimension.
+
+    Groups are None when the world is one process (then all sizes are 1 and nothing communicates).
+    """
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh
+    pp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+    tp_group: dist.ProcessGroup | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    @property
+    def coords(self) -> tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank) of this process."""
+        pp_rank, rest = divmod(self.rank, self.dp * self.tp)
+        dp_rank, tp_rank = divmod(rest, self.tp)
+        return pp_rank, dp_rank, tp_rank
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords[2]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords[1]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords[0]
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that logs, writes metrics and publishes checkpoints."""
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    @classmethod
+    def build(cls, tp: int = 1, pp: int = 1, dp: int = 0, *, timeout_s: float = 600.0,
+              device: torch.device | None = None) -> ParallelDims:
+        """The layout over the already-initialised default process group (or a world of one).
+
+        Every group is created with `timeout_s`, so a rank that died makes the others fail instead of hang.
+        `new_group` is collective: every rank must call `build` with the same arguments, in the same order.
+        """
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        device = device or default_device(local_rank)
+        pp, dp, tp = factor_world(world, tp, pp, dp)
+        if world == 1:
+            return cls(pp, dp, tp, rank, 0, device)
+        from torch.distributed.device_mesh import DeviceMesh
+
+        layout = torch.arange(world, dtype=torch.int).view(pp, dp, tp)  # (pp, dp, tp): tp innermost
+        timeout = timedelta(seconds=timeout_s)
+        groups = {}
+        for axis, name in enumerate(DIM_NAMES):
+            # All groups along one axis: the mesh's 1-D slices, rank lists in the other axes' order.
+            slices = layout.movedim(axis, -1).reshape(-1, layout.shape[axis])
+            for ranks in slices.tolist():
+                group = dist.new_group(ranks, timeout=timeout)  # collective: every rank creates every group
+                if rank in ranks:
+                    groups[name] = group
+        mesh = DeviceMesh.from_group([groups[n] for n in DIM_NAMES], device.type, mesh=layout,
+                                     mesh_dim_names=DIM_NAMES)
+        return cls(pp, dp, tp, rank, local_rank, device, mesh, groups["pp"], groups["dp"], groups["tp"])
+
+
+def init_distributed(cfg: ParallelConfig, device: torch.device | None = None) -> ParallelDims:
+    """Initialise torch.distributed from torchrun's environment and build the layout for `cfg`.
+
+    Outside torchrun (no WORLD_SIZE, or WORLD_SIZE=1) this touches no process group at all.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = device or default_device(local_rank)
+    if world > 1 and not dist.is_initialized():
+        factor_world(world, cfg.tp, cfg.pp, cfg.dp)  # fail with the config error before any rendezvous wait
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(pick_backend(device), timeout=timedelta(seconds=cfg.timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return ParallelDims.build(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s, device=device)
+
+
+def destroy() -> None:
+    """Tear down every process group (safe to call when none exists)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
