@@ -93,8 +93,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x).split(
+        qkv = self.qkv(x)  # (B, T, (nh + 2·nkv)·hs); T from here: a sequence-parallel qkv gathers the tokens
+        B, T, _ = qkv.shape
+        q, k, v = qkv.split(
             [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim],
             dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
