@@ -1,0 +1,205 @@
+"""Hugging Face interop: GPT-2 and Llama checkpoints to and from meshlm's `GPT`.
+
+Both directions go through one table per architecture of (meshlm key, HF keys, Conv1D-transposed). A meshlm
+tensor is the HF tensors concatenated along dim 0 (the output dim), transposed for GPT-2's Conv1D, which
+stores weights as (in, out) where `nn.Linear` stores (out, in). Per layer i:
+
+    meshlm                  HF GPT-2 (`transformer.`)         HF Llama (`model.`)
+    tok_emb.weight          wte.weight                        embed_tokens.weight
+    pos_emb.weight          wpe.weight                        - (RoPE)
+    layers.i.norm1          h.i.ln_1                          layers.i.input_layernorm
+    layers.i.attn.qkv       h.i.attn.c_attn ᵀ  ([q; k; v])    layers.i.self_attn.[q_proj; k_proj; v_proj]
+    layers.i.attn.proj      h.i.attn.c_proj ᵀ                 layers.i.self_attn.o_proj
+    layers.i.norm2          h.i.ln_2                          layers.i.post_attention_layernorm
+    layers.i.mlp.fc         h.i.mlp.c_fc ᵀ                    layers.i.mlp.[gate_proj; up_proj]
+    layers.i.mlp.proj       h.i.mlp.c_proj ᵀ                  layers.i.mlp.down_proj
+    norm                    ln_f                              norm
+    lm_head.weight          lm_head.weight (no prefix; equal to the embedding when tied)
+
+HF's Llama q/k rows are already in the rotate-half RoPE layout (pairs i, i + hd/2) that meshlm uses, so they
+are copied without the permutation Meta's original checkpoints need. `transformers` is imported only inside
+the functions that return its config objects; converting dicts, `save_hf` and `load_hf` run without it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from meshlm.config import ConfigError, ModelConfig
+from meshlm.interop.hf_config import (
+    check_representable,
+    hf_architecture,
+    hf_config_dict,
+    hf_config_from_model_config,
+    model_config_from_hf,
+)
+from meshlm.models.gpt import GPT
+
+# Buffers some checkpoints carry that are recomputed, not learned.
+_IGNORED = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"
+                      r"|model\.layers\.\d+\.self_attn\.rotary_emb\..*")
+
+
+class _Entry(NamedTuple):
+    ours: str
+    theirs: tuple[str, ...]  # concatenated along dim 0 into `ours`
+    transposed: bool = False  # GPT-2 Conv1D
+
+
+# ---------------------------------------------------------------------------------------------- weights
+
+def _gpt2_table(cfg: ModelConfig) -> list[_Entry]:
+    table = [_Entry("tok_emb.weight", ("transformer.wte.weight",)),
+             _Entry("pos_emb.weight", ("transformer.wpe.weight",))]
+    for i in range(cfg.n_layers):
+        ours, theirs = f"layers.{i}.", f"transformer.h.{i}."
+        for a, b in (("norm1", "ln_1"), ("norm2", "ln_2")):
+            table += [_Entry(f"{ours}{a}.{p}", (f"{theirs}{b}.{p}",)) for p in ("weight", "bias")]
+        for a, b in (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"),
+                     ("mlp.proj", "mlp.c_proj")):
+            table += [_Entry(f"{ours}{a}.weight", (f"{theirs}{b}.weight",), True),
+                      _Entry(f"{ours}{a}.bias", (f"{theirs}{b}.bias",))]
+    return table + [_Entry("norm.weight", ("transformer.ln_f.weight",)),
+                    _Entry("norm.bias", ("transformer.ln_f.bias",)), _Entry("lm_head.weight", ("lm_head.weight",))]
+
+
+def _llama_table(cfg: ModelConfig) -> list[_Entry]:
+    table = [_Entry("tok_emb.weight", ("model.embed_tokens.weight",))]
+    for i in range(cfg.n_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        table += [_Entry(f"{ours}norm1.weight", (f"{theirs}input_layernorm.weight",)),
+                  _Entry(f"{ours}norm2.weight", (f"{theirs}post_attention_layernorm.weight",))]
+        for p in ("weight", "bias") if cfg.bias else ("weight",):
+            attn, mlp = f"{theirs}self_attn.", f"{theirs}mlp."
+            table += [_Entry(f"{ours}attn.qkv.{p}", tuple(f"{attn}{x}_proj.{p}" for x in "qkv")),
+                      _Entry(f"{ours}attn.proj.{p}", (f"{attn}o_proj.{p}",)),
+                      _Entry(f"{ours}mlp.fc.{p}", (f"{mlp}gate_proj.{p}", f"{mlp}up_proj.{p}")),
+                      _Entry(f"{ours}mlp.proj.{p}", (f"{mlp}down_proj.{p}",))]
+    return table + [_Entry("norm.weight", ("model.norm.weight",)), _Entry("lm_head.weight", ("lm_head.weight",))]
+
+
+_TABLES = {"gpt2": _gpt2_table, "llama": _llama_table}
+
+
+def _split_sizes(cfg: ModelConfig, n_parts: int) -> list[int]:
+    if n_parts == 3:  # [q; k; v]
+        return [cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim]
+    return [cfg.ffn_size, cfg.ffn_size]  # [gate; up]
+
+
+def _to_hf_state(model: GPT, arch: str) -> dict[str, torch.Tensor]:
+    """HF state dict (fresh tensors); when tied, lm_head.weight is the embedding tensor, as in HF's own."""
+    cfg = model.cfg
+    check_representable(cfg, arch)
+    ours = model.state_dict()
+    table, out = _TABLES[arch](cfg), {}
+    for entry in table:
+        if entry.ours == "lm_head.weight" and cfg.tie_embeddings:
+            out["lm_head.weight"] = out[table[0].theirs[0]]
+            continue
+        tensor = ours[entry.ours].detach()
+        parts = tensor.split(_split_sizes(cfg, len(entry.theirs))) if len(entry.theirs) > 1 else [tensor]
+        for key, part in zip(entry.theirs, parts):
+            out[key] = (part.t() if entry.transposed else part).contiguous().clone()
+    return out
+
+
+def _normalise_keys(state: dict[str, torch.Tensor], arch: str) -> dict[str, torch.Tensor]:
+    """Drop recomputed buffers; add the `transformer.` prefix that GPT2Model-level checkpoints lack."""
+    if arch == "gpt2" and "transformer.wte.weight" not in state and "wte.weight" in state:
+        state = {(k if k == "lm_head.weight" else f"transformer.{k}"): v for k, v in state.items()}
+    return {k: v for k, v in state.items() if not _IGNORED.fullmatch(k)}
+
+
+def _from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], arch: str) -> GPT:
+    state = _normalise_keys(state, arch)
+    table = _TABLES[arch](cfg)
+    ours, used, missing = {}, set(), []
+    for entry in table:
+        if entry.ours == "lm_head.weight" and cfg.tie_embeddings:
+            head, embedding = state.get("lm_head.weight"), state.get(table[0].theirs[0])
+            if head is not None and embedding is not None and not torch.equal(head, embedding):
+                raise ConfigError("tie_word_embeddings=true but lm_head.weight differs from the token embedding; "
+                                  "set tie_word_embeddings=false in the config")
+            used.add("lm_head.weight")
+            if "tok_emb.weight" in ours:
+                ours["lm_head.weight"] = ours["tok_emb.weight"]
+            continue
+        absent = [k for k in entry.theirs if k not in state]
+        if absent:
+            missing += absent
+            continue
+        used.update(entry.theirs)
+        tensor = torch.cat([state[k] for k in entry.theirs], dim=0)
+        ours[entry.ours] = tensor.t() if entry.transposed else tensor
+    unexpected = sorted(set(state) - used)
+    if missing or unexpected:
+        raise ValueError(f"Hugging Face {arch} state dict does not match its config: missing {missing[:8]}, "
+                         f"unexpected {unexpected[:8]}; check n_layers, bias and tie_word_embeddings")
+    model = GPT(cfg)
+    model.load_state_dict(ours, strict=True)  # copies into the fp32 model, checking every shape
+    return model
+
+
+def to_hf_gpt2(model: GPT) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(transformers.GPT2Config, GPT2LMHeadModel state dict) equal to `model`."""
+    return hf_config_from_model_config(model.cfg, "gpt2"), _to_hf_state(model, "gpt2")
+
+
+def from_hf_gpt2(hf_config: Any, state_dict: dict[str, torch.Tensor]) -> GPT:
+    """A meshlm GPT from a GPT2Config (or its dict) and a GPT2LMHeadModel/GPT2Model state dict."""
+    return _from_hf_state(model_config_from_hf(hf_config, "gpt2"), state_dict, "gpt2")
+
+
+def to_hf_llama(model: GPT) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(transformers.LlamaConfig, LlamaForCausalLM state dict) equal to `model`."""
+    return hf_config_from_model_config(model.cfg, "llama"), _to_hf_state(model, "llama")
+
+
+def from_hf_llama(hf_config: Any, state_dict: dict[str, torch.Tensor]) -> GPT:
+    """A meshlm GPT from a LlamaConfig (or its dict) and a LlamaForCausalLM state dict."""
+    return _from_hf_state(model_config_from_hf(hf_config, "llama"), state_dict, "llama")
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+def save_hf(model: GPT, directory: str | Path) -> Path:
+    """Write config.json + model.safetensors that `AutoModelForCausalLM.from_pretrained` loads."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    arch = hf_architecture(model.cfg)
+    config = hf_config_dict(model.cfg, arch)
+    config["dtype"] = str(model.tok_emb.weight.dtype).removeprefix("torch.")
+    state = _to_hf_state(model, arch)
+    if model.cfg.tie_embeddings:
+        del state["lm_head.weight"]  # safetensors refuses shared tensors; HF re-ties on load
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def load_hf(directory: str | Path) -> GPT:
+    """A meshlm GPT from an HF GPT-2 or Llama directory (config.json + model.safetensors, or shards with
+    model.safetensors.index.json). Like `from_hf_*`, the weights are copied into a freshly built fp32
+    model; cast it afterwards for bf16."""
+    directory = Path(directory)
+    config = json.loads((directory / "config.json").read_text())
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (directory / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors in {directory}; convert .bin checkpoints to safetensors "
+                                "first (meshlm reads safetensors only)")
+    state = {}
+    for name in files:
+        state.update(load_file(str(directory / name)))
+    cfg = model_config_from_hf(config)
+    return _from_hf_state(cfg, state, hf_architecture(cfg))

@@ -1,0 +1,160 @@
+"""Hugging Face config.json <-> `ModelConfig` for GPT-2 and Llama.
+
+`model_config_from_hf` reads a `transformers` config object or a plain config.json dict (missing keys take
+the HF defaults), so loading needs no `transformers`; only `hf_config_from_model_config` imports it. Every
+HF feature meshlm lacks raises `ConfigError` (a ValueError) naming the field and the fix, rather than
+converting to a model that silently computes something else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from meshlm.config import ConfigError, ModelConfig
+
+_GPT2_DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
+                  "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": 0.1, "embd_pdrop": 0.1,
+                  "attn_pdrop": 0.1, "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
+                  "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+                  "add_cross_attention": False, "tie_word_embeddings": True}
+_LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": None, "head_dim": None, "hidden_act": "silu",
+                   "max_position_embeddings": 2048, "initializer_range": 0.02, "rms_norm_eps": 1e-6,
+                   "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+                   "attention_dropout": 0.0, "rope_theta": 10000.0}
+_ENDOFTEXT = 50256  # GPT-2 BPE's <|endoftext|>, meshlm's default tokenizer
+
+
+def _fail(problems: list[str], what: str) -> None:
+    if problems:
+        raise ConfigError(f"{what} cannot be converted: " + "; ".join(problems))
+
+
+def _with_defaults(defaults: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:
+    return {**defaults, **{k: v for k, v in d.items() if v is not None}}
+
+
+def _default_ffn(cfg: ModelConfig, ffn: int) -> int | None:
+    """None when `ffn` is what ModelConfig would pick anyway, so configs round-trip unchanged."""
+    return None if replace(cfg, ffn_hidden_size=None).ffn_size == ffn else ffn
+
+
+def model_config_from_hf(hf_config: Any, expect: str | None = None) -> ModelConfig:
+    """A `ModelConfig` from an HF GPT-2 or Llama config (object or config.json dict); ValueError if the
+    HF model uses something meshlm lacks (exact GeLU, RoPE scaling, a separate head_dim, ...). `expect`
+    ('gpt2' or 'llama') is assumed when the dict has no model_type and enforced when it has one."""
+    d = dict(hf_config) if isinstance(hf_config, dict) else hf_config.to_dict()
+    kind = d.get("model_type") or expect
+    if expect is not None and kind != expect:
+        raise ConfigError(f"expected a Hugging Face {expect!r} config, got model_type={kind!r}; "
+                          "use from_hf_gpt2 for 'gpt2' and from_hf_llama for 'llama'")
+    if kind == "gpt2":
+        return _model_config_from_gpt2(d)
+    if kind == "llama":
+        return _model_config_from_llama(d)
+    raise ConfigError(f"Hugging Face model_type={kind!r} is not supported; meshlm converts 'gpt2' and 'llama'")
+
+
+def _model_config_from_gpt2(d: dict[str, Any]) -> ModelConfig:
+    g = _with_defaults(_GPT2_DEFAULTS, d)
+    problems = []
+    if g["activation_function"] not in ("gelu_new", "gelu_pytorch_tanh"):
+        problems.append(f"activation_function={g['activation_function']!r}: meshlm's GeLU is the tanh "
+                        "approximation; use 'gelu_new'")
+    for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                    ("add_cross_attention", False)):
+        if bool(g[key]) != ok:
+            problems.append(f"{key}={g[key]}: meshlm's attention needs {key}={ok}")
+    drops = {float(g[k]) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
+    if len(drops) > 1:
+        problems.append(f"resid_pdrop, embd_pdrop, attn_pdrop = {g['resid_pdrop']}, {g['embd_pdrop']}, "
+                        f"{g['attn_pdrop']}: meshlm has one model.dropout; set the three equal")
+    _fail(problems, "Hugging Face GPT-2 config")
+    cfg = ModelConfig(vocab_size=g["vocab_size"], n_layers=g["n_layer"], hidden_size=g["n_embd"],
+                      n_heads=g["n_head"], seq_len=g["n_positions"], dropout=drops.pop(), position="learned",
+                      norm="layernorm", activation="gelu", bias=True, tie_embeddings=bool(g["tie_word_embeddings"]),
+                      norm_eps=g["layer_norm_epsilon"], init_std=g["initializer_range"])
+    if g["n_inner"]:
+        cfg = replace(cfg, ffn_hidden_size=_default_ffn(cfg, g["n_inner"]))
+    cfg.validate()
+    return cfg
+
+
+def _model_config_from_llama(d: dict[str, Any]) -> ModelConfig:
+    g = _with_defaults(_LLAMA_DEFAULTS, d)
+    rope = g.get("rope_parameters") or g.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    heads, hidden = g["num_attention_heads"], g["hidden_size"]
+    problems = []
+    if g["hidden_act"] != "silu":
+        problems.append(f"hidden_act={g['hidden_act']!r}: meshlm's SwiGLU gates with SiLU; use 'silu'")
+    if g["head_dim"] not in (None, hidden // heads):
+        problems.append(f"head_dim={g['head_dim']}: meshlm needs head_dim = hidden_size / num_attention_heads "
+                        f"= {hidden // heads}")
+    if rope_type != "default":
+        problems.append(f"rope_parameters.rope_type={rope_type!r}: meshlm implements only 'default' RoPE "
+                        "(no scaling)")
+    if bool(g["attention_bias"]) != bool(g["mlp_bias"]):
+        problems.append(f"attention_bias={g['attention_bias']}, mlp_bias={g['mlp_bias']}: meshlm's model.bias "
+                        "covers both; set them equal")
+    _fail(problems, "Hugging Face Llama config")
+    kv = g["num_key_value_heads"]
+    cfg = ModelConfig(vocab_size=g["vocab_size"], n_layers=g["num_hidden_layers"], hidden_size=hidden,
+                      n_heads=heads, n_kv_heads=None if kv in (None, heads) else kv,
+                      seq_len=g["max_position_embeddings"], dropout=float(g["attention_dropout"]),
+                      position="rope", norm="rmsnorm", activation="swiglu", bias=bool(g["attention_bias"]),
+                      tie_embeddings=bool(g["tie_word_embeddings"]), norm_eps=g["rms_norm_eps"],
+                      rope_theta=float(rope.get("rope_theta", g["rope_theta"])), init_std=g["initializer_range"])
+    cfg = replace(cfg, ffn_hidden_size=_default_ffn(cfg, g["intermediate_size"]))
+    cfg.validate()
+    return cfg
+
+
+def hf_architecture(cfg: ModelConfig) -> str:
+    """'gpt2' for learned positions, 'llama' for RoPE; `hf_config_dict` checks the other switches."""
+    return "llama" if cfg.position == "rope" else "gpt2"
+
+
+def check_representable(cfg: ModelConfig, arch: str) -> None:
+    need = {"gpt2": {"position": "learned", "norm": "layernorm", "activation": "gelu", "bias": True},
+            "llama": {"position": "rope", "norm": "rmsnorm", "activation": "swiglu"}}[arch]
+    problems = [f"model.{k}={getattr(cfg, k)!r} (set model.{k}={v!r})" for k, v in need.items()
+                if getattr(cfg, k) != v]
+    if arch == "gpt2" and cfg.kv_heads != cfg.n_heads:
+        problems.append(f"model.n_kv_heads={cfg.n_kv_heads} (GPT-2 has no grouped-query attention; unset it)")
+    other = "Llama needs position='rope', norm='rmsnorm', activation='swiglu'" if arch == "gpt2" else \
+        "GPT-2 needs position='learned', norm='layernorm', activation='gelu', bias=true"
+    _fail(problems and problems + [other], f"meshlm model as Hugging Face {arch}")
+
+
+def hf_config_dict(cfg: ModelConfig, arch: str | None = None) -> dict[str, Any]:
+    """The config.json dict of the HF model equal to `cfg` (arch 'gpt2' or 'llama'; default from the
+    position switch). bos/eos are GPT-2's <|endoftext|> when the vocabulary holds it, else unset.
+    HF Llama has attention dropout only, so meshlm's embedding/residual dropout does not carry over to
+    HF training (inference is unaffected)."""
+    arch = arch or hf_architecture(cfg)
+    check_representable(cfg, arch)
+    special = _ENDOFTEXT if cfg.vocab_size > _ENDOFTEXT else None
+    common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
+              "initializer_range": cfg.init_std, "bos_token_id": special, "eos_token_id": special}
+    if arch == "gpt2":
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **common, "n_positions": cfg.seq_len,
+                "n_embd": cfg.hidden_size, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
+                "n_inner": cfg.ffn_hidden_size, "activation_function": "gelu_new", "resid_pdrop": cfg.dropout,
+                "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "layer_norm_epsilon": cfg.norm_eps}
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **common, "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+            "hidden_act": "silu", "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
+            # rope_theta at the top level too, for transformers 4.x readers
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rope_theta": cfg.rope_theta,
+            "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.dropout}
+
+
+def hf_config_from_model_config(cfg: ModelConfig, arch: str | None = None) -> Any:
+    """A `transformers` GPT2Config or LlamaConfig equal to `cfg` (needs transformers)."""
+    from transformers import AutoConfig
+
+    d = hf_config_dict(cfg, arch)
+    return AutoConfig.for_model(d.pop("model_type"), **d)
