@@ -1,4 +1,4 @@
-"""meshlm command line: `meshlm train | generate | plot`.
+"""meshlm command line: `meshlm train | generate | plot | prepare | tokenizer train`.
 
 User errors (bad config, missing checkpoint or asset) print one line naming the key or path and the fix,
 and exit with code 2, without a traceback.
@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from meshlm.config import DEFAULT_CONFIG, ConfigError, bundled_configs
+from meshlm.data.commands import add_data_commands
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="write OUT_DIR/loss.png from OUT_DIR/metrics.jsonl")
     plot.add_argument("out_dir")
     plot.set_defaults(func=_plot)
+    add_data_commands(sub)  # meshlm prepare, meshlm tokenizer train
     return parser
 
 

@@ -1,0 +1,67 @@
+"""The data subcommands of the `meshlm` CLI: `meshlm prepare` and `meshlm tokenizer train`."""
+
+from __future__ import annotations
+
+import argparse
+
+from meshlm.config import ConfigError
+
+
+def _no_overrides(command: str, overrides: list[str]) -> None:
+    if overrides:
+        raise ConfigError(f"{command} takes no config overrides (got {overrides[0]!r}); see meshlm {command} -h")
+
+
+def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
+    from meshlm.data import prepare
+
+    _no_overrides("prepare", overrides)
+    return prepare.main(args)
+
+
+def _tokenizer_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from meshlm.data.prepare import DataError, iter_texts
+    from meshlm.data.tokenizers import get_tokenizer, train_bpe
+
+    _no_overrides("tokenizer train", overrides)
+    bad: list[str] = []
+    path = train_bpe(iter_texts(args.input, args.json_key, bad), args.vocab_size, args.output, args.min_frequency)
+    if bad:
+        print(f"skipped {len(bad)} bad lines, the first: {bad[0]}")
+    try:
+        tok = get_tokenizer(str(path))
+    except ConfigError as err:
+        raise DataError(f"training produced an unusable tokenizer ({err})") from None
+    print(f"wrote {path} (vocab {tok.vocab_size}, end of document {tok.eod_id}); use --tokenizer {args.output} "
+          f"with meshlm prepare and data.tokenizer={args.output!r} for training")
+    return 0
+
+
+def add_data_commands(sub) -> None:
+    """Register `prepare` and `tokenizer` on the CLI's subparsers."""
+    p = sub.add_parser("prepare", help="tokenize text into a Megatron-compatible PREFIX.bin/.idx",
+                       description="Tokenize .txt / .jsonl (optionally .gz) files into PREFIX.bin/.idx "
+                                   "(Megatron's format) plus PREFIX.json (tokenizer, byte count).")
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                   help="files, directories (searched for .txt/.jsonl/.gz) or globs; a .txt file is one document")
+    p.add_argument("--output", required=True, metavar="PREFIX", help="writes PREFIX.bin, PREFIX.idx, PREFIX.json")
+    p.add_argument("--tokenizer", default="gpt2",
+                   help="gpt2, bert, a tokenizer.json (or its directory) or a SentencePiece .model (default gpt2)")
+    p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
+    p.add_argument("--append-eod", action="store_true", help="end every document with the end-of-document token")
+    p.add_argument("--json-key", default="text", help="field of each .jsonl line that holds the text (default text)")
+    p.add_argument("--on-error", choices=("skip", "fatal"), default="skip",
+                   help="a .jsonl line that is not JSON (or lacks the key): report and skip it, or stop")
+    p.add_argument("--split-paragraphs", action="store_true",
+                   help="in .txt files, every blank-line separated paragraph is a document")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_prepare)
+
+    tok = sub.add_parser("tokenizer", help="tokenizer tools").add_subparsers(dest="tokenizer_command", required=True)
+    t = tok.add_parser("train", help="train a byte-level BPE tokenizer on your files (writes DIR/tokenizer.json)")
+    t.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files, directories or globs")
+    t.add_argument("--vocab-size", type=int, required=True, help="vocabulary size, including <|endoftext|>")
+    t.add_argument("--output", required=True, metavar="DIR", help="directory for tokenizer.json")
+    t.add_argument("--json-key", default="text", help="field of each .jsonl line that holds the text")
+    t.add_argument("--min-frequency", type=int, default=2, help="least count of a pair to merge (default 2)")
+    t.set_defaults(func=_tokenizer_train)
