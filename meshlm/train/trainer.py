@@ -76,6 +76,8 @@ class Trainer:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                               f"{self.tokenizer.vocab_size}; set model.vocab_size={self.tokenizer.vocab_size}")
         self.model = GPT(cfg.model).to(self.device)
+        # Forward passes go through `self.forward`; `self.model` keeps the plain parameter names.
+        self.forward = torch.compile(self.model) if t.compile else self.model
         self.loss_fn = cross_entropy
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.precision = Precision(t.precision, self.device)
@@ -142,7 +144,7 @@ class Trainer:
             x, y = self.loader.next()
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with self.precision.autocast():
-                loss = self.loss_fn(self.model(x), y) / self.accum
+                loss = self.loss_fn(self.forward(x), y) / self.accum
             self.precision.scaler.scale(loss).backward()
             total += loss.detach()
         self.precision.scaler.unscale_(self.optimizer)
@@ -168,7 +170,7 @@ class Trainer:
         for _ in range(n):
             x, y = loader.next()
             with self.precision.autocast():
-                losses.append(float(self.loss_fn(self.model(x.to(self.device)), y.to(self.device))))
+                losses.append(float(self.loss_fn(self.forward(x.to(self.device)), y.to(self.device))))
         self.model.train()
         loss = sum(losses) / len(losses)
         bpb = loss / math.log(2) / self.valid_set.bytes_per_token
