@@ -1,0 +1,134 @@
+"""The .bin/.idx pair: exact Megatron layout, reading a pair from an independent reference writer,
+and crash safety of the writer."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from meshlm.data import indexed
+from meshlm.data.indexed import IndexedDataset, IndexedFormatError, IndexedWriter, is_prefix
+
+DOCS = [[5, 6, 7], [50256], [1, 2, 3, 4, 65535 - 1]]
+
+
+def reference_write(prefix, sequences: list[list[int]], document_indices: list[int], dtype: str, code: int):
+    """Megatron's format written straight from the spec (not with meshlm's writer)."""
+    itemsize = np.dtype(dtype).itemsize
+    with open(f"{prefix}.bin", "wb") as fh:
+        fh.writelines(np.array(seq, dtype=dtype).tobytes() for seq in sequences)
+    pointers, offset = [], 0
+    for seq in sequences:
+        pointers.append(offset)
+        offset += len(seq) * itemsize
+    with open(f"{prefix}.idx", "wb") as fh:
+        fh.write(b"MMIDIDX\x00\x00")
+        fh.write(struct.pack("<Q", 1))
+        fh.write(struct.pack("<B", code))
+        fh.write(struct.pack("<Q", len(sequences)))
+        fh.write(struct.pack("<Q", len(document_indices)))
+        fh.write(struct.pack(f"<{len(sequences)}i", *[len(s) for s in sequences]))
+        fh.write(struct.pack(f"<{len(pointers)}q", *pointers))
+        fh.write(struct.pack(f"<{len(document_indices)}q", *document_indices))
+
+
+def test_written_pair_has_the_documented_megatron_layout(tmp_path):
+    prefix = tmp_path / "corpus"
+    with IndexedWriter(prefix, vocab_size=50257) as w:
+        for doc in DOCS:
+            w.add_document(doc)
+        w.finish({"note": "test"})
+    idx = (tmp_path / "corpus.idx").read_bytes()
+    assert idx[:9] == b"MMIDIDX\x00\x00"
+    assert struct.unpack("<Q", idx[9:17]) == (1,)  # version
+    assert idx[17] == 8  # uint16, Megatron's code
+    assert struct.unpack("<QQ", idx[18:34]) == (3, 4)  # sequences; document indices (documents + 1)
+    assert struct.unpack("<3i", idx[34:46]) == (3, 1, 5)  # lengths
+    assert struct.unpack("<3q", idx[46:70]) == (0, 6, 8)  # byte pointers (2 bytes per token)
+    assert struct.unpack("<4q", idx[70:102]) == (0, 1, 2, 3)  # document indices
+    assert len(idx) == 102
+    expected = np.array([t for d in DOCS for t in d], dtype="<u2").tobytes()
+    assert (tmp_path / "corpus.bin").read_bytes() == expected
+
+
+def test_dtype_follows_vocab_size():
+    assert indexed.dtype_for_vocab(50257) == np.dtype("<u2")
+    assert indexed.dtype_for_vocab(65535) == np.dtype("<u2")
+    assert indexed.dtype_for_vocab(65536) == np.dtype("<i4")
+    assert indexed.dtype_for_vocab(128256) == np.dtype("<i4")
+
+
+def test_int32_pair_for_a_large_vocab(tmp_path):
+    with IndexedWriter(tmp_path / "big", vocab_size=128256) as w:
+        w.add_document([100_000, 3])
+        w.finish()
+    idx = (tmp_path / "big.idx").read_bytes()
+    assert idx[17] == 4  # int32
+    assert IndexedDataset(tmp_path / "big").document(0).tolist() == [100_000, 3]
+
+
+@pytest.mark.parametrize("dtype,code", [("<u2", 8), ("<i4", 4)])
+def test_reference_pair_reads_back_token_identical(tmp_path, dtype, code):
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, 60000, size=n).tolist() for n in (7, 1, 12, 3, 9)]
+    document_indices = [0, 2, 3, 5]  # three documents: sequences {0,1}, {2}, {3,4} (Megatron's sentence split)
+    reference_write(tmp_path / "ref", sequences, document_indices, dtype, code)
+    data = IndexedDataset(tmp_path / "ref")
+    assert (len(data), data.n_documents, data.dtype) == (5, 3, np.dtype(dtype))
+    assert [data[i].tolist() for i in range(5)] == sequences
+    assert data.document(0).tolist() == sequences[0] + sequences[1]
+    assert data.document(2).tolist() == sequences[3] + sequences[4]
+    assert data.document_lengths.tolist() == [8, 12, 12]
+    assert data.metadata is None  # no meshlm sidecar
+
+
+def test_meshlm_pair_equals_the_reference_writers_bytes(tmp_path):
+    with IndexedWriter(tmp_path / "ours", vocab_size=50257) as w:
+        for doc in DOCS:
+            w.add_document(doc)
+        w.finish()
+    reference_write(tmp_path / "ref", DOCS, [0, 1, 2, 3], "<u2", 8)
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"ours{suffix}").read_bytes() == (tmp_path / f"ref{suffix}").read_bytes()
+
+
+def test_failed_write_leaves_nothing_at_the_prefix(tmp_path):
+    with pytest.raises(RuntimeError), IndexedWriter(tmp_path / "corpus", vocab_size=100) as w:
+        w.add_document([1, 2, 3])
+        raise RuntimeError("killed")
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_interrupted_overwrite_never_leaves_a_stale_idx(tmp_path, monkeypatch):
+    prefix = tmp_path / "corpus"
+    with IndexedWriter(prefix, vocab_size=100) as w:
+        w.add_document([1, 2, 3])
+        w.finish()
+    real_replace = os.replace
+
+    def die_before_idx(src, dst):
+        if str(dst).endswith(".idx"):
+            raise KeyboardInterrupt  # killed after the new .bin is in place
+        real_replace(src, dst)
+
+    monkeypatch.setattr(indexed.os, "replace", die_before_idx)
+    with pytest.raises(KeyboardInterrupt), IndexedWriter(prefix, vocab_size=100) as w:
+        w.add_document([4, 5, 6, 7, 8])
+        w.finish()
+    assert not is_prefix(prefix)  # the old .idx (3 tokens) is gone, so the new .bin is never misread
+
+
+def test_truncated_index_is_refused(tmp_path):
+    with IndexedWriter(tmp_path / "corpus", vocab_size=100) as w:
+        w.add_document([1, 2, 3])
+        w.finish()
+    idx = tmp_path / "corpus.idx"
+    idx.write_bytes(idx.read_bytes()[:-8])
+    with pytest.raises(IndexedFormatError, match="truncated"):
+        IndexedDataset(tmp_path / "corpus")
+    idx.write_bytes(b"NOTANIDX" + bytes(40))
+    with pytest.raises(IndexedFormatError, match="magic"):
+        IndexedDataset(tmp_path / "corpus")
