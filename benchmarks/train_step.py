@@ -1,0 +1,125 @@
+"""meshlm's training step against a minimal plain-PyTorch step of the same shapes, measured in one run.
+
+    python benchmarks/train_step.py [--steps 6] [--precisions fp32,bf16] [--models gpt-tiny,gpt-30m]
+
+The reference is what a user would write by hand: a nanoGPT-style model (fused QKV, SDPA, tied head),
+AdamW, cross-entropy, clip, step, on random tokens. meshlm runs its real Trainer.train_step (data loader,
+LR schedule, precision, accumulation, clipping). Both are timed alternately, after warm-up, and the table
+reports tokens/s, MFU against the peak measured here, and the ratio meshlm / reference (target ≥ 1.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshlm.config import load_config
+from meshlm.train.metrics import measure_peak_tflops, model_flops
+from meshlm.train.trainer import Trainer
+
+SHAPES = {  # name: overrides on gpt-tiny
+    "gpt-tiny": [],
+    "gpt-30m": ["--model.n_layers=6", "--model.hidden_size=384", "--model.n_heads=6",
+                "--train.micro_batch_size=8", "--train.global_batch_size=8"],
+}
+
+
+class RefBlock(nn.Module):
+    def __init__(self, h: int, nh: int):
+        super().__init__()
+        self.nh = nh
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.fc, self.out = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.nh, C // self.nh).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class RefGPT(nn.Module):
+    def __init__(self, V: int, s: int, h: int, nh: int, L: int):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(V, h), nn.Embedding(s, h)
+        self.blocks = nn.ModuleList(RefBlock(h, nh) for _ in range(L))
+        self.ln_f = nn.LayerNorm(h)
+        self.head = nn.Linear(h, V, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def reference_step(model, opt, batch, dtype):
+    ctx = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else torch.autocast("cpu", enabled=False)
+    with ctx:
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def bench(name: str, precision: str, steps: int, out_dir: str) -> dict:
+    cfg = load_config("gpt-tiny", SHAPES[name] + [f"--train.precision={precision}", f"--train.out_dir={out_dir}",
+                                                  "--train.progress=false", "--train.resume=never"])
+    m, t = cfg.model, cfg.train
+    trainer = Trainer(cfg, progress=False)
+    ref = RefGPT(m.vocab_size, m.seq_len, m.hidden_size, m.n_heads, m.n_layers)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=True)
+    batch = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_len + 1))
+    dtype = trainer.precision.dtype
+    times = {"meshlm": [], "reference": []}
+    for i in range(steps + 2):  # alternate, so both see the same machine load; first two are warm-up
+        for who in ("meshlm", "reference"):
+            start = time.perf_counter()
+            trainer.train_step() if who == "meshlm" else reference_step(ref, ref_opt, batch, dtype)
+            if i >= 2:
+                times[who].append(time.perf_counter() - start)
+    tokens = t.global_batch_size * m.seq_len
+    flops = model_flops(m, t.global_batch_size)
+    peak = measure_peak_tflops(torch.device("cpu"), torch.float32 if precision == "fp32" else dtype)
+    row = {"model": name, "params_M": trainer.model.num_params() / 1e6, "precision": precision, "peak": peak}
+    for who, ts in times.items():
+        dt = sorted(ts)[len(ts) // 2]  # median
+        row[f"{who}_tok_s"] = tokens / dt
+        row[f"{who}_mfu"] = flops / dt / 1e12 / peak
+    row["ratio"] = row["meshlm_tok_s"] / row["reference_tok_s"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--models", default="gpt-tiny,gpt-30m")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
+    print(f"{'model':<9} {'params':>7} {'prec':>5} {'peak TF/s':>9} {'meshlm tok/s':>12} {'MFU':>6} "
+          f"{'ref tok/s':>10} {'MFU':>6} {'ratio':>6}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            for precision in args.precisions.split(","):
+                r = bench(name, precision, args.steps, f"{tmp}/{name}-{precision}")
+                print(f"{r['model']:<9} {r['params_M']:>6.1f}M {r['precision']:>5} {r['peak']:>9.3f} "
+                      f"{r['meshlm_tok_s']:>12,.0f} {100 * r['meshlm_mfu']:>5.1f}% {r['reference_tok_s']:>10,.0f} "
+                      f"{100 * r['reference_mfu']:>5.1f}% {r['ratio']:>5.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
