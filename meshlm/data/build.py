@@ -159,12 +159,12 @@ def build_datasets(cfg: Config, progress: bool = True) -> tuple[Tokenizer, GPTDa
     trains, valids = [], []
     for w, (data, bpt, train_docs, valid_docs) in zip(weights, opened):
         wanted = num_train if len(opened) == 1 else math.ceil(num_train * w) + 2
-        train = GPTDataset(data, train_docs, seq, seed, wanted, d.cache_dir or None, "train", bpt)
-        if len(train) == 0:
-            raise ConfigError(f"data: the training split of {data.prefix} holds {train.n_tokens} tokens, fewer "
-                              f"than model.seq_len+1={seq + 1}; add data, lower model.seq_len or raise the train "
+        n_tokens = int(data.document_lengths[train_docs.start:train_docs.stop].sum())
+        if n_tokens < seq + 1:  # an epoch must hold a sample; more epochs would repeat text inside one
+            raise ConfigError(f"data: the training split of {data.prefix} holds {n_tokens} tokens, fewer than "
+                              f"model.seq_len+1={seq + 1}; add data, lower model.seq_len or raise the train "
                               "share of data.split")
-        trains.append(train)
+        trains.append(GPTDataset(data, train_docs, seq, seed, wanted, d.cache_dir or None, "train", bpt))
         valids.append(GPTDataset(data, valid_docs, seq, seed, 0, d.cache_dir or None, "valid", bpt))
     if len(trains) == 1:
         return tokenizer, trains[0], valids[0]

@@ -1,0 +1,76 @@
+"""Every `$ meshlm ...` command in docs/data.md, run as a user would in a fresh directory.
+
+prepare and tokenizer commands run as subprocesses; the first train command too (a few steps of a tiny
+model); later train commands resolve their config and build their datasets in-process, which is the
+part of training those examples are about."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+
+import tomllib
+
+from meshlm.config import load_config
+from meshlm.data import build_datasets
+from meshlm.data.assets import shakespeare_files
+from meshlm.data.build import parse_paths
+from meshlm.data.gpt_dataset import BlendedDataset
+from meshlm.data.prepare import prepare
+from tests.conftest import ROOT
+
+DOC = ROOT / "docs" / "data.md"
+TINY = ["--model.n_layers=2", "--model.hidden_size=32", "--model.seq_len=32", "--train.micro_batch_size=2",
+        "--train.global_batch_size=4", "--train.eval_iters=2", "--train.peak_tflops=1", "--train.max_steps=2",
+        "--train.sample_tokens=0", "--train.progress=false"]
+
+
+def documented_commands() -> list[list[str]]:
+    return [shlex.split(line[2:]) for line in DOC.read_text().splitlines() if line.startswith("$ meshlm ")]
+
+
+def write_corpus(path, n_docs=300):
+    plays = sorted(shakespeare_files(), key=lambda f: f.stat().st_size)[:4]
+    speeches = [s.strip() for p in plays for s in p.read_text().split("\n\n") if len(s.strip()) > 40]
+    with open(path, "w") as fh:
+        fh.writelines(json.dumps({"id": i, "text": s}) + "\n" for i, s in enumerate(speeches[:n_docs]))
+
+
+def test_every_documented_command_works(tmp_path, monkeypatch):
+    commands = documented_commands()
+    assert [c[1] for c in commands] == ["prepare", "train", "tokenizer", "prepare", "train", "train"]
+    write_corpus(tmp_path / "my_corpus.jsonl")
+    prepare([str(shakespeare_files()[0])], "gpt2", str(tmp_path / "data" / "my_corpus_2"), append_eod=True,
+            progress=False)
+    trained = False
+    for argv in commands:
+        args = argv[1:]
+        if args[0] == "train" and trained:
+            monkeypatch.chdir(tmp_path)
+            overrides = [a for a in args if a.startswith("--") and "." in a.split("=")[0]]
+            cfg = load_config(args[args.index("--config") + 1], overrides + TINY)
+            tok, train, _ = build_datasets(cfg, progress=False)
+            assert cfg.model.vocab_size >= tok.vocab_size and len(train) >= 8
+            continue
+        extra = TINY + [f"--train.out_dir={tmp_path / 'run'}"] if args[0] == "train" else []
+        result = subprocess.run([sys.executable, "-m", "meshlm", *args, *extra], cwd=tmp_path, check=False,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, f"{shlex.join(argv)}\n{result.stderr}"
+        trained |= args[0] == "train"
+        if args[0] == "train":
+            assert "val loss" in result.stdout
+    assert isinstance(train, BlendedDataset) and train.weights == [0.7, 0.3]
+
+
+def test_documented_toml_blend_parses():
+    block = DOC.read_text().split("```toml\n")[1].split("```")[0]
+    paths = load_config_paths(block)
+    assert parse_paths(paths) == [(0.7, "data/web"), (0.3, "data/books")]
+
+
+def load_config_paths(toml_text: str) -> list[str]:
+    from meshlm.config import build
+
+    return build({"data": tomllib.loads(toml_text)["data"]}).data.paths
