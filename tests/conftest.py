@@ -34,7 +34,13 @@ def tiny_config(out_dir: str | Path, **sections) -> Config:
     return build(values)
 
 
+def meshlm_command() -> list[str]:
+    """The installed `meshlm` console script next to this interpreter (as the README runs it)."""
+    script = Path(sys.executable).parent / "meshlm"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "meshlm"]
+
+
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "meshlm", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([*meshlm_command(), *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=full_env)
