@@ -15,10 +15,14 @@ from meshlm.data.commands import add_data_commands
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from meshlm.config import load_config
+    from meshlm.parallel import destroy
     from meshlm.train.trainer import Trainer
 
     cfg = load_config(args.config, overrides)
-    Trainer(cfg).run()
+    try:
+        Trainer(cfg).run()
+    finally:
+        destroy()  # under torchrun: leave the process groups cleanly (a no-op for one process)
     return 0
 
 

@@ -49,12 +49,28 @@ def _save_file(obj: Any, path: Path) -> None:
 
 def save_checkpoint(out_dir: str | Path, step: int, parts: dict[str, Any], config: dict) -> Path:
     """Write `parts` (name → object, one file each) and the config; atomically publish as `latest`."""
+    tmp = begin_checkpoint(out_dir, step)
+    for name, obj in parts.items():
+        write_part(tmp, name, obj)
+    return publish_checkpoint(out_dir, step, tmp, config)
+
+
+def begin_checkpoint(out_dir: str | Path, step: int) -> Path:
+    """A fresh temporary directory for step `step`'s files (several processes may write into it)."""
     root = checkpoints_dir(out_dir)
     root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{step_name(step)}-"))
+
+
+def write_part(tmp: Path, name: str, obj: Any) -> None:
+    _save_file(obj, tmp / f"{name}.pt")
+
+
+def publish_checkpoint(out_dir: str | Path, step: int, tmp: Path, config: dict) -> Path:
+    """Add the config, then rename `tmp` into place and point `latest` at it. In a multi-process run only
+    one process calls this, after every process has written its parts (a barrier)."""
+    root = checkpoints_dir(out_dir)
     final = root / step_name(step)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{step_name(step)}-"))
-    for name, obj in parts.items():
-        _save_file(obj, tmp / f"{name}.pt")
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     _fsync_dir(tmp)
     if final.exists():  # a re-save of the same step (e.g. resumed then stopped at once)

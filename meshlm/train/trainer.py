@@ -1,5 +1,12 @@
 """The training loop: micro-batches accumulated to the global batch, clipped AdamW steps, evaluation,
-checkpoints, metrics, and a clean stop on SIGTERM/SIGINT."""
+checkpoints, metrics, and a clean stop on SIGTERM/SIGINT.
+
+Launched by torchrun, every process runs this loop on its part of the layout (`meshlm.parallel`): the
+model is built whole from the seed on every rank, then `parallelize` cuts out this rank's part. Only rank
+0 logs, writes metrics and publishes checkpoints. A tensor-parallel checkpoint holds the full model
+(`model.pt`, gathered, so `meshlm generate` reads it as is) and one file per rank (`rank00000.pt`, …) with
+that rank's optimizer shard and random streams; it resumes at the same layout.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshlm.config import Config, ConfigError
@@ -19,6 +27,7 @@ from meshlm.data import build_datasets
 from meshlm.data.dataset import BatchLoader, GPTSamples
 from meshlm.infer.generate import generate
 from meshlm.models.gpt import GPT
+from meshlm.parallel import TPRNGTracker, clip_grad_norm_, finish_grads, full_state_dict, init_distributed, parallelize
 from meshlm.train import checkpoint as ckpt
 from meshlm.train.metrics import measure_peak_tflops, model_flops, peak_memory_mb, recompute_flops
 from meshlm.train.optim import build_optimizer, lr_at
@@ -63,10 +72,16 @@ class Trainer:
     def __init__(self, cfg: Config, progress: bool | None = None):
         self.cfg = cfg
         t = cfg.train
-        self.progress = t.progress if progress is None else progress
-        self.device = pick_device(t.device)
+        device = pick_device(t.device)
+        # torchrun's environment → process groups (none for one process); cuda:LOCAL_RANK on GPUs.
+        self.dims = init_distributed(cfg.parallel, device if device.type == "cpu" else None)
+        self.device = self.dims.device
+        self.progress = (t.progress if progress is None else progress) and self.dims.is_main
         if t.precision == "fp16" and self.device.type == "cpu":
-            print("note: fp16 on CPU is emulated and slow; bf16 is the CPU choice")
+            self.log("note: fp16 on CPU is emulated and slow; bf16 is the CPU choice")
+        if t.precision == "fp16" and self.dims.world_size > 1:
+            raise ConfigError("train.precision=fp16 is not supported with several processes yet (the loss "
+                              "scaler's overflow check is per rank); use train.precision=bf16")
         self.out_dir = Path(t.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.resume_from = self._find_resume()
@@ -75,10 +90,14 @@ class Trainer:
         if cfg.model.vocab_size < self.tokenizer.vocab_size:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                               f"{self.tokenizer.vocab_size}; set model.vocab_size={self.tokenizer.vocab_size}")
-        self.model = GPT(cfg.model).to(self.device)
+        self.model = GPT(cfg.model).to(self.device)  # whole, from the seed, on every rank
+        self.n_params = self.model.num_params()
+        if self.resume_from is not None:  # full weights first, so every rank slices the same tensors
+            self.model.load_state_dict(ckpt.load_part(self.resume_from, "model", self.device))
+        self.tp_rng = TPRNGTracker(t.seed, self.dims.tp_rank, self.device)
+        self.loss_fn = parallelize(self.model, self.dims, cfg, rng=self.tp_rng)
         # Forward passes go through `self.forward`; `self.model` keeps the plain parameter names.
         self.forward = torch.compile(self.model) if t.compile else self.model
-        self.loss_fn = cross_entropy
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.precision = Precision(t.precision, self.device)
         self.accum = t.global_batch_size // t.micro_batch_size
@@ -92,7 +111,9 @@ class Trainer:
     # ---- checkpoints -------------------------------------------------------------------------------
     def _find_resume(self) -> Path | None:
         resume = self.cfg.train.resume
-        ckpt.prune_temporaries(self.out_dir)
+        if self.dims.is_main:
+            ckpt.prune_temporaries(self.out_dir)
+        self.dims.barrier()  # nobody looks for `latest` while rank 0 still cleans up
         if resume == "never":
             return None
         if resume == "auto":
@@ -109,26 +130,65 @@ class Trainer:
         }
 
     def save(self) -> Path:
-        return ckpt.save_checkpoint(self.out_dir, self.step, self.state_parts(), self.cfg.to_dict())
+        if self.dims.world_size == 1:
+            return ckpt.save_checkpoint(self.out_dir, self.step, self.state_parts(), self.cfg.to_dict())
+        return self._save_sharded()
+
+    def _save_sharded(self) -> Path:
+        """Every rank writes its part into rank 0's temporary directory; after a barrier rank 0 adds the
+        gathered model and the shared state and publishes `latest`; a second barrier makes the path
+        visible to all before anyone goes on (or exits)."""
+        model = full_state_dict(self.model)  # collective: every rank gathers, rank 0 keeps it
+        box = [str(ckpt.begin_checkpoint(self.out_dir, self.step)) if self.dims.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        tmp = Path(box[0])
+        ckpt.write_part(tmp, f"rank{self.dims.rank:05d}", {
+            "optim": self.optimizer.state_dict(), "rng": rng_state(), "tp_rng": self.tp_rng.get_state()})
+        self.dims.barrier()
+        path = ckpt.checkpoints_dir(self.out_dir) / ckpt.step_name(self.step)
+        if self.dims.is_main:
+            parts = self.state_parts()
+            parts["state"]["layout"] = self._layout()
+            ckpt.write_part(tmp, "model", {k: v.cpu() for k, v in model.items()})
+            ckpt.write_part(tmp, "state", parts["state"])
+            path = ckpt.publish_checkpoint(self.out_dir, self.step, tmp, self.cfg.to_dict())
+        self.dims.barrier()
+        return path
+
+    def _layout(self) -> dict:
+        d = self.dims
+        return {"world_size": d.world_size, "tp": d.tp, "pp": d.pp, "dp": d.dp, "sp": self.cfg.parallel.sp}
 
     def _load(self, path: Path) -> None:
+        """Everything but the model weights, which `__init__` loaded before parallelizing."""
         state = ckpt.load_part(path, "state")
         if state.get("tokenizer", self.tokenizer.name) != self.tokenizer.name:
             raise ConfigError(f"checkpoint {path} was trained with tokenizer {state['tokenizer']!r}, not "
                               f"data.tokenizer={self.tokenizer.name!r}; set data.tokenizer to match")
-        self.model.load_state_dict(ckpt.load_part(path, "model", self.device))
-        self.optimizer.load_state_dict(ckpt.load_part(path, "optim", self.device))
+        saved = state.get("layout", {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "sp": False})
+        if {k: saved[k] for k in ("world_size", "tp", "pp", "dp")} != {k: v for k, v in self._layout().items()
+                                                                        if k != "sp"}:
+            raise ConfigError(f"checkpoint {path} was written by {saved['world_size']} process(es) with parallel.tp="
+                              f"{saved['tp']}, pp={saved['pp']}, dp={saved['dp']}; resume with the same layout "
+                              "(changing it on load is not supported yet), or train.resume=never")
+        if self.dims.world_size == 1:
+            self.optimizer.load_state_dict(ckpt.load_part(path, "optim", self.device))
+            set_rng_state(state["rng"])
+        else:
+            mine = ckpt.load_part(path, f"rank{self.dims.rank:05d}", self.device)
+            self.optimizer.load_state_dict(mine["optim"])
+            set_rng_state(mine["rng"])
+            self.tp_rng.set_state(mine["tp_rng"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.loader.load_state_dict(state["loader"])
         self.precision.load_state_dict(state["scaler"])
-        set_rng_state(state["rng"])
         self._truncate_metrics(self.step)
         self.log(f"resumed from {path} at step {self.step}")
 
     def _truncate_metrics(self, step: int) -> None:
         """Drop metric lines past the resumed step (a killed run may have logged beyond its checkpoint)."""
         path = self.out_dir / "metrics.jsonl"
-        if path.exists():
+        if path.exists() and self.dims.is_main:
             keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
             path.write_text("".join(ln + "\n" for ln in keep))
 
@@ -146,10 +206,14 @@ class Trainer:
             with self.precision.autocast():
                 loss = self.loss_fn(self.forward(x), y) / self.accum
             self.precision.scaler.scale(loss).backward()
-            total += loss.detach()
+            total += loss.detach()  # the full-vocabulary loss: identical on every tp rank
+        finish_grads(self.model, self.dims)  # sum the gradients tp ranks hold parts of (SP norms, shared KV)
         self.precision.scaler.unscale_(self.optimizer)
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        if self.dims.tp > 1:  # the norm of the whole model: each shard once, each replicated tensor once
+            grad_norm = clip_grad_norm_(self.model, self.dims, clip)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         self.precision.scaler.step(self.optimizer)
         self.precision.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -181,6 +245,8 @@ class Trainer:
         self.stop_signal = signal.Signals(signum).name
 
     def log(self, text: str) -> None:
+        if not self.dims.is_main:
+            return
         if self._bar is not None:
             self._bar.write(text)
         else:
@@ -210,23 +276,25 @@ class Trainer:
         from tqdm import tqdm
         from torch.utils.tensorboard import SummaryWriter
 
-        m = cfg.model
-        n_params = self.model.num_params()
-        self.log(f"model: {n_params / 1e6:.2f}M parameters, {m.n_layers} layers, h={m.hidden_size}, "
+        m, d = cfg.model, self.dims
+        self.log(f"model: {self.n_params / 1e6:.2f}M parameters, {m.n_layers} layers, h={m.hidden_size}, "
                  f"{m.n_heads} heads ({m.kv_heads} kv), seq {m.seq_len}; train {len(self.train_set)} samples "
                  f"({len(self.train_set.tokens):,} tokens), valid {len(self.valid_set)} samples; device "
                  f"{self.device.type}, {t.precision}")
-        peak = self._peak_tflops()
+        if d.world_size > 1:
+            self.log(f"layout: {d.world_size} processes = pp {d.pp} × dp {d.dp} × tp {d.tp}"
+                     f"{' with sequence parallelism' if cfg.parallel.sp else ''}")
+        peak = self._peak_tflops() * d.world_size  # MFU against the peak of every device in the job
         flops = model_flops(m, t.global_batch_size)
         hw_flops = flops + recompute_flops(m, t.global_batch_size, "none")
-        writer = SummaryWriter(str(self.out_dir / "tensorboard"))
-        metrics = open(self.out_dir / "metrics.jsonl", "a")
+        writer = SummaryWriter(str(self.out_dir / "tensorboard")) if d.is_main else None
+        metrics = open(self.out_dir / "metrics.jsonl", "a") if d.is_main else None
         self._bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step",
                          disable=not self.progress, dynamic_ncols=True)
         last_eval: dict = {}
         window_start, window_steps = time.perf_counter(), 0
         try:
-            while self.step < t.max_steps and self.stop_signal is None:
+            while self.step < t.max_steps and not self._stop_requested():
                 loss, grad_norm = self.train_step()
                 window_steps += 1
                 self._bar.update(1)
@@ -263,8 +331,9 @@ class Trainer:
         finally:
             self._bar.close()
             self._bar = None
-            metrics.close()
-            writer.close()
+            if d.is_main:
+                metrics.close()
+                writer.close()
         if t.sample_tokens and self.stop_signal is None:
             self.print_sample()
         return {"step": self.step, **last_eval}
@@ -277,7 +346,18 @@ class Trainer:
                      f"bits/byte {result['val_bpb']:.3f}")
         return result
 
+    def _stop_requested(self) -> bool:
+        """A signal seen by any rank stops every rank after the same step (one tiny all-reduce per step)."""
+        if self.dims.world_size > 1:
+            flag = torch.tensor([self.stop_signal is not None], dtype=torch.int32, device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() and self.stop_signal is None:
+                self.stop_signal = "a signal on another rank"
+        return self.stop_signal is not None
+
     def _write(self, metrics, writer, rec: dict) -> None:
+        if not self.dims.is_main:
+            return
         metrics.write(json.dumps(rec) + "\n")
         metrics.flush()
         prefix = "valid" if rec["kind"] == "eval" else "train"
@@ -287,7 +367,14 @@ class Trainer:
 
     def print_sample(self) -> None:
         t = self.cfg.train
+        model = self.model
+        if self.dims.world_size > 1:  # sample from the gathered model on rank 0 (a collective first)
+            full = full_state_dict(self.model)
+            if not self.dims.is_main:
+                return
+            model = GPT(self.cfg.model).to(self.device)
+            model.load_state_dict(full)
         ids = torch.tensor([self.tokenizer.encode(t.sample_prompt)], device=self.device)
-        out = generate(self.model, ids, t.sample_tokens, temperature=0.8, top_k=200, seed=t.seed)
+        out = generate(model, ids, t.sample_tokens, temperature=0.8, top_k=200, seed=t.seed)
         text = self.tokenizer.decode(out[0].tolist())
         print("\n---------------- sample ----------------\n" + text + "\n----------------------------------------")
