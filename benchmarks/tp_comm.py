@@ -1,0 +1,151 @@
+"""Bytes each rank sends per transformer layer per training step under tensor (and sequence) parallelism,
+measured by wrapping torch.distributed's collectives, beside Megatron's theory.
+
+Theory (Shoeybi et al. 2019; Korthikanti et al. 2022), per layer, forward + backward, activations of
+b·s·h elements: TP does 4 all-reduces of b·s·h (2 forward `g`, 2 backward `f`); TP+SP does 4 all-gathers
+and 4 reduce-scatters whose full tensors are b·s·h. With ring algorithms a rank sends 2(t−1)/t·N bytes per
+all-reduce of N bytes and (t−1)/t·N per all-gather or reduce-scatter, so both total 8(t−1)/t·b·s·h·bytes.
+
+Per-layer figures are the difference between a 2-layer and a 1-layer model (embedding, LM head,
+cross-entropy and gradient synchronisation cancel out); what lies outside the layers is shown apart.
+
+    .venv/bin/python benchmarks/tp_comm.py [--tp 2 4] [--batch 4 --seq 64 --hidden 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import tempfile
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from meshlm.config import ModelConfig
+from meshlm.models.gpt import GPT
+from meshlm.parallel.mesh import ParallelDims
+from meshlm.parallel.tensor import apply_tensor_parallel, finish_grads
+
+WRAPPED = {"all_reduce": "all-reduce", "all_gather_single": "all-gather", "all_gather_into_tensor": "all-gather",
+           "reduce_scatter_single": "reduce-scatter", "reduce_scatter_tensor": "reduce-scatter"}
+
+
+class CommCounter:
+    """Wraps the collectives on `torch.distributed`; counts calls, full-tensor elements and bytes sent."""
+
+    def __init__(self):
+        self.calls = collections.Counter()
+        self.elements = collections.Counter()
+        self.sent = collections.Counter()
+        self._originals = {}
+
+    def __enter__(self):
+        for name, kind in WRAPPED.items():
+            if hasattr(dist, name):
+                self._originals[name] = getattr(dist, name)
+                setattr(dist, name, self._wrap(self._originals[name], kind))
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._originals.items():
+            setattr(dist, name, fn)
+
+    def _wrap(self, fn, kind):
+        def counted(*args, **kwargs):
+            group = kwargs.get("group")
+            t = dist.get_world_size(group)
+            if kind == "all-reduce":
+                full = args[0]
+                sent = 2 * (t - 1) / t * full.numel() * full.element_size()
+            else:  # all-gather: args (output, input); reduce-scatter: args (output, input): the big one
+                full = args[0] if kind == "all-gather" else args[1]
+                sent = (t - 1) / t * full.numel() * full.element_size()
+            if full.numel() > 1:  # skip scalars (the grad-norm all-reduce)
+                self.calls[kind] += 1
+                self.elements[kind] += full.numel()
+                self.sent[kind] += sent
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+def _one_step(cfg: ModelConfig, dims: ParallelDims, sp: bool, batch: int) -> tuple[CommCounter, CommCounter]:
+    """(collectives of forward + backward, those of `finish_grads`) for one micro-batch."""
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    loss_fn = apply_tensor_parallel(model, dims, sp)
+    ids = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    with CommCounter() as step:
+        loss_fn(model(ids[:, :-1]), ids[:, 1:]).backward()
+    with CommCounter() as sync:
+        finish_grads(model, dims)
+    return step, sync
+
+
+def _worker(rank: int, world: int, init: str, args: argparse.Namespace, queue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    dims = ParallelDims.build(tp=world, timeout_s=120)
+    rows = []
+    for sp in (False, True):
+        base = {"vocab_size": args.vocab, "hidden_size": args.hidden, "n_heads": args.heads, "seq_len": args.seq}
+        one, one_sync = _one_step(ModelConfig(n_layers=1, **base), dims, sp, args.batch)
+        two, two_sync = _one_step(ModelConfig(n_layers=2, **base), dims, sp, args.batch)
+        per_layer = {k: (two.calls[k] - one.calls[k], two.elements[k] - one.elements[k], two.sent[k] - one.sent[k])
+                     for k in ("all-reduce", "all-gather", "reduce-scatter")}
+        outside = {k: (2 * one.calls[k] - two.calls[k], 2 * one.sent[k] - two.sent[k]) for k in per_layer}
+        sync = (two_sync.elements["all-reduce"] - one_sync.elements["all-reduce"],
+                two_sync.sent["all-reduce"] - one_sync.sent["all-reduce"])
+        rows.append((sp, per_layer, outside, sync))
+    if rank == 0:
+        queue.put(rows)
+    dist.destroy_process_group()
+
+
+def measure(tp: int, args: argparse.Namespace) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{os.path.join(tmp, 'rendezvous')}"
+        procs = [ctx.Process(target=_worker, args=(r, tp, init, args, queue)) for r in range(tp)]
+        for p in procs:
+            p.start()
+        rows = queue.get(timeout=120)  # a deadline: a hung world fails instead of blocking
+        for p in procs:
+            p.join(timeout=60)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=1000)
+    args = parser.parse_args()
+    bsh = args.batch * args.seq * args.hidden
+    print(f"b={args.batch} s={args.seq} h={args.hidden} (b·s·h = {bsh:,} elements, fp32), gloo on CPU; "
+          "per transformer layer, one forward + backward, bytes sent by each rank\n")
+    print("| t | SP | collectives per layer (measured) | elements per collective | sent per rank (measured) "
+          "| Megatron theory | measured / theory | + SP grad sync per layer | outside the layers "
+          "(embedding, LM head, cross-entropy) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for tp in args.tp:
+        theory = 8 * (tp - 1) / tp * bsh * 4  # 4 all-reduces = 4 all-gathers + 4 reduce-scatters
+        for sp, per_layer, outside, sync in measure(tp, args):
+            ops = ", ".join(f"{n} {k}" for k, (n, _, _) in per_layer.items() if n)
+            sizes = sorted({e // n for n, e, _ in per_layer.values() if n})
+            sent = sum(s for _, _, s in per_layer.values())
+            out = ", ".join(f"{n} {k} {s / 1e3:,.1f} kB" for k, (n, s) in outside.items() if n)
+            print(f"| {tp} | {'on' if sp else 'off'} | {ops} | {', '.join(f'{e:,}' for e in sizes)} | "
+                  f"{sent / 1e3:,.1f} kB | {theory / 1e3:,.1f} kB | {sent / theory:.3f} | "
+                  f"{f'{sync[0]:,} elements, {sync[1] / 1e3:.2f} kB' if sync[0] else '-'} | {out} |")
+
+
+if __name__ == "__main__":
+    main()
