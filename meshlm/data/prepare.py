@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import gzip
-import itertools
 import json
 import multiprocessing as mp
 import os
@@ -43,6 +42,7 @@ JSON_SUFFIXES = (".jsonl", ".ndjson")
 PIECE_BYTES = 1 << 20  # a .txt document larger than this is read in pieces
 CHUNK_BYTES = 1 << 18  # input bytes per task sent to a worker
 MAX_REPORTED = 10  # bad lines reported one by one; the rest are counted
+MAX_LISTED = 1000  # input files named in the sidecar (stats.files counts them all)
 
 
 class DataError(ConfigError):
@@ -261,7 +261,8 @@ def document_text(kind: str, data: bytes, json_key: str) -> tuple[str, bool]:
 
 def encode_chunk(items: list[tuple[str, bytes]]) -> tuple[np.ndarray, list[tuple]]:
     """Tokens of a chunk (concatenated) and, per unit, (n_tokens, text_bytes, has_text, bad_utf8, error)."""
-    tokenizer = _STATE["tokenizer"]
+    tokenizer, dtype = _STATE["tokenizer"], _STATE["dtype"]
+    encode = getattr(tokenizer, "encode_array", None) or (lambda text: np.asarray(tokenizer.encode(text), dtype))
     ids, rows = [], []
     for kind, data in items:
         try:
@@ -270,12 +271,11 @@ def encode_chunk(items: list[tuple[str, bytes]]) -> tuple[np.ndarray, list[tuple
             rows.append((0, 0, False, False, str(err)))
             continue
         has_text = not text.isspace() and text != ""
-        tokens = tokenizer.encode(text) if has_text or kind == "text" else []
+        tokens = encode(text) if has_text or kind == "text" else np.zeros(0, dtype)
         ids.append(tokens)
         n_bytes = len(data) if kind == "text" and not bad else len(text.encode("utf-8"))
         rows.append((len(tokens), n_bytes, has_text, bad, None))
-    n = sum(r[0] for r in rows)
-    return np.fromiter(itertools.chain.from_iterable(ids), dtype=_STATE["dtype"], count=n), rows
+    return (np.concatenate(ids).astype(dtype, copy=False) if ids else np.zeros(0, dtype)), rows
 
 
 def start_pool(workers: int, init_args: tuple):
@@ -287,7 +287,7 @@ def start_pool(workers: int, init_args: tuple):
     return mp.get_context(method).Pool(workers, _init_worker, init_args)
 
 
-def ordered_map(chunks: Iterator[list[Unit]], pool) -> Iterator[tuple[list[Unit], tuple]]:
+def ordered_map(chunks: Iterator[list[Unit]], pool, workers: int) -> Iterator[tuple[list[Unit], tuple]]:
     """(chunk, encode_chunk(chunk)) in input order. Pool.imap would read the whole input ahead into its
     task queue; a window of 4 chunks per worker keeps memory bounded and every worker busy."""
     def payload(chunk: list[Unit]) -> list[tuple[str, bytes]]:
@@ -300,7 +300,7 @@ def ordered_map(chunks: Iterator[list[Unit]], pool) -> Iterator[tuple[list[Unit]
     pending: deque = deque()
     for chunk in chunks:
         pending.append((chunk, pool.apply_async(encode_chunk, (payload(chunk),))))
-        if len(pending) >= 4 * pool._processes:
+        if len(pending) >= 4 * workers:
             chunk0, result = pending.popleft()
             yield chunk0, result.get()
     while pending:
@@ -329,6 +329,8 @@ def prepare(inputs: list[str], tokenizer: str, output: str, workers: int = 1, ap
     files = expand_inputs(inputs, what)
     tok = get_tokenizer(tokenizer)
     prefix = strip_suffix(str(output))
+    if prefix.endswith(os.sep) or Path(prefix).is_dir():
+        raise DataError(f"--output {output!r} is a directory; give a prefix inside it, e.g. {Path(prefix) / 'corpus'}")
     stats = PrepareStats(files=len(files))
     total = None if any(_format(f)[1] for f in files) else sum(f.stat().st_size for f in files)
     start = time.perf_counter()
@@ -339,7 +341,7 @@ def prepare(inputs: list[str], tokenizer: str, output: str, workers: int = 1, ap
                         "path") from None
     pool = start_pool(workers, (tokenizer, json_key, writer.dtype.str))  # before tqdm starts a thread
     with writer, (pool or contextlib.nullcontext()):
-        results = ordered_map(chunked(iter_units(files, split_paragraphs, piece_bytes), chunk_bytes), pool)
+        results = ordered_map(chunked(iter_units(files, split_paragraphs, piece_bytes), chunk_bytes), pool, workers)
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", dynamic_ncols=True,
@@ -370,7 +372,7 @@ def prepare(inputs: list[str], tokenizer: str, output: str, workers: int = 1, ap
                             f"{stats.bad_lines} bad lines; nothing written to {prefix}")
         writer.finish({"tokenizer": tok.identity, "vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
                        "append_eod": append_eod, "text_bytes": stats.text_bytes, "json_key": json_key,
-                       "split_paragraphs": split_paragraphs, "inputs": [str(f) for f in files],
+                       "split_paragraphs": split_paragraphs, "inputs": [str(f) for f in files[:MAX_LISTED]],
                        "stats": {k: v for k, v in asdict(stats).items() if k != "errors"}})
     log(stats.summary(prefix))
     return stats

@@ -101,6 +101,11 @@ class GPT2Tokenizer(_Base):
     def encode(self, text: str) -> list[int]:
         return self._enc.encode_ordinary(text)
 
+    def encode_array(self, text: str):
+        """encode() as a numpy uint32 array, straight from tiktoken's buffer (no Python ints); special
+        tokens' text is encoded as ordinary text, as in encode()."""
+        return self._enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+
     def encode_batch(self, texts: Iterable[str], num_threads: int = 1) -> list[list[int]]:
         return self._enc.encode_ordinary_batch(list(texts), num_threads=num_threads)
 

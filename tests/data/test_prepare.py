@@ -121,6 +121,8 @@ def test_missing_unreadable_and_empty_inputs_are_clear_errors(tmp_path):
     (tmp_path / "broken.txt.gz").write_bytes(b"not gzip at all")
     with pytest.raises(DataError, match="broken.txt.gz cannot be read"):
         prepare([str(tmp_path / "broken.txt.gz")], "gpt2", out, **QUIET)
+    with pytest.raises(DataError, match="is a directory; give a prefix inside it"):
+        prepare([str(small_plays(1)[0])], "gpt2", str(tmp_path), **QUIET)
     (tmp_path / "empty.txt").write_text("\n")
     with pytest.raises(DataError, match="no documents in 1 input file"):
         prepare([str(tmp_path / "empty.txt")], "gpt2", out, **QUIET)
