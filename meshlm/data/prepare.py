@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from meshlm.config import ConfigError
 from meshlm.data.indexed import IndexedWriter, strip_suffix
@@ -342,8 +343,6 @@ def prepare(inputs: list[str], tokenizer: str, output: str, workers: int = 1, ap
     pool = start_pool(workers, (tokenizer, json_key, writer.dtype.str))  # before tqdm starts a thread
     with writer, (pool or contextlib.nullcontext()):
         results = ordered_map(chunked(iter_units(files, split_paragraphs, piece_bytes), chunk_bytes), pool, workers)
-        from tqdm import tqdm
-
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", dynamic_ncols=True,
                    disable=None if progress else True)
         doc = _Document()
