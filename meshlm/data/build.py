@@ -24,7 +24,7 @@ import numpy as np
 from meshlm.config import Config, ConfigError
 from meshlm.data.assets import default_cache_dir, shakespeare_files
 from meshlm.data.gpt_dataset import BlendedDataset, GPTDataset, split_documents
-from meshlm.data.indexed import IndexedDataset, is_prefix, strip_suffix
+from meshlm.data.indexed import IndexedDataset, is_prefix, paths_of, strip_suffix
 from meshlm.data.prepare import DataError, expand_inputs, prepare
 from meshlm.data.tokenizers import Tokenizer, get_tokenizer
 
@@ -112,6 +112,15 @@ def check_tokenizer(data: IndexedDataset, tokenizer: Tokenizer, spec: str) -> fl
     return meta["text_bytes"] / max(1, meta["tokens"])
 
 
+def _is_prefix(path: str) -> bool:
+    """A prepared prefix? A `.bin` without its `.idx` is an interrupted preparation: say so."""
+    bin_path, idx_path, _ = paths_of(strip_suffix(path))
+    if bin_path.exists() and not idx_path.exists():
+        raise DataError(f"data.paths: {bin_path} has no {idx_path.name} (an interrupted meshlm prepare?); "
+                        "prepare the data again")
+    return is_prefix(path)
+
+
 def resolve_sources(cfg: Config, tokenizer: Tokenizer, progress: bool) -> list[tuple[float | None, str]]:
     """[(weight or None, prefix)], preparing text sources into the cache."""
     d = cfg.data
@@ -121,10 +130,10 @@ def resolve_sources(cfg: Config, tokenizer: Tokenizer, progress: bool) -> list[t
                                       progress=progress))]
     pairs = parse_paths(d.paths)
     if pairs[0][0] is not None:
-        return [(w, strip_suffix(p) if is_prefix(p) else prepare_cached([p], tokenizer, cache, d.json_key,
+        return [(w, strip_suffix(p) if _is_prefix(p) else prepare_cached([p], tokenizer, cache, d.json_key,
                                                                       progress=progress)) for w, p in pairs]
-    prefixes = [(None, strip_suffix(p)) for _, p in pairs if is_prefix(p)]
-    texts = [p for _, p in pairs if not is_prefix(p)]
+    prefixes = [(None, strip_suffix(p)) for _, p in pairs if _is_prefix(p)]
+    texts = [p for _, p in pairs if not _is_prefix(p)]
     if texts:
         prefixes.append((None, prepare_cached(texts, tokenizer, cache, d.json_key, progress=progress)))
     return prefixes

@@ -92,3 +92,6 @@ def test_too_little_text_for_one_sample_names_the_fix(tmp_path):
         build_datasets(config(tmp_path, paths=[str(tmp_path / "tiny.txt")]), progress=False)
     with pytest.raises(ConfigError, match="does not exist"):
         build_datasets(config(tmp_path, paths=[str(tmp_path / "nope.txt")]), progress=False)
+    (tmp_path / "half.bin").write_bytes(b"\0\0")
+    with pytest.raises(ConfigError, match=r"half.bin has no half.idx \(an interrupted meshlm prepare\?\)"):
+        build_datasets(config(tmp_path, paths=[str(tmp_path / "half")]), progress=False)
