@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from meshlm.config import Config
+from meshlm.config import Config, ConfigError
 from meshlm.parallel.mesh import ParallelDims, destroy, init_distributed
 from meshlm.parallel.rng import TPRNGTracker
 from meshlm.parallel.tensor import LossFn, apply_tensor_parallel, clip_grad_norm_, finish_grads, full_state_dict
@@ -24,4 +24,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, rng: TPRNGTra
        transform (activation recomputation, compile, data-parallel wrapping) must see, not the dense ones.
     (Pipeline cutting, recomputation and data parallelism come after, in their own issues.)
     """
+    if dims.pp > 1 or dims.dp > 1:  # until those transforms exist, refuse instead of training replicas
+        raise ConfigError(f"this layout has parallel.pp={dims.pp} and parallel.dp={dims.dp}, but only tensor "
+                          f"parallelism is implemented so far; launch exactly parallel.tp={dims.tp} processes")
     return apply_tensor_parallel(model, dims, sp=cfg.parallel.sp, rng=rng)

@@ -2,14 +2,13 @@
 
 Checked: the tp=2 (+SP) run logs the same per-step losses and ends with the same weights as the
 single-process run; only rank 0 logs and writes metrics; the checkpoint holds the gathered model (so
-`meshlm generate` reads it) and resumes exactly at the same layout, and refuses another layout; two
-torchrun launchers joined by c10d rendezvous on 127.0.0.1 (`--nnodes=2`) form one world.
+`meshlm generate` reads it) and resumes exactly at the same layout, and refuses another layout. The
+launch forms of docs/parallel.md (two-node rendezvous included) run in test_docs_parallel.py.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 
@@ -77,28 +76,3 @@ def test_torchrun_tp2_resumes_exactly_and_refuses_another_layout(tmp_path):
     with pytest.raises(ConfigError, match="parallel.tp=2"):
         Trainer(load_config("gpt-tiny", SMALL + [dropout, "--train.max_steps=6", f"--train.out_dir={split}"]))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_launchers_with_c10d_rendezvous_form_one_world(tmp_path):
-    """What `--nnodes=2` does across machines, with both "nodes" on this one."""
-    out, port = tmp_path / "two_nodes", _free_port()
-    launcher = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-                "--rdzv_id=meshlm-test"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "meshlm", "train", "--config", "gpt-tiny",
-           *SMALL, "--parallel.tp=2", "--train.max_steps=2", f"--train.out_dir={out}"]
-    nodes = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    try:
-        results = [(n.wait(timeout=TIMEOUT_S), *n.communicate()) for n in nodes]
-    finally:
-        for n in nodes:
-            n.kill()
-    for code, _, err in results:
-        assert code == 0, err[-3000:]
-    assert sum("layout: 2 processes = pp 1 × dp 1 × tp 2" in o for _, o, _ in results) == 1
-    assert len(_losses(out)) == 2 and ckpt.resolve_checkpoint(out).name == "step_0000002"
