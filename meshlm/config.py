@@ -101,6 +101,9 @@ class TrainConfig:
     peak_tflops: float = 0.0  # 0: measure with a short matmul at start
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = False
+    recompute: str = "none"  # none | selective (attention core) | full (whole layers); see docs/memory.md
+    recompute_method: str = "uniform"  # full only: uniform (chunks of recompute_num_layers) | block (first N)
+    recompute_num_layers: int = 0  # full only: chunk size (uniform) or layers recomputed (block); 0: every layer
     progress: bool = True
     sample_tokens: int = 0  # >0: print a sample of this many tokens at the end
     sample_prompt: str = "\n"
@@ -117,6 +120,16 @@ class TrainConfig:
         _choices("train.precision", self.precision, ("fp32", "bf16", "fp16"))
         _choices("train.device", self.device, ("auto", "cpu", "cuda"))
         _check(self.peak_tflops >= 0, f"train.peak_tflops={self.peak_tflops} must be >= 0 (0 measures it)")
+        _choices("train.recompute", self.recompute, ("none", "selective", "full"))
+        _choices("train.recompute_method", self.recompute_method, ("uniform", "block"))
+        _check(self.recompute_num_layers >= 0,
+               f"train.recompute_num_layers={self.recompute_num_layers} must be >= 0 (0: every layer)")
+        _check(self.recompute == "full" or self.recompute_num_layers == 0,
+               f"train.recompute_num_layers={self.recompute_num_layers} only applies to train.recompute='full' "
+               f"(got {self.recompute!r}); drop it or set train.recompute=full")
+        _check(self.recompute == "full" or self.recompute_method == "uniform",
+               f"train.recompute_method={self.recompute_method!r} only applies to train.recompute='full' "
+               f"(got {self.recompute!r}); drop it or set train.recompute=full")
 
 
 @dataclass(frozen=True)
