@@ -45,9 +45,11 @@ def _weights(out) -> dict:
 
 def test_torchrun_tp2_sp_matches_single_process_and_generates(tmp_path):
     out = tmp_path / "tp2"
-    proc = _torchrun("--parallel.tp=2", "--parallel.sp=true", "--train.max_steps=4", f"--train.out_dir={out}")
+    proc = _torchrun("--parallel.tp=2", "--parallel.sp=true", "--train.max_steps=4", f"--train.out_dir={out}",
+                     "--train.sample_tokens=5")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("step      1 |") == 1, "only rank 0 logs"
+    assert proc.stdout.count("---- sample ----") == 1, "rank 0 samples from the gathered model"
     assert "tp 2 with sequence parallelism" in proc.stdout
     ref = tmp_path / "tp1"
     Trainer(load_config("gpt-tiny", SMALL + ["--train.max_steps=4", f"--train.out_dir={ref}"])).run()
