@@ -41,7 +41,8 @@ class TPRNGTracker:
         saved = _get_state(self.device)
         seed = seed + TP_SEED_OFFSET + tp_rank
         if self.device.type == "cuda":
-            torch.cuda.manual_seed(seed)
+            with torch.cuda.device(self.device):  # seed this device's generator, whichever is current
+                torch.cuda.manual_seed(seed)
         else:
             torch.random.default_generator.manual_seed(seed)
         self._state = _get_state(self.device)
