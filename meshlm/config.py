@@ -195,10 +195,15 @@ class ParallelConfig:
     sp: bool = False
     vpp: int = 1
     timeout_s: float = 600.0
+    pp_layers: list[int] = field(default_factory=list)  # layers per (virtual) stage; []: balanced automatically
 
     def validate(self) -> None:
         for key in ("tp", "pp", "vpp"):
             _check(getattr(self, key) >= 1, f"parallel.{key}={getattr(self, key)} must be >= 1")
+        _check(self.vpp == 1 or self.pp > 1, f"parallel.vpp={self.vpp} needs parallel.pp > 1; set parallel.pp")
+        _check(not self.pp_layers or (len(self.pp_layers) == self.pp * self.vpp and min(self.pp_layers) >= 1),
+               f"parallel.pp_layers={self.pp_layers} must give one count >= 1 per stage: parallel.pp × "
+               f"parallel.vpp = {self.pp * self.vpp} entries")
         _check(self.dp >= 0, f"parallel.dp={self.dp} must be >= 1 (or 0 to fill the world)")
         _check(not self.sp or self.tp > 1, "parallel.sp=true needs parallel.tp > 1; set parallel.tp or drop sp")
         _check(self.timeout_s > 0, f"parallel.timeout_s={self.timeout_s} must be positive")
@@ -219,6 +224,15 @@ class Config:
         _check(m.n_heads % p.tp == 0,
                f"parallel.tp={p.tp} does not divide model.n_heads={m.n_heads}; "
                f"use one of {[d for d in range(1, m.n_heads + 1) if m.n_heads % d == 0]}")
+        _check(not p.pp_layers or sum(p.pp_layers) == m.n_layers,
+               f"parallel.pp_layers={p.pp_layers} sums to {sum(p.pp_layers)} but model.n_layers={m.n_layers}")
+        _check(m.n_layers >= p.pp * p.vpp, f"model.n_layers={m.n_layers} is fewer than parallel.pp × parallel.vpp "
+               f"= {p.pp * p.vpp} stages; every stage needs a layer")
+        per_stage = min(p.pp_layers) if p.pp_layers else m.n_layers // (p.pp * p.vpp)
+        _check(self.train.recompute_num_layers <= per_stage,
+               f"train.recompute_num_layers={self.train.recompute_num_layers} exceeds the {per_stage} layers of a "
+               f"pipeline stage (model.n_layers={m.n_layers} over parallel.pp={p.pp} × vpp={p.vpp}); use "
+               f"1..{per_stage}, or 0 for every layer")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -243,9 +257,15 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             return float(value)
         if kind is str and isinstance(value, str):
             return value
-        if kind is list and isinstance(value, list):
+        if typing.get_origin(kind) is list and isinstance(value, list):
+            item = typing.get_args(kind)[0]
+            if item is int:  # list[int]: ints only (a bool or a string is a mistake)
+                if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                    return list(value)
+                continue
             return [str(v) for v in value]
-    names = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+    names = " or ".join("null" if k is type(None) else str(k) if typing.get_origin(k) else k.__name__
+                        for k in kinds)
     raise ConfigError(f"{key}={value!r} has the wrong type: expected {names}")
 
 
@@ -255,7 +275,7 @@ def _field_types(section: type) -> dict[str, tuple]:
         args = typing.get_args(hint)
         origin = typing.get_origin(hint)
         if origin is list:
-            out[name] = (list,)
+            out[name] = (hint,)  # list[str] or list[int]
         elif args:
             out[name] = tuple(args)
         else:
