@@ -1,0 +1,99 @@
+"""`meshlm bench memory`: measured activation memory per layer beside the formula, and model states.
+
+    meshlm bench memory --config llama-tiny --train.recompute=selective
+    torchrun --nproc-per-node 2 -m meshlm bench memory --config gpt-tiny --parallel.tp=2 --parallel.sp=true
+
+Builds the model as training does (whole from the seed, `parallelize`: tensor parallelism, then
+recomputation), runs one forward and loss on a micro-batch of random tokens under the saved-tensor counter
+(`plan.activations`) and prints, on rank 0, each layer's measured bytes next to `plan.memory`'s formula,
+the formula's terms, and the bytes of weights, gradients and Adam states per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from meshlm.config import DEFAULT_CONFIG, Config, bundled_configs
+
+
+def add_bench_commands(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="measurements of this build (meshlm bench memory)")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    memory = kinds.add_parser("memory", help="activation bytes saved for backward per layer, measured and by "
+                                             "formula; extra --section.key=value override the config")
+    memory.add_argument("--config", default=DEFAULT_CONFIG,
+                        help=f"bundled name ({', '.join(bundled_configs())}) or path to a .toml file")
+    memory.set_defaults(func=_bench_memory)
+
+
+def _bench_memory(args: argparse.Namespace, overrides: list[str]) -> int:
+    from meshlm.config import load_config
+    from meshlm.parallel import destroy
+
+    cfg = load_config(args.config, overrides)
+    try:
+        text = bench_memory(cfg)
+    finally:
+        destroy()
+    if text:
+        print(text)
+    return 0
+
+
+def bench_memory(cfg: Config) -> str:
+    """The report (on rank 0; "" elsewhere). Every rank of the layout must call it."""
+    import torch
+
+    from meshlm.models.gpt import GPT
+    from meshlm.parallel import TPRNGTracker, init_distributed, parallelize
+    from meshlm.plan.activations import measure_model_activations
+    from meshlm.plan.memory import (
+        activation_dtypes,
+        activation_terms,
+        attention_backend,
+        korthikanti_bytes,
+        layer_activation_bytes,
+        model_state_bytes,
+        parameter_count,
+    )
+    from meshlm.train.precision import Precision
+
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    dims = init_distributed(p, torch.device("cpu") if t.device == "cpu" else None)
+    torch.manual_seed(t.seed)
+    model = GPT(m).to(dims.device)
+    rng = TPRNGTracker(t.seed, dims.tp_rank, dims.device)
+    loss_fn = parallelize(model, dims, cfg, rng=rng)
+    precision = Precision(t.precision, dims.device)
+    report = measure_model_activations(model, loss_fn, t.micro_batch_size, m.seq_len, m.vocab_size,
+                                       precision.autocast(), rng)
+    if not dims.is_main:
+        return ""
+    device_type = dims.device.type
+    dtypes, backend = activation_dtypes(t.precision, device_type), attention_backend(device_type, m.dropout)
+    formula = layer_activation_bytes(cfg, dtypes=dtypes, backend=backend)
+    mode = t.recompute + (f" ({t.recompute_method}, recompute_num_layers={t.recompute_num_layers})"
+                          if t.recompute == "full" else "")
+    title = (f"activation memory, one micro-batch: b={t.micro_batch_size} s={m.seq_len} h={m.hidden_size} "
+             f"a={m.n_heads} g={m.kv_heads} f={m.ffn_size}, {m.activation}, {m.norm}, {m.position} positions, "
+             f"dropout {m.dropout}; tp={p.tp} sp={p.sp}; recompute {mode}; {t.precision} on {device_type} "
+             f"(SDPA {backend} backend); rank 0 of {dims.world_size}")
+    lines = [title, "", "| layer | measured bytes | formula bytes | measured / formula |", "|---|---|---|---|"]
+    for i, (got, want) in enumerate(zip(report.per_layer, formula)):
+        lines.append(f"| {i} | {got:,} | {want:,.0f} | {got / want if want else float('nan'):.3f} |")
+    outside = (f"outside the layers (embedding, final norm, head, loss): {report.outside_bytes:,} bytes; "
+               f"autocast copies of weights: {report.param_copy_bytes:,} bytes")
+    total = f"| all | {report.layers_total:,} | {sum(formula):,.0f} | {report.layers_total / sum(formula):.3f} |"
+    lines += [total, "", outside, "", "formula terms of a stored layer (bytes):"]
+    terms = activation_terms(m, t.micro_batch_size, p.tp, p.sp, "none" if t.recompute == "full" else t.recompute,
+                             dtypes, backend)
+    lines += [f"  {name}: {value:,.0f}" for name, value in terms.items()]
+    paper = korthikanti_bytes(m.seq_len, t.micro_batch_size, m.hidden_size, m.n_heads, p.tp, p.sp,
+                              t.recompute if t.recompute != "full" else "full")
+    lines.append(f"Korthikanti et al. 2022 Table 2 for this shape (16-bit, dropout, GeLU, MHA): {paper:,.0f} bytes/layer")
+    local = sum(q.numel() for q in model.parameters())
+    states = model_state_bytes(local, "fp32")
+    lines.append(f"model states on this rank: {local:,} parameters (model {parameter_count(m):,}) × 16 B = "
+                 f"{states['total'] / 2 ** 20:,.1f} MiB (weights {states['weights'] / 2 ** 20:,.1f}, grads "
+                 f"{states['grads'] / 2 ** 20:,.1f}, Adam {states['optimizer'] / 2 ** 20:,.1f})")
+    return "\n".join(lines)

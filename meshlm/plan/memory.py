@@ -1,0 +1,264 @@
+"""Memory formulas, the seed of the auto-configurator: model states and activations per layer.
+
+Model states (FORMULAS.md): bytes per parameter for weights, gradients and Adam states, with and without
+the distributed optimizer (ZeRO-1). Activations: Korthikanti et al. 2022, Table 2 (`korthikanti_bytes`,
+verbatim) and *our* variant (`activation_terms`), derived term by term from what meshlm's code saves for
+backward, so that the measured bytes (`meshlm.plan.activations`, `meshlm bench memory`,
+`benchmarks/activation_memory.py`) can be held to it. docs/memory.md walks through the derivation.
+
+Notation: s sequence length, b micro-batch size, h hidden size, a heads, g KV heads, k = h/a head dim,
+f MLP width, t tensor-parallel size; per tp rank a_t = a/t query heads, g_t = g/t KV heads (1 when t > g:
+KV heads are then replicated), f_t = f/t. Under sequence parallelism the residual stream holds s·b/t tokens
+per rank, else s·b.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshlm.config import Config, ModelConfig
+from meshlm.parallel.recompute import full_recompute_chunks
+
+# ---- model states --------------------------------------------------------------------------------------
+
+
+def parameter_count(m: ModelConfig) -> int:
+    """Exact parameter count of `meshlm.models.gpt.GPT(m)` (tied head counted once), from the config."""
+    h, k, f = m.hidden_size, m.head_dim, m.ffn_size
+    norm = (2 * h if m.bias else h) if m.norm == "layernorm" else h
+    qkv = h * k * (m.n_heads + 2 * m.kv_heads) + (k * (m.n_heads + 2 * m.kv_heads) if m.bias else 0)
+    proj = k * m.n_heads * h + (h if m.bias else 0)
+    fc_out = 2 * f if m.activation == "swiglu" else f
+    mlp = h * fc_out + (fc_out if m.bias else 0) + f * h + (h if m.bias else 0)
+    layer = 2 * norm + qkv + proj + mlp
+    embed = m.vocab_size * h + (m.seq_len * h if m.position == "learned" else 0)
+    head = 0 if m.tie_embeddings else m.vocab_size * h
+    return m.n_layers * layer + embed + norm + head
+
+
+def narayanan_parameter_count(h: int, n_layers: int, vocab: int, seq_len: int) -> float:
+    """Narayanan et al. 2021: P = 12·L·h²·(1 + 13/(12h) + (V + s)/(12·L·h)) (GPT-2 shapes, f = 4h, tied)."""
+    return 12 * n_layers * h ** 2 * (1 + 13 / (12 * h) + (vocab + seq_len) / (12 * n_layers * h))
+
+
+def model_state_bytes_per_param(scheme: str, dp: int = 1, distributed_optimizer: bool = False) -> dict[str, float]:
+    """Bytes per parameter of weights, gradients and optimizer states on one data-parallel rank.
+
+    * `mixed` (Megatron's bf16/fp16 with Adam): 16-bit weights 2 + fp32 gradients 4 + fp32 master weights 4
+      + Adam m 4 + v 4 = 18; the distributed optimizer (ZeRO-1) shards master weights and Adam over d ranks:
+      6 + 12/d.
+    * `fp32`: weights 4 + gradients 4 + Adam 8 = 16; ZeRO-1: 8 + 8/d. meshlm's bf16 is autocast over fp32
+      weights (no separate master copy), so its states are this scheme too, plus the transient 16-bit casts
+      of the weights that autocast makes during the forward (`ActivationReport.param_copy_bytes`).
+    """
+    d = dp if distributed_optimizer else 1
+    if scheme == "mixed":
+        return {"weights": 2.0, "grads": 4.0, "optimizer": 12.0 / d}
+    if scheme == "fp32":
+        return {"weights": 4.0, "grads": 4.0, "optimizer": 8.0 / d}
+    raise ValueError(f"unknown state scheme {scheme!r}; use 'mixed' or 'fp32'")
+
+
+def model_state_bytes(n_params: int, scheme: str, dp: int = 1, distributed_optimizer: bool = False) -> dict[str, float]:
+    per = model_state_bytes_per_param(scheme, dp, distributed_optimizer)
+    out = {k: v * n_params for k, v in per.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
+# ---- activations: the paper ----------------------------------------------------------------------------
+
+
+def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none") -> float:
+    """Korthikanti et al. 2022, Table 2: activation bytes per transformer layer (16-bit, with dropout).
+
+    none: s·b·h·(34 + 5·a·s/h) at t=1, s·b·h·(10 + 24/t + 5·a·s/(h·t)) with TP, s·b·h·(34/t + 5·a·s/(h·t))
+    with TP+SP; selective drops the 5·a·s/h scores term; full keeps the layer input only, 2·s·b·h (/t with
+    SP, where the stored input is the sequence shard).
+    """
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sp else 1)
+    scores = 0.0 if recompute == "selective" else 5 * a * s / (h * t)
+    return sbh * ((34 / t if sp else 10 + 24 / t) + scores)
+
+
+# ---- activations: ours ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ActivationDtypes:
+    """Bytes per element of each kind of tensor saved for backward (docs/memory.md, "Element sizes").
+
+    residual: the residual stream (layer input, norm inputs): fp32 under autocast too, since the
+        embedding and the residual adds stay in the weights' fp32.
+    compute: what the matmuls read and write (linear inputs, q/k/v, attention output, MLP intermediates).
+    math: the math SDPA backend's operands and s×s tensors (CPU's math kernel upcasts 16-bit to fp32).
+    bool_masks: dropout keeps a 1-byte bool mask (CUDA's fused native_dropout) rather than a mask in the
+        dropped tensor's own dtype (CPU's at::dropout multiplies by a float mask and saves it).
+    stats: norm statistics and the flash logsumexp, fp32 (Korthikanti ignores them: 0).
+    """
+
+    residual: int
+    compute: int
+    math: int
+    bool_masks: bool
+    stats: int = 4
+
+
+# The paper's accounting: everything 16-bit, 1-byte masks, small statistics ignored.
+KORTHIKANTI_DTYPES = ActivationDtypes(residual=2, compute=2, math=2, bool_masks=True, stats=0)
+
+
+def activation_dtypes(precision: str, device_type: str) -> ActivationDtypes:
+    """What meshlm saves: fp32 everywhere, or autocast (bf16/fp16) over fp32 weights."""
+    cuda = device_type == "cuda"
+    if precision == "fp32":
+        return ActivationDtypes(residual=4, compute=4, math=4, bool_masks=cuda)
+    return ActivationDtypes(residual=4, compute=2, math=2 if cuda else 4, bool_masks=cuda)
+
+
+def attention_backend(device_type: str, dropout: float) -> str:
+    """The SDPA kernel that runs: `flash` saves q, k, v, the output and a logsumexp (no s×s tensor);
+    `math` materialises the scores. On CPU, PyTorch's flash kernel takes no dropout, so dropout > 0 falls
+    back to math; on CUDA the flash/memory-efficient kernels take dropout (they save an RNG seed, not a
+    mask)."""
+    return "math" if device_type != "cuda" and dropout > 0 else "flash"
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """Per-rank sizes of one transformer layer for a micro-batch."""
+
+    s: int
+    b: int
+    h: int
+    k: int
+    a_t: int  # query heads on this rank
+    g_t: int  # KV heads on this rank
+    f_t: int  # MLP width on this rank
+    tokens_residual: int  # tokens in this rank's residual stream: s·b, or s·b/t under SP
+
+    @classmethod
+    def of(cls, m: ModelConfig, micro_batch: int, tp: int = 1, sp: bool = False, seq_len: int | None = None):
+        s = seq_len or m.seq_len
+        g = m.kv_heads
+        return cls(s=s, b=micro_batch, h=m.hidden_size, k=m.head_dim, a_t=m.n_heads // tp,
+                   g_t=g // tp if g >= tp else 1, f_t=m.ffn_size // tp,
+                   tokens_residual=s * micro_batch // (tp if sp else 1))
+
+    @property
+    def tokens(self) -> int:
+        return self.s * self.b
+
+
+def _norm_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes, which: str) -> dict[str, float]:
+    r = sh.tokens_residual
+    terms = {f"{which} input": r * sh.h * dt.residual}
+    if m.norm == "layernorm":  # fused kernel: input, mean and rstd
+        terms[f"{which} mean, rstd"] = 2 * r * dt.stats
+    else:  # RMSNorm in plain ops: x·rsqrt(...) then w·(...) keep rsqrt and the normalised x too
+        terms[f"{which} rsqrt"] = r * dt.stats
+        terms[f"{which} normalised x"] = r * sh.h * dt.residual
+    return terms
+
+
+def _mask(elements: float, dtype_bytes: int, dt: ActivationDtypes) -> float:
+    return elements * (1 if dt.bool_masks else dtype_bytes)
+
+
+def _attention_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes, backend: str, selective: bool,
+                     dropout: bool) -> dict[str, float]:
+    n, k, c = sh.tokens, sh.k, dt.compute
+    qkv_heads = sh.a_t + 2 * sh.g_t
+    terms = {}
+    if selective or backend == "flash":  # q, k, v as they enter the core: views of the qkv output
+        terms["qkv output (q, k, v views)"] = n * k * qkv_heads * c
+        if m.position == "rope":  # RoPE makes new q and k; v stays a view that keeps all of qkv alive
+            terms["q, k after RoPE"] = n * k * (sh.a_t + sh.g_t) * c
+        if not selective:
+            terms["logsumexp (flash)"] = sh.b * sh.a_t * sh.s * dt.stats
+    else:  # math backend: its own q·√scale and k·√scale (GQA-expanded), v as (b·a_t, s, k), s×s tensors
+        scores = sh.b * sh.a_t * sh.s * sh.s
+        terms["q, k copies (math SDPA)"] = 2 * n * k * sh.a_t * dt.math
+        # v reshaped to (b·a_t, s, k) is a view of the qkv output when b or a_t is 1, with nothing to expand
+        # (GQA) or upcast (CPU's math kernel computes 16-bit in fp32); otherwise a copy.
+        if (sh.b == 1 or sh.a_t == 1) and sh.g_t == sh.a_t and dt.math == dt.compute:
+            terms["qkv output (v view, math SDPA)"] = n * k * qkv_heads * c
+        else:
+            terms["v copy (math SDPA)"] = n * k * sh.a_t * dt.math
+        terms["softmax output"] = scores * dt.math
+        if dropout:
+            terms["attention dropout mask"] = _mask(scores, dt.math, dt)
+            terms["dropped probabilities"] = scores * dt.math
+    terms["attention output (proj input)"] = n * k * sh.a_t * c
+    return terms
+
+
+def _mlp_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes) -> dict[str, float]:
+    n, f, c = sh.tokens, sh.f_t, dt.compute
+    if m.activation == "swiglu":  # SiLU saves the gate, a view of the whole [gate; up] fc output
+        return {"fc output [gate; up]": n * 2 * f * c, "SiLU(gate)": n * f * c, "SiLU(gate)·up (proj input)": n * f * c}
+    return {"fc output (GeLU input)": n * f * c, "GeLU output (proj input)": n * f * c}
+
+
+def activation_terms(m: ModelConfig, micro_batch: int, tp: int = 1, sp: bool = False, recompute: str = "none",
+                     dtypes: ActivationDtypes | None = None, backend: str | None = None,
+                     seq_len: int | None = None, sharded_linear_inputs: bool = False) -> dict[str, float]:
+    """Bytes saved for backward by one transformer layer on one tp rank, by term (docs/memory.md).
+
+    `recompute='full'` gives a layer that starts a checkpoint region (its input only); a layer inside a
+    region but not first saves nothing, a layer outside any region the `none` terms (`layer_activation_bytes`).
+    `sharded_linear_inputs`: the column-parallel linears keep the sequence shard of their input and
+    all-gather it again in backward (Megatron); meshlm's keep the gathered input (s·b·h), the default.
+    """
+    dt = dtypes or activation_dtypes("fp32", "cpu")
+    backend = backend or attention_backend("cpu", m.dropout)
+    sh = LayerShape.of(m, micro_batch, tp, sp, seq_len)
+    residual = sh.tokens_residual * sh.h
+    if recompute == "full":
+        return {"layer input (checkpoint)": residual * dt.residual}
+    dropout = m.dropout > 0
+    linear_in = (residual if sharded_linear_inputs else sh.tokens * sh.h) * dt.compute
+    # Residual dropout acts on the row-parallel output: the linear's dtype, except that with tp > 1 the
+    # bias is added after the reduction, outside autocast's linear, and promotes it to the fp32 weights'.
+    proj_out = dt.residual if tp > 1 and m.bias else dt.compute
+    terms = _norm_terms(m, sh, dt, "norm1")
+    terms["qkv input"] = linear_in
+    terms.update(_attention_terms(m, sh, dt, backend, recompute == "selective", dropout))
+    if dropout:
+        terms["attention residual dropout mask"] = _mask(residual, proj_out, dt)
+    terms.update(_norm_terms(m, sh, dt, "norm2"))
+    terms["fc input"] = linear_in
+    terms.update(_mlp_terms(m, sh, dt))
+    if dropout:
+        terms["MLP residual dropout mask"] = _mask(residual, proj_out, dt)
+    return terms
+
+
+def layer_activation_bytes(cfg: Config, micro_batch: int | None = None, n_layers: int | None = None,
+                           dtypes: ActivationDtypes | None = None, backend: str | None = None,
+                           device_type: str = "cpu") -> list[float]:
+    """Bytes saved for backward by each layer of a stage of `n_layers` (default all) under `cfg`."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    n = n_layers or m.n_layers
+    kw = {"micro_batch": micro_batch or t.micro_batch_size, "tp": p.tp, "sp": p.sp,
+          "dtypes": dtypes or activation_dtypes(t.precision, device_type),
+          "backend": backend or attention_backend(device_type, m.dropout)}
+    if t.recompute != "full":
+        return [sum(activation_terms(m, recompute=t.recompute, **kw).values())] * n
+    stored = sum(activation_terms(m, recompute="none", **kw).values())
+    region_input = sum(activation_terms(m, recompute="full", **kw).values())
+    out = [stored] * n
+    for chunk in full_recompute_chunks(n, t.recompute_method, t.recompute_num_layers):
+        out[chunk[0]] = region_input
+        for i in chunk[1:]:
+            out[i] = 0.0
+    return out
+
+
+def pipeline_activation_factor(pp: int, micro_batches: int, vpp: int = 1) -> float:
+    """Micro-batches' worth of activations the first stage holds: min(p, m) in 1F1B, times
+    (1 + (p − 1)/(p·v)) when interleaved over v virtual stages (Korthikanti et al. 2022, §4.2.3)."""
+    held = min(pp, micro_batches)
+    return held * (1 + (pp - 1) / (pp * vpp)) if vpp > 1 else float(held)
