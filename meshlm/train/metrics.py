@@ -31,14 +31,17 @@ def model_flops(m: ModelConfig, batch: int, seq_len: int | None = None) -> float
     return dense + attention
 
 
-def recompute_flops(m: ModelConfig, batch: int, recompute: str, seq_len: int | None = None) -> float:
-    """Extra forward FLOPs done again by activation recomputation (for HFU)."""
+def recompute_flops(m: ModelConfig, batch: int, recompute: str, seq_len: int | None = None,
+                    layers: int | None = None) -> float:
+    """Extra forward FLOPs done again by activation recomputation (for HFU), over `layers` recomputed
+    layers (default every layer; `meshlm.parallel.recompute.recomputed_layers` counts them)."""
     s = seq_len or m.seq_len
+    n = m.n_layers if layers is None else layers
     if recompute == "full":
         per_layer = batch * s * layer_flops_per_token(m) / 3 + 2.0 * batch * s * s * m.head_dim * m.n_heads
-        return m.n_layers * per_layer
+        return n * per_layer
     if recompute == "selective":  # the attention core only: QKᵀ and ·V, causal counted once
-        return m.n_layers * 2.0 * batch * s * s * m.head_dim * m.n_heads
+        return n * 2.0 * batch * s * s * m.head_dim * m.n_heads
     return 0.0
 
 

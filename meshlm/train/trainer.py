@@ -28,6 +28,9 @@ from meshlm.data.dataset import BatchLoader, GPTSamples
 from meshlm.infer.generate import generate
 from meshlm.models.gpt import GPT
 from meshlm.parallel import TPRNGTracker, clip_grad_norm_, finish_grads, full_state_dict, init_distributed, parallelize
+from meshlm.parallel.recompute import recomputed_layers
+from meshlm.plan.activations import measure_model_activations
+from meshlm.plan.memory import layer_activation_bytes
 from meshlm.train import checkpoint as ckpt
 from meshlm.train.metrics import measure_peak_tflops, model_flops, peak_memory_mb, recompute_flops
 from meshlm.train.optim import build_optimizer, lr_at
@@ -286,7 +289,11 @@ class Trainer:
                      f"{' with sequence parallelism' if cfg.parallel.sp else ''}")
         peak = self._peak_tflops() * d.world_size  # MFU against the peak of every device in the job
         flops = model_flops(m, t.global_batch_size)
-        hw_flops = flops + recompute_flops(m, t.global_batch_size, "none")
+        hw_flops = flops + recompute_flops(m, t.global_batch_size, t.recompute, layers=recomputed_layers(cfg))
+        if d.pp == 1:  # bytes saved for backward, measured on one micro-batch (random streams untouched)
+            acts = measure_model_activations(self.model, self.loss_fn, t.micro_batch_size, m.seq_len, m.vocab_size,
+                                             self.precision.autocast(), self.tp_rng)
+            self.log(acts.summary(layer_activation_bytes(cfg, device_type=self.device.type)))
         writer = SummaryWriter(str(self.out_dir / "tensorboard")) if d.is_main else None
         metrics = open(self.out_dir / "metrics.jsonl", "a") if d.is_main else None
         self._bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step",
@@ -316,7 +323,7 @@ class Trainer:
                     self._write(metrics, writer, rec)
                     self.log(f"step {self.step:>6} | loss {loss:.4f} | lr {rec['lr']:.2e} | gnorm {grad_norm:.3f}"
                              f" | {rec['tokens_per_s']:,.0f} tok/s | {rec['tflops']:.3f} TFLOP/s | "
-                             f"MFU {100 * rec['mfu']:.1f}% | mem {rec['peak_mem_mb']:,.0f} MiB")
+                             f"MFU {100 * rec['mfu']:.1f}% | HFU {100 * rec['hfu']:.1f}% | mem {rec['peak_mem_mb']:,.0f} MiB")
                     window_start, window_steps = time.perf_counter(), 0
                 if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps:
                     last_eval = self._eval_and_log(metrics, writer)

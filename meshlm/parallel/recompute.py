@@ -1,0 +1,186 @@
+"""Activation recomputation (Chen et al. 2016; Korthikanti et al. 2022), from outside the model.
+
+`apply_recompute(model, cfg)` wraps parts of a (possibly tensor-parallel) `GPT` or pipeline stage in
+non-reentrant `torch.utils.checkpoint`: their forward runs without keeping what its backward needs, and
+the backward runs the forward again to get it back. `train.recompute` picks what:
+
+* **selective** — only the attention core `softmax(QKᵀ/√d)·V` (`Attention.core`). Its saved tensors are
+  the `s×s` scores, softmax and dropout mask when the SDPA backend materialises them (Korthikanti's
+  `5·a·s²·b` bytes per layer, the biggest term at long sequences), and costs only the `4·b·s²·h` FLOPs
+  of its two batched matmuls to redo. What stays saved is the core's inputs q, k, v (which live anyway as
+  the `qkv` output) and its output (the projection's input). The region holds no collective: under tensor
+  and sequence parallelism the core sits between the column-parallel `qkv` and the row-parallel `proj`
+  on this rank's heads, so recomputing it re-gathers nothing.
+* **full** — whole transformer layers (Megatron's `--recompute-granularity full`). Only each region's
+  input (the residual stream, `s·b·h` elements, `/t` under sequence parallelism) is saved; backward
+  redoes the whole forward of the region, collectives included: under sequence parallelism each
+  recomputed layer all-gathers its two column-parallel inputs (qkv, fc) and reduce-scatters its two
+  row-parallel outputs again (checkpoint's early stop skips the last reduce-scatter when nothing after it
+  is saved, i.e. without dropout). `train.recompute_method`:
+  - `uniform`: the stage's layers in consecutive chunks of `recompute_num_layers` (0: 1), each chunk
+    one checkpoint region: one saved input per chunk, but backward holds a whole chunk's activations.
+  - `block`: the first `recompute_num_layers` layers of the stage (0: all), each its own region; the rest
+    are not recomputed (spend memory where a pipeline stage has it to spare: the last stages hold fewer
+    micro-batches in flight than the first).
+
+Random streams are replayed exactly, so recomputing changes no number: `torch.utils.checkpoint` restores
+the default generator (CPU, and CUDA of the inputs' devices) for the recomputation; the tensor-parallel
+stream (`TPRNGTracker`, which dropout inside TP regions draws from) is not a generator torch knows of, so
+`_replay_tp_stream` snapshots it when a region runs forward and sets it back for the recomputation,
+then restores where the live stream had got to.
+
+Checkpointing is skipped when gradients are off (evaluation, generation) and for KV-cache decoding.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint, noop_context_fn
+
+from meshlm.config import Config, ConfigError
+from meshlm.parallel.rng import TPRNGTracker
+
+MODES = ("none", "selective", "full")
+
+
+def _replay_tp_stream(rng: TPRNGTracker) -> Callable[[], tuple]:
+    """checkpoint's `context_fn`: a (forward, recompute) pair of context managers per region call.
+
+    Forward records the TP stream's state on entry; recompute sets it back to that state (so the same
+    dropout masks are drawn again) and, on exit, restores the live state, which went on from the forward.
+    """
+
+    def context_fn():
+        snapshot: dict = {}
+
+        @contextmanager
+        def forward() -> Iterator[None]:
+            snapshot.update(rng.get_state())
+            yield
+
+        @contextmanager
+        def recompute() -> Iterator[None]:
+            live = rng.get_state()
+            rng.set_state(snapshot)
+            try:
+                yield
+            finally:
+                rng.set_state(live)
+
+        return forward(), recompute()
+
+    return context_fn
+
+
+def _checkpointed(fn: Callable, context_fn) -> Callable:
+    """`fn` run under non-reentrant checkpoint when autograd records (else as is)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    return run
+
+
+def _recompute_attention_core(layers: list[nn.Module], context_fn) -> None:
+    """Selective: the instance's `attn.core` (plain, or tensor parallel's per-rank-stream wrapper) runs
+    inside a checkpoint; q, k, v are the saved inputs."""
+    for layer in layers:
+        layer.attn.core = _checkpointed(layer.attn.core, context_fn)
+
+
+def _recompute_chunk(chunk: list[nn.Module], context_fn) -> None:
+    """Full: one checkpoint region over consecutive layers, without renaming any parameter.
+
+    GPT.forward calls each layer in turn, so the region is set up on the layers' own `forward`s: the
+    chunk's first layer runs the whole chunk inside the checkpoint and returns its output; the other
+    layers, handed exactly that output, pass it on (their work is done). Called any other way (no
+    gradients, a KV cache, another input) every layer runs its own forward.
+    """
+    forwards = [layer.forward for layer in chunk]  # the bound, unwrapped forwards
+    last_output: list[torch.Tensor | None] = [None]
+
+    def run_chunk(x, rope, start):
+        for forward in forwards:
+            x = forward(x, rope, None, start)
+        return x
+
+    region = _checkpointed(run_chunk, context_fn)
+
+    def head(x, rope=None, cache=None, start=0):
+        if cache is not None or not torch.is_grad_enabled():
+            last_output[0] = None
+            return forwards[0](x, rope, cache, start)
+        out = region(x, rope, start)
+        last_output[0] = out if len(chunk) > 1 else None
+        return out
+
+    chunk[0].forward = functools.wraps(forwards[0])(head)
+    for i, (forward, layer) in enumerate(zip(forwards[1:], chunk[1:]), start=2):
+        is_last = i == len(chunk)
+
+        def tail(x, rope=None, cache=None, start=0, _forward=forward, _last=is_last):
+            if x is last_output[0] and cache is None and torch.is_grad_enabled():
+                if _last:
+                    last_output[0] = None  # hold no reference past the chunk
+                return x  # computed by the chunk's first layer, inside the region
+            return _forward(x, rope, cache, start)
+
+        layer.forward = functools.wraps(forward)(tail)
+
+
+def full_recompute_chunks(n_layers: int, method: str, num_layers: int) -> list[list[int]]:
+    """Which layers of a stage of `n_layers` form each checkpoint region (layers in no region: stored).
+
+    uniform: consecutive chunks of `num_layers` (0 → 1), the last one possibly shorter (as Megatron);
+    block: each of the first `num_layers` (0 → all) layers alone.
+    """
+    if num_layers > n_layers:
+        raise ConfigError(f"train.recompute_num_layers={num_layers} exceeds the {n_layers} layers of this "
+                          f"pipeline stage; use 1..{n_layers}, or 0 for every layer")
+    if method == "uniform":
+        size = num_layers or 1
+        return [list(range(i, min(i + size, n_layers))) for i in range(0, n_layers, size)]
+    return [[i] for i in range(num_layers or n_layers)]
+
+
+def apply_recompute(model: nn.Module, cfg: Config, rng: TPRNGTracker | None = None) -> None:
+    """Wrap `model.layers` (a GPT's or a pipeline stage's transformer layers) for `cfg.train.recompute`.
+
+    In place; parameter names are unchanged. `rng` is the tensor-parallel dropout stream, replayed in the
+    recomputation when the model has dropout (None: no TP stream is in use).
+    """
+    t = cfg.train
+    if t.recompute not in MODES:
+        raise ConfigError(f"train.recompute={t.recompute!r} is not one of {', '.join(MODES)}; pick one of them")
+    if t.recompute == "none":
+        return
+    if getattr(model, "recompute", "none") != "none":
+        raise RuntimeError(f"recomputation is already applied to this model ({model.recompute})")
+    layers = list(model.layers)
+    # No TP stream, or no dropout to draw from it: the plain checkpoint (which torch.compile also takes).
+    context_fn = _replay_tp_stream(rng) if rng is not None and cfg.model.dropout > 0 else noop_context_fn
+    if t.recompute == "selective":
+        _recompute_attention_core(layers, context_fn)
+    else:
+        for chunk in full_recompute_chunks(len(layers), t.recompute_method, t.recompute_num_layers):
+            _recompute_chunk([layers[i] for i in chunk], context_fn)
+    model.recompute = t.recompute
+
+
+def recomputed_layers(cfg: Config) -> int:
+    """How many of the model's layers redo (part of) their forward in backward (for hardware FLOPs):
+    every layer, except under `full` with `block`, which recomputes the first N of each (virtual) stage."""
+    t, p, n = cfg.train, cfg.parallel, cfg.model.n_layers
+    if t.recompute == "none":
+        return 0
+    if t.recompute == "full" and t.recompute_method == "block" and t.recompute_num_layers:
+        return min(n, t.recompute_num_layers * p.pp * p.vpp)
+    return n
