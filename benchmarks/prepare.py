@@ -9,8 +9,9 @@ K times (symlinks), so that fixed costs (starting workers, fsync) weigh less. Ro
   nothing is written. This is what a hand-written preprocessing script does.
 - `tiktoken encode_ordinary_batch, 2 threads`: for reference only. tiktoken releases the GIL, so its
   own batch API uses two cores from one process (GPT-2/tiktoken only; it writes nothing either).
-- `ceiling`: what this machine gives two processes right now: the plain loop forked into two processes,
-  each on half the files (balanced by size), nothing returned but a count. No tool can beat it.
+- `ceiling`: what this machine gives two processes right now: the plain loop forked into two processes
+  (pool start inside the clock, as for prepare), each on half the files (balanced by size), nothing
+  returned but a count. No tool that starts processes can beat it.
 - `meshlm prepare, N workers`: the full command: read, decode UTF-8, tokenize in N processes (forked),
   return tokens in order, write PREFIX.bin/.idx/.json. With one worker it tokenizes in-process. It calls
   tiktoken's `encode_to_numpy` (same ids as `encode_ordinary`, without building a Python list); the
@@ -79,8 +80,8 @@ def measure(method: str, n: int, copies: int) -> dict:
     files = corpus(copies, folder)
     n_bytes = sum(f.stat().st_size for f in files)
     encoding = _encoding()  # loaded before timing, for every method
-    pool = multiprocessing.get_context("fork").Pool(n) if method == "split" else None
     start = time.perf_counter()
+    pool = multiprocessing.get_context("fork").Pool(n) if method == "split" else None
     if method == "plain":
         tokens = _plain(files)
     elif method == "split":
@@ -94,11 +95,11 @@ def measure(method: str, n: int, copies: int) -> dict:
             stats = prepare([str(f) for f in files], "gpt2", f"{out}/shk", workers=n, progress=False,
                             log=lambda line: None)
             tokens = stats.tokens
-    seconds = time.perf_counter() - start
-    shutil.rmtree(folder)
     if pool is not None:
         pool.close()
         pool.join()
+    seconds = time.perf_counter() - start
+    shutil.rmtree(folder)
     return {"seconds": seconds, "tokens": tokens, "bytes": n_bytes,
             "main_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "worker_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
