@@ -1,0 +1,124 @@
+"""plan.memory: parameter counts, model-state bytes, Korthikanti's Table 2, and our activation formula
+against the bytes the code saves (tp=1 here; tp=2 in tests/parallel/test_recompute_tp.py)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from meshlm.config import ModelConfig, build, load_config
+from meshlm.models.gpt import GPT
+from meshlm.parallel.recompute import apply_recompute
+from meshlm.plan.activations import measure_saved_activations
+from meshlm.plan.memory import (
+    KORTHIKANTI_DTYPES,
+    activation_dtypes,
+    activation_terms,
+    korthikanti_bytes,
+    layer_activation_bytes,
+    model_state_bytes,
+    model_state_bytes_per_param,
+    narayanan_parameter_count,
+    parameter_count,
+    pipeline_activation_factor,
+)
+
+MEGATRON_TABLE = [((2304, 24, 24), 1.7), ((3072, 32, 30), 3.6), ((4096, 32, 36), 7.5), ((6144, 48, 40), 18.4),
+                  ((8192, 64, 48), 39.1), ((10240, 80, 60), 76.1), ((12288, 96, 80), 145.6),
+                  ((16384, 128, 96), 310.1), ((20480, 128, 105), 529.6), ((25600, 160, 128), 1008.0)]
+
+
+@pytest.mark.parametrize("shape,published", MEGATRON_TABLE, ids=[f"{p}B" for _, p in MEGATRON_TABLE])
+def test_narayanan_formula_gives_megatrons_published_sizes(shape, published):
+    h, a, L = shape
+    exact = parameter_count(ModelConfig(n_layers=L, hidden_size=h, n_heads=a, seq_len=2048, vocab_size=51200))
+    formula = narayanan_parameter_count(h, L, 51200, 2048)
+    assert round(formula / 1e9, 1) == published
+    assert exact == pytest.approx(formula + 2 * h, abs=1e-3 * h)  # the formula leaves out the final LayerNorm
+
+
+@pytest.mark.parametrize("name,changes", [("gpt-tiny", []), ("llama-tiny", []), ("gpt2-124m", []),
+                                           ("gpt-tiny", ["--model.bias=false", "--model.tie_embeddings=false"]),
+                                           ("llama-tiny", ["--model.norm=layernorm", "--model.n_kv_heads=1"])])
+def test_parameter_count_equals_the_model(name, changes):
+    m = load_config(name, changes).model
+    assert parameter_count(m) == GPT(m).num_params()
+
+
+def test_model_state_bytes_per_parameter():
+    assert sum(model_state_bytes_per_param("mixed").values()) == 18
+    assert sum(model_state_bytes_per_param("fp32").values()) == 16
+    for d in (2, 4, 8):
+        assert sum(model_state_bytes_per_param("mixed", d, distributed_optimizer=True).values()) == 6 + 12 / d
+        assert sum(model_state_bytes_per_param("fp32", d, distributed_optimizer=True).values()) == 8 + 8 / d
+    assert model_state_bytes(1000, "mixed")["total"] == 18_000
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_our_terms_under_the_papers_assumptions_give_table_2(t, sp, recompute):
+    """16-bit everywhere, 1-byte masks, statistics ignored, materialised scores and the sequence shard kept
+    for the column-parallel linears: our term-by-term sum is the paper's closed form."""
+    if sp and t == 1:
+        pytest.skip("SP needs tp > 1")
+    s, b, h, a = 2048, 4, 4096, 32
+    m = ModelConfig(n_layers=1, hidden_size=h, n_heads=a, seq_len=s, dropout=0.1)
+    ours = activation_terms(m, b, t, sp, recompute, KORTHIKANTI_DTYPES, "math", sharded_linear_inputs=True)
+    assert sum(ours.values()) == pytest.approx(korthikanti_bytes(s, b, h, a, t, sp, recompute), rel=1e-12)
+
+
+def test_korthikanti_closed_forms():
+    s, b, h, a = 2048, 1, 12288, 96
+    sbh = s * b * h
+    assert korthikanti_bytes(s, b, h, a) == sbh * (34 + 5 * a * s / h)
+    assert korthikanti_bytes(s, b, h, a, 8, True, "selective") == sbh * 34 / 8
+    assert korthikanti_bytes(s, b, h, a, 8, False, "selective") == sbh * (10 + 24 / 8)
+    assert korthikanti_bytes(s, b, h, a, 8, False, "full") == 2 * sbh
+
+
+def test_pipeline_factor():
+    assert pipeline_activation_factor(4, 8) == 4 and pipeline_activation_factor(4, 2) == 2
+    assert pipeline_activation_factor(4, 8, vpp=2) == pytest.approx(4 * (1 + 3 / 8))
+
+
+LLAMA = {"n_kv_heads": 2, "position": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False}
+SHAPES = [  # (model changes, micro-batch, precision, recompute)
+    ({}, 2, "fp32", "none"),
+    ({"dropout": 0.1}, 2, "fp32", "none"),  # math SDPA: s×s scores, float masks
+    ({"dropout": 0.1}, 2, "fp32", "selective"),
+    ({"dropout": 0.1}, 1, "fp32", "none"),  # b = 1: the math kernel's v is a view of qkv
+    ({"dropout": 0.1, "n_heads": 2, "n_kv_heads": 1}, 3, "bf16", "none"),
+    ({**LLAMA}, 2, "fp32", "none"),
+    ({**LLAMA, "dropout": 0.1}, 2, "bf16", "selective"),
+    ({**LLAMA, "ffn_hidden_size": 96}, 3, "bf16", "full"),
+]
+
+
+@pytest.mark.parametrize("changes,b,precision,recompute", SHAPES)
+def test_measured_saved_bytes_equal_our_formula(changes, b, precision, recompute):
+    model = {"vocab_size": 101, "n_layers": 2, "hidden_size": 64, "n_heads": 4, "seq_len": 24, **changes}
+    cfg = build({"model": model, "train": {"precision": precision, "recompute": recompute, "micro_batch_size": b,
+                                                   "global_batch_size": b}})
+    torch.manual_seed(0)
+    gpt = GPT(cfg.model)
+    apply_recompute(gpt, cfg)
+    ids = torch.randint(0, 101, (b, 24), generator=torch.Generator().manual_seed(0))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+
+    def run():
+        with autocast:
+            return gpt(ids).float().sum()
+
+    report = measure_saved_activations(gpt, run)
+    assert report.per_layer == layer_activation_bytes(cfg)
+    assert (report.param_copy_bytes > 0) == (precision == "bf16")
+
+
+def test_cpu_and_cuda_element_sizes():
+    assert activation_dtypes("fp32", "cpu") == activation_dtypes("fp32", "cpu")
+    bf16_cpu, bf16_cuda = activation_dtypes("bf16", "cpu"), activation_dtypes("bf16", "cuda")
+    assert (bf16_cpu.residual, bf16_cpu.compute, bf16_cpu.math, bf16_cpu.bool_masks) == (4, 2, 4, False)
+    assert (bf16_cuda.residual, bf16_cuda.compute, bf16_cuda.math, bf16_cuda.bool_masks) == (4, 2, 2, True)
