@@ -196,6 +196,8 @@ class ParallelConfig:
     vpp: int = 1
     timeout_s: float = 600.0
     pp_layers: list[int] = field(default_factory=list)  # layers per (virtual) stage; []: balanced automatically
+    zero: int = 0  # 0: replicated optimizer | 1: states sharded over dp | 2: + gradients | 3: + weights (FSDP2)
+    bucket_mb: float = 25.0  # data parallel: gradients reduced in buckets of about this size, during backward
 
     def validate(self) -> None:
         for key in ("tp", "pp", "vpp"):
@@ -207,6 +209,13 @@ class ParallelConfig:
         _check(self.dp >= 0, f"parallel.dp={self.dp} must be >= 1 (or 0 to fill the world)")
         _check(not self.sp or self.tp > 1, "parallel.sp=true needs parallel.tp > 1; set parallel.tp or drop sp")
         _check(self.timeout_s > 0, f"parallel.timeout_s={self.timeout_s} must be positive")
+        _check(self.zero in (0, 1, 2, 3), f"parallel.zero={self.zero} is not a ZeRO stage; use 0 (off), 1 (optimizer "
+               "states sharded over dp), 2 (and gradients) or 3 (and weights, FSDP2)")
+        _check(self.zero < 3 or self.tp == 1,
+               f"parallel.zero=3 (FSDP2) with parallel.tp={self.tp} is not supported: tensor parallelism completes "
+               "and measures gradients by rows of whole local tensors, which FSDP2 shards over dp; use "
+               "parallel.zero=1 or 2 with tensor parallelism")
+        _check(self.bucket_mb > 0, f"parallel.bucket_mb={self.bucket_mb} must be positive (MiB per gradient bucket)")
 
 
 @dataclass(frozen=True)

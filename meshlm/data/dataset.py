@@ -1,9 +1,12 @@
 """A resumable, deterministic batch order over a split's samples.
 
 The loader's position is the number of samples consumed, so a checkpoint resumes with the very next
-sample. Datasets that carry their own shuffle (`shuffled = True`: GPTDataset, BlendedDataset, whose
-index i already is the i-th sample to train on) are read in order; any other sized dataset gets a fresh
-permutation per epoch drawn from (seed, epoch).
+sample. Under data parallelism every dp rank reads the same global order and takes its own slice of
+each step's global batch (Megatron's order: micro-batch k of rank r is samples `consumed + (k·dp + r)·mbs`
+onwards), so the global batch, and the position, are the same whatever dp is. Datasets that carry their
+own shuffle (`shuffled = True`: GPTDataset, BlendedDataset, whose index i already is the i-th sample to
+train on) are read in order; any other sized dataset gets a fresh permutation per epoch drawn from
+(seed, epoch).
 """
 
 from __future__ import annotations
@@ -34,19 +37,24 @@ class SampleOrder:
 
 
 class BatchLoader:
-    """Hands out micro-batches of (inputs, targets); `consumed` samples is the resumable position."""
+    """Hands out micro-batches of (inputs, targets); `consumed` samples (over all dp ranks) is the resumable
+    position. With `dp_size` > 1, each call consumes `micro_batch_size · dp_size` samples, of which this rank
+    returns its `dp_rank`-th slice."""
 
-    def __init__(self, samples, micro_batch_size: int, seed: int, consumed: int = 0, shuffle: bool = True):
+    def __init__(self, samples, micro_batch_size: int, seed: int, consumed: int = 0, shuffle: bool = True,
+                 dp_rank: int = 0, dp_size: int = 1):
         if len(samples) == 0:
             raise ValueError("dataset has no complete sample; use more text or a shorter model.seq_len")
         self.samples, self.mbs = samples, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         shuffle = shuffle and not getattr(samples, "shuffled", False)
         self.order = SampleOrder(len(samples), seed, shuffle)
         self.consumed = consumed
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = [np.asarray(self.samples[self.order[self.consumed + j]], dtype=np.int64) for j in range(self.mbs)]
-        self.consumed += self.mbs
+        first = self.consumed + self.dp_rank * self.mbs
+        rows = [np.asarray(self.samples[self.order[first + j]], dtype=np.int64) for j in range(self.mbs)]
+        self.consumed += self.mbs * self.dp_size
         batch = torch.from_numpy(np.stack(rows))  # (B, s + 1)
         return batch[:, :-1], batch[:, 1:]
 
