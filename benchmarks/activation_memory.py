@@ -1,0 +1,230 @@
+"""Activation memory per transformer layer, measured against our formula, for tp × sp × recompute; and
+the throughput cost of recomputation on CPU, in the same run.
+
+Measured: the bytes autograd saves for backward in each layer during one training forward (loss
+included) on rank 0, counted by `meshlm.plan.activations` (saved_tensors_hooks, each storage once,
+parameters excluded). Formula: `meshlm.plan.memory.layer_activation_bytes`, derived term by term in
+docs/memory.md for what our code saves. Beside them, Korthikanti et al. 2022's Table 2 for the same shape
+(16-bit, 1-byte masks, the shard kept by SP's linears): the GPU accounting ours departs from.
+Exits 1 if any measured value is off the formula by more than 5%.
+
+Throughput: tokens/s of full training steps (forward, backward, AdamW) at tp=1 with each recompute mode,
+interleaved rounds, median; next to it the FLOP overhead recomputation adds (HFU / MFU − 1).
+
+    .venv/bin/python benchmarks/activation_memory.py                  # GPT, dropout 0.1 (math SDPA on CPU)
+    .venv/bin/python benchmarks/activation_memory.py --arch llama --dropout 0   # flash SDPA, no s×s scores
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from meshlm.config import Config, build
+from meshlm.models.gpt import GPT
+from meshlm.parallel import TPRNGTracker, parallelize
+from meshlm.parallel.mesh import ParallelDims
+from meshlm.parallel.recompute import recomputed_layers
+from meshlm.plan.activations import measure_model_activations
+from meshlm.plan.memory import korthikanti_bytes, layer_activation_bytes
+from meshlm.train.metrics import model_flops, recompute_flops
+
+MODES = ("none", "selective", "full")
+TOLERANCE = 0.05
+LLAMA = {"n_kv_heads": 2, "position": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False}
+
+
+def make_config(args: argparse.Namespace, tp: int, sp: bool, recompute: str) -> Config:
+    model = {"vocab_size": args.vocab, "n_layers": args.layers, "hidden_size": args.hidden, "n_heads": args.heads,
+             "seq_len": args.seq, "dropout": args.dropout, **(LLAMA if args.arch == "llama" else {})}
+    if args.arch == "llama":
+        model["n_kv_heads"] = max(1, args.heads // 2)
+    train = {"micro_batch_size": args.batch, "global_batch_size": args.batch, "recompute": recompute,
+             "precision": args.precision}
+    return build({"model": model, "train": train, "parallel": {"tp": tp, "sp": sp}})
+
+
+def measure_layout(args: argparse.Namespace, dims: ParallelDims) -> list[tuple]:
+    """(sp, recompute, measured bytes per layer, formula bytes per layer) for this layout, rank 0's view."""
+    rows = []
+    for sp in ((False, True) if dims.tp > 1 else (False,)):
+        for recompute in MODES:
+            cfg = make_config(args, dims.tp, sp, recompute)
+            torch.manual_seed(0)
+            model = GPT(cfg.model)
+            rng = TPRNGTracker(0, dims.tp_rank)
+            loss_fn = parallelize(model, dims, cfg, rng=rng)
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
+            report = measure_model_activations(model, loss_fn, args.batch, args.seq, args.vocab, autocast, rng)
+            rows.append((sp, recompute, report.layers_total / args.layers, sum(layer_activation_bytes(cfg)) / args.layers))
+    return rows
+
+
+def _worker(rank: int, world: int, init: str, args: argparse.Namespace, queue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        rows = measure_layout(args, ParallelDims.build(tp=world, timeout_s=120))
+        if rank == 0:
+            queue.put(rows)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(tp: int, args: argparse.Namespace) -> list[tuple]:
+    if tp == 1:
+        return measure_layout(args, ParallelDims())
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{os.path.join(tmp, 'rendezvous')}"
+        procs = [ctx.Process(target=_worker, args=(r, tp, init, args, queue)) for r in range(tp)]
+        for p in procs:
+            p.start()
+        try:
+            rows = queue.get(timeout=300)  # a deadline: a hung world fails instead of blocking
+        finally:
+            for p in procs:
+                p.join(timeout=60)
+                if p.is_alive():
+                    p.kill()
+    return rows
+
+
+def throughput(args: argparse.Namespace) -> dict[str, list[float]]:
+    """tokens/s per recompute mode at tp=1: `rounds` interleaved rounds of `steps` timed steps each."""
+    setups = {}
+    for recompute in MODES:
+        cfg = make_config(args, 1, False, recompute)
+        torch.manual_seed(0)
+        model = GPT(cfg.model)
+        loss_fn = parallelize(model, ParallelDims(), cfg)
+        setups[recompute] = (model, loss_fn, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    batch = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
+
+    def step(model, loss_fn, opt):
+        with autocast:
+            loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    rates = {m: [] for m in MODES}
+    for setup in setups.values():  # warm-up
+        step(*setup)
+    for _ in range(args.rounds):
+        for recompute, setup in setups.items():
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step(*setup)
+            rates[recompute].append(args.steps * args.batch * args.seq / (time.perf_counter() - start))
+    rates["core_share"] = [_core_share(setups["none"], step) for _ in range(args.rounds)]
+    return rates
+
+
+def _core_share(setup, step) -> float:
+    """Share of one `none` training step's time spent in the attention core's forward: what selective
+    recomputation adds (CPU runs synchronously, so wall-clock timers around the calls are exact)."""
+    model = setup[0]
+    spent = [0.0]
+    originals = [layer.attn.core for layer in model.layers]
+
+    def timed(core):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            out = core(*args, **kwargs)
+            spent[0] += time.perf_counter() - start
+            return out
+        return run
+
+    for layer, core in zip(model.layers, originals):
+        layer.attn.core = timed(core)
+    start = time.perf_counter()
+    step(*setup)
+    total = time.perf_counter() - start
+    for layer, core in zip(model.layers, originals):
+        layer.attn.core = core
+    return spent[0] / total
+
+
+def _fmt(n: float) -> str:
+    return f"{n / 2 ** 20:,.2f} MiB" if n >= 2 ** 20 else f"{n / 2 ** 10:,.1f} KiB"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--arch", choices=["gpt", "llama"], default="gpt")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per round (0: skip throughput)")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    cfg = make_config(args, 1, False, "none")
+    m = cfg.model
+    print(f"{args.arch}: b={args.batch} s={args.seq} h={args.hidden} a={args.heads} g={m.kv_heads} f={m.ffn_size}, "
+          f"{args.layers} layers, dropout {args.dropout}, {args.precision} on CPU "
+          f"(SDPA {'math' if args.dropout > 0 else 'flash'} backend), torch {torch.__version__}; "
+          "bytes saved for backward per transformer layer on rank 0, one micro-batch\n")
+    print("| t | SP | recompute | measured / layer | formula / layer | measured / formula | "
+          "Korthikanti Table 2 (16-bit) | reduction vs t=1, none (measured) | (paper) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    worst, base, rows = 0.0, None, {}
+    for tp in args.tp:
+        for sp, recompute, got, want in measure(tp, args):
+            paper = korthikanti_bytes(args.seq, args.batch, args.hidden, args.heads, tp, sp, recompute)
+            base = base or (got, paper)
+            ratio = got / want
+            worst = max(worst, abs(ratio - 1))
+            rows[(tp, sp, recompute)] = got
+            print(f"| {tp} | {'on' if sp else 'off'} | {recompute} | {got:,.0f} ({_fmt(got)}) | {want:,.0f} | "
+                  f"{ratio:.3f} | {paper:,.0f} | {base[0] / got:.2f}× | {base[1] / paper:.2f}× |")
+    print(f"\nworst |measured / formula − 1| = {worst:.4f} (tolerance {TOLERANCE})")
+    for tp in args.tp:
+        if tp > 1 and (tp, True, "selective") in rows:
+            print(f"TP+SP+selective at t={tp}: {rows[(1, False, 'none')] / rows[(tp, True, 'selective')]:.2f}× less "
+                  f"than no parallelism (measured); the paper's 16-bit accounting predicts "
+                  f"{korthikanti_bytes(args.seq, args.batch, args.hidden, args.heads) / korthikanti_bytes(args.seq, args.batch, args.hidden, args.heads, tp, True, 'selective'):.2f}×")
+    if args.steps:
+        rates = throughput(args)
+        flops = model_flops(m, args.batch)
+        print(f"\nthroughput at t=1 ({torch.get_num_threads()} threads, {args.rounds} interleaved rounds of "
+              f"{args.steps} steps; on a shared CPU the best round is the least disturbed):\n")
+        print("| recompute | tokens/s, best round | median | slowdown vs none (best) | slowdown (median of "
+              "per-round ratios) | FLOP overhead (HFU/MFU − 1) |")
+        print("|---|---|---|---|---|---|")
+        best_none = max(rates["none"])
+        for recompute in MODES:
+            cfg = make_config(args, 1, False, recompute)
+            extra = recompute_flops(m, args.batch, recompute, layers=recomputed_layers(cfg)) / flops
+            paired = statistics.median(n / r - 1 for n, r in zip(rates["none"], rates[recompute]))
+            print(f"| {recompute} | {max(rates[recompute]):,.0f} | {statistics.median(rates[recompute]):,.0f} | "
+                  f"{100 * (best_none / max(rates[recompute]) - 1):+.1f}% | {100 * paired:+.1f}% | "
+                  f"{100 * extra:+.1f}% |")
+        print(f"\nthe attention core's forward takes {100 * statistics.median(rates['core_share']):.1f}% of a `none` "
+              "training step's time (median): what selective recomputation adds")
+    if worst > TOLERANCE:
+        print(f"FAIL: a measured value is off the formula by {100 * worst:.1f}% (> {100 * TOLERANCE:.0f}%)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
