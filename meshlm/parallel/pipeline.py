@@ -133,8 +133,8 @@ def n_microbatches(cfg: Config, dp: int = 1) -> int:
 class StageModule(nn.Module):
     """One virtual stage of a GPT: [embeddings] → its layers → [final norm → LM head].
 
-    Holds the plain model's own submodules (after tensor parallelism swapped them, if it did), under the
-    plain names, so gradients and weights are the model's. Input: token ids (B, T) on the first stage, the
+    Holds the plain model's own submodules (after tensor parallelism swapped them, if it did), so
+    gradients and weights are the model's (the pruned model keeps their plain names). Input: token ids (B, T) on the first stage, the
     residual stream (B, T, h) (or (B, T/t, h) under sequence parallelism) elsewhere; output: the residual
     stream, or logits on the last stage.
     """
@@ -144,7 +144,8 @@ class StageModule(nn.Module):
         self.first, self.last, self.layer_ids = first, last, layer_ids
         if first:
             self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
+        # A list, as GPT.layers: `apply_recompute` wraps a stage's layers as it wraps a whole model's.
+        self.layers = nn.ModuleList(model.layers[i] for i in layer_ids)
         if last:
             self.norm, self.lm_head = model.norm, model.lm_head
         self.rope = (model.rope_cos, model.rope_sin) if model.cfg.position == "rope" else None
@@ -156,11 +157,13 @@ class StageModule(nn.Module):
             if self.pos_emb is not None:
                 x = x + self.pos_emb(torch.arange(ids.shape[1], device=ids.device))
             x = self.drop(x)
-        for layer in self.layers.values():
+        for layer in self.layers:
             x = layer(x, self.rope)
         if self.last:
-            x = self.lm_head(self.norm(x))  # (B, T, V) or (B, T, V/t)
-        return x
+            return self.lm_head(self.norm(x))  # (B, T, V) or (B, T, V/t)
+        # Sent to the next stage, whose receive buffer torch shapes after this tensor and gloo/NCCL need
+        # contiguous (the residual stream can inherit a permuted layout from SP's reduce-scatter).
+        return x.contiguous()
 
 
 def _prune(model: nn.Module, owned: set[int], first: bool, last: bool, tied: bool) -> None:
@@ -354,7 +357,8 @@ def _is_comm_error(err: BaseException) -> bool:
 
 
 def apply_pipeline(model: nn.Module, dims: ParallelDims, cfg: Config, loss_fn: LossFn) -> Pipeline:
-    """Cut the (possibly tensor-parallel) plain `GPT` into this rank's stages; prune it to them.
+    """Cut the (possibly tensor-parallel) plain `GPT` into this rank's stages; prune it to them; the
+    returned `Pipeline` is also left at `model.pipeline`.
 
     `loss_fn(logits, targets)` is the mean-token loss for the model as parallelized so far (plain or
     vocab-parallel cross-entropy). Every rank must call this (the tied-embedding group is collective).
@@ -381,5 +385,7 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, cfg: Config, loss_fn: L
     schedule = build_schedule(stages, m, scaled_loss)
     # Newer torch merges the last stage's outputs (all m logits) unless told not to; older has no switch.
     kwargs = {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
-    return Pipeline(dims, counts, stage_ids, modules, schedule, loss_fn, m, p.timeout_s, cfg.model.hidden_size,
-                    dims.tp if p.sp else 1, group, tied_weight, kwargs)
+    pipeline = Pipeline(dims, counts, stage_ids, modules, schedule, loss_fn, m, p.timeout_s, cfg.model.hidden_size,
+                        dims.tp if p.sp else 1, group, tied_weight, kwargs)
+    model.pipeline = pipeline  # where the trainer finds this rank's stages and schedule (a plain attribute)
+    return pipeline

@@ -42,3 +42,28 @@ def max_in_flight(order: Order) -> int:
         alive += 1 if kind == "F" else -1
         peak = max(peak, alive)
     return peak
+
+
+def simulate_bubble(orders: dict[int, Order], pp: int, vpp: int, m: int, forward: float = 1.0,
+                    backward: float = 2.0) -> float:
+    """Idle fraction (step time − m·(t_f + t_b)) / (m·(t_f + t_b)) when every rank runs its `orders[rank]`
+    as soon as the inputs are there (free messages): a chunk's forward takes forward/vpp, its backward
+    backward/vpp; F(s, i) needs F(s−1, i), B(s, i) needs F(s, i) and B(s+1, i)."""
+    stages, done, clock, pos = pp * vpp, {}, dict.fromkeys(orders, 0.0), dict.fromkeys(orders, 0)
+    progress = True
+    while progress:
+        progress = False
+        for rank, order in orders.items():
+            while pos[rank] < len(order):
+                kind, s, mb = order[pos[rank]]
+                deps = ([("F", s - 1, mb)] if s > 0 else []) if kind == "F" else \
+                    [("F", s, mb)] + ([("B", s + 1, mb)] if s < stages - 1 else [])
+                if any(d not in done for d in deps):
+                    break
+                start = max([clock[rank]] + [done[d] for d in deps])
+                clock[rank] = done[(kind, s, mb)] = start + (forward if kind == "F" else backward) / vpp
+                pos[rank] += 1
+                progress = True
+    assert all(pos[r] == len(o) for r, o in orders.items()), "the orders deadlock"
+    ideal = m * (forward + backward)
+    return (max(clock.values()) - ideal) / ideal

@@ -27,7 +27,7 @@ from meshlm.parallel.tensor import apply_tensor_parallel, cross_entropy, finish_
 from meshlm.train.optim import build_optimizer
 
 STEPS, SEED, LR, CLIP, TOL = 5, 1234, 1e-3, 0.5, 1e-5
-MICRO_BATCH_SIZE, MICROBATCHES = 1, 8
+MICRO_BATCH_SIZE, MICROBATCHES = 2, 8  # > 1 sequence: SP then hands stages a permuted layout
 RECORD_STEP = 1  # the forward/backward order is recorded on the second step (the first also infers shapes)
 
 # name: (model, n_layers, dims (tp, pp), vpp, dp replicas, micro-batches, extra parallel keys)
@@ -82,7 +82,7 @@ def _reference(cfg, m: int) -> dict:
         opt.zero_grad(set_to_none=True)
         losses.append(float(total))
     with torch.no_grad():
-        val = float(cross_entropy(model(x[:2] + 1), y[:2]))  # a different batch for evaluation
+        val = float(cross_entropy(model((x[:2] + 1) % cfg.model.vocab_size), y[:2]))  # a different batch for evaluation
     return {"losses": losses, "norms": norms, "state": model.state_dict(), "val": val}
 
 
@@ -128,7 +128,7 @@ def _pipelined(layout: str) -> dict:
         norms.append(float(pipe.clip_grad_norm_(model, CLIP)))
         opt.step()
         opt.zero_grad(set_to_none=True)
-    val = float(pipe.eval_loss(x[:2] + 1, y[:2]))
+    val = float(pipe.eval_loss((x[:2] + 1) % cfg.model.vocab_size, y[:2]))
     state = full_state_dict(model) if tp > 1 else model.state_dict()
     return {"losses": losses, "norms": norms, "val": val, "state": {k: v.detach().clone() for k, v in state.items()},
             "order": order, "stage_ids": pipe.stage_ids, "counts": pipe.layer_counts, "coords": dims.coords,

@@ -12,7 +12,7 @@ import itertools
 from types import SimpleNamespace
 
 import pytest
-from pipeline_orders import expected_1f1b, expected_interleaved, max_in_flight
+from pipeline_orders import expected_1f1b, expected_interleaved, max_in_flight, simulate_bubble
 
 from meshlm.config import ConfigError, load_config
 from meshlm.parallel.pipeline import (
@@ -132,6 +132,15 @@ def test_reference_orders_follow_the_papers():
     order = expected_interleaved(2, 2, 4, 0)
     assert order[:4] == [("F", 0, 0), ("F", 0, 1), ("F", 2, 0), ("F", 2, 1)]  # (v−1)·p + 2(p−1) = 4 warm-up
     assert max_in_flight(order) == 5  # p·v·(1 + (p−1)/(p·v)) = 5 chunks: FORMULAS.md's interleaving factor
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(2, 1, 4), (2, 1, 8), (4, 1, 4), (4, 1, 8), (2, 2, 4), (2, 2, 8), (4, 2, 4),
+                                       (4, 2, 8), (4, 3, 12)])
+def test_orders_reach_the_theoretical_bubble(pp, vpp, m):
+    """With free messages the orders idle exactly (p − 1)/(v·m) of the ideal step (t_b = 2·t_f), the
+    theory benchmarks/pipeline_bubble.py measures against."""
+    orders = {r: expected_1f1b(pp, m, r) if vpp == 1 else expected_interleaved(pp, vpp, m, r) for r in range(pp)}
+    assert simulate_bubble(orders, pp, vpp, m) == pytest.approx((pp - 1) / (vpp * m), abs=1e-9)
 
 
 def _interleaved_order(pp: int, vpp: int, m: int, rank: int):
