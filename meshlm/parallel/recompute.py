@@ -79,12 +79,14 @@ def _replay_tp_stream(rng: TPRNGTracker) -> Callable[[], tuple]:
 
 def _checkpointed(fn: Callable, context_fn) -> Callable:
     """`fn` run under non-reentrant checkpoint when autograd records (else as is)."""
+    # torch.compile traces checkpoint only without a context_fn (or with TorchDispatchMode ones).
+    extra = {} if context_fn is noop_context_fn else {"context_fn": context_fn}
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
 
     return run
 
@@ -167,6 +169,10 @@ def apply_recompute(model: nn.Module, cfg: Config, rng: TPRNGTracker | None = No
     layers = list(model.layers)
     # No TP stream, or no dropout to draw from it: the plain checkpoint (which torch.compile also takes).
     context_fn = _replay_tp_stream(rng) if rng is not None and cfg.model.dropout > 0 else noop_context_fn
+    if context_fn is not noop_context_fn and t.compile:
+        raise ConfigError("train.compile=true cannot trace the replay of the tensor-parallel dropout stream that "
+                          f"train.recompute={t.recompute!r} needs with model.dropout={cfg.model.dropout} under tensor "
+                          "parallelism; set model.dropout=0, train.recompute=none or train.compile=false")
     if t.recompute == "selective":
         _recompute_attention_core(layers, context_fn)
     else:

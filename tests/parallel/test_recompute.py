@@ -18,6 +18,7 @@ from meshlm.models.gpt import GPT
 from meshlm.parallel import parallelize
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.recompute import apply_recompute, full_recompute_chunks, recomputed_layers
+from meshlm.parallel.rng import TPRNGTracker
 from meshlm.plan.activations import measure_saved_activations
 from meshlm.train.metrics import model_flops, recompute_flops
 
@@ -156,3 +157,10 @@ def test_trainer_logs_hfu_above_mfu_and_the_measured_activations(tmp_path, capsy
     rec = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rec if r["kind"] == "train"]
     assert train and all(r["hfu"] > r["mfu"] for r in train)
+
+
+def test_compile_with_tp_dropout_replay_is_a_clear_error():
+    cfg = _config(recompute="selective", compile=True)
+    with pytest.raises(ConfigError, match="train.compile=true cannot trace"):
+        apply_recompute(GPT(cfg.model), cfg, rng=TPRNGTracker(0, 0))
+    apply_recompute(GPT(cfg.model), cfg)  # no TP stream: the plain checkpoint, which compile traces
