@@ -39,7 +39,7 @@ def load_model_from_checkpoint(path: str, device: str = "cpu"):
     target = ckpt.resolve_checkpoint(path)
     cfg = config_from_dict(ckpt.load_config_dict(target))
     model = GPT(cfg.model)
-    model.load_state_dict(ckpt.load_part(target, "model"))
+    model.load_state_dict(ckpt.load_model_state(target))
     return model.to(torch.device(device)).eval(), get_tokenizer(cfg.data.tokenizer), cfg
 
 

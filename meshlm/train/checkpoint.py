@@ -91,7 +91,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
             target = root / (root / LATEST).read_text().strip()
             if (target / "config.json").exists():
                 return target
-    if (p / "config.json").exists() and (p / "model.pt").exists():
+    if (p / "config.json").exists() and ((p / "model.pt").exists() or any(p.glob("model-pp*.pt"))):
         return p
     raise CheckpointError(f"no checkpoint at {str(p)!r}: expected a run directory with checkpoints/latest, "
                           "or a checkpoints/step_* directory; train first or fix the path")
@@ -106,6 +106,24 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 
 def load_part(ckpt: Path, name: str, map_location: str | torch.device = "cpu") -> Any:
     return torch.load(ckpt / f"{name}.pt", map_location=map_location, weights_only=False)
+
+
+def pipeline_model_part(pp_rank: int) -> str:
+    """A pipeline-parallel run saves one model file per pipeline rank: its stages' full (tp-gathered) weights."""
+    return f"model-pp{pp_rank:05d}"
+
+
+def load_model_state(ckpt: Path, map_location: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The whole model's state dict: `model.pt`, or the union of a pipeline run's `model-ppNNNNN.pt` files
+    (plain parameter names; a tied embedding appears in the first and the last, equal)."""
+    if (ckpt / "model.pt").exists():
+        return load_part(ckpt, "model", map_location)
+    state: dict[str, torch.Tensor] = {}
+    for part in sorted(ckpt.glob("model-pp*.pt")):
+        state.update(torch.load(part, map_location=map_location, weights_only=False))
+    if not state:
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} holds no model.pt or model-pp*.pt; it is incomplete")
+    return state
 
 
 def load_config_dict(ckpt: Path) -> dict:

@@ -5,7 +5,9 @@ Launched by torchrun, every process runs this loop on its part of the layout (`m
 model is built whole from the seed on every rank, then `parallelize` cuts out this rank's part. Only rank
 0 logs, writes metrics and publishes checkpoints. A tensor-parallel checkpoint holds the full model
 (`model.pt`, gathered, so `meshlm generate` reads it as is) and one file per rank (`rank00000.pt`, …) with
-that rank's optimizer shard and random streams; it resumes at the same layout.
+that rank's optimizer shard and random streams; it resumes at the same layout. With pipeline parallelism
+(`parallel.pp` > 1) the step runs the pipeline schedule instead of the accumulation loop, and each
+pipeline stage saves its own weights (`model-ppNNNNN.pt`, read back whole by `ckpt.load_model_state`).
 """
 
 from __future__ import annotations
@@ -96,9 +98,12 @@ class Trainer:
         self.model = GPT(cfg.model).to(self.device)  # whole, from the seed, on every rank
         self.n_params = self.model.num_params()
         if self.resume_from is not None:  # full weights first, so every rank slices the same tensors
-            self.model.load_state_dict(ckpt.load_part(self.resume_from, "model", self.device))
+            self.model.load_state_dict(ckpt.load_model_state(self.resume_from, self.device))
         self.tp_rng = TPRNGTracker(t.seed, self.dims.tp_rank, self.device)
         self.loss_fn = parallelize(self.model, self.dims, cfg, rng=self.tp_rng)
+        self.pipeline = getattr(self.model, "pipeline", None)  # pp > 1: this rank's stages and the schedule
+        if self.pipeline is not None and t.compile:
+            raise ConfigError("train.compile=true with parallel.pp > 1 is not supported yet; set train.compile=false")
         # Forward passes go through `self.forward`; `self.model` keeps the plain parameter names.
         self.forward = torch.compile(self.model) if t.compile else self.model
         self.optimizer = build_optimizer(self.model, cfg.optim)
@@ -147,12 +152,15 @@ class Trainer:
         tmp = Path(box[0])
         ckpt.write_part(tmp, f"rank{self.dims.rank:05d}", {
             "optim": self.optimizer.state_dict(), "rng": rng_state(), "tp_rng": self.tp_rng.get_state()})
+        if self.dims.pp > 1 and self.dims.dp_rank == 0 and self.dims.tp_rank == 0:  # each stage its own weights
+            ckpt.write_part(tmp, ckpt.pipeline_model_part(self.dims.pp_rank), {k: v.cpu() for k, v in model.items()})
         self.dims.barrier()
         path = ckpt.checkpoints_dir(self.out_dir) / ckpt.step_name(self.step)
         if self.dims.is_main:
             parts = self.state_parts()
             parts["state"]["layout"] = self._layout()
-            ckpt.write_part(tmp, "model", {k: v.cpu() for k, v in model.items()})
+            if self.dims.pp == 1:
+                ckpt.write_part(tmp, "model", {k: v.cpu() for k, v in model.items()})
             ckpt.write_part(tmp, "state", parts["state"])
             path = ckpt.publish_checkpoint(self.out_dir, self.step, tmp, self.cfg.to_dict())
         self.dims.barrier()
@@ -203,17 +211,24 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = torch.zeros((), device=self.device)
-        for _ in range(self.accum):
-            x, y = self.loader.next()
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with self.precision.autocast():
-                loss = self.loss_fn(self.forward(x), y) / self.accum
-            self.precision.scaler.scale(loss).backward()
-            total += loss.detach()  # the full-vocabulary loss: identical on every tp rank
+        if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
+            total = self._pipeline_forward_backward()
+        else:
+            for _ in range(self.accum):
+                x, y = self.loader.next()
+                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+                with self.precision.autocast():
+                    loss = self.loss_fn(self.forward(x), y) / self.accum
+                self.precision.scaler.scale(loss).backward()
+                total += loss.detach()  # the full-vocabulary loss: identical on every tp rank
         finish_grads(self.model, self.dims)  # sum the gradients tp ranks hold parts of (SP norms, shared KV)
+        if self.pipeline is not None:
+            self.pipeline.finish_grads()  # the tied embedding's two copies (first and last stage)
         self.precision.scaler.unscale_(self.optimizer)
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        if self.dims.tp > 1:  # the norm of the whole model: each shard once, each replicated tensor once
+        if self.pipeline is not None:  # over every stage: each parameter once, the tied embedding once
+            grad_norm = self.pipeline.clip_grad_norm_(self.model, clip)
+        elif self.dims.tp > 1:  # the norm of the whole model: each shard once, each replicated tensor once
             grad_norm = clip_grad_norm_(self.model, self.dims, clip)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
@@ -223,6 +238,15 @@ class Trainer:
         self.step += 1
         self.tokens_seen += cfg.train.global_batch_size * cfg.model.seq_len
         return float(total), float(grad_norm)
+
+    def _pipeline_forward_backward(self) -> torch.Tensor:
+        """The loop's micro-batches, in the loop's order, stacked for the schedule (it splits them again);
+        returns the loss (the mean over micro-batches), broadcast from the last stage."""
+        batches = [self.loader.next() for _ in range(self.pipeline.n_microbatches)]
+        x = torch.cat([b[0] for b in batches]).to(self.device, non_blocking=True)
+        y = torch.cat([b[1] for b in batches]).to(self.device, non_blocking=True)
+        with self.precision.autocast():
+            return self.pipeline.train_step(x, y)
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -236,8 +260,12 @@ class Trainer:
         losses = []
         for _ in range(n):
             x, y = loader.next()
+            x, y = x.to(self.device), y.to(self.device)
             with self.precision.autocast():
-                losses.append(float(self.loss_fn(self.forward(x.to(self.device)), y.to(self.device))))
+                if self.pipeline is not None:  # forward through the stages; the loss comes from the last
+                    losses.append(float(self.pipeline.eval_loss(x, y)))
+                else:
+                    losses.append(float(self.loss_fn(self.forward(x), y)))
         self.model.train()
         loss = sum(losses) / len(losses)
         bpb = loss / math.log(2) / self.valid_set.bytes_per_token
@@ -287,6 +315,11 @@ class Trainer:
         if d.world_size > 1:
             self.log(f"layout: {d.world_size} processes = pp {d.pp} × dp {d.dp} × tp {d.tp}"
                      f"{' with sequence parallelism' if cfg.parallel.sp else ''}")
+        if self.pipeline is not None:
+            pipe = self.pipeline
+            self.log(f"pipeline: {pipe.n_stages} stages ({d.pp} ranks × vpp {cfg.parallel.vpp}), layers per stage "
+                     f"{pipe.layer_counts}, {pipe.n_microbatches} micro-batches per step, "
+                     f"{type(pipe.schedule).__name__}")
         peak = self._peak_tflops() * d.world_size  # MFU against the peak of every device in the job
         flops = model_flops(m, t.global_batch_size)
         hw_flops = flops + recompute_flops(m, t.global_batch_size, t.recompute, layers=recomputed_layers(cfg))
@@ -375,7 +408,12 @@ class Trainer:
     def print_sample(self) -> None:
         t = self.cfg.train
         model = self.model
-        if self.dims.world_size > 1:  # sample from the gathered model on rank 0 (a collective first)
+        if self.dims.pp > 1:  # the stages live on several ranks: rank 0 reads the checkpoint just saved
+            if not self.dims.is_main:
+                return
+            model = GPT(self.cfg.model).to(self.device)
+            model.load_state_dict(ckpt.load_model_state(ckpt.latest_checkpoint(self.out_dir), self.device))
+        elif self.dims.world_size > 1:  # sample from the gathered model on rank 0 (a collective first)
             full = full_state_dict(self.model)
             if not self.dims.is_main:
                 return

@@ -1,0 +1,156 @@
+"""`torchrun … meshlm train --parallel.pp=…` as a user runs it: every command of docs/parallel.md's
+"Pipeline parallelism" section (and any README line that launches a pipeline, which must be one of them),
+on the bundled corpus with a narrow model and 3 steps appended.
+
+Checked against the single-process Trainer with the same config: per-step losses and the evaluation loss
+within 1e-5 relative, final weights within 1e-5 (read back whole from the stage files); rank 0 alone logs;
+the checkpoint holds one model file per pipeline rank and `meshlm generate` reads it; a run stopped after
+one step and resumed equals the straight run bit for bit, and another layout is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshlm.config import ConfigError, load_config
+from meshlm.train import checkpoint as ckpt
+from meshlm.train.trainer import Trainer
+from tests.conftest import ROOT
+
+DOC, README = ROOT / "docs" / "parallel.md", ROOT / "README.md"
+BIN = Path(sys.executable).parent
+STEPS = 3
+# Narrow and short, but the documented layers and batch shape (6 layers; micro-batches of 4 of 16).
+TINY = ["--model.hidden_size=32", "--model.seq_len=32", "--train.eval_iters=2", "--train.eval_every=0",
+        "--train.log_every=1", "--train.peak_tflops=1", "--train.sample_tokens=0", "--train.progress=false",
+        "--parallel.timeout_s=60"]
+TIMEOUT_S = 150
+TOL = 1e-5
+
+
+def documented_commands() -> list[list[str]]:
+    """The indented command lines of the "## Pipeline parallelism" section."""
+    section = DOC.read_text().split("## Pipeline parallelism", 1)[1].split("\n## ", 1)[0]
+    return [shlex.split(line.strip()) for line in section.splitlines()
+            if re.match(r"\s{4,}(torchrun|meshlm) ", line)]
+
+
+def _run(argv: list[str], cwd: Path, extra: list[str]) -> subprocess.CompletedProcess:
+    if argv[0] == "torchrun":  # the console script next to this interpreter, as `meshlm` below
+        argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+    elif (BIN / argv[0]).exists():
+        argv = [str(BIN / argv[0]), *argv[1:]]
+    return subprocess.run([*argv, *extra], cwd=cwd, check=False, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def _overrides(argv: list[str]) -> list[str]:
+    return [a for a in argv if a.startswith("--") and "." in a.split("=", 1)[0]]
+
+
+def _losses(out: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] == "train"]
+
+
+def _val_loss(out: Path) -> float:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"][-1][
+        "val_loss"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Every documented command, each into its own run directory (generate reads the first)."""
+    root = tmp_path_factory.mktemp("pp_docs")
+    results = {}
+    for i, argv in enumerate(documented_commands()):
+        if argv[0] == "torchrun":
+            out = root / f"runs/cmd{i}"
+            proc = _run(argv, root, [*TINY, f"--train.max_steps={STEPS}", f"--train.out_dir={out}"])
+            results[i] = {"argv": argv, "proc": proc, "out": out}
+        else:
+            first = root / "runs/cmd0"
+            argv = [a if a != "runs/gpt-tiny" else str(first) for a in argv]
+            results[i] = {"argv": argv, "proc": _run([*argv, "--max-new-tokens", "5", "--seed", "1"], root, [])}
+    return results
+
+
+def test_documented_pipeline_commands_run(runs):
+    kinds = [tuple(r["argv"][:1]) for r in runs.values()]
+    assert kinds == [("torchrun",)] * 4 + [("meshlm",)], "the section documents 4 launches and one generate"
+    for r in runs.values():
+        assert r["proc"].returncode == 0, f"{shlex.join(r['argv'])}\n{r['proc'].stderr[-3000:]}"
+        if r["argv"][0] == "torchrun":
+            assert r["proc"].stdout.count("step      1 |") == 1, "rank 0 alone logs"
+            assert r["proc"].stdout.count("pipeline:") == 1
+            assert len(_losses(r["out"])) == STEPS
+        else:
+            assert r["proc"].stdout.startswith("ROMEO."), "generation from the pipeline checkpoint"
+    assert "layers per stage [5, 1], 4 micro-batches per step, Schedule1F1B" in runs[0]["proc"].stdout
+    assert "layers per stage [4, 2]" in runs[2]["proc"].stdout
+    assert "ScheduleInterleaved1F1B" in runs[1]["proc"].stdout
+
+
+def test_readme_pipeline_lines_are_documented_and_tested():
+    tested = {shlex.join(c) for c in documented_commands()}
+    for line in README.read_text().splitlines():
+        if line.startswith("torchrun") and "--parallel.pp" in line:
+            assert shlex.join(shlex.split(line)) in tested, f"README line not run by the tests: {line}"
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    """The single-process run of each documented command's non-parallel keys (one Trainer per distinct set)."""
+    return {}
+
+
+def _reference(references: dict, argv: list[str], root: Path) -> Path:
+    single = tuple(a for a in _overrides(argv) if not a.startswith("--parallel."))
+    if single not in references:
+        out = root / f"ref{len(references)}"
+        Trainer(load_config("gpt-tiny", [*single, *TINY, f"--train.max_steps={STEPS}", f"--train.out_dir={out}"])).run()
+        references[single] = out
+    return references[single]
+
+
+@pytest.mark.parametrize("index", [0, 1, 2, 3])
+def test_pipeline_training_matches_single_process(runs, references, tmp_path_factory, index):
+    run = runs[index]
+    assert run["proc"].returncode == 0, run["proc"].stderr[-3000:]
+    ref_out = _reference(references, run["argv"], tmp_path_factory.getbasetemp())
+    got, want = _losses(run["out"]), _losses(ref_out)
+    assert max(abs(a - b) / b for a, b in zip(got, want)) <= TOL, (got, want)
+    assert abs(_val_loss(run["out"]) - _val_loss(ref_out)) / _val_loss(ref_out) <= TOL
+    full = ckpt.load_model_state(ckpt.resolve_checkpoint(run["out"]))
+    plain = ckpt.load_model_state(ckpt.resolve_checkpoint(ref_out))
+    assert full.keys() == plain.keys()
+    assert max(float((full[k] - v).abs().max()) for k, v in plain.items()) <= TOL
+    if "tok_emb.weight" in full:  # tied: the first and last stage's copies were saved bit-equal
+        parts = sorted(ckpt.resolve_checkpoint(run["out"]).glob("model-pp*.pt"))
+        first, last = (torch.load(p, weights_only=False) for p in (parts[0], parts[-1]))
+        assert torch.equal(first["tok_emb.weight"], last["lm_head.weight"])
+
+
+def test_pipeline_checkpoint_resumes_exactly_and_refuses_another_layout(runs, tmp_path):
+    straight = runs[0]
+    split = tmp_path / "split"
+    for steps in (1, STEPS):
+        proc = _run(straight["argv"], tmp_path, [*TINY, f"--train.max_steps={steps}", f"--train.out_dir={split}"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout
+    files = sorted(p.name for p in ckpt.resolve_checkpoint(split).iterdir())
+    assert files == ["config.json", "model-pp00000.pt", "model-pp00001.pt", "rank00000.pt", "rank00001.pt", "state.pt"]
+    assert _losses(split) == _losses(straight["out"])
+    a = ckpt.load_model_state(ckpt.resolve_checkpoint(straight["out"]))
+    b = ckpt.load_model_state(ckpt.resolve_checkpoint(split))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ConfigError, match="pp=2"):
+        Trainer(load_config("gpt-tiny", [*TINY, "--train.micro_batch_size=4", f"--train.max_steps={STEPS + 1}",
+                                         f"--train.out_dir={split}"]))
