@@ -65,7 +65,8 @@ def measure_layout(args: argparse.Namespace, dims: ParallelDims) -> list[tuple]:
             loss_fn = parallelize(model, dims, cfg, rng=rng)
             autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
             report = measure_model_activations(model, loss_fn, args.batch, args.seq, args.vocab, autocast, rng)
-            rows.append((sp, recompute, report.layers_total / args.layers, sum(layer_activation_bytes(cfg)) / args.layers))
+            formula = sum(layer_activation_bytes(cfg)) / args.layers
+            rows.append((sp, recompute, report.layers_total / args.layers, formula))
     return rows
 
 
@@ -128,33 +129,37 @@ def throughput(args: argparse.Namespace) -> dict[str, list[float]]:
             for _ in range(args.steps):
                 step(*setup)
             rates[recompute].append(args.steps * args.batch * args.seq / (time.perf_counter() - start))
-    rates["core_share"] = [_core_share(setups["none"], step) for _ in range(args.rounds)]
+    shares = [_time_shares(setups["none"], step) for _ in range(args.rounds)]
+    rates["core_share"], rates["forward_share"] = [c for c, _ in shares], [f for _, f in shares]
     return rates
 
 
-def _core_share(setup, step) -> float:
-    """Share of one `none` training step's time spent in the attention core's forward: what selective
-    recomputation adds (CPU runs synchronously, so wall-clock timers around the calls are exact)."""
+def _time_shares(setup, step) -> tuple[float, float]:
+    """Shares of one `none` training step's time spent in the attention core's forward (what selective
+    recomputation adds, at most: early stop skips its last matmul) and in the model's forward (what full
+    recomputation adds). CPU runs synchronously, so wall-clock timers around the calls are exact."""
     model = setup[0]
-    spent = [0.0]
+    spent = {"core": 0.0, "forward": 0.0}
     originals = [layer.attn.core for layer in model.layers]
 
-    def timed(core):
+    def timed(fn, key):
         def run(*args, **kwargs):
             start = time.perf_counter()
-            out = core(*args, **kwargs)
-            spent[0] += time.perf_counter() - start
+            out = fn(*args, **kwargs)
+            spent[key] += time.perf_counter() - start
             return out
         return run
 
     for layer, core in zip(model.layers, originals):
-        layer.attn.core = timed(core)
+        layer.attn.core = timed(core, "core")
+    model.forward = timed(model.forward, "forward")
     start = time.perf_counter()
     step(*setup)
     total = time.perf_counter() - start
+    del model.forward  # back to the class's forward
     for layer, core in zip(model.layers, originals):
         layer.attn.core = core
-    return spent[0] / total
+    return spent["core"] / total, spent["forward"] / total
 
 
 def _fmt(n: float) -> str:
@@ -174,7 +179,9 @@ def main() -> int:
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round (0: skip throughput)")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for the throughput part (1 is the "
+                        "least disturbed by other processes on a shared CPU)")
     args = parser.parse_args()
     cfg = make_config(args, 1, False, "none")
     m = cfg.model
@@ -196,12 +203,14 @@ def main() -> int:
             print(f"| {tp} | {'on' if sp else 'off'} | {recompute} | {got:,.0f} ({_fmt(got)}) | {want:,.0f} | "
                   f"{ratio:.3f} | {paper:,.0f} | {base[0] / got:.2f}× | {base[1] / paper:.2f}× |")
     print(f"\nworst |measured / formula − 1| = {worst:.4f} (tolerance {TOLERANCE})")
+    shape = (args.seq, args.batch, args.hidden, args.heads)
     for tp in args.tp:
         if tp > 1 and (tp, True, "selective") in rows:
+            paper = korthikanti_bytes(*shape) / korthikanti_bytes(*shape, tp, True, "selective")
             print(f"TP+SP+selective at t={tp}: {rows[(1, False, 'none')] / rows[(tp, True, 'selective')]:.2f}× less "
-                  f"than no parallelism (measured); the paper's 16-bit accounting predicts "
-                  f"{korthikanti_bytes(args.seq, args.batch, args.hidden, args.heads) / korthikanti_bytes(args.seq, args.batch, args.hidden, args.heads, tp, True, 'selective'):.2f}×")
+                  f"than no parallelism (measured); the paper's 16-bit accounting predicts {paper:.2f}×")
     if args.steps:
+        torch.set_num_threads(args.threads)
         rates = throughput(args)
         flops = model_flops(m, args.batch)
         print(f"\nthroughput at t=1 ({torch.get_num_threads()} threads, {args.rounds} interleaved rounds of "
@@ -217,8 +226,10 @@ def main() -> int:
             print(f"| {recompute} | {max(rates[recompute]):,.0f} | {statistics.median(rates[recompute]):,.0f} | "
                   f"{100 * (best_none / max(rates[recompute]) - 1):+.1f}% | {100 * paired:+.1f}% | "
                   f"{100 * extra:+.1f}% |")
-        print(f"\nthe attention core's forward takes {100 * statistics.median(rates['core_share']):.1f}% of a `none` "
-              "training step's time (median): what selective recomputation adds")
+        print(f"\nshares of a `none` training step's time (median): the attention core's forward "
+              f"{100 * statistics.median(rates['core_share']):.1f}% (what selective recomputation adds, at most), "
+              f"the model's forward {100 * statistics.median(rates['forward_share']):.1f}% (what full adds, at most: "
+              "it redoes the layers, not the head)")
     if worst > TOLERANCE:
         print(f"FAIL: a measured value is off the formula by {100 * worst:.1f}% (> {100 * TOLERANCE:.0f}%)",
               file=sys.stderr)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from meshlm.config import DEFAULT_CONFIG, Config, bundled_configs
+from meshlm.config import DEFAULT_CONFIG, Config, ConfigError, bundled_configs
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
@@ -59,6 +59,10 @@ def bench_memory(cfg: Config) -> str:
     from meshlm.train.precision import Precision
 
     m, t, p = cfg.model, cfg.train, cfg.parallel
+    if p.pp > 1 or p.dp > 1:
+        raise ConfigError(f"meshlm bench memory measures one tensor-parallel model; set parallel.pp=1 and "
+                          f"parallel.dp=1 (got {p.pp} and {p.dp}): a layer saves the same bytes in any pipeline "
+                          "stage or data-parallel replica (a stage holds min(pp, micro-batches) of them in 1F1B)")
     dims = init_distributed(p, torch.device("cpu") if t.device == "cpu" else None)
     torch.manual_seed(t.seed)
     model = GPT(m).to(dims.device)
@@ -90,7 +94,8 @@ def bench_memory(cfg: Config) -> str:
     lines += [f"  {name}: {value:,.0f}" for name, value in terms.items()]
     paper = korthikanti_bytes(m.seq_len, t.micro_batch_size, m.hidden_size, m.n_heads, p.tp, p.sp,
                               t.recompute if t.recompute != "full" else "full")
-    lines.append(f"Korthikanti et al. 2022 Table 2 for this shape (16-bit, dropout, GeLU, MHA): {paper:,.0f} bytes/layer")
+    lines.append(f"Korthikanti et al. 2022 Table 2 for this shape (16-bit, dropout, GeLU, MHA): {paper:,.0f} "
+                 "bytes/layer")
     local = sum(q.numel() for q in model.parameters())
     states = model_state_bytes(local, "fp32")
     lines.append(f"model states on this rank: {local:,} parameters (model {parameter_count(m):,}) × 16 B = "

@@ -198,7 +198,8 @@ def _attention_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes, backe
 def _mlp_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes) -> dict[str, float]:
     n, f, c = sh.tokens, sh.f_t, dt.compute
     if m.activation == "swiglu":  # SiLU saves the gate, a view of the whole [gate; up] fc output
-        return {"fc output [gate; up]": n * 2 * f * c, "SiLU(gate)": n * f * c, "SiLU(gate)·up (proj input)": n * f * c}
+        return {"fc output [gate; up]": n * 2 * f * c, "SiLU(gate)": n * f * c,
+                "SiLU(gate)·up (proj input)": n * f * c}
     return {"fc output (GeLU input)": n * f * c, "GeLU output (proj input)": n * f * c}
 
 
