@@ -1,4 +1,4 @@
-"""meshlm command line: `meshlm train | generate | plot | prepare | tokenizer train | bench memory`.
+"""meshlm command line: `meshlm train | generate | plot | prepare | tokenizer train | bench memory | convert`.
 
 User errors (bad config, missing checkpoint or asset) print one line naming the key or path and the fix,
 and exit with code 2, without a traceback.
@@ -11,6 +11,7 @@ import sys
 
 from meshlm.config import DEFAULT_CONFIG, ConfigError, bundled_configs
 from meshlm.data.commands import add_data_commands
+from meshlm.interop.convert import add_convert_command
 from meshlm.plan.commands import add_bench_commands
 
 
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.set_defaults(func=_plot)
     add_data_commands(sub)  # meshlm prepare, meshlm tokenizer train
     add_bench_commands(sub)  # meshlm bench memory
+    add_convert_command(sub)  # meshlm convert --to-single
     return parser
 
 

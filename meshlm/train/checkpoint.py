@@ -1,6 +1,7 @@
 """Checkpoints written atomically, with a `latest` pointer.
 
-Layout: OUT_DIR/checkpoints/step_000100/{model.pt, optim.pt, state.pt, config.json}, and
+Layout: OUT_DIR/checkpoints/step_000100/{model.pt, optim.pt, state.pt, config.json} (one process; a parallel
+run writes per-rank pieces instead, see `dist_checkpoint.py`), and
 OUT_DIR/checkpoints/latest holding the name of the newest complete one. A checkpoint is written into a
 temporary directory, fsynced, then renamed into place; only then is `latest` replaced (write + rename).
 A crash or SIGKILL at any moment therefore leaves `latest` naming a complete checkpoint.
@@ -91,7 +92,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
             target = root / (root / LATEST).read_text().strip()
             if (target / "config.json").exists():
                 return target
-    if (p / "config.json").exists() and ((p / "model.pt").exists() or any(p.glob("model-pp*.pt"))):
+    if (p / "config.json").exists() and any((p / name).exists() for name in ("model.pt", "index.json",
+                                                                              "model.safetensors")):
+        return p
+    if (p / "config.json").exists() and any(p.glob("model-pp*.pt")):
         return p
     raise CheckpointError(f"no checkpoint at {str(p)!r}: expected a run directory with checkpoints/latest, "
                           "or a checkpoints/step_* directory; train first or fix the path")
@@ -114,10 +118,22 @@ def pipeline_model_part(pp_rank: int) -> str:
 
 
 def load_model_state(ckpt: Path, map_location: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """The whole model's state dict: `model.pt`, or the union of a pipeline run's `model-ppNNNNN.pt` files
-    (plain parameter names; a tied embedding appears in the first and the last, equal)."""
+    """The whole model's state dict: `model.pt`, `model.safetensors` (`meshlm convert --to-single`), the
+    pieces of a parallel run (`index.json`, assembled by
+    `dist_checkpoint.full_model_state` in this process), or the union of an older pipeline run's
+    `model-ppNNNNN.pt` files (plain parameter names; a tied embedding appears in the first and the last)."""
     if (ckpt / "model.pt").exists():
         return load_part(ckpt, "model", map_location)
+    if (ckpt / "model.safetensors").exists():  # written by `meshlm convert --to-single`
+        from safetensors.torch import load_file
+
+        return load_file(str(ckpt / "model.safetensors"), device=str(map_location))
+    if (ckpt / "index.json").exists():
+        from meshlm.config import config_from_dict
+        from meshlm.train.dist_checkpoint import full_model_state
+
+        state = full_model_state(ckpt, config_from_dict(load_config_dict(ckpt)).model)
+        return {k: v.to(map_location) for k, v in state.items()}
     state: dict[str, torch.Tensor] = {}
     for part in sorted(ckpt.glob("model-pp*.pt")):
         state.update(torch.load(part, map_location=map_location, weights_only=False))

@@ -1,0 +1,433 @@
+"""Checkpoints that reshard: saved under one layout (tp, pp, dp, ZeRO), loaded under any other.
+
+What is stored is layout-free: *logical tensors* named after the plain `GPT`'s parameters, with the fused
+ones split (`attn.qkv` → `attn.q`, `attn.k`, `attn.v`; SwiGLU's `mlp.fc` → `mlp.gate`, `mlp.up`), the
+vocabulary padding dropped, replicated KV heads and the tied embedding stored once. For each one: the
+weights and Adam's `exp_avg` / `exp_avg_sq` (Adam's step count is one number for the whole model). Every
+rank writes the rectangular pieces it owns, each with its offset in the logical tensor, to its own
+safetensors file; rank 0 writes `index.json` (the logical shapes and where every piece is), then the
+shared state (`state.pt`: step, data position, layout). Loading under any layout, each rank works out
+which logical rows and columns each of its local tensors (or ZeRO shards of them) holds and reads exactly
+those from the pieces that overlap them (safetensors slices: no whole-file reads).
+
+Why not `torch.distributed.checkpoint` (DCP)? DCP plans the same way (chunks with global offsets, read
+by overlap), but describes a rank's part of a tensor by DTensor placements over a mesh. Our parts are
+not all placements: a ZeRO shard is a flat range that starts and ends mid-row and crosses parameter
+boundaries; a tp rank's qkv rows are three blocks (its q heads, its k heads, its v heads); GQA KV heads
+are held by a subset of the tp group; the vocabulary rows are padded. DCP would need a gather over dp
+(the memory ZeRO saves) and extra meshes per tensor. Our pieces are plain boxes, a few per tensor and rank.
+
+Publishing is atomic as in `checkpoint.py`: everything goes into a temporary directory; every rank
+reports success (one all-reduce), and only if all did does rank 0 rename it into place and move
+`latest`. A rank that fails or dies leaves `latest` on the previous checkpoint.
+
+Single-process runs keep their one-file format (`model.pt`, `optim.pt`); it loads under any layout too
+(converted to logical tensors in memory), and `full_model_state` turns either format into a plain GPT
+state dict without torch.distributed (for `meshlm generate` and `meshlm convert --to-single`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshlm.config import ModelConfig
+from meshlm.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from meshlm.train import checkpoint as ckpt
+
+FORMAT = "meshlm-logical-v1"
+INDEX = "index.json"
+SHARDS = "shards"
+KINDS = ("weight", "exp_avg", "exp_avg_sq")
+
+
+class CheckpointWriteError(RuntimeError):
+    """Some rank could not write its part of a checkpoint; nothing was published."""
+
+
+# ---- logical tensors ----------------------------------------------------------------------------------------
+def fused_blocks(name: str, cfg: ModelConfig) -> list[tuple[str, int]]:
+    """The logical tensors stacked along dim 0 of plain parameter `name`, with their row counts."""
+    prefix, attr = name.rsplit(".", 1)
+    if prefix.endswith("attn.qkv"):
+        base, hd = prefix[:-len("qkv")], cfg.head_dim
+        return [(f"{base}q.{attr}", cfg.n_heads * hd), (f"{base}k.{attr}", cfg.kv_heads * hd),
+                (f"{base}v.{attr}", cfg.kv_heads * hd)]
+    if prefix.endswith("mlp.fc") and cfg.activation == "swiglu":
+        base = prefix[:-len("fc")]
+        return [(f"{base}gate.{attr}", cfg.ffn_size), (f"{base}up.{attr}", cfg.ffn_size)]
+    rows = cfg.vocab_size if name in ("tok_emb.weight", "lm_head.weight") else plain_shapes(cfg)[name][0]
+    return [(name, rows)]
+
+
+@functools.lru_cache(maxsize=8)
+def plain_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of the plain GPT's parameters (each tensor once: a tied LM head is `tok_emb.weight`)."""
+    with torch.device("meta"):
+        model = _plain_model(cfg)
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def _plain_model(cfg: ModelConfig) -> nn.Module:
+    from meshlm.models.gpt import GPT
+
+    return GPT(cfg)
+
+
+def logical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    out = {}
+    for name, shape in plain_shapes(cfg).items():
+        for lname, rows in fused_blocks(name, cfg):
+            out[lname] = (rows, *shape[1:])
+    return out
+
+
+def split_plain(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A plain GPT state dict → logical tensors (2-D: rows × the rest)."""
+    out = {}
+    for name in plain_shapes(cfg):
+        t = state[name]
+        start = 0
+        for lname, n in fused_blocks(name, cfg):
+            out[lname] = t[start:start + n].reshape(n, -1)
+            start += n
+    return out
+
+
+def fuse_logical(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Logical tensors → a plain GPT state dict (the tied LM head included, as `GPT.state_dict` has it)."""
+    out = {}
+    for name, shape in plain_shapes(cfg).items():
+        parts = [tensors[lname] for lname, _ in fused_blocks(name, cfg)]
+        out[name] = torch.cat(parts).reshape(shape)
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = out["tok_emb.weight"]
+    return out
+
+
+# ---- which logical boxes a local tensor holds ----------------------------------------------------------------
+@dataclass
+class Segment:
+    """Local rows [local_row, local_row + rows) ↦ logical `name` rows [row, …), columns [col, col + local cols)."""
+
+    local_row: int
+    rows: int
+    name: str
+    row: int
+    col: int
+    write: bool  # this rank is the one that writes these rows (replicas are written once)
+
+
+def param_segments(model: nn.Module, name: str, shape: tuple[int, ...], tp_rank: int,
+                   tied_copy: bool = False) -> list[Segment]:
+    """How this rank's local parameter `name` (of local `shape`) maps onto logical tensors.
+
+    Tensor-parallel modules say which full rows (column-parallel, vocab-parallel) or columns
+    (row-parallel) a rank holds; the full rows are then cut by the fused blocks (q/k/v, gate/up) and
+    padding rows past the vocabulary dropped. Replicated tensors are written by tp rank 0; KV rows
+    replicated over several tp ranks by their owner; `tied_copy` (the last pipeline stage's copy of the
+    tied embedding) never."""
+    cfg = model.cfg
+    prefix, attr = name.rsplit(".", 1)
+    module = model.get_submodule(prefix)
+    rows, col, sharded, skip = shape[0], 0, False, None
+    full_rows = list(range(rows))
+    if isinstance(module, ColumnParallelLinear):
+        full_rows, sharded = module.rows[tp_rank].tolist(), True
+        if module.shared_rows is not None and not module._owner:
+            skip = set(module.shared_rows[0].tolist())
+    elif isinstance(module, VocabParallelEmbedding):
+        full_rows, sharded = module.vocab_rows[tp_rank].tolist(), True
+    elif isinstance(module, RowParallelLinear) and attr == "weight":
+        col, sharded = int(module.cols[tp_rank][0]), True
+    blocks, start = [], 0
+    for lname, n in fused_blocks(name, cfg):
+        blocks.append((start, start + n, lname))
+        start += n
+    base_write = (sharded or tp_rank == 0) and not tied_copy
+    segments: list[Segment] = []
+    for i, full in enumerate(full_rows):
+        block = next((b for b in blocks if b[0] <= full < b[1]), None)
+        if block is None:  # vocabulary padding
+            continue
+        write = base_write and not (skip and i in skip)
+        last = segments[-1] if segments else None
+        if (last is not None and last.name == block[2] and last.write == write and last.local_row + last.rows == i
+                and last.row + last.rows == full - block[0]):
+            last.rows += 1
+        else:
+            segments.append(Segment(i, 1, block[2], full - block[0], col, write))
+    return segments
+
+
+def pieces(segments: list[Segment], shape: tuple[int, ...], lo: int, hi: int):
+    """The flat range [lo, hi) of a local tensor, cut into boxes that are contiguous in it.
+
+    Yields (segment, (logical row, logical col, rows, cols), offset of the box in the range)."""
+    cols = 1
+    for s in shape[1:]:
+        cols *= s
+    for seg in segments:
+        a, b = max(lo, seg.local_row * cols), min(hi, (seg.local_row + seg.rows) * cols)
+        if a >= b:
+            continue
+        (ra, ca), (rb, cb) = divmod(a, cols), divmod(b, cols)
+        boxes = []
+        if ra == rb:
+            boxes.append((ra, 1, ca, cb))
+        else:
+            if ca:
+                boxes.append((ra, 1, ca, cols))
+                ra += 1
+            if rb > ra:
+                boxes.append((ra, rb - ra, 0, cols))
+            if cb:
+                boxes.append((rb, 1, 0, cb))
+        for r, n, c0, c1 in boxes:
+            yield seg, (seg.row + r - seg.local_row, seg.col + c0, n, c1 - c0), r * cols + c0 - lo
+
+
+def _segments_for(sync, owned) -> list[Segment]:
+    pipe = sync.pipe
+    tied_copy = (pipe is not None and pipe.tied_weight is not None and owned.name == "tok_emb.weight"
+                 and not pipe.has_first)  # the last stage's copy: the first stage writes the embedding
+    return param_segments(sync.model, owned.name, owned.shape, sync.dims.tp_rank, tied_copy)
+
+
+# ---- saving -----------------------------------------------------------------------------------------------
+def _rank_pieces(sync, optimizer) -> tuple[dict[str, torch.Tensor], list[list]]:
+    """This rank's pieces: tensors for its safetensors file and their index entries."""
+    tensors, entries = {}, []
+    for owned in sync.save_ranges():
+        state = optimizer.state.get(owned.opt_key, {})
+        flats = {"weight": owned.weight}
+        flats.update({k: owned.opt_flat(state[k]) for k in ("exp_avg", "exp_avg_sq") if k in state})
+        for seg, (row, col, n, w), off in pieces(_segments_for(sync, owned), owned.shape, owned.lo, owned.hi):
+            if not seg.write:
+                continue
+            for kind, flat in flats.items():
+                key = f"{kind}/{seg.name}/{row}/{col}"
+                tensors[key] = flat[off:off + n * w].detach().reshape(n, w).float().cpu().clone()
+                entries.append([key, kind, seg.name, row, col, n, w])
+    return tensors, entries
+
+
+def _adam_step(optimizer) -> float | None:
+    steps = {float(s["step"]) for s in optimizer.state.values() if "step" in s}
+    if len(steps) > 1:
+        raise RuntimeError(f"the optimizer's parameters have different step counts {sorted(steps)}")
+    return steps.pop() if steps else None
+
+
+def save(out_dir: str | Path, step: int, sync, optimizer, state: dict, config: dict, rank_state: dict) -> Path:
+    """Write this layout's checkpoint of step `step` and publish it as `latest` (a collective).
+
+    `state` (rank 0's): step, data position, layout, …; `rank_state`: this rank's random streams."""
+    from safetensors.torch import save_file
+
+    d = sync.dims
+    world = d.world_size > 1
+    box = [str(ckpt.begin_checkpoint(out_dir, step)) if d.is_main else None]
+    if world:
+        dist.broadcast_object_list(box, src=0)
+    tmp = Path(box[0])
+    entries, error = [], None
+    try:
+        (tmp / SHARDS).mkdir(exist_ok=True)
+        tensors, entries = _rank_pieces(sync, optimizer)
+        name = f"rank{d.rank:05d}"
+        save_file(tensors, str(tmp / SHARDS / f"{name}.safetensors"))
+        ckpt.write_part(tmp / SHARDS, name, {"rank_state": rank_state, "layout": state.get("layout")})
+    except Exception as err:  # noqa: BLE001 (any failure: every rank must hear of it before anyone publishes)
+        error = err
+    ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=d.device)
+    if world:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if error is not None:
+        raise error
+    if not ok.item():
+        raise CheckpointWriteError(f"another rank failed to write its part of step {step}'s checkpoint; "
+                                   f"nothing was published, {ckpt.checkpoints_dir(out_dir) / ckpt.LATEST} still "
+                                   "names the previous checkpoint")
+    adam_step = _adam_step(optimizer)
+    gathered = [None] * d.world_size if d.is_main else None
+    if world:
+        dist.gather_object((d.rank, entries, adam_step), gathered, dst=0)
+    else:
+        gathered = [(0, entries, adam_step)]
+    path = ckpt.checkpoints_dir(out_dir) / ckpt.step_name(step)
+    if d.is_main:
+        steps = {s for _, _, s in gathered if s is not None}
+        index = {"format": FORMAT, "shapes": logical_shapes(sync.model.cfg),
+                 "adam_step": steps.pop() if steps else None,
+                 "chunks": [[f"rank{r:05d}.safetensors", *e] for r, es, _ in gathered for e in es]}
+        (tmp / INDEX).write_text(json.dumps(index))
+        ckpt.write_part(tmp, "state", state)
+        path = ckpt.publish_checkpoint(out_dir, step, tmp, config)
+    if world:
+        dist.barrier()
+    return path
+
+
+# ---- sources of logical tensors ---------------------------------------------------------------------------
+class _ShardedSource:
+    """The pieces of a sharded checkpoint, read by overlap (lazily, through safetensors slices)."""
+
+    def __init__(self, path: Path):
+        self.dir = path / SHARDS
+        index = json.loads((path / INDEX).read_text())
+        if index.get("format") != FORMAT:
+            raise ckpt.CheckpointError(f"{path} has checkpoint format {index.get('format')!r}, not {FORMAT!r}")
+        self.shapes = {k: tuple(v) for k, v in index["shapes"].items()}
+        self.adam_step = index["adam_step"]
+        self.chunks: dict[tuple[str, str], list] = {}
+        for file, key, kind, name, row, col, n, w in index["chunks"]:
+            self.chunks.setdefault((kind, name), []).append((file, key, row, col, n, w))
+        self._files: dict[str, Any] = {}
+
+    def read(self, kind: str, name: str, row: int, col: int, out: torch.Tensor) -> int:
+        """Copy logical[row:row+n, col:col+w] into `out` (n, w) from every overlapping piece; returns the
+        number of elements found."""
+        from safetensors import safe_open
+
+        n, w = out.shape
+        found = 0
+        for file, key, r, c, pn, pw in self.chunks.get((kind, name), ()):
+            r0, r1, c0, c1 = max(row, r), min(row + n, r + pn), max(col, c), min(col + w, c + pw)
+            if r0 >= r1 or c0 >= c1:
+                continue
+            if file not in self._files:
+                self._files[file] = safe_open(str(self.dir / file), framework="pt")
+            part = self._files[file].get_slice(key)[r0 - r:r1 - r, c0 - c:c1 - c]
+            out[r0 - row:r1 - row, c0 - col:c1 - col] = part.to(out.dtype)
+            found += (r1 - r0) * (c1 - c0)
+        return found
+
+    def close(self) -> None:
+        self._files.clear()
+
+
+class _TensorSource:
+    """Logical tensors in memory (a single-process checkpoint, converted)."""
+
+    def __init__(self, tensors: dict[tuple[str, str], torch.Tensor], adam_step: float | None, shapes):
+        self.tensors, self.adam_step, self.shapes = tensors, adam_step, shapes
+
+    def read(self, kind: str, name: str, row: int, col: int, out: torch.Tensor) -> int:
+        t = self.tensors.get((kind, name))
+        if t is None:
+            return 0
+        n, w = out.shape
+        out.copy_(t[row:row + n, col:col + w])
+        return out.numel()
+
+    def close(self) -> None:
+        pass
+
+
+def _single_process_source(path: Path, cfg: ModelConfig) -> _TensorSource:
+    """`model.pt` + `optim.pt` of a one-process run → logical tensors (its AdamW's state, by parameter)."""
+    from meshlm.train.optim import param_groups
+
+    tensors = {("weight", k): v for k, v in split_plain(ckpt.load_part(path, "model"), cfg).items()}
+    adam_step = None
+    if (path / "optim.pt").exists():
+        optim = ckpt.load_part(path, "optim")
+        with torch.device("meta"):
+            model = _plain_model(cfg)
+        names = {id(p): n for n, p in model.named_parameters()}
+        order = [names[id(p)] for g in param_groups(model, 0.0) for p in g["params"]]
+        per_kind: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+        for i, st in optim["state"].items():
+            adam_step = float(st["step"])
+            for kind, plain in per_kind.items():
+                plain[order[i]] = st[kind]
+        for kind, plain in per_kind.items():
+            if len(plain) == len(order):
+                tensors.update({(kind, k): v for k, v in split_plain(plain, cfg).items()})
+    return _TensorSource(tensors, adam_step, logical_shapes(cfg))
+
+
+def open_source(path: Path, cfg: ModelConfig):
+    """The logical tensors of checkpoint `path`, whichever format it has."""
+    if (path / INDEX).exists():
+        return _ShardedSource(path)
+    return _single_process_source(path, cfg)
+
+
+def is_sharded(path: Path) -> bool:
+    return (Path(path) / INDEX).exists()
+
+
+# ---- loading ------------------------------------------------------------------------------------------------
+def _fill(source, kind: str, sync, owned, flat: torch.Tensor) -> None:
+    want = 0
+    got = 0
+    for seg, (row, col, n, w), off in pieces(_segments_for(sync, owned), owned.shape, owned.lo, owned.hi):
+        out = flat[off:off + n * w].view(n, w)
+        want += n * w
+        got += source.read(kind, seg.name, row, col, out)
+    if got != want:
+        raise ckpt.CheckpointError(f"the checkpoint holds {got} of the {want} {kind} values this rank needs for "
+                                   f"{owned.name}; it is incomplete or from another model shape")
+
+
+@torch.no_grad()
+def load(path: str | Path, sync, optimizer) -> None:
+    """Load weights and Adam's state from a checkpoint of any layout into this rank's part of the model.
+
+    Call after every parallel transform and after building the optimizer (`sync.build_optimizer`)."""
+    path = Path(path)
+    cfg = sync.model.cfg
+    source = open_source(path, cfg)
+    if source.shapes != logical_shapes(cfg):
+        raise ckpt.CheckpointError(f"checkpoint {path} was saved for a model of another shape; set the model.* "
+                                   "keys as in its config.json")
+    try:
+        for owned in sync.load_weight_ranges():
+            _fill(source, "weight", sync, owned, owned.weight)
+        if source.adam_step is None:
+            return
+        for owned in sync.load_state_ranges():
+            st = optimizer.state[owned.opt_key]
+            st["step"] = torch.tensor(source.adam_step, dtype=torch.float32)
+            for kind in ("exp_avg", "exp_avg_sq"):
+                st[kind] = torch.zeros_like(owned.opt_key, memory_format=torch.preserve_format)
+                _fill(source, kind, sync, owned, owned.opt_flat(st[kind]))
+    finally:
+        source.close()
+
+
+def load_rank_state(path: str | Path, rank: int, layout: dict) -> dict | None:
+    """This rank's random-stream state, if `path` was saved under exactly `layout` (else None)."""
+    part = Path(path) / SHARDS / f"rank{rank:05d}.pt"
+    if not part.exists():
+        return None
+    saved = ckpt.load_part(Path(path) / SHARDS, f"rank{rank:05d}")
+    return saved["rank_state"] if saved.get("layout") == layout else None
+
+
+def full_model_state(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The plain GPT state dict of a checkpoint of any format, in one process, without torch.distributed."""
+    path = Path(path)
+    if not is_sharded(path):
+        return ckpt.load_part(path, "model")
+    source = _ShardedSource(path)
+    try:
+        tensors = {}
+        for name, shape in source.shapes.items():
+            rows = shape[0]
+            t = torch.zeros(rows, max(1, torch.Size(shape[1:]).numel()))
+            if source.read("weight", name, 0, 0, t) != t.numel():
+                raise ckpt.CheckpointError(f"checkpoint {path} is missing parts of {name}")
+            tensors[name] = t
+    finally:
+        source.close()
+    return fuse_logical(tensors, cfg)
