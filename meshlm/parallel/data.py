@@ -530,6 +530,16 @@ class FullyShardedDataParallel(GradSync):
         return self.save_ranges()
 
 
+def microbatches_per_step(cfg: Config, dp: int) -> int:
+    """Micro-batches each rank runs per step: global_batch_size / (micro_batch_size · dp)."""
+    t = cfg.train
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size="
+                          f"{t.micro_batch_size} × dp={dp}: every data-parallel rank takes an equal share of each "
+                          f"global batch; set it to a multiple of {t.micro_batch_size * dp}")
+    return t.global_batch_size // (t.micro_batch_size * dp)
+
+
 def check_data_parallel(cfg: Config, dims: ParallelDims) -> None:
     """Layouts the data-parallel transforms cannot serve, as errors that say why and what to do."""
     zero = cfg.parallel.zero

@@ -3,11 +3,12 @@ checkpoints, metrics, and a clean stop on SIGTERM/SIGINT.
 
 Launched by torchrun, every process runs this loop on its part of the layout (`meshlm.parallel`): the
 model is built whole from the seed on every rank, then `parallelize` cuts out this rank's part. Only rank
-0 logs, writes metrics and publishes checkpoints. A tensor-parallel checkpoint holds the full model
-(`model.pt`, gathered, so `meshlm generate` reads it as is) and one file per rank (`rank00000.pt`, …) with
-that rank's optimizer shard and random streams; it resumes at the same layout. With pipeline parallelism
-(`parallel.pp` > 1) the step runs the pipeline schedule instead of the accumulation loop, and each
-pipeline stage saves its own weights (`model-ppNNNNN.pt`, read back whole by `ckpt.load_model_state`).
+0 logs, writes metrics and publishes checkpoints. With pipeline parallelism (`parallel.pp` > 1) the step
+runs the pipeline schedule instead of the accumulation loop. Under data parallelism each dp rank runs
+global / (micro · dp) micro-batches of its slice of the global batch; `model.grad_sync` reduces the
+gradients (overlapped with backward), completes the tp/pp ones, clips, and under ZeRO steps the optimizer
+shards. A multi-process checkpoint is per-rank pieces of layout-free tensors (`dist_checkpoint.py`): it
+resumes under any layout, and `ckpt.load_model_state` reads it whole in one process (`meshlm generate`).
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ from meshlm.data import build_datasets
 from meshlm.data.dataset import BatchLoader, GPTSamples
 from meshlm.infer.generate import generate
 from meshlm.models.gpt import GPT
-from meshlm.parallel import TPRNGTracker, clip_grad_norm_, finish_grads, full_state_dict, init_distributed, parallelize
+from meshlm.parallel import TPRNGTracker, init_distributed, parallelize
+from meshlm.parallel.data import memory_report
 from meshlm.parallel.recompute import recomputed_layers
 from meshlm.plan.activations import measure_model_activations
 from meshlm.plan.memory import layer_activation_bytes
 from meshlm.train import checkpoint as ckpt
+from meshlm.train import dist_checkpoint
 from meshlm.train.metrics import measure_peak_tflops, model_flops, peak_memory_mb, recompute_flops
-from meshlm.train.optim import build_optimizer, lr_at
+from meshlm.train.optim import lr_at
 from meshlm.train.precision import Precision
 
 
@@ -97,19 +100,25 @@ class Trainer:
                               f"{self.tokenizer.vocab_size}; set model.vocab_size={self.tokenizer.vocab_size}")
         self.model = GPT(cfg.model).to(self.device)  # whole, from the seed, on every rank
         self.n_params = self.model.num_params()
-        if self.resume_from is not None:  # full weights first, so every rank slices the same tensors
+        self.legacy_resume = (self.resume_from is not None and self.dims.world_size == 1
+                              and not dist_checkpoint.is_sharded(self.resume_from))
+        if self.legacy_resume:  # a one-process checkpoint into one process: the plain state dicts
             self.model.load_state_dict(ckpt.load_model_state(self.resume_from, self.device))
         self.tp_rng = TPRNGTracker(t.seed, self.dims.tp_rank, self.device)
         self.loss_fn = parallelize(self.model, self.dims, cfg, rng=self.tp_rng)
         self.pipeline = getattr(self.model, "pipeline", None)  # pp > 1: this rank's stages and the schedule
+        self.sync = self.model.grad_sync  # gradient reduction over dp, tp/pp fix-ups, clipping, ZeRO
         if self.pipeline is not None and t.compile:
             raise ConfigError("train.compile=true with parallel.pp > 1 is not supported yet; set train.compile=false")
         # Forward passes go through `self.forward`; `self.model` keeps the plain parameter names.
         self.forward = torch.compile(self.model) if t.compile else self.model
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.optimizer = self.sync.build_optimizer(cfg.optim)
         self.precision = Precision(t.precision, self.device)
-        self.accum = t.global_batch_size // t.micro_batch_size
-        self.loader = BatchLoader(self.train_set, t.micro_batch_size, t.seed)
+        self.accum = t.global_batch_size // (t.micro_batch_size * self.dims.dp)  # per dp rank
+        # Every dp rank reads the same sample order and takes its slice of each global batch.
+        self.loader = BatchLoader(self.train_set, t.micro_batch_size, t.seed, dp_rank=self.dims.dp_rank,
+                                  dp_size=self.dims.dp)
+        self._memory_logged = False
         self.step = 0
         self.tokens_seen = 0
         self.stop_signal: str | None = None
@@ -143,53 +152,40 @@ class Trainer:
         return self._save_sharded()
 
     def _save_sharded(self) -> Path:
-        """Every rank writes its part into rank 0's temporary directory; after a barrier rank 0 adds the
-        gathered model and the shared state and publishes `latest`; a second barrier makes the path
-        visible to all before anyone goes on (or exits)."""
-        model = full_state_dict(self.model)  # collective: every rank gathers, rank 0 keeps it
-        box = [str(ckpt.begin_checkpoint(self.out_dir, self.step)) if self.dims.is_main else None]
-        dist.broadcast_object_list(box, src=0)
-        tmp = Path(box[0])
-        ckpt.write_part(tmp, f"rank{self.dims.rank:05d}", {
-            "optim": self.optimizer.state_dict(), "rng": rng_state(), "tp_rng": self.tp_rng.get_state()})
-        if self.dims.pp > 1 and self.dims.dp_rank == 0 and self.dims.tp_rank == 0:  # each stage its own weights
-            ckpt.write_part(tmp, ckpt.pipeline_model_part(self.dims.pp_rank), {k: v.cpu() for k, v in model.items()})
-        self.dims.barrier()
-        path = ckpt.checkpoints_dir(self.out_dir) / ckpt.step_name(self.step)
-        if self.dims.is_main:
-            parts = self.state_parts()
-            parts["state"]["layout"] = self._layout()
-            if self.dims.pp == 1:
-                ckpt.write_part(tmp, "model", {k: v.cpu() for k, v in model.items()})
-            ckpt.write_part(tmp, "state", parts["state"])
-            path = ckpt.publish_checkpoint(self.out_dir, self.step, tmp, self.cfg.to_dict())
-        self.dims.barrier()
-        return path
+        """Every rank writes the pieces of the layout-free tensors it owns (weights and Adam states) and its
+        random streams; rank 0 adds the index and the shared state and publishes `latest` once every rank
+        reported success (`dist_checkpoint.save`, a collective)."""
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
+                 "scaler": self.precision.state_dict(), "tokenizer": self.tokenizer.name, "layout": self._layout()}
+        rank_state = {"rng": rng_state(), "tp_rng": self.tp_rng.get_state()}
+        return dist_checkpoint.save(self.out_dir, self.step, self.sync, self.optimizer, state, self.cfg.to_dict(),
+                                    rank_state)
 
     def _layout(self) -> dict:
         d = self.dims
-        return {"world_size": d.world_size, "tp": d.tp, "pp": d.pp, "dp": d.dp, "sp": self.cfg.parallel.sp}
+        return {"world_size": d.world_size, "tp": d.tp, "pp": d.pp, "dp": d.dp, "sp": self.cfg.parallel.sp,
+                "zero": self.sync.zero}
 
     def _load(self, path: Path) -> None:
-        """Everything but the model weights, which `__init__` loaded before parallelizing."""
+        """Optimizer, data position and random streams (and, but for a one-process checkpoint resumed in one
+        process, the weights) from a checkpoint of any layout."""
         state = ckpt.load_part(path, "state")
         if state.get("tokenizer", self.tokenizer.name) != self.tokenizer.name:
             raise ConfigError(f"checkpoint {path} was trained with tokenizer {state['tokenizer']!r}, not "
                               f"data.tokenizer={self.tokenizer.name!r}; set data.tokenizer to match")
-        saved = state.get("layout", {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "sp": False})
-        if {k: saved[k] for k in ("world_size", "tp", "pp", "dp")} != {k: v for k, v in self._layout().items()
-                                                                        if k != "sp"}:
-            raise ConfigError(f"checkpoint {path} was written by {saved['world_size']} process(es) with parallel.tp="
-                              f"{saved['tp']}, pp={saved['pp']}, dp={saved['dp']}; resume with the same layout "
-                              "(changing it on load is not supported yet), or train.resume=never")
-        if self.dims.world_size == 1:
+        saved = state.get("layout", {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "sp": False, "zero": 0})
+        if self.legacy_resume:
             self.optimizer.load_state_dict(ckpt.load_part(path, "optim", self.device))
             set_rng_state(state["rng"])
-        else:
-            mine = ckpt.load_part(path, f"rank{self.dims.rank:05d}", self.device)
-            self.optimizer.load_state_dict(mine["optim"])
-            set_rng_state(mine["rng"])
-            self.tp_rng.set_state(mine["tp_rng"])
+        else:  # any layout into this one: each rank reads the pieces of its tensors
+            dist_checkpoint.load(path, self.sync, self.optimizer)
+            mine = dist_checkpoint.load_rank_state(path, self.dims.rank, self._layout())
+            if mine is not None:  # the same layout: the very random streams, so dropout continues exactly
+                set_rng_state(mine["rng"])
+                self.tp_rng.set_state(mine["tp_rng"])
+            elif saved != self._layout():
+                self.log(f"resuming a checkpoint of layout {saved} under {self._layout()}: weights, optimizer "
+                         "and data position carry over; dropout masks start new streams")
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.loader.load_state_dict(state["loader"])
         self.precision.load_state_dict(state["scaler"])
@@ -214,27 +210,28 @@ class Trainer:
         if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
             total = self._pipeline_forward_backward()
         else:
-            for _ in range(self.accum):
+            for i in range(self.accum):
                 x, y = self.loader.next()
                 x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+                self.sync.set_last_microbatch(i == self.accum - 1)
                 with self.precision.autocast():
                     loss = self.loss_fn(self.forward(x), y) / self.accum
                 self.precision.scaler.scale(loss).backward()
                 total += loss.detach()  # the full-vocabulary loss: identical on every tp rank
-        finish_grads(self.model, self.dims)  # sum the gradients tp ranks hold parts of (SP norms, shared KV)
-        if self.pipeline is not None:
-            self.pipeline.finish_grads()  # the tied embedding's two copies (first and last stage)
+        total = self.sync.average_loss(total)  # the global batch's mean (over dp)
+        # Wait for the dp reductions launched during backward, then complete the gradients tp ranks hold
+        # parts of (SP norms, shared KV heads) and the tied embedding's two pipeline copies.
+        self.sync.finish()
         self.precision.scaler.unscale_(self.optimizer)
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        if self.pipeline is not None:  # over every stage: each parameter once, the tied embedding once
-            grad_norm = self.pipeline.clip_grad_norm_(self.model, clip)
-        elif self.dims.tp > 1:  # the norm of the whole model: each shard once, each replicated tensor once
-            grad_norm = clip_grad_norm_(self.model, self.dims, clip)
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        grad_norm = self.sync.clip_grad_norm_(clip)  # each parameter (shard) once, over the whole layout
         self.precision.scaler.step(self.optimizer)
         self.precision.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.sync.after_step()  # ZeRO-1/2: every rank's updated shard into everyone's parameters
+        if not self._memory_logged:  # measured now: Adam's states exist, gradients not yet released
+            self.log(memory_report(self.sync, self.optimizer))
+            self._memory_logged = True
+        self.sync.zero_grad(self.optimizer)
         self.step += 1
         self.tokens_seen += cfg.train.global_batch_size * cfg.model.seq_len
         return float(total), float(grad_norm)
@@ -408,17 +405,11 @@ class Trainer:
     def print_sample(self) -> None:
         t = self.cfg.train
         model = self.model
-        if self.dims.pp > 1:  # the stages live on several ranks: rank 0 reads the checkpoint just saved
+        if self.dims.world_size > 1:  # the model lives on several ranks: rank 0 reads the checkpoint just saved
             if not self.dims.is_main:
                 return
             model = GPT(self.cfg.model).to(self.device)
             model.load_state_dict(ckpt.load_model_state(ckpt.latest_checkpoint(self.out_dir), self.device))
-        elif self.dims.world_size > 1:  # sample from the gathered model on rank 0 (a collective first)
-            full = full_state_dict(self.model)
-            if not self.dims.is_main:
-                return
-            model = GPT(self.cfg.model).to(self.device)
-            model.load_state_dict(full)
         ids = torch.tensor([self.tokenizer.encode(t.sample_prompt)], device=self.device)
         out = generate(model, ids, t.sample_tokens, temperature=0.8, top_k=200, seed=t.seed)
         text = self.tokenizer.decode(out[0].tolist())

@@ -4,8 +4,8 @@ on the bundled corpus with a narrow model and 3 steps appended.
 
 Checked against the single-process Trainer with the same config: per-step losses and the evaluation loss
 within 1e-5 relative, final weights within 1e-5 (read back whole from the stage files); rank 0 alone logs;
-the checkpoint holds one model file per pipeline rank and `meshlm generate` reads it; a run stopped after
-one step and resumed equals the straight run bit for bit, and another layout is refused.
+`meshlm generate` reads the checkpoint's pieces as one model; a run stopped after one step and resumed
+equals the straight run bit for bit, and resumes under another layout too (here one process).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshlm.config import ConfigError, load_config
+from meshlm.config import load_config
 from meshlm.train import checkpoint as ckpt
 from meshlm.train.trainer import Trainer
 from tests.conftest import ROOT
@@ -132,13 +132,11 @@ def test_pipeline_training_matches_single_process(runs, references, tmp_path_fac
     plain = ckpt.load_model_state(ckpt.resolve_checkpoint(ref_out))
     assert full.keys() == plain.keys()
     assert max(float((full[k] - v).abs().max()) for k, v in plain.items()) <= TOL
-    if "tok_emb.weight" in full:  # tied: the first and last stage's copies were saved bit-equal
-        parts = sorted(ckpt.resolve_checkpoint(run["out"]).glob("model-pp*.pt"))
-        first, last = (torch.load(p, weights_only=False) for p in (parts[0], parts[-1]))
-        assert torch.equal(first["tok_emb.weight"], last["lm_head.weight"])
+    # A tied embedding is stored once (by the first stage); that its two copies stay bit-equal in training
+    # is checked in test_pipeline_end_to_end.py.
 
 
-def test_pipeline_checkpoint_resumes_exactly_and_refuses_another_layout(runs, tmp_path):
+def test_pipeline_checkpoint_resumes_exactly_and_under_another_layout(runs, tmp_path):
     straight = runs[0]
     split = tmp_path / "split"
     for steps in (1, STEPS):
@@ -146,11 +144,11 @@ def test_pipeline_checkpoint_resumes_exactly_and_refuses_another_layout(runs, tm
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
     files = sorted(p.name for p in ckpt.resolve_checkpoint(split).iterdir())
-    assert files == ["config.json", "model-pp00000.pt", "model-pp00001.pt", "rank00000.pt", "rank00001.pt", "state.pt"]
+    assert files == ["config.json", "index.json", "shards", "state.pt"]
     assert _losses(split) == _losses(straight["out"])
     a = ckpt.load_model_state(ckpt.resolve_checkpoint(straight["out"]))
     b = ckpt.load_model_state(ckpt.resolve_checkpoint(split))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    with pytest.raises(ConfigError, match="pp=2"):
-        Trainer(load_config("gpt-tiny", [*TINY, "--train.micro_batch_size=4", f"--train.max_steps={STEPS + 1}",
-                                         f"--train.out_dir={split}"]))
+    resumed = Trainer(load_config("gpt-tiny", [*TINY, "--train.micro_batch_size=4", f"--train.max_steps={STEPS + 1}",
+                                               f"--train.out_dir={split}"]))
+    assert resumed.step == STEPS, "one process resumes the pp=2 checkpoint (tests/parallel/test_data_parallel*.py)"
