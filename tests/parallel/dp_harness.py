@@ -1,0 +1,179 @@
+"""Train one layout (tp, pp, dp, ZeRO) with meshlm's parallel transforms, the way the trainer does, on a
+fixed synthetic dataset read through `BatchLoader`; and the same global batches in one process.
+
+Used by test_data_parallel.py and test_reshard.py inside spawned gloo worlds (parallel_world.py). Models
+are gpt-tiny/llama-tiny-shaped but small (4 layers of width 32, 16 tokens, vocabulary 101), fp32, dropout
+off, with clipping active (a wrong gradient norm would show).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from meshlm.config import OptimConfig, build
+from meshlm.data.dataset import BatchLoader
+from meshlm.models.gpt import GPT
+from meshlm.parallel.data import apply_data_parallel
+from meshlm.parallel.mesh import ParallelDims
+from meshlm.parallel.pipeline import apply_pipeline
+from meshlm.parallel.rng import TPRNGTracker
+from meshlm.parallel.tensor import apply_tensor_parallel, cross_entropy, full_state_dict
+
+SEED, LR, CLIP = 1234, 1e-3, 0.5
+MICRO_BATCH_SIZE, GLOBAL_BATCH = 1, 8
+MODELS = {
+    "gpt": {"n_layers": 4, "hidden_size": 32, "n_heads": 4, "seq_len": 16, "vocab_size": 101},
+    "llama": {"n_layers": 4, "hidden_size": 32, "n_heads": 4, "n_kv_heads": 2, "seq_len": 16, "vocab_size": 101,
+              "position": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False, "tie_embeddings": False},
+}
+N_SAMPLES = 64
+
+
+def config(model: str = "gpt", tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0, **parallel):
+    return build({"model": MODELS[model],
+                  "train": {"micro_batch_size": MICRO_BATCH_SIZE, "global_batch_size": GLOBAL_BATCH},
+                  "parallel": {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "timeout_s": 60, "bucket_mb": 0.004,
+                               **parallel}})
+
+
+def samples(cfg) -> list[np.ndarray]:
+    """Random token rows: nothing to learn across samples, but 64 of them are memorised within steps."""
+    g = np.random.default_rng(7)
+    return [g.integers(0, cfg.model.vocab_size, cfg.model.seq_len + 1) for _ in range(N_SAMPLES)]
+
+
+@dataclass
+class Run:
+    """One rank's training state for a layout."""
+
+    cfg: object
+    dims: ParallelDims | None
+    model: torch.nn.Module
+    loss_fn: object
+    pipe: object
+    sync: object
+    opt: torch.optim.Optimizer
+    loader: BatchLoader
+    m: int
+    losses: list[float] = field(default_factory=list)
+    norms: list[float] = field(default_factory=list)
+
+
+_DIMS: dict[tuple[int, int, int], ParallelDims] = {}
+
+
+def dims_for(tp: int = 1, pp: int = 1, dp: int = 1) -> ParallelDims:
+    """One ParallelDims per layout shape and process (building groups is collective and slow)."""
+    if (tp, pp, dp) not in _DIMS:
+        _DIMS[(tp, pp, dp)] = ParallelDims.build(tp=tp, pp=pp, dp=dp, timeout_s=60)
+    return _DIMS[(tp, pp, dp)]
+
+
+def build_run(cfg, dims: ParallelDims | None, consumed: int = 0) -> Run:
+    """The whole model from the seed, then tp → pp → dp, as `parallelize` and the trainer order them."""
+    torch.manual_seed(SEED)
+    model = GPT(cfg.model)
+    loss_fn, pipe = cross_entropy, None
+    dp = dims.dp if dims is not None else 1
+    if dims is None:
+        dims = ParallelDims()
+    if dims.tp > 1:
+        loss_fn = apply_tensor_parallel(model, dims, cfg.parallel.sp, TPRNGTracker(SEED, dims.tp_rank))
+    if dims.pp > 1:
+        pipe = apply_pipeline(model, dims, cfg, loss_fn)
+    m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+    sync = apply_data_parallel(model, dims, cfg, m, pipe)
+    opt = sync.build_optimizer(OptimConfig(lr=LR))
+    loader = BatchLoader(samples(cfg), cfg.train.micro_batch_size, SEED, consumed=consumed, dp_rank=dims.dp_rank,
+                         dp_size=dp)
+    return Run(cfg, dims, model, loss_fn, pipe, sync, opt, loader, m)
+
+
+def step(run: Run, zero_grad: bool = True) -> float:
+    """One optimizer step of the global batch, as the trainer runs it; returns the global mean loss."""
+    if run.pipe is not None:
+        batches = [run.loader.next() for _ in range(run.m)]
+        total = run.pipe.train_step(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
+    else:
+        total = torch.zeros(())
+        for i in range(run.m):
+            x, y = run.loader.next()
+            run.sync.set_last_microbatch(i == run.m - 1)
+            loss = run.loss_fn(run.model(x), y) / run.m
+            loss.backward()
+            total += loss.detach()
+    loss = float(run.sync.average_loss(total))
+    run.sync.finish()
+    run.norms.append(float(run.sync.clip_grad_norm_(CLIP)))
+    run.opt.step()
+    run.sync.after_step()
+    if zero_grad:
+        run.sync.zero_grad(run.opt)
+    run.losses.append(loss)
+    return loss
+
+
+def step_without_zero_grad(run: Run) -> float:
+    """A step that leaves the gradients in place (to measure model-state memory)."""
+    return step(run, zero_grad=False)
+
+
+def full_state(run: Run) -> dict[str, torch.Tensor]:
+    """The plain GPT tensors this rank's pipeline stage holds, gathered over tp (and dp under ZeRO-3)."""
+    if run.dims.tp > 1:
+        state = full_state_dict(run.model)
+    else:
+        state = run.model.state_dict()
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
+
+
+def train(cfg, dims: ParallelDims | None, steps: int) -> Run:
+    run = build_run(cfg, dims)
+    for _ in range(steps):
+        step(run)
+    return run
+
+
+def reference(model: str, steps: int) -> dict:
+    """The single-process run: losses and gradient norms of `steps` steps, the weights after each step."""
+    run = build_run(config(model), None)
+    states = {}
+    for n in range(1, steps + 1):
+        step(run)
+        states[n] = full_state(run)
+    return {"losses": run.losses, "norms": run.norms, "states": states}
+
+
+def compare(ref: dict, got: Run) -> dict:
+    """Worst differences of `got` from the reference over the steps it took (losses, norms relative)."""
+    rel = lambda a, b: abs(a - b) / abs(b)
+    n = len(got.losses)
+    want, have = ref["states"][n], full_state(got)
+    return {"loss": max(rel(a, b) for a, b in zip(got.losses, ref["losses"][:n])),
+            "grad_norm": max(rel(a, b) for a, b in zip(got.norms, ref["norms"][:n])),
+            "weights": max(float((v - want[k]).abs().max()) for k, v in have.items()),
+            "keys": sorted(have), "losses": got.losses}
+
+
+def save(run: Run, out_dir, config: dict | None = None):
+    """A checkpoint of this layout after `len(run.losses)` steps (data position included)."""
+    from meshlm.train import dist_checkpoint
+
+    state = {"step": len(run.losses), "loader": run.loader.state_dict(), "losses": list(run.losses),
+             "norms": list(run.norms)}
+    return dist_checkpoint.save(out_dir, len(run.losses), run.sync, run.opt, state, config or {}, {})
+
+
+def resume(cfg, dims: ParallelDims | None, path) -> Run:
+    """A fresh layout (possibly another one) that continues from checkpoint `path`."""
+    from meshlm.train import checkpoint as ckpt
+    from meshlm.train import dist_checkpoint
+
+    state = ckpt.load_part(path, "state")
+    run = build_run(cfg, dims, consumed=state["loader"]["consumed"])
+    dist_checkpoint.load(path, run.sync, run.opt)
+    run.losses, run.norms = list(state["losses"]), list(state["norms"])
+    return run
