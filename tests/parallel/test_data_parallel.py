@@ -215,3 +215,15 @@ def test_report_max_diffs(worlds, capsys):
     with capsys.disabled():
         print("\nworst differences from one process (loss, grad_norm relative; weights absolute):\n"
               + "\n".join(lines) + "\nmodel states at dp=2: " + "; ".join(mem))
+
+
+def test_layouts_data_parallelism_cannot_serve_are_refused_with_the_reason():
+    from meshlm.config import ConfigError
+    from meshlm.parallel.data import microbatches_per_step
+
+    with pytest.raises(ConfigError, match=r"parallel.zero=3 \(FSDP2\) with parallel.tp=2 is not supported"):
+        H.config(tp=2, dp=2, zero=3)
+    with pytest.raises(ConfigError, match="parallel.zero=4 is not a ZeRO stage"):
+        H.config(zero=4)
+    with pytest.raises(ConfigError, match=r"micro_batch_size=1 × dp=3"):
+        microbatches_per_step(H.config(), 3)
