@@ -13,12 +13,16 @@ through the communication on CPU. With t ranks and a linear layer Y = XA:
   sequence instead of replicated. `g` becomes a reduce-scatter along the sequence and `f` an all-gather;
   their backwards swap (all-gather ↔ reduce-scatter). Same bytes on the wire as the two all-reduces, since
   an all-reduce *is* a reduce-scatter followed by an all-gather, but the norms/dropout/residual work and
-  memory are divided by t.
+  memory are divided by t. A column-parallel linear under SP fuses its all-gather with the matmul
+  (`_GatherSeqLinear`): it keeps only the sequence shard of its input for the weight gradient and
+  all-gathers it again in backward (Megatron's choice), so that activation too is divided by t, for one
+  more all-gather per column-parallel linear in backward.
 
-An attention + MLP block therefore communicates twice forward and twice backward. The embedding is
-vocab-parallel (each rank holds V/t rows, out-of-range ids give zeros, then `g`); the LM head is a
-column-parallel linear whose logits stay split over the vocabulary, and the cross-entropy is computed
-from the shards (max, then sum-exp and target logit all-reduces) without ever gathering (B, T, V).
+An attention + MLP block therefore communicates twice forward and twice backward (under SP, plus the two
+re-gathers of the qkv and fc inputs in backward). The embedding is vocab-parallel (each rank holds V/t
+rows, out-of-range ids give zeros, then `g`); the LM head is a column-parallel linear whose logits stay
+split over the vocabulary, and the cross-entropy is computed from the shards (max, then sum-exp and target
+logit all-reduces) without ever gathering (B, T, V).
 
 `apply_tensor_parallel` transforms a plain `GPT` in place: it slices the full, already initialised
 weights, so tp=N starts bit-identical to tp=1, and `models/` stays single-device.
@@ -57,21 +61,34 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     """(B, T/t, …) on every rank → (B, T, …), rank i's chunk at positions [i·T/t, (i+1)·T/t)."""
+    out, _ = _start_gather_seq_first(x, group, async_op=False)
+    return out.movedim(0, SEQ_DIM)
+
+
+def _start_gather_seq_first(x: torch.Tensor, group, async_op: bool):
+    """All-gather (B, T/t, …) along the sequence into a (T, B, …) tensor (sequence first, contiguous);
+    with `async_op` the result is valid only after the returned work handle's `wait()`."""
     part = x.movedim(SEQ_DIM, 0).contiguous()  # (T/t, B, …): the gathered dim must lead
     out = part.new_empty((group.size() * part.shape[0], *part.shape[1:]))  # (T, B, …)
-    getattr(dist, _ALL_GATHER)(out, part, group=group)
-    return out.movedim(0, SEQ_DIM)
+    work = getattr(dist, _ALL_GATHER)(out, part, group=group, async_op=async_op)
+    return out, work
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     """(B, T, …) partial sums on every rank → (B, T/t, …): this rank's positions, summed over ranks."""
-    full = x.movedim(SEQ_DIM, 0).contiguous()  # (T, B, …)
+    out, _ = _start_reduce_scatter_seq_first(x.movedim(SEQ_DIM, 0).contiguous(), group, async_op=False)
+    return out.movedim(0, SEQ_DIM)
+
+
+def _start_reduce_scatter_seq_first(full: torch.Tensor, group, async_op: bool):
+    """Reduce-scatter a contiguous (T, B, …) tensor of partial sums into this rank's (T/t, B, …), summed;
+    with `async_op` the result is valid only after the returned work handle's `wait()`."""
     t = group.size()
     if full.shape[0] % t:
         raise ValueError(f"sequence length {full.shape[0]} is not divisible by tp={t}")
     out = full.new_empty((full.shape[0] // t, *full.shape[1:]))  # (T/t, B, …)
-    getattr(dist, _REDUCE_SCATTER)(out, full, group=group)
-    return out.movedim(0, SEQ_DIM)
+    work = getattr(dist, _REDUCE_SCATTER)(out, full, group=group, async_op=async_op)
+    return out, work
 
 
 class _CopyToTensorRegion(torch.autograd.Function):
@@ -123,6 +140,73 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _gather_seq(grad, ctx.group), None
+
+
+class _GatherSeqLinear(torch.autograd.Function):
+    """SP's all-gather fused with a column-parallel linear; only the sequence shard is kept for backward.
+
+    Rank r holds X_r (B, T/t, in), its tokens, and A_i (in, out/t), its output columns (stored transposed,
+    as `F.linear`'s (out/t, in) weight), with bias b_i:
+
+        forward    Y   = AG(X_r)·A_i + b_i        (B, T, out/t)
+        backward   dX_r = RS(dY·A_iᵀ)              (B, T/t, in): every rank's partial dX, summed, own tokens
+                   dA_i = AG(X_r)ᵀ·dY              (in, out/t), AG(X_r) gathered again
+                   db_i = Σ_tokens dY
+
+    The composition `gather_from_sequence_region` then `F.linear` computes the same, but autograd saves the
+    gathered AG(X_r): s·b·in per rank. Here forward saves X_r and the weight only (s·b·in/t: Korthikanti et
+    al.'s `34/t`), and backward re-gathers X_r for dA_i, one more all-gather per linear. Backward overlaps
+    its communication with compute through async work handles, in Megatron's order: start the re-gather,
+    compute dY·A_iᵀ, wait; start the reduce-scatter of dX, compute dA_i and db_i, wait.
+
+    Autocast: the shard is cast to the autocast dtype *before* the gather (the matmul reads nothing else), so
+    the saved shard and both all-gathers are in that dtype; dX is reduce-scattered in the input's dtype, as
+    the composition did (it cast the gradient back before its reduce-scatter). Backward casts explicitly
+    (it does not run under autocast): dX to the input's dtype, dA_i and db_i to the parameters'.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) and x.is_floating_point() \
+            else x.dtype
+        ctx.group, ctx.in_dtype = group, x.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        x_c = x.to(dtype)  # x itself without autocast
+        ctx.save_for_backward(x_c, weight)  # the shard (B, T/t, in), not the gathered input
+        full, _ = _start_gather_seq_first(x_c, group, async_op=False)  # (T, B, in)
+        return F.linear(full.movedim(0, SEQ_DIM), weight, bias)  # autocast (if on) casts weight, bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_c, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        group, dtype = ctx.group, x_c.dtype
+        grad_tb = grad.movedim(SEQ_DIM, 0).to(dtype).contiguous()  # (T, B, out/t): the gathered layout
+        if need_w:  # 1. start re-gathering the shard for dA_i …
+            full, gather = _start_gather_seq_first(x_c, group, async_op=True)  # (T, B, in)
+        dx = scatter = None
+        if need_x:  # 2. … while computing every rank's partial dX = dY·A_iᵀ
+            dx_full = grad_tb.matmul(weight.to(dtype)).to(ctx.in_dtype)  # (T, B, in)
+            dx, scatter = _start_reduce_scatter_seq_first(dx_full, group, async_op=True)  # 3. sum, own tokens …
+        dw = db = None
+        if need_w:  # 4. … while computing dA_i = AG(X_r)ᵀ·dY (as F.linear's (out/t, in) weight gradient)
+            gather.wait()
+            out_f = grad_tb.shape[-1]
+            dw = grad_tb.reshape(-1, out_f).t().matmul(full.reshape(-1, full.shape[-1])).to(weight.dtype)
+        if need_b:
+            db = grad_tb.reshape(-1, grad_tb.shape[-1]).sum(0).to(ctx.bias_dtype)
+        if scatter is not None:
+            scatter.wait()
+            dx = dx.movedim(0, SEQ_DIM)  # (B, T/t, in)
+        return dx, dw, db, None
+
+
+def linear_with_sequence_gather(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                group) -> torch.Tensor:
+    """F.linear(AG(x), weight, bias), x all-gathered along the sequence, saving only x's shard for
+    backward (`_GatherSeqLinear`): (B, T/t, in) → (B, T, out/t)."""
+    return _GatherSeqLinear.apply(x, weight, bias, group)
 
 
 def copy_to_tensor_region(x, group):
@@ -199,7 +283,8 @@ class ColumnParallelLinear(_Sharded):
     """Y_i = X A_i (+ b_i): this rank's output rows `rows[rank]` of the full (out, in) weight.
 
     Input: replicated (B, T, in) through `f`, or with `sequence_parallel` (B, T/t, in) gathered along
-    the sequence. Output: (B, T, out_i), split over the output features (never gathered here).
+    the sequence (`_GatherSeqLinear`: only the shard is saved, backward gathers it again). Output:
+    (B, T, out_i), split over the output features (never gathered here).
     """
 
     sharded_names = ("weight", "bias")
@@ -242,10 +327,9 @@ class ColumnParallelLinear(_Sharded):
         return mask
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sequence_region(x, self.group)  # (B, T/t, in) → (B, T, in)
-        else:
-            x = copy_to_tensor_region(x, self.group)
+        if self.sequence_parallel:  # (B, T/t, in) all-gathered → (B, T, out/t); backward re-gathers the shard
+            return linear_with_sequence_gather(x, self.weight, self.bias, self.group)
+        x = copy_to_tensor_region(x, self.group)
         return F.linear(x, self.weight, self.bias)  # (B, T, out/t)
 
     def full_weight(self, name: str) -> torch.Tensor:

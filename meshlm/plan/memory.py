@@ -205,13 +205,13 @@ def _mlp_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes) -> dict[str
 
 def activation_terms(m: ModelConfig, micro_batch: int, tp: int = 1, sp: bool = False, recompute: str = "none",
                      dtypes: ActivationDtypes | None = None, backend: str | None = None,
-                     seq_len: int | None = None, sharded_linear_inputs: bool = False) -> dict[str, float]:
+                     seq_len: int | None = None) -> dict[str, float]:
     """Bytes saved for backward by one transformer layer on one tp rank, by term (docs/memory.md).
 
     `recompute='full'` gives a layer that starts a checkpoint region (its input only); a layer inside a
     region but not first saves nothing, a layer outside any region the `none` terms (`layer_activation_bytes`).
-    `sharded_linear_inputs`: the column-parallel linears keep the sequence shard of their input and
-    all-gather it again in backward (Megatron); meshlm's keep the gathered input (s·b·h), the default.
+    The inputs of qkv and fc are the residual stream's tokens: under SP the column-parallel linears keep
+    the sequence shard and all-gather it again in backward (`parallel.tensor._GatherSeqLinear`, as Megatron).
     """
     dt = dtypes or activation_dtypes("fp32", "cpu")
     backend = backend or attention_backend("cpu", m.dropout)
@@ -220,7 +220,7 @@ def activation_terms(m: ModelConfig, micro_batch: int, tp: int = 1, sp: bool = F
     if recompute == "full":
         return {"layer input (checkpoint)": residual * dt.residual}
     dropout = m.dropout > 0
-    linear_in = (residual if sharded_linear_inputs else sh.tokens * sh.h) * dt.compute
+    linear_in = residual * dt.compute  # replicated (TP: a view of the norm output), or the SP shard
     # Residual dropout acts on the row-parallel output: the linear's dtype, except that with tp > 1 the
     # bias is added after the reduction, outside autocast's linear, and promotes it to the fp32 weights'.
     proj_out = dt.residual if tp > 1 and m.bias else dt.compute

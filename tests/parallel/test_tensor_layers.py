@@ -2,7 +2,10 @@
 
 Worlds of 2 and 4 processes; uneven shapes: 7 input features, a vocabulary of 11 (padded to 12), 3 rows.
 Checked per layer: output, input gradient and weight/bias gradients, with and without sequence parallelism,
-to 1e-6 relative to the largest reference value (only the summation order differs).
+to 1e-6 relative to the largest reference value (only the summation order differs). Under SP the
+column-parallel linear keeps only its input's sequence shard for backward and gathers it again there
+(checked: what it saves, the collectives its backward runs, bf16 autocast bit for bit against the
+all-gather-then-linear composition).
 A GQA attention block with one KV head replicated on every rank checks that the replicated KV
 gradients are summed (`finish_grads`).
 """
@@ -27,6 +30,7 @@ from meshlm.parallel.tensor import (
     block_rows,
     finish_grads,
     full_state_dict,
+    gather_from_sequence_region,
     parallelize_block,
     vocab_parallel_cross_entropy,
 )
@@ -167,10 +171,73 @@ def _gqa_block(dims: ParallelDims, sp: bool) -> dict:
             **{f"grad {k}": _max_diff(full[f"block.{k}"], g) for k, g in ref_grads.items()}}
 
 
+_COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor")
+
+
+def _saved_and_backward_calls(forward, params: set[int], dy: torch.Tensor):
+    """(shapes and dtypes saved for backward by `forward()`, parameters and their views aside; the
+    all-gathers and reduce-scatters its backward runs)."""
+    saved, calls = [], {"all_gather": 0, "reduce_scatter": 0}
+
+    def pack(t):
+        if id(t) not in params and (t._base is None or id(t._base) not in params):
+            saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = forward()
+    originals = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
+
+    def counting(name, fn):
+        def run(*args, **kwargs):
+            calls["all_gather" if "gather" in name else "reduce_scatter"] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    for n, fn in originals.items():
+        setattr(dist, n, counting(n, fn))
+    try:
+        (y.float() * dy).sum().backward()
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
+    return y.detach(), saved, calls
+
+
+def _column_sp_saves_the_shard(dims: ParallelDims) -> dict:
+    """SP ColumnParallelLinear: saved tensors, backward collectives, and fp32 / bf16 autocast against
+    `gather_from_sequence_region` + `F.linear` (which saves the gathered input)."""
+    gen = torch.Generator().manual_seed(3)
+    dense = nn.Linear(IN, 2 * OUT)
+    par = ColumnParallelLinear.from_dense(dense, dims.tp_group, block_rows([OUT, OUT], dims.tp), sequence_parallel=True)
+    x = _seq_chunk(torch.randn(B, T, IN, generator=gen), dims)
+    dy = torch.randn(B, T, par.weight.shape[0], generator=gen)
+    params = {id(p) for p in par.parameters()}
+    out = {}
+    for precision in ("fp32", "bf16"):
+        runs = []
+        for fused in (True, False):
+            xp = x.clone().requires_grad_()
+            par.zero_grad(set_to_none=True)
+
+            def forward(xp=xp, fused=fused, precision=precision):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                    if fused:
+                        return par(xp)
+                    return F.linear(gather_from_sequence_region(xp, dims.tp_group), par.weight, par.bias)
+
+            y, saved, calls = _saved_and_backward_calls(forward, params, dy)
+            runs.append((saved, calls, (y, xp.grad, par.weight.grad.clone(), par.bias.grad.clone())))
+        (saved, calls, values), (composed_saved, _, composed_values) = runs
+        out[precision] = {"saved": saved, "composed_saved": composed_saved, "calls": calls,
+                          "diffs": [float((a.float() - b.float()).abs().max()) for a, b in zip(values, composed_values)]}
+    return out
+
+
 def _worker(rank: int, world: int, out_dir: str) -> dict:
     dims = ParallelDims.build(tp=world, timeout_s=60)
     assert dist.get_world_size(dims.tp_group) == world
-    results = {"ce": _cross_entropy(dims)}
+    results = {"ce": _cross_entropy(dims), "column_sp_saved": _column_sp_saves_the_shard(dims)}
     for sp in (False, True):
         results[f"column_sp{sp}"] = _column(dims, sp)
         results[f"row_sp{sp}"] = _row(dims, sp)
@@ -198,3 +265,17 @@ def test_vocab_parallel_cross_entropy_matches_and_padding_gets_no_gradient(layer
         for what, diff in res["ce"].items():
             assert diff <= TOL, f"rank {rank}: cross-entropy {what} differs by {diff:.2e}"
 
+
+
+def test_sequence_parallel_column_keeps_the_shard_and_gathers_it_again_in_backward(layer_results):
+    t = len(layer_results)
+    for rank, res in enumerate(layer_results):
+        for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            got = res["column_sp_saved"][precision]
+            assert got["saved"] == [((B, T // t, IN), dtype)], (rank, precision, got["saved"])  # the shard only
+            gathered = [(torch.Size(shape).numel(), d) for shape, d in got["composed_saved"]]
+            assert (B * T * IN, dtype) in gathered  # the composition keeps the gathered input
+            assert got["calls"] == {"all_gather": 1, "reduce_scatter": 1}  # the re-gather, dX's reduce-scatter
+        # bf16: bit for bit; fp32: dW sums the tokens in another order
+        assert res["column_sp_saved"]["bf16"]["diffs"] == [0.0] * 4, res["column_sp_saved"]["bf16"]["diffs"]
+        assert max(res["column_sp_saved"]["fp32"]["diffs"]) <= 1e-5
