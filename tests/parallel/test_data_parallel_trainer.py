@@ -123,3 +123,13 @@ def test_converted_single_file_gives_the_reference_logits(runs):
     with torch.no_grad():
         a, b = converted(ids), reference(ids)
     assert float((a - b).abs().max()) <= TOL * float(b.abs().max())
+
+
+def test_readme_data_parallel_lines_are_documented_and_tested():
+    """A README line that launches data parallelism or converts a checkpoint must be one of the commands
+    above (so the tests run it)."""
+    tested = {shlex.join(c) for c in documented_commands()}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        line = line.strip().removeprefix(".venv/bin/")
+        if (line.startswith("torchrun") and "--parallel.dp" in line) or line.startswith("meshlm convert"):
+            assert shlex.join(shlex.split(line)) in tested, f"README line not run by the tests: {line}"
