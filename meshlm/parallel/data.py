@@ -515,6 +515,14 @@ class FullyShardedDataParallel(GradSync):
             torch._foreach_mul_(grads, coef)  # on the local shards (the DTensor gradients' storage)
         return norm
 
+    def _sharded_parameters(self) -> list[torch.Tensor]:
+        """The sharded parameters: after a forward without backward (evaluation) FSDP2 may still hold the
+        root's gathered ones, so reshard first."""
+        for root in self.roots:
+            root.reshard()
+        self.names = {id(p): n for n, p in self.model.named_parameters()}
+        return list(self.model.parameters())
+
     def _rows(self, p: torch.Tensor) -> Owned:
         local = _local(p)
         rows = p.shape[0]
@@ -524,10 +532,14 @@ class FullyShardedDataParallel(GradSync):
         return Owned(self.names[id(p)], tuple(p.shape), lo, lo + local.numel(), local.detach().view(-1), p, _flat)
 
     def save_ranges(self) -> list[Owned]:
-        return [self._rows(p) for p in self.model.parameters()]
+        return [self._rows(p) for p in self._sharded_parameters()]
 
     def load_weight_ranges(self) -> list[Owned]:
         return self.save_ranges()
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        self._sharded_parameters()
+        return super().state_bytes(optimizer)
 
 
 def microbatches_per_step(cfg: Config, dp: int) -> int:

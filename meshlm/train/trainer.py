@@ -320,7 +320,9 @@ class Trainer:
         peak = self._peak_tflops() * d.world_size  # MFU against the peak of every device in the job
         flops = model_flops(m, t.global_batch_size)
         hw_flops = flops + recompute_flops(m, t.global_batch_size, t.recompute, layers=recomputed_layers(cfg))
-        if d.pp == 1:  # bytes saved for backward, measured on one micro-batch (random streams untouched)
+        # Bytes saved for backward, measured on one micro-batch (random streams untouched); not under ZeRO-3,
+        # whose sharded (DTensor) parameters the counter cannot tell apart from activations.
+        if d.pp == 1 and self.sync.zero < 3:
             acts = measure_model_activations(self.model, self.loss_fn, t.micro_batch_size, m.seq_len, m.vocab_size,
                                              self.precision.autocast(), self.tp_rng)
             self.log(acts.summary(layer_activation_bytes(cfg, device_type=self.device.type)))

@@ -1,7 +1,7 @@
 """Every command of docs/parallel.md's "Data parallelism, ZeRO and the 3D layout" section, run as a user
 runs it (torchrun, console scripts, on the bundled corpus) with a narrow model and few steps.
 
-Checked against the single-process Trainer with the same global batch: ZeRO-1 over dp = 2, and
+Checked against the single-process Trainer with the same global batch: ZeRO-3 (FSDP2) over dp = 2, and
 tp2 × pp2 × dp2 for 2 steps resumed under dp = 4 with ZeRO-2 for 2 more, give the same per-step losses
 (1e-5 relative) and final weights (1e-5); rank 0 alone logs, with the measured model-state memory; `meshlm
 convert --to-single` writes a safetensors file that a plain `GPT` loads to the reference's logits, and
@@ -102,9 +102,10 @@ def _check_against(out: Path, ref: Path) -> None:
     assert max(float((full[k] - v).abs().max()) for k, v in plain.items()) <= TOL
 
 
-def test_zero1_over_two_ranks_matches_single_process(runs):
+def test_zero3_over_two_ranks_matches_single_process(runs):
     first = runs["results"][0]
-    _check_against(runs["root"] / "runs/zero1", _reference(runs["root"], first["argv"], 2))
+    assert "theory, ZeRO-3 over dp=2" in first["proc"].stdout
+    _check_against(runs["root"] / "runs/zero3", _reference(runs["root"], first["argv"], 2))
 
 
 def test_3d_run_resumed_under_dp4_zero2_matches_single_process(runs):
