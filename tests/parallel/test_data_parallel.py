@@ -35,7 +35,7 @@ E2E = {
         "pp2_dp2_zero3": ("gpt", 1, 2, 2, 3, {}), "llama_pp2_dp2_zero3": ("llama", 1, 2, 2, 3, {}),
         "tp2_dp2_zero2": ("gpt", 2, 1, 2, 2, {})},
     8: {"tp2_pp2_dp2_zero0": ("gpt", 2, 2, 2, 0, {}), "tp2_pp2_dp2_zero1": ("gpt", 2, 2, 2, 1, {}),
-        "tp2_pp2_dp2_zero2": ("gpt", 2, 2, 2, 2, {}), "tp2_sp_pp2_dp2_zero1": ("gpt", 2, 2, 2, 1, {"sp": True}),
+        "tp2_pp2_dp2_zero2": ("gpt", 2, 2, 2, 2, {}), "tp2_sp_pp2_dp2_zero2": ("gpt", 2, 2, 2, 2, {"sp": True}),
         "llama_tp2_pp2_dp2_zero2": ("llama", 2, 2, 2, 2, {}), "llama_tp4_dp2_zero2": ("llama", 4, 1, 2, 2, {})},
 }
 # name: (model, first layout (tp, pp, dp, zero), second layout); the world size of each half says where it runs
