@@ -359,6 +359,9 @@ def open_source(path: Path, cfg: ModelConfig):
     """The logical tensors of checkpoint `path`, whichever format it has."""
     if (path / INDEX).exists():
         return _ShardedSource(path)
+    if not (path / "model.pt").exists() or any(path.glob("rank*.pt")):
+        raise ckpt.CheckpointError(f"{path} was written by an earlier parallel meshlm whose checkpoints cannot be "
+                                   "resumed (`meshlm generate` still reads its weights); train.resume=never starts over")
     return _single_process_source(path, cfg)
 
 
