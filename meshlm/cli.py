@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from meshlm.data.assets import AssetError
-    from meshlm.train.checkpoint import CheckpointError
+    from meshlm.errors import CheckpointError
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)

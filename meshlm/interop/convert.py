@@ -13,19 +13,22 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from meshlm.config import ConfigError, config_from_dict
-from meshlm.train import checkpoint as ckpt
+
+if TYPE_CHECKING:  # torch is imported when a command runs, so `meshlm prepare` starts fast
+    import torch
 
 WEIGHTS = "model.safetensors"
 
 
 def convert_to_single(checkpoint: str | Path, out_dir: str | Path) -> Path:
     """Write the plain model of `checkpoint` (a run directory or a step directory) to OUT_DIR."""
+    import torch
     from safetensors.torch import save_file
 
+    from meshlm.train import checkpoint as ckpt
     from meshlm.train.dist_checkpoint import full_model_state
 
     source = ckpt.resolve_checkpoint(checkpoint)

@@ -18,11 +18,9 @@ from typing import Any
 
 import torch
 
+from meshlm.errors import CheckpointError  # callers catch ckpt.CheckpointError
+
 LATEST = "latest"
-
-
-class CheckpointError(FileNotFoundError):
-    """No usable checkpoint at a path the user gave."""
 
 
 def checkpoints_dir(out_dir: str | Path) -> Path:

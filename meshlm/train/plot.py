@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meshlm.train.checkpoint import CheckpointError
+from meshlm.errors import CheckpointError
 
 
 def plot_losses(out_dir: str | Path) -> Path:
