@@ -18,16 +18,12 @@ interleaved rounds, median; next to it the FLOP overhead recomputation adds (HFU
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from world import run_world  # benchmarks/world.py, beside this script
 
 from meshlm.config import Config, build
 from meshlm.models.gpt import GPT
@@ -70,35 +66,14 @@ def measure_layout(args: argparse.Namespace, dims: ParallelDims) -> list[tuple]:
     return rows
 
 
-def _worker(rank: int, world: int, init: str, args: argparse.Namespace, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    try:
-        rows = measure_layout(args, ParallelDims.build(tp=world, timeout_s=120))
-        if rank == 0:
-            queue.put(rows)
-    finally:
-        dist.destroy_process_group()
+def _measure_tp(args: argparse.Namespace, world: int) -> list[tuple]:
+    return measure_layout(args, ParallelDims.build(tp=world, timeout_s=120))
 
 
 def measure(tp: int, args: argparse.Namespace) -> list[tuple]:
     if tp == 1:
         return measure_layout(args, ParallelDims())
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{os.path.join(tmp, 'rendezvous')}"
-        procs = [ctx.Process(target=_worker, args=(r, tp, init, args, queue)) for r in range(tp)]
-        for p in procs:
-            p.start()
-        try:
-            rows = queue.get(timeout=300)  # a deadline: a hung world fails instead of blocking
-        finally:
-            for p in procs:
-                p.join(timeout=60)
-                if p.is_alive():
-                    p.kill()
-    return rows
+    return run_world(tp, _measure_tp, args)
 
 
 def throughput(args: argparse.Namespace) -> dict[str, list[float]]:

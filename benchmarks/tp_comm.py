@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
-import tempfile
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from world import run_world  # benchmarks/world.py, beside this script
 
 from meshlm.config import ModelConfig
 from meshlm.models.gpt import GPT
@@ -100,9 +97,7 @@ def _difference(two: CommCounter, one: CommCounter) -> dict[str, tuple]:
             for k in KINDS}
 
 
-def _worker(rank: int, world: int, init: str, args: argparse.Namespace, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+def _measure_tp(args: argparse.Namespace, world: int) -> list:
     dims = ParallelDims.build(tp=world, timeout_s=120)
     rows = []
     for sp in (False, True):
@@ -116,23 +111,11 @@ def _worker(rank: int, world: int, init: str, args: argparse.Namespace, queue) -
         sync = (two_sync.elements["all-reduce"] - one_sync.elements["all-reduce"],
                 two_sync.sent["all-reduce"] - one_sync.sent["all-reduce"])
         rows.append((sp, per_layer, phases, outside, sync))
-    if rank == 0:
-        queue.put(rows)
-    dist.destroy_process_group()
+    return rows
 
 
 def measure(tp: int, args: argparse.Namespace) -> list:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{os.path.join(tmp, 'rendezvous')}"
-        procs = [ctx.Process(target=_worker, args=(r, tp, init, args, queue)) for r in range(tp)]
-        for p in procs:
-            p.start()
-        rows = queue.get(timeout=120)  # a deadline: a hung world fails instead of blocking
-        for p in procs:
-            p.join(timeout=60)
-    return rows
+    return run_world(tp, _measure_tp, args, timeout_s=120)
 
 
 def main() -> None:
