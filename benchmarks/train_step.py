@@ -3,7 +3,7 @@
     python benchmarks/train_step.py [--steps 6] [--precisions fp32,bf16] [--models gpt-tiny,gpt-30m]
 
 The reference is what a user would write by hand: a nanoGPT-style model (fused QKV, SDPA, tied head),
-AdamW, cross-entropy, clip, step, on random tokens. meshlm runs its real Trainer.train_step (data loader,
+AdamW, cross-entropy, clip, step, on a batch of the same corpus. meshlm runs its real Trainer.train_step (data loader,
 LR schedule, precision, accumulation, clipping). Both are timed alternately, after warm-up, and the table
 reports tokens/s, MFU against the peak measured here, and the ratio meshlm / reference (target ≥ 1.0).
 """
@@ -88,7 +88,8 @@ def bench(name: str, precision: str, steps: int, out_dir: str) -> dict:
     trainer = Trainer(cfg, progress=False)
     ref = RefGPT(m.vocab_size, m.seq_len, m.hidden_size, m.n_heads, m.n_layers)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=True)
-    batch = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_len + 1))
+    # The same real text meshlm trains on (random ids would change the embedding backward's cost).
+    batch = torch.stack([torch.as_tensor(trainer.train_set[i], dtype=torch.long) for i in range(t.micro_batch_size)])
     dtype = trainer.precision.dtype
     times = {"meshlm": [], "reference": []}
     for i in range(steps + 2):  # alternate, so both see the same machine load; first two are warm-up
