@@ -358,7 +358,7 @@ def apply_overrides(values: dict[str, dict[str, Any]], overrides: list[str]) -> 
     """Apply `--section.key=value` (or `section.key=value`) strings to nested values."""
     merged = {k: dict(v) for k, v in values.items()}
     for item in overrides:
-        text = item[2:] if item.startswith("--") else item
+        text = item.removeprefix("--")
         if "=" not in text or "." not in text.split("=", 1)[0]:
             raise ConfigError(f"override {item!r} is not of the form --section.key=value, "
                               "e.g. --train.max_steps=100")

@@ -42,5 +42,5 @@ def meshlm_command() -> list[str]:
 
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([*meshlm_command(), *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([*meshlm_command(), *args], check=False, cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=full_env)

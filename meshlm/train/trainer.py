@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from meshlm.config import Config, ConfigError
 from meshlm.data import build_datasets
-from meshlm.data.dataset import BatchLoader, GPTSamples
+from meshlm.data.dataset import BatchLoader
 from meshlm.infer.generate import generate
 from meshlm.models.gpt import GPT
 from meshlm.parallel import TPRNGTracker, init_distributed, parallelize
@@ -301,8 +301,8 @@ class Trainer:
         return peak
 
     def _run(self, cfg: Config, t) -> dict:
-        from tqdm import tqdm
         from torch.utils.tensorboard import SummaryWriter
+        from tqdm import tqdm
 
         m, d = cfg.model, self.dims
         self.log(f"model: {self.n_params / 1e6:.2f}M parameters, {m.n_layers} layers, h={m.hidden_size}, "
@@ -327,7 +327,7 @@ class Trainer:
                                              self.precision.autocast(), self.tp_rng)
             self.log(acts.summary(layer_activation_bytes(cfg, device_type=self.device.type)))
         writer = SummaryWriter(str(self.out_dir / "tensorboard")) if d.is_main else None
-        metrics = open(self.out_dir / "metrics.jsonl", "a") if d.is_main else None
+        metrics = open(self.out_dir / "metrics.jsonl", "a") if d.is_main else None  # noqa: SIM115 (closed in the finally below)
         self._bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step",
                          disable=not self.progress, dynamic_ncols=True)
         last_eval: dict = {}

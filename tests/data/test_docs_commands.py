@@ -10,7 +10,6 @@ import json
 import shlex
 import subprocess
 import sys
-
 import tomllib
 
 from meshlm.config import load_config
