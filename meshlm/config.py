@@ -11,7 +11,7 @@ import dataclasses
 import difflib
 import tomllib
 import typing
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -377,8 +377,3 @@ def config_from_dict(values: dict[str, dict[str, Any]]) -> Config:
     """Rebuild a Config saved with `Config.to_dict()` (checkpoints store the resolved config)."""
     return build(values)
 
-
-def with_updates(cfg: Config, **sections: dict[str, Any]) -> Config:
-    """Return a copy of `cfg` with some keys of some sections replaced (validated)."""
-    new = {name: replace(getattr(cfg, name), **changes) for name, changes in sections.items()}
-    return replace(cfg, **new).validate()

@@ -14,10 +14,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from meshlm.data.gpt_dataset import GPTDataset
-
-GPTSamples = GPTDataset  # the name the trainer imports
-
 
 class SampleOrder:
     """Global sample index → dataset index: a fresh permutation per epoch, seeded by (seed, epoch)."""
