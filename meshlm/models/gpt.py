@@ -1,7 +1,9 @@
 """GPT: GPT-2 or Llama style decoder, chosen by `ModelConfig` switches. Reads like nanoGPT.
 
-`forward(idx)` returns logits; the loss is computed by the caller (`meshlm.train.loss`), so tensor
-parallelism can swap in a vocab-parallel cross-entropy without touching this file.
+`forward(idx)` returns logits, and the caller computes the loss, so tensor parallelism can swap in a
+vocab-parallel cross-entropy without touching this file. `forward(idx, targets=y)` returns the mean loss
+through the fused chunked head + cross-entropy (`models/loss.py`), which never builds the logits; it needs
+the whole (tp=1) output layer.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from torch import nn
 
 from meshlm.config import ModelConfig
 from meshlm.models.layers import Block, KVCache, init_weights, make_norm, rope_tables
+from meshlm.models.loss import linear_cross_entropy
 
 
 class GPT(nn.Module):
@@ -56,8 +59,10 @@ class GPT(nn.Module):
             self._build_rope(needed, self.rope_cos.device)
         return self.rope_cos, self.rope_sin
 
-    def forward(self, idx: torch.Tensor, caches: list[KVCache] | None = None, start: int = 0) -> torch.Tensor:
-        """idx: (B, T) token ids → logits (B, T, V). With `caches`, positions start at `start`."""
+    def forward(self, idx: torch.Tensor, caches: list[KVCache] | None = None, start: int = 0,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """idx: (B, T) token ids → logits (B, T, V); with targets (B, T), the mean cross-entropy instead.
+        With `caches`, positions start at `start`."""
         T = idx.shape[1]
         if self.pos_emb is not None and start + T > self.cfg.seq_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds model.seq_len={self.cfg.seq_len}")
@@ -65,7 +70,12 @@ class GPT(nn.Module):
         rope = self.rope(start + T)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, caches[i] if caches is not None else None, start)
-        return self.lm_head(self.norm(x))
+        if targets is None:
+            return self.lm_head(self.norm(x))
+        if type(self.lm_head) is not nn.Linear:
+            raise RuntimeError("forward(targets=...) fuses the whole output layer; with parallel.tp > 1 compute "
+                               "the vocab-parallel loss on forward(idx)'s logits")
+        return linear_cross_entropy(self.norm(x), self.lm_head.weight, targets)
 
     def new_caches(self, batch: int, max_len: int) -> list[KVCache]:
         p = self.tok_emb.weight

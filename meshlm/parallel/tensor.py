@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.config import ConfigError, ModelConfig
+from meshlm.models.loss import cross_entropy  # the tp=1 loss
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.rng import TPRNGTracker
 
@@ -506,11 +507,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     losses = _VocabParallelCrossEntropy.apply(logits.float().reshape(-1, width), targets.reshape(-1), group,
                                               n_valid)
     return losses.mean()
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The single-device loss (tp=1): mean token cross-entropy in fp32."""
-    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 # ---- transforming a plain GPT ----------------------------------------------------------------------------

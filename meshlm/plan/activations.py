@@ -160,8 +160,11 @@ def measure_saved_activations(model: nn.Module, run: Callable[[], torch.Tensor],
 
 def measure_model_activations(model: nn.Module, loss_fn: Callable, micro_batch: int, seq_len: int, vocab_size: int,
                               autocast: contextlib.AbstractContextManager | None = None,
-                              tp_rng=None) -> ActivationReport:
+                              tp_rng=None, fused_loss: bool = False) -> ActivationReport:
     """One training-mode forward and loss on random tokens, counted; every random stream left as it was.
+
+    The loss is `loss_fn(model(x), y)`, or with `fused_loss` the model's own chunked head + loss
+    (`model(x, targets=y)`, which saves no logits), as the trainer computes it.
 
     Dropout draws are rolled back (`fork_rng`, and the tensor-parallel stream `tp_rng` is restored), and no
     data is consumed, so measuring at the start of training changes nothing in the run. Under tensor
@@ -174,7 +177,9 @@ def measure_model_activations(model: nn.Module, loss_fn: Callable, micro_batch: 
     devices = [device] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices, device_type=device.type), (autocast or contextlib.nullcontext()):
-            return measure_saved_activations(model, lambda: loss_fn(model(ids[:, :-1]), ids[:, 1:]))
+            x, y = ids[:, :-1], ids[:, 1:]
+            return measure_saved_activations(model, (lambda: model(x, targets=y)) if fused_loss
+                                             else (lambda: loss_fn(model(x), y)))
     finally:
         if tp_rng is not None:
             tp_rng.set_state(tp_state)

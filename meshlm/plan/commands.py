@@ -70,7 +70,7 @@ def bench_memory(cfg: Config) -> str:
     loss_fn = parallelize(model, dims, cfg, rng=rng)
     precision = Precision(t.precision, dims.device)
     report = measure_model_activations(model, loss_fn, t.micro_batch_size, m.seq_len, m.vocab_size,
-                                       precision.autocast(), rng)
+                                       precision.autocast(), rng, fused_loss=t.fused_loss and p.tp == 1)
     if not dims.is_main:
         return ""
     device_type = dims.device.type

@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from meshlm.config import Config, ConfigError
 from meshlm.data import build_datasets
@@ -40,11 +39,6 @@ from meshlm.train import dist_checkpoint
 from meshlm.train.metrics import measure_peak_tflops, model_flops, peak_memory_mb, recompute_flops
 from meshlm.train.optim import lr_at
 from meshlm.train.precision import Precision
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy; logits (B, T, V), targets (B, T). Computed in fp32."""
-    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def pick_device(name: str) -> torch.device:
@@ -112,6 +106,9 @@ class Trainer:
             raise ConfigError("train.compile=true with parallel.pp > 1 is not supported yet; set train.compile=false")
         # Forward passes go through `self.forward`; `self.model` keeps the plain parameter names.
         self.forward = torch.compile(self.model) if t.compile else self.model
+        # The fused chunked head + loss (models/loss.py) needs the whole output layer and the model's own
+        # forward; tensor parallelism (vocab-split logits) and pipeline stages keep logits + `loss_fn`.
+        self.fused_loss = t.fused_loss and self.dims.tp == 1 and self.pipeline is None
         self.optimizer = self.sync.build_optimizer(cfg.optim)
         self.precision = Precision(t.precision, self.device)
         self.accum = t.global_batch_size // (t.micro_batch_size * self.dims.dp)  # per dp rank
@@ -215,7 +212,7 @@ class Trainer:
                 x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
                 self.sync.set_last_microbatch(i == self.accum - 1)
                 with self.precision.autocast():
-                    loss = self.loss_fn(self.forward(x), y) / self.accum
+                    loss = self.loss(x, y) / self.accum
                 self.precision.scaler.scale(loss).backward()
                 total += loss.detach()  # the full-vocabulary loss: identical on every tp rank
         total = self.sync.average_loss(total)  # the global batch's mean (over dp)
@@ -235,6 +232,10 @@ class Trainer:
         self.step += 1
         self.tokens_seen += cfg.train.global_batch_size * cfg.model.seq_len
         return float(total), float(grad_norm)
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The mean token loss of one micro-batch through this rank's model (not the pipeline's)."""
+        return self.forward(x, targets=y) if self.fused_loss else self.loss_fn(self.forward(x), y)
 
     def _pipeline_forward_backward(self) -> torch.Tensor:
         """The loop's micro-batches, in the loop's order, stacked for the schedule (it splits them again);
@@ -262,7 +263,7 @@ class Trainer:
                 if self.pipeline is not None:  # forward through the stages; the loss comes from the last
                     losses.append(float(self.pipeline.eval_loss(x, y)))
                 else:
-                    losses.append(float(self.loss_fn(self.forward(x), y)))
+                    losses.append(float(self.loss(x, y)))
         self.model.train()
         loss = sum(losses) / len(losses)
         bpb = loss / math.log(2) / self.valid_set.bytes_per_token
@@ -324,7 +325,7 @@ class Trainer:
         # whose sharded (DTensor) parameters the counter cannot tell apart from activations.
         if d.pp == 1 and self.sync.zero < 3:
             acts = measure_model_activations(self.model, self.loss_fn, t.micro_batch_size, m.seq_len, m.vocab_size,
-                                             self.precision.autocast(), self.tp_rng)
+                                             self.precision.autocast(), self.tp_rng, self.fused_loss)
             self.log(acts.summary(layer_activation_bytes(cfg, device_type=self.device.type)))
         writer = SummaryWriter(str(self.out_dir / "tensorboard")) if d.is_main else None
         metrics = open(self.out_dir / "metrics.jsonl", "a") if d.is_main else None  # noqa: SIM115 (closed in the finally below)
@@ -413,6 +414,6 @@ class Trainer:
             model = GPT(self.cfg.model).to(self.device)
             model.load_state_dict(ckpt.load_model_state(ckpt.latest_checkpoint(self.out_dir), self.device))
         ids = torch.tensor([self.tokenizer.encode(t.sample_prompt)], device=self.device)
-        out = generate(model, ids, t.sample_tokens, temperature=0.8, top_k=200, seed=t.seed)
+        out = generate(model, ids, t.sample_tokens, temperature=0.8, top_p=0.9, seed=t.seed)  # nucleus sampling
         text = self.tokenizer.decode(out[0].tolist())
         print("\n---------------- sample ----------------\n" + text + "\n----------------------------------------")

@@ -1,0 +1,107 @@
+"""Language-model losses: plain cross-entropy on logits, and the fused chunked head + cross-entropy.
+
+With a 50k vocabulary the output layer dominates a small model's step: for B·T tokens the logits are a
+(B·T, V) fp32 tensor (412 MB at 16×128 tokens), written by the head's matmul, read and written again by
+log-softmax, its backward and the zero-filled gradient of the gather. `linear_cross_entropy` never builds
+it. It walks the tokens in chunks of `chunk_rows`, and for each chunk, while its logits are in cache:
+
+    z = h_c Wᵀ,  p = softmax(z),  loss += Σ (logsumexp(z) − z[target])
+    dz = (p − onehot(target)) / n,  ∂h_c = dz W,  ∂W += dzᵀ h_c
+
+so the gradients are finished in the forward pass (the trick of Liger-Kernel's fused linear cross-entropy)
+and backward only scales them by the incoming gradient. Same FLOPs as the unfused head (three matmuls),
+peak memory one chunk of logits instead of two full copies; on a 2-core CPU it is 2× faster for the
+default model's head (measured in benchmarks/train_step.py). Tensor parallelism keeps the unfused path:
+its vocab-parallel cross-entropy (parallel/tensor.py) needs the logits split over ranks.
+
+Targets equal to `IGNORE_INDEX` (-100, as in `F.cross_entropy`) add nothing to the loss or the gradients
+and are left out of the mean.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+CHUNK_BYTES = {"cpu": 16 << 20, "cuda": 256 << 20}  # fp32 logits per chunk: fits the CPU's cache; big GEMMs on GPU
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy from (B, T, V) logits and (B, T) targets, computed in fp32."""
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX)
+
+
+def chunk_rows(vocab_size: int, device: torch.device) -> int:
+    """Tokens per chunk: the largest power of two whose fp32 logits fit `CHUNK_BYTES` for the device."""
+    rows = max(1, CHUNK_BYTES.get(device.type, CHUNK_BYTES["cuda"]) // (4 * vocab_size))
+    return 1 << (rows.bit_length() - 1)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         chunk: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy of `hidden @ weight.T` against `targets` without materialising the logits.
+
+    hidden (..., h), weight (V, h), targets (...) → scalar fp32 loss. Under autocast the matmuls run in the
+    autocast dtype and softmax in fp32, as the unfused path does. Without gradients (evaluation) it only
+    sums the chunk losses.
+    """
+    h2, t1 = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    chunk = chunk or chunk_rows(weight.shape[0], hidden.device)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(h2, weight, t1, chunk)
+    dtype = _compute_dtype(hidden)
+    with torch.autocast(hidden.device.type, enabled=False):
+        w, total = weight.to(dtype), torch.zeros((), device=hidden.device)
+        for s in range(0, h2.shape[0], chunk):
+            z = torch.log_softmax((h2[s:s + chunk].to(dtype) @ w.t()).float(), dim=-1)
+            total -= _picked(z, t1[s:s + chunk]).sum()
+        return total / (t1 != IGNORE_INDEX).sum()
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+def _picked(logp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logp[i, targets[i]], 0 where the target is ignored."""
+    keep = targets != IGNORE_INDEX
+    return logp.gather(1, targets.clamp_min(0).unsqueeze(1)).squeeze(1) * keep
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int):
+        dtype = _compute_dtype(hidden)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            n = (targets != IGNORE_INDEX).sum()
+            loss = torch.zeros((), device=hidden.device)
+            grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            rows = torch.arange(min(chunk, hidden.shape[0]), device=hidden.device)
+            for s in range(0, hidden.shape[0], chunk):
+                t = targets[s:s + chunk]
+                keep = (t != IGNORE_INDEX).unsqueeze(1)
+                h = hidden[s:s + chunk].to(dtype) * keep  # an ignored token's row adds nothing to ∂W
+                z = torch.log_softmax((h @ w.t()).float(), dim=-1)  # (c, V): log p
+                loss -= _picked(z, t).sum()
+                z.exp_()  # p
+                z[rows[:len(t)], t.clamp_min(0)] -= 1.0  # p − onehot: ∂loss_i/∂z_i
+                dz = z.to(dtype)
+                grad_h[s:s + chunk] = (dz @ w).float() * keep
+                if dtype == torch.float32:
+                    grad_w.addmm_(dz.t(), h)
+                else:  # accumulate the chunks' bf16/fp16 products in fp32
+                    grad_w += (dz.t() @ h).float()
+        ctx.save_for_backward(grad_h, grad_w, n)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_h, grad_w, n = ctx.saved_tensors
+        scale = grad_loss / n
+        return (grad_h * scale).to(ctx.dtypes[0]), (grad_w * scale).to(ctx.dtypes[1]), None, None
