@@ -114,6 +114,7 @@ def _worker(rank: int, args, rendezvous: str, out: str) -> None:
     if rank == 0:
         torch.save({"times": times, "sent": sent, "handed": handed, "n_params": n_params, "n_buckets": n_buckets},
                    out)
+    dist.barrier()  # every rank's last collective done before anyone tears gloo down (else it can abort)
     dist.destroy_process_group()
 
 
