@@ -31,7 +31,7 @@ def test_int_accepted_for_float_key():
     ("--trian.max_steps=5", ["trian", "did you mean train"]),
     ("--train.max_steps=five", ["train.max_steps", "expected int"]),
     ("--train.max_steps=1.5", ["train.max_steps", "expected int"]),
-    ("--train.global_batch_size=10", ["train.global_batch_size=10", "train.micro_batch_size=16", "set it to 16"]),
+    ("--train.global_batch_size=20", ["train.global_batch_size=20", "train.micro_batch_size=8", "set it to 16"]),
     ("--train.precision=fp8", ["train.precision", "fp32, bf16, fp16"]),
     ("--model.n_heads=5", ["model.hidden_size=128", "model.n_heads=5"]),
     ("--parallel.tp=3", ["parallel.tp=3", "model.n_heads=4"]),

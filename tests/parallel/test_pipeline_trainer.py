@@ -28,7 +28,7 @@ from tests.conftest import ROOT
 DOC, README = ROOT / "docs" / "parallel.md", ROOT / "README.md"
 BIN = Path(sys.executable).parent
 STEPS = 3
-# Narrow and short, but the documented layers and batch shape (6 layers; micro-batches of 4 of 16).
+# Narrow and short, but the documented layers and batch shape (6 layers; micro-batches of 2 of 8).
 TINY = ["--model.hidden_size=32", "--model.seq_len=32", "--train.eval_iters=2", "--train.eval_every=0",
         "--train.log_every=1", "--train.peak_tflops=1", "--train.sample_tokens=0", "--train.progress=false",
         "--parallel.timeout_s=60"]
@@ -149,6 +149,6 @@ def test_pipeline_checkpoint_resumes_exactly_and_under_another_layout(runs, tmp_
     a = ckpt.load_model_state(ckpt.resolve_checkpoint(straight["out"]))
     b = ckpt.load_model_state(ckpt.resolve_checkpoint(split))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    resumed = Trainer(load_config("gpt-tiny", [*TINY, "--train.micro_batch_size=4", f"--train.max_steps={STEPS + 1}",
+    resumed = Trainer(load_config("gpt-tiny", [*TINY, "--train.micro_batch_size=2", f"--train.max_steps={STEPS + 1}",
                                                f"--train.out_dir={split}"]))
     assert resumed.step == STEPS, "one process resumes the pp=2 checkpoint (tests/parallel/test_data_parallel*.py)"
