@@ -85,7 +85,9 @@ def test_gpt_forward_with_targets_equals_loss_on_logits_including_the_tied_embed
 
 
 def test_chunk_rows_bounds_the_logits_chunk():
-    rows = chunk_rows(50257, torch.device("cpu"))
-    assert rows == 64  # 64 × 50257 × 4 B = 12.9 MB ≤ 16 MiB < 128 rows
-    assert chunk_rows(10**9, torch.device("cpu")) == 1
-    assert chunk_rows(50257, torch.device("cuda")) == 1024
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert chunk_rows(50257, 128, cpu) == 64  # 64 × 50257 × 4 B = 12.9 MB ≤ 16 MiB < 128 rows
+    assert chunk_rows(10**9, 128, cpu) == 1
+    assert chunk_rows(50257, 128, cuda) == 1024
+    assert chunk_rows(50257, 384, cpu, torch.bfloat16) == 1024  # at least 2h rows: the power of two ≥ 768
+    assert chunk_rows(50257, 384, cuda, torch.bfloat16) == 1024
