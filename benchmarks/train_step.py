@@ -4,8 +4,11 @@
 
 The reference is what a user would write by hand: a nanoGPT-style model (fused QKV, SDPA, tied head),
 AdamW, cross-entropy, clip, step, on a batch of the same corpus. meshlm runs its real Trainer.train_step (data loader,
-LR schedule, precision, accumulation, clipping). Both are timed alternately, after warm-up, and the table
-reports tokens/s, MFU against the peak measured here, and the ratio meshlm / reference (target ≥ 1.0).
+LR schedule, precision, accumulation, clipping), twice: as configured (the fused chunked head + loss of
+models/loss.py, on by default) and with `train.fused_loss=false` (logits + cross-entropy, like the reference).
+All three are timed alternately, after warm-up, and the table reports tokens/s, MFU against the peak measured
+here, and the ratios to the reference (target ≥ 1.0): `ratio` for meshlm as configured, `unfused` for the
+same arithmetic as the reference (parity, within this machine's noise).
 """
 
 from __future__ import annotations
@@ -81,21 +84,29 @@ def reference_step(model, opt, batch, dtype):
     return float(loss.detach())
 
 
-def bench(name: str, precision: str, steps: int, out_dir: str) -> dict:
+def make_trainer(name: str, precision: str, out_dir: str, fused: bool) -> Trainer:
     cfg = load_config("gpt-tiny", SHAPES[name] + [f"--train.precision={precision}", f"--train.out_dir={out_dir}",
-                                                  "--train.progress=false", "--train.resume=never"])
-    m, t = cfg.model, cfg.train
-    trainer = Trainer(cfg, progress=False)
+                                                  "--train.progress=false", "--train.resume=never",
+                                                  f"--train.fused_loss={str(fused).lower()}"])
+    return Trainer(cfg, progress=False)
+
+
+def bench(name: str, precision: str, steps: int, out_dir: str) -> dict:
+    trainer = make_trainer(name, precision, out_dir + "-fused", True)
+    unfused = make_trainer(name, precision, out_dir + "-unfused", False)
+    m, t = trainer.cfg.model, trainer.cfg.train
     ref = RefGPT(m.vocab_size, m.seq_len, m.hidden_size, m.n_heads, m.n_layers)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=True)
     # The same real text meshlm trains on (random ids would change the embedding backward's cost).
     batch = torch.stack([torch.as_tensor(trainer.train_set[i], dtype=torch.long) for i in range(t.micro_batch_size)])
     dtype = trainer.precision.dtype
-    times = {"meshlm": [], "reference": []}
-    for i in range(steps + 2):  # alternate, so both see the same machine load; first two are warm-up
-        for who in ("meshlm", "reference"):
+    steppers = {"meshlm": trainer.train_step, "unfused": unfused.train_step,
+                "reference": lambda: reference_step(ref, ref_opt, batch, dtype)}
+    times = {who: [] for who in steppers}
+    for i in range(steps + 2):  # alternate, so all see the same machine load; first two are warm-up
+        for who, step in steppers.items():
             start = time.perf_counter()
-            trainer.train_step() if who == "meshlm" else reference_step(ref, ref_opt, batch, dtype)
+            step()
             if i >= 2:
                 times[who].append(time.perf_counter() - start)
     tokens = t.global_batch_size * m.seq_len
@@ -107,26 +118,28 @@ def bench(name: str, precision: str, steps: int, out_dir: str) -> dict:
         row[f"{who}_tok_s"] = tokens / dt
         row[f"{who}_mfu"] = flops / dt / 1e12 / peak
     row["ratio"] = row["meshlm_tok_s"] / row["reference_tok_s"]
+    row["unfused_ratio"] = row["unfused_tok_s"] / row["reference_tok_s"]
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--models", default="gpt-tiny,gpt-30m")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
     print(f"{'model':<9} {'params':>7} {'prec':>5} {'peak TF/s':>9} {'meshlm tok/s':>12} {'MFU':>6} "
-          f"{'ref tok/s':>10} {'MFU':>6} {'ratio':>6}")
+          f"{'unfused tok/s':>13} {'ref tok/s':>10} {'MFU':>6} {'ratio':>6} {'unfused':>7}")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             for precision in args.precisions.split(","):
                 r = bench(name, precision, args.steps, f"{tmp}/{name}-{precision}")
                 print(f"{r['model']:<9} {r['params_M']:>6.1f}M {r['precision']:>5} {r['peak']:>9.3f} "
-                      f"{r['meshlm_tok_s']:>12,.0f} {100 * r['meshlm_mfu']:>5.1f}% {r['reference_tok_s']:>10,.0f} "
-                      f"{100 * r['reference_mfu']:>5.1f}% {r['ratio']:>5.2f}x", flush=True)
+                      f"{r['meshlm_tok_s']:>12,.0f} {100 * r['meshlm_mfu']:>5.1f}% {r['unfused_tok_s']:>13,.0f} "
+                      f"{r['reference_tok_s']:>10,.0f} {100 * r['reference_mfu']:>5.1f}% {r['ratio']:>5.2f}x "
+                      f"{r['unfused_ratio']:>6.2f}x", flush=True)
 
 
 if __name__ == "__main__":
