@@ -91,3 +91,20 @@ def test_chunk_rows_bounds_the_logits_chunk():
     assert chunk_rows(50257, 128, cuda) == 1024
     assert chunk_rows(50257, 384, cpu, torch.bfloat16) == 1024  # at least 2h rows: the power of two ≥ 768
     assert chunk_rows(50257, 384, cuda, torch.bfloat16) == 1024
+
+
+def test_trainer_with_and_without_the_fused_loss_trains_alike(tmp_path):
+    """The whole Trainer (accumulation over 2 micro-batches, clipping, AdamW, evaluation), 4 steps, fp32."""
+    from meshlm.train.trainer import Trainer
+    from tests.conftest import tiny_config
+
+    def run(fused: bool) -> tuple[list[float], list[float], float]:
+        cfg = tiny_config(tmp_path / str(fused), train={"fused_loss": fused})
+        trainer = Trainer(cfg, progress=False)
+        assert trainer.fused_loss is fused
+        losses, norms = zip(*(trainer.train_step() for _ in range(4)), strict=True)
+        return list(losses), list(norms), trainer.evaluate()["val_loss"]
+
+    fused, plain = run(True), run(False)
+    for got, want in zip(fused, plain, strict=True):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
