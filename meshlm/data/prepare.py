@@ -41,7 +41,7 @@ from meshlm.data.tokenizers import get_tokenizer
 TEXT_SUFFIXES = (".txt",)
 JSON_SUFFIXES = (".jsonl", ".ndjson")
 PIECE_BYTES = 1 << 20  # a .txt document larger than this is read in pieces
-CHUNK_BYTES = 1 << 18  # input bytes per task sent to a worker
+CHUNK_BYTES = (1 << 18, 1 << 20, 1 << 22)  # input bytes per worker task: least, when the size is unknown, most
 MAX_REPORTED = 10  # bad lines reported one by one; the rest are counted
 MAX_LISTED = 1000  # input files named in the sidecar (stats.files counts them all)
 
@@ -202,7 +202,18 @@ def _paragraphs(fh, source: str) -> Iterator[Unit]:
         yield Unit("text", b"".join(lines), source, start)
 
 
-def chunked(units: Iterator[Unit], chunk_bytes: int = CHUNK_BYTES) -> Iterator[list[Unit]]:
+def chunk_bytes_for(total: int | None, workers: int) -> int:
+    """Input bytes per worker task: about 8 tasks per worker over the whole input, within `CHUNK_BYTES`.
+
+    Each task costs the main process about a millisecond (handing it over, collecting its tokens), which
+    competes with the workers for the same cores; few large tasks leave one worker idle at the end. On 20 MB
+    of Shakespeare with 2 workers, 1 MiB tasks cut the main process's CPU time from 0.17 s to 0.11 s.
+    """
+    least, unknown, most = CHUNK_BYTES
+    return unknown if total is None else min(max(total // (8 * workers), least), most)
+
+
+def chunked(units: Iterator[Unit], chunk_bytes: int) -> Iterator[list[Unit]]:
     chunk, size = [], 0
     for unit in units:
         chunk.append(unit)
@@ -320,7 +331,7 @@ class _Document:
 
 def prepare(inputs: list[str], tokenizer: str, output: str, workers: int = 1, append_eod: bool = False,
             json_key: str = "text", on_error: str = "skip", split_paragraphs: bool = False,
-            progress: bool = True, chunk_bytes: int = CHUNK_BYTES, piece_bytes: int = PIECE_BYTES,
+            progress: bool = True, chunk_bytes: int | None = None, piece_bytes: int = PIECE_BYTES,
             log: Callable[[str], None] = print, what: str = "--input") -> PrepareStats:
     """Tokenize `inputs` into OUTPUT.bin/.idx (+ OUTPUT.json sidecar); returns the statistics."""
     if on_error not in ("skip", "fatal"):
@@ -342,6 +353,7 @@ def prepare(inputs: list[str], tokenizer: str, output: str, workers: int = 1, ap
                         "path") from None
     pool = start_pool(workers, (tokenizer, json_key, writer.dtype.str))  # before tqdm starts a thread
     with writer, (pool or contextlib.nullcontext()):
+        chunk_bytes = chunk_bytes or chunk_bytes_for(total, workers)
         results = ordered_map(chunked(iter_units(files, split_paragraphs, piece_bytes), chunk_bytes), pool, workers)
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", dynamic_ncols=True,
                    disable=None if progress else True)

@@ -147,3 +147,13 @@ def test_cli_prepare_user_errors_exit_2_with_one_line(tmp_path):
         assert result.stderr.startswith("error: ") and result.stderr.strip().count("\n") == 0, result.stderr
         assert message in result.stderr
     assert not is_prefix(tmp_path / "out")
+
+
+def test_worker_tasks_are_about_8_per_worker_within_bounds():
+    from meshlm.data.prepare import CHUNK_BYTES, chunk_bytes_for
+
+    least, unknown, most = CHUNK_BYTES
+    assert chunk_bytes_for(20 << 20, 2) == (20 << 20) // 16  # 1.25 MiB: 16 tasks for 2 workers
+    assert chunk_bytes_for(1 << 20, 2) == least  # a small input still goes in tasks of at least 256 KiB
+    assert chunk_bytes_for(10 << 30, 4) == most  # 10 GiB: 4 MiB tasks, so memory in flight stays bounded
+    assert chunk_bytes_for(None, 2) == unknown  # compressed input: size unknown
