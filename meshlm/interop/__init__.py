@@ -1,14 +1,29 @@
-"""Conversions between meshlm models and other frameworks' checkpoints (Hugging Face GPT-2 and Llama)."""
+"""Conversions between meshlm models and other frameworks' checkpoints (Hugging Face GPT-2 and Llama).
 
-from meshlm.interop.hf import from_hf_gpt2, from_hf_llama, load_hf, save_hf, to_hf_gpt2, to_hf_llama
-from meshlm.interop.hf_config import (
-    check_representable,
-    hf_architecture,
-    hf_config_dict,
-    hf_config_from_model_config,
-    model_config_from_hf,
-)
+The names below are loaded on first use (PEP 562), so importing `meshlm.interop.convert` for the CLI's
+argument parser does not import torch: `meshlm prepare` and `meshlm tokenizer` start without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_HOME = {
+    "from_hf_gpt2": "hf", "from_hf_llama": "hf", "load_hf": "hf", "save_hf": "hf", "to_hf_gpt2": "hf",
+    "to_hf_llama": "hf", "check_representable": "hf_config", "hf_architecture": "hf_config",
+    "hf_config_dict": "hf_config", "hf_config_from_model_config": "hf_config", "model_config_from_hf": "hf_config",
+}
 
 __all__ = ["check_representable", "from_hf_gpt2", "from_hf_llama", "hf_architecture", "hf_config_dict",
            "hf_config_from_model_config", "load_hf", "model_config_from_hf", "save_hf", "to_hf_gpt2",
            "to_hf_llama"]
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
