@@ -101,7 +101,7 @@ class TrainConfig:
     peak_tflops: float = 0.0  # 0: measure with a short matmul at start
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = False
-    fused_loss: bool = True  # chunked head + cross-entropy without the (tokens, vocab) logits (tp=1, pp=1)
+    fused_loss: bool = True  # chunked head + cross-entropy without the (tokens, vocab) logits (tp=1)
     recompute: str = "none"  # none | selective (attention core) | full (whole layers); see docs/memory.md
     recompute_method: str = "uniform"  # full only: uniform (chunks of recompute_num_layers) | block (first N)
     recompute_num_layers: int = 0  # full only: chunk size (uniform) or layers recomputed (block); 0: every layer

@@ -11,8 +11,9 @@ it. It walks the tokens in chunks of `chunk_rows`, and for each chunk, while its
 so the gradients are finished in the forward pass (the trick of Liger-Kernel's fused linear cross-entropy)
 and backward only scales them by the incoming gradient. Same FLOPs as the unfused head (three matmuls),
 peak memory one chunk of logits instead of two full copies; on a 2-core CPU the default model's head and
-loss run 1.5× faster, its whole step 1.4–1.55× (benchmarks/RESULTS.md). Tensor parallelism keeps the
-unfused path: its vocab-parallel cross-entropy (parallel/tensor.py) needs the logits split over ranks.
+loss run 1.5× faster, its whole step 1.4–1.55× (benchmarks/RESULTS.md). The last pipeline stage uses it
+too. Tensor parallelism keeps the unfused path: its vocab-parallel cross-entropy (parallel/tensor.py) needs
+the logits split over ranks.
 
 Targets equal to `IGNORE_INDEX` (-100, as in `F.cross_entropy`) add nothing to the loss or the gradients
 and are left out of the mean.

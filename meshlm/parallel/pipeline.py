@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.config import Config, ConfigError, ModelConfig
+from meshlm.models.loss import linear_cross_entropy
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.tensor import LossFn
 from meshlm.parallel.tensor import grad_norm as tp_grad_norm
@@ -136,12 +137,13 @@ class StageModule(nn.Module):
     Holds the plain model's own submodules (after tensor parallelism swapped them, if it did), so
     gradients and weights are the model's (the pruned model keeps their plain names). Input: token ids (B, T) on the first stage, the
     residual stream (B, T, h) (or (B, T/t, h) under sequence parallelism) elsewhere; output: the residual
-    stream, or logits on the last stage.
+    stream, or on the last stage the logits (or, with `fused_head`, the final norm's output, from which the
+    loss function computes the fused chunked head + cross-entropy: `models/loss.py`).
     """
 
-    def __init__(self, model: nn.Module, layer_ids: range, first: bool, last: bool):
+    def __init__(self, model: nn.Module, layer_ids: range, first: bool, last: bool, fused_head: bool = False):
         super().__init__()
-        self.first, self.last, self.layer_ids = first, last, layer_ids
+        self.first, self.last, self.layer_ids, self.fused_head = first, last, layer_ids, fused_head
         if first:
             self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
         # A list, as GPT.layers: `apply_recompute` wraps a stage's layers as it wraps a whole model's.
@@ -160,7 +162,8 @@ class StageModule(nn.Module):
         for layer in self.layers:
             x = layer(x, self.rope)
         if self.last:
-            return self.lm_head(self.norm(x))  # (B, T, V) or (B, T, V/t)
+            x = self.norm(x)
+            return x if self.fused_head else self.lm_head(x)  # (B, T, h), or logits (B, T, V) or (B, T, V/t)
         # Sent to the next stage, whose receive buffer torch shapes after this tensor and gloo/NCCL need
         # contiguous (the residual stream can inherit a permuted layout from SP's reduce-scatter).
         return x.contiguous()
@@ -361,7 +364,8 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, cfg: Config, loss_fn: L
     returned `Pipeline` is also left at `model.pipeline`.
 
     `loss_fn(logits, targets)` is the mean-token loss for the model as parallelized so far (plain or
-    vocab-parallel cross-entropy). Every rank must call this (the tied-embedding group is collective).
+    vocab-parallel cross-entropy); at tp = 1 with `train.fused_loss` the last stage uses the fused head +
+    loss instead. Every rank must call this (the tied-embedding group is collective).
     """
     from torch.distributed.pipelining import PipelineStage
 
@@ -371,8 +375,15 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, cfg: Config, loss_fn: L
     n_stages = p.pp * p.vpp
     stage_ids = [dims.pp_rank + k * dims.pp for k in range(p.vpp)]
     tied = model.lm_head.weight is model.tok_emb.weight
-    modules = [StageModule(model, ranges[s], s == 0, s == n_stages - 1) for s in stage_ids]
     first, last = 0 in stage_ids, n_stages - 1 in stage_ids
+    # At tp = 1 the last stage fuses its head into the loss (train.fused_loss): no (tokens × vocab) logits.
+    fused = cfg.train.fused_loss and dims.tp == 1
+    if fused and last:
+        head = model.lm_head
+
+        def loss_fn(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return linear_cross_entropy(hidden, head.weight, targets)
+    modules = [StageModule(model, ranges[s], s == 0, s == n_stages - 1, fused) for s in stage_ids]
     _prune(model, {i for s in stage_ids for i in ranges[s]}, first, last, tied)
     group = embedding_group(dims, p.timeout_s) if tied else None
     tied_weight = model.tok_emb.weight if tied and (first or last) else None

@@ -106,8 +106,8 @@ class Trainer:
             raise ConfigError("train.compile=true with parallel.pp > 1 is not supported yet; set train.compile=false")
         # Forward passes go through `self.forward`; `self.model` keeps the plain parameter names.
         self.forward = torch.compile(self.model) if t.compile else self.model
-        # The fused chunked head + loss (models/loss.py) needs the whole output layer and the model's own
-        # forward; tensor parallelism (vocab-split logits) and pipeline stages keep logits + `loss_fn`.
+        # The fused chunked head + loss (models/loss.py) needs the whole output layer (tp = 1, else vocab-split
+        # logits + `loss_fn`); under pp > 1 the last stage fuses it in the schedule's loss (parallel/pipeline.py).
         self.fused_loss = t.fused_loss and self.dims.tp == 1 and self.pipeline is None
         self.optimizer = self.sync.build_optimizer(cfg.optim)
         self.precision = Precision(t.precision, self.device)
