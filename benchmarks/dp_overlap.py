@@ -21,15 +21,12 @@ rank (= N at d = 2); a reduce-scatter or all-gather: (d−1)/d·N.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from world import run_world  # benchmarks/world.py, beside this script
 
 from meshlm.config import build
 from meshlm.models.gpt import GPT
@@ -82,10 +79,10 @@ def _step(model, sync, opt, batches, accum: int) -> tuple[float, float]:
     return time.perf_counter() - start, wait
 
 
-def _worker(rank: int, args, rendezvous: str, out: str) -> None:
+def _measure(args, world: int) -> dict:
+    """One rank's timings and bytes for every mode (run_world returns rank 0's)."""
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=300))
+    rank = dist.get_rank()
     cfg = build({"model": {"n_layers": args.layers, "hidden_size": args.hidden, "n_heads": args.hidden // 64,
                            "seq_len": args.seq, "vocab_size": args.vocab},
                  "parallel": {"dp": 2, "bucket_mb": args.bucket_mb}})
@@ -111,11 +108,7 @@ def _worker(rank: int, args, rendezvous: str, out: str) -> None:
         handed[mode] = grad_bytes * (2 if mode.startswith("ZeRO") else 1)  # + the parameter all-gather
     n_params = sum(p.numel() for p in runs["overlap on"][0].parameters())
     n_buckets = len(runs["overlap on"][1].buckets)
-    if rank == 0:
-        torch.save({"times": times, "sent": sent, "handed": handed, "n_params": n_params, "n_buckets": n_buckets},
-                   out)
-    dist.barrier()  # every rank's last collective done before anyone tears gloo down (else it can abort)
-    dist.destroy_process_group()
+    return {"times": times, "sent": sent, "handed": handed, "n_params": n_params, "n_buckets": n_buckets}
 
 
 def report(res: dict, args) -> str:
@@ -153,10 +146,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.pt")
-        mp.spawn(_worker, args=(args, os.path.join(tmp, "rendezvous"), out), nprocs=2)
-        print(report(torch.load(out, weights_only=False), args))
+    print(report(run_world(2, _measure, args, timeout_s=600), args))
 
 
 if __name__ == "__main__":

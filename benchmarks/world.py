@@ -18,6 +18,7 @@ def _worker(rank: int, world: int, init: str, fn, args, queue) -> None:
         result = fn(args, world)
         if rank == 0:
             queue.put(result)
+        dist.barrier()  # every rank's last collective done before any tears gloo down (else one can abort)
     finally:
         dist.destroy_process_group()
 
