@@ -21,6 +21,7 @@ import torch
 from meshlm.errors import CheckpointError  # callers catch ckpt.CheckpointError
 
 LATEST = "latest"
+MODEL_FILES = ("model.pt", "model.safetensors", "index.json")  # one process, `meshlm convert`, a parallel run
 
 
 def checkpoints_dir(out_dir: str | Path) -> Path:
@@ -90,10 +91,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
             target = root / (root / LATEST).read_text().strip()
             if (target / "config.json").exists():
                 return target
-    if (p / "config.json").exists() and any((p / name).exists() for name in ("model.pt", "index.json",
-                                                                              "model.safetensors")):
-        return p
-    if (p / "config.json").exists() and any(p.glob("model-pp*.pt")):
+    if (p / "config.json").exists() and any((p / name).exists() for name in MODEL_FILES):
         return p
     raise CheckpointError(f"no checkpoint at {str(p)!r}: expected a run directory with checkpoints/latest, "
                           "or a checkpoints/step_* directory; train first or fix the path")
@@ -110,16 +108,9 @@ def load_part(ckpt: Path, name: str, map_location: str | torch.device = "cpu") -
     return torch.load(ckpt / f"{name}.pt", map_location=map_location, weights_only=False)
 
 
-def pipeline_model_part(pp_rank: int) -> str:
-    """A pipeline-parallel run saves one model file per pipeline rank: its stages' full (tp-gathered) weights."""
-    return f"model-pp{pp_rank:05d}"
-
-
 def load_model_state(ckpt: Path, map_location: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """The whole model's state dict: `model.pt`, `model.safetensors` (`meshlm convert --to-single`), the
-    pieces of a parallel run (`index.json`, assembled by
-    `dist_checkpoint.full_model_state` in this process), or the union of an older pipeline run's
-    `model-ppNNNNN.pt` files (plain parameter names; a tied embedding appears in the first and the last)."""
+    """The whole model's state dict: `model.pt`, `model.safetensors` (`meshlm convert --to-single`), or the
+    pieces of a parallel run (`index.json`, assembled by `dist_checkpoint.full_model_state` in this process)."""
     if (ckpt / "model.pt").exists():
         return load_part(ckpt, "model", map_location)
     if (ckpt / "model.safetensors").exists():  # written by `meshlm convert --to-single`
@@ -132,12 +123,7 @@ def load_model_state(ckpt: Path, map_location: str | torch.device = "cpu") -> di
 
         state = full_model_state(ckpt, config_from_dict(load_config_dict(ckpt)).model)
         return {k: v.to(map_location) for k, v in state.items()}
-    state: dict[str, torch.Tensor] = {}
-    for part in sorted(ckpt.glob("model-pp*.pt")):
-        state.update(torch.load(part, map_location=map_location, weights_only=False))
-    if not state:
-        raise CheckpointError(f"checkpoint {str(ckpt)!r} holds no model.pt or model-pp*.pt; it is incomplete")
-    return state
+    raise CheckpointError(f"checkpoint {str(ckpt)!r} holds none of {', '.join(MODEL_FILES)}; it is incomplete")
 
 
 def load_config_dict(ckpt: Path) -> dict:
