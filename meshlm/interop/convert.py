@@ -4,7 +4,7 @@ A checkpoint of any layout (the single-process `model.pt`, or the per-rank piece
 assembled in one process, without torch.distributed, into the plain `GPT` state dict (fused `attn.qkv` and
 `mlp.fc`, the vocabulary unpadded), and written as `OUT_DIR/model.safetensors` with the run's
 `OUT_DIR/config.json`. Load it with `safetensors.torch.load_file` and `GPT.load_state_dict` (or
-`load_single`); `meshlm generate --checkpoint OUT_DIR` reads it too. A tied LM head is stored as its own
+`checkpoint.load_model_state(OUT_DIR)`); `meshlm generate --checkpoint OUT_DIR` reads it too. A tied LM head is stored as its own
 copy of the embedding (safetensors keeps no shared tensors).
 """
 
@@ -13,40 +13,28 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from meshlm.config import ConfigError, config_from_dict
-
-if TYPE_CHECKING:  # torch is imported when a command runs, so `meshlm prepare` starts fast
-    import torch
+from meshlm.config import ConfigError
 
 WEIGHTS = "model.safetensors"
 
 
 def convert_to_single(checkpoint: str | Path, out_dir: str | Path) -> Path:
     """Write the plain model of `checkpoint` (a run directory or a step directory) to OUT_DIR."""
-    import torch
+    import torch  # here, not at the top: the CLI imports this module to build its parser
     from safetensors.torch import save_file
 
     from meshlm.train import checkpoint as ckpt
-    from meshlm.train.dist_checkpoint import full_model_state
 
     source = ckpt.resolve_checkpoint(checkpoint)
     config = ckpt.load_config_dict(source)
-    state = full_model_state(source, config_from_dict(config).model)
+    state = ckpt.load_model_state(source)  # any format: one process, a parallel run's pieces, converted
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in state.items()}
     save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt", "source": str(source)})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out / WEIGHTS
-
-
-def load_single(out_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The state dict `convert_to_single` wrote (for `GPT.load_state_dict`)."""
-    from safetensors.torch import load_file
-
-    return load_file(str(Path(out_dir) / WEIGHTS))
 
 
 def _convert(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -22,8 +22,9 @@ reports success (one all-reduce), and only if all did does rank 0 rename it into
 `latest`. A rank that fails or dies leaves `latest` on the previous checkpoint.
 
 Single-process runs keep their one-file format (`model.pt`, `optim.pt`); it loads under any layout too
-(converted to logical tensors in memory), and `full_model_state` turns either format into a plain GPT
-state dict without torch.distributed (for `meshlm generate` and `meshlm convert --to-single`).
+(converted to logical tensors in memory). `full_model_state` assembles a sharded one into the plain GPT
+state dict without torch.distributed; `checkpoint.load_model_state` reads any format through it (for
+`meshlm generate` and `meshlm convert --to-single`).
 """
 
 from __future__ import annotations
@@ -418,10 +419,8 @@ def load_rank_state(path: str | Path, rank: int, layout: dict) -> dict | None:
 
 
 def full_model_state(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The plain GPT state dict of a checkpoint of any format, in one process, without torch.distributed."""
-    path = Path(path)
-    if not is_sharded(path):
-        return ckpt.load_part(path, "model")
+    """The plain GPT state dict of a sharded checkpoint (`index.json`), in one process, without
+    torch.distributed."""
     source = _ShardedSource(path)
     try:
         tensors = {}

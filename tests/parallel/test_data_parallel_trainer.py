@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from meshlm.config import config_from_dict, load_config
-from meshlm.interop.convert import load_single
 from meshlm.models.gpt import GPT
 from meshlm.train import checkpoint as ckpt
 from meshlm.train.trainer import Trainer
@@ -118,7 +117,7 @@ def test_converted_single_file_gives_the_reference_logits(runs):
     ref = ckpt.resolve_checkpoint(_reference(root, runs["results"][1]["argv"], 4))
     cfg = config_from_dict(json.loads((root / "runs/3d-single/config.json").read_text()))
     converted, reference = GPT(cfg.model).eval(), GPT(cfg.model).eval()
-    converted.load_state_dict(load_single(root / "runs/3d-single"))
+    converted.load_state_dict(ckpt.load_model_state(root / "runs/3d-single"))
     reference.load_state_dict(ckpt.load_model_state(ref))
     ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
