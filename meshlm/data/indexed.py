@@ -112,11 +112,31 @@ class IndexedWriter:
 
     def add_tokens(self, tokens) -> None:
         """Append tokens to the current document (a document may arrive in several parts)."""
-        arr = np.asarray(tokens)
-        if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(self.dtype).max):
-            raise ValueError(f"token id out of range for {self.dtype} (ids {arr.min()}..{arr.max()})")
-        self._bin.write(arr.astype(self.dtype, copy=False).tobytes())
+        arr = self._checked(tokens)
+        self._bin.write(memoryview(arr).cast("B"))
         self._doc_tokens += arr.size
+
+    def add_documents(self, tokens, lengths) -> None:
+        """Append whole documents at once: `tokens` back to back, `lengths[i]` (> 0) of them in document i."""
+        if self._doc_tokens:
+            raise ValueError("add_documents while a document is open; call end_document first")
+        arr, lengths = self._checked(tokens), np.asarray(lengths, dtype=np.int64)
+        if lengths.size and (lengths.min() <= 0 or lengths.max() > np.iinfo(np.int32).max):
+            raise ValueError(f"document lengths must be 1..{np.iinfo(np.int32).max} tokens")
+        if int(lengths.sum()) != arr.size:
+            raise ValueError(f"document lengths add up to {int(lengths.sum())} tokens, not {arr.size}")
+        self._bin.write(memoryview(arr).cast("B"))
+        self._lengths.write(lengths.astype("<i4").tobytes())
+        self.n_documents += lengths.size
+        self.n_tokens += arr.size
+        self._doc_start = self._bin.tell()
+
+    def _checked(self, tokens) -> np.ndarray:
+        """`tokens` as a contiguous array of the writer's dtype; an id the dtype cannot hold is an error."""
+        arr = np.asarray(tokens)
+        if arr.dtype != self.dtype and arr.size and (arr.min() < 0 or arr.max() > np.iinfo(self.dtype).max):
+            raise ValueError(f"token id out of range for {self.dtype} (ids {arr.min()}..{arr.max()})")
+        return np.ascontiguousarray(arr, dtype=self.dtype)
 
     def end_document(self) -> None:
         """Close the current document; an empty one is dropped (a zero-length sequence helps nobody)."""

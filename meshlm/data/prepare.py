@@ -4,11 +4,21 @@ Inputs are files, directories (searched for .txt, .jsonl and their .gz) and glob
 document (or, with `split_paragraphs`, one per blank-line separated paragraph); every line of a
 `.jsonl` file is a JSON object whose `json_key` holds one document.
 
-Streaming: the main process reads inputs in small chunks and hands them to `workers` processes that
-decode and tokenize; results come back in input order (a bounded window of chunks in flight, so memory
-stays flat however large the corpus) and go straight to the `.bin`. A large `.txt` document is read in
-pieces cut after a newline that sits between two printable ASCII characters; GPT-2 style BPE never
-merges across such a point, so the tokens equal those of encoding the whole file at once.
+Work split: the main process only plans. It cuts every file into byte ranges (`Item`s, at most
+`piece_bytes` each), groups them into tasks and hands the tasks to `workers` processes, which read their
+ranges themselves, decode, parse and tokenize, and send back tokens and document lengths; the main
+process writes them in input order. A bounded window of tasks is in flight, so memory stays flat however
+large the corpus, and the main process neither reads nor pickles the text (with two workers on two
+cores it would otherwise take a sixth of a core from them; with sixteen workers it would be the
+bottleneck). Compressed files cannot be read from the middle: the main process decompresses them and
+sends the bytes.
+
+Range ends move forward to the next point where the kind may be cut, found from the bytes at that
+point alone, so two neighbouring ranges agree on their common end: the start of a line (`.jsonl`); the
+end of an empty line (paragraphs); a newline between two printable ASCII characters (one `.txt`
+document in several ranges). GPT-2 style BPE never merges across such a newline, so the tokens equal
+those of encoding the whole file at once. Where no such point follows within `search_bytes` (64 KiB
+or more), a text or paragraph is cut at another newline, a text else at a character boundary.
 
 Empty documents (nothing but whitespace) are skipped and counted; invalid UTF-8 is replaced with
 U+FFFD and counted; a `.jsonl` line that is not a JSON object with the key is reported as file:line and
@@ -23,12 +33,13 @@ import gzip
 import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,25 +51,53 @@ from meshlm.data.tokenizers import get_tokenizer
 
 TEXT_SUFFIXES = (".txt",)
 JSON_SUFFIXES = (".jsonl", ".ndjson")
-PIECE_BYTES = 1 << 20  # a .txt document larger than this is read in pieces
+PIECE_BYTES = 1 << 20  # most input bytes in one Item (a larger file is read in several)
 CHUNK_BYTES = (1 << 18, 1 << 20, 1 << 22)  # input bytes per worker task: least, when the size is unknown, most
 MAX_REPORTED = 10  # bad lines reported one by one; the rest are counted
 MAX_LISTED = 1000  # input files named in the sidecar (stats.files counts them all)
+# Where an Item of each kind may end: the end of a match (a cut between the newline and what follows).
+CUT_AT = {"text": re.compile(rb"[\x21-\x7e]\n(?=[\x21-\x7e])"), "json": re.compile(rb"\n"),
+          "paragraphs": re.compile(rb"\n[ \t\r\f\v]*\n")}
 
 
 class DataError(ConfigError):
     """A problem with the input data or output path, stated with the path (and line) and the fix."""
 
 
-@dataclass
-class Unit:
-    """Raw input for (part of) one document."""
+@dataclass(frozen=True)
+class Item:
+    """Bytes [start, end) of one input file, moved to cut points (see the module docstring); a worker reads
+    them itself, unless `data` holds them (decompressed by the main process)."""
 
-    kind: str  # "text" | "json"
-    data: bytes
+    kind: str  # "text": (part of) one document | "json": a document per line | "paragraphs": per paragraph
     source: str
-    line: int  # 1-based line where it starts
-    last: bool = True  # ends its document
+    start: int
+    end: int
+    last: bool  # ends its file (and, for "text", its document)
+    data: bytes | None = None
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    def split(self, n: int) -> tuple[Item, Item]:
+        """This on-disk Item as its first `n` bytes and the rest."""
+        return replace(self, end=self.start + n, last=False), replace(self, start=self.start + n)
+
+
+@dataclass
+class Part:
+    """What a worker returns for one Item. A "text" Item gives a piece of its document (`lengths` None);
+    the others give whole documents: their tokens back to back (each with end-of-document if asked)."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray | None = None  # tokens per document kept
+    has_text: bool = False  # a text piece holds more than whitespace
+    bad_utf8: int = 0  # documents with invalid UTF-8
+    text_bytes: int = 0  # UTF-8 bytes of the documents (pieces) kept
+    empty: int = 0  # documents skipped as empty
+    errors: list[tuple[int, str]] = field(default_factory=list)  # (line within the Item, reason)
+    lines: int = 0  # newlines in the Item's bytes (the main process numbers lines across Items)
 
 
 @dataclass
@@ -132,95 +171,134 @@ def _walk(directory: Path) -> list[Path]:
     return sorted(f for f in directory.rglob("*") if f.is_file() and _format(f)[0])
 
 
-def _safe_cut(buf: bytes, start: int) -> int:
-    """Index just after the last newline at/after `start` between two printable ASCII bytes, or -1."""
-    i = len(buf) - 1
-    while True:
-        i = buf.rfind(b"\n", start, i)
-        if i <= 0:
-            return -1
-        if 0x21 <= buf[i - 1] <= 0x7E and i + 1 < len(buf) and 0x21 <= buf[i + 1] <= 0x7E:
-            return i + 1
+# ---- cutting input into Items ----------------------------------------------------------------------
+def find_cut(kind: str, buf: bytes, at: int, fallback: bool) -> int:
+    """The first point p >= `at` in `buf` where an Item of `kind` may end (buf[:p] | buf[p:]), or -1.
+
+    With `fallback`, a text or paragraph Item that has no proper cut may end after any newline, and a
+    text Item at a character boundary; a JSON line is never cut.
+    """
+    pattern, pos = CUT_AT[kind], max(at - 2, 0)
+    while (m := pattern.search(buf, pos)) is not None and m.end() < at:
+        pos = m.start() + 1
+    if m is not None:
+        return m.end()
+    if not fallback or kind == "json":
+        return -1
+    newline = buf.find(b"\n", max(at - 1, 0))
+    if newline >= 0:
+        return newline + 1
+    if kind == "text":
+        return next((p for p in range(at, len(buf)) if buf[p] & 0xC0 != 0x80), -1)
+    return -1
 
 
-def _text_pieces(fh, piece_bytes: int) -> Iterator[bytes]:
-    """A whole text stream in pieces of about `piece_bytes`, cut at points where tokenization agrees."""
-    buf = b""
-    while True:
-        more = fh.read(piece_bytes)
-        buf += more
-        if not more:
-            yield buf
-            return
-        if len(buf) < piece_bytes:
-            continue
-        cut = _safe_cut(buf, len(buf) // 2)
-        if cut < 0 and len(buf) >= 4 * piece_bytes:  # no safe point: settle for a newline, else a char edge
-            cut = buf.rfind(b"\n") + 1 or next(i for i in range(len(buf) - 1, 0, -1) if buf[i] & 0xC0 != 0x80)
-        if cut > 0:
-            yield buf[:cut]
-            buf = buf[cut:]
+def snap(fh, kind: str, at: int, size: int, piece_bytes: int) -> int:
+    """The cut point of the open file `fh` (`size` bytes) at or after `at`, from the bytes there alone."""
+    if at <= 0 or at >= size:
+        return min(max(at, 0), size)
+    base = at - 2 if at >= 2 else 0
+    fh.seek(base)
+    buf = fh.read(search_bytes(piece_bytes))
+    p = find_cut(kind, buf, at - base, fallback=False)
+    if p < 0 and base + len(buf) < size:  # the end of the file is always a cut; short of it, settle
+        p = find_cut(kind, buf, at - base, fallback=True)
+    while p < 0 and kind == "json" and base + len(buf) < size:  # a long line: read on to its end
+        buf += fh.read(search_bytes(piece_bytes))
+        p = find_cut(kind, buf, at - base, fallback=False)
+    return size if p < 0 else base + p
 
 
-def iter_units(files: list[Path], split_paragraphs: bool = False, piece_bytes: int = PIECE_BYTES
-               ) -> Iterator[Unit]:
-    """Every document (or document piece) of `files`, in order; unreadable data raises DataError."""
+def search_bytes(piece_bytes: int) -> int:
+    """How far to look for a proper cut before settling for a worse one."""
+    return max(4 * piece_bytes, 1 << 16)
+
+
+def plan_items(files: list[Path], split_paragraphs: bool, piece_bytes: int) -> Iterator[Item]:
+    """Every input file as Items of at most `piece_bytes` (a compressed file: of decompressed bytes)."""
     for f in files:
         kind, gz = _format(f)
         kind = kind or "text"
+        if kind == "text" and split_paragraphs:
+            kind = "paragraphs"
         try:
-            with (gzip.open(f, "rb") if gz else open(f, "rb")) as fh:
-                if kind == "json":
-                    for n, line in enumerate(fh, 1):
-                        if line.strip():
-                            yield Unit("json", line, str(f), n)
-                elif split_paragraphs:
-                    yield from _paragraphs(fh, str(f))
-                else:
-                    pieces = _text_pieces(fh, piece_bytes)
-                    piece = next(pieces)
-                    for following in pieces:
-                        yield Unit("text", piece, str(f), 1, last=False)
-                        piece = following
-                    yield Unit("text", piece, str(f), 1)
+            if gz:
+                with gzip.open(f, "rb") as fh:
+                    yield from _stream_items(fh, kind, str(f), piece_bytes)
+                continue
+            size = f.stat().st_size
         except (OSError, EOFError, gzip.BadGzipFile) as err:
             raise DataError(f"{f} cannot be read ({err}); fix or remove the file") from None
+        starts = range(0, size, piece_bytes) if size else [0]
+        for start in starts:
+            end = min(start + piece_bytes, size)
+            yield Item(kind, str(f), start, end, last=end == size)
 
 
-def _paragraphs(fh, source: str) -> Iterator[Unit]:
-    lines: list[bytes] = []
-    start = 1
-    for n, line in enumerate(fh, 1):
-        if line.strip():
-            if not lines:
-                start = n
-            lines.append(line)
-        elif lines:
-            yield Unit("text", b"".join(lines), source, start)
-            lines = []
-    if lines:
-        yield Unit("text", b"".join(lines), source, start)
+def _stream_items(fh, kind: str, source: str, piece_bytes: int) -> Iterator[Item]:
+    """Items of a stream that cannot seek, with their bytes, cut as the module docstring says."""
+    buf, offset = b"", 0
+    while more := fh.read(piece_bytes):
+        buf += more
+        if len(buf) < piece_bytes:
+            continue
+        cut = find_cut(kind, buf, len(buf) // 2, fallback=len(buf) >= search_bytes(piece_bytes))
+        if cut > 0:
+            yield Item(kind, source, offset, offset + cut, last=False, data=buf[:cut])
+            buf, offset = buf[cut:], offset + cut
+    yield Item(kind, source, offset, offset + len(buf), last=True, data=buf)
 
 
-def chunk_bytes_for(total: int | None, workers: int) -> int:
-    """Input bytes per worker task: about 8 tasks per worker over the whole input, within `CHUNK_BYTES`.
+def read_item(item: Item, piece_bytes: int = PIECE_BYTES) -> bytes:
+    """The bytes of `item` between its cut points."""
+    if item.data is not None:
+        return item.data
+    try:
+        with open(item.source, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            start = snap(fh, item.kind, item.start, size, piece_bytes)
+            end = size if item.last else snap(fh, item.kind, item.end, size, piece_bytes)
+            if end <= start:
+                return b""
+            fh.seek(start)
+            return fh.read(end - start)
+    except OSError as err:
+        raise DataError(f"{item.source} cannot be read ({err.strerror or err}); fix or remove the file") from None
 
-    Each task costs the main process about a millisecond (handing it over, collecting its tokens), which
-    competes with the workers for the same cores; few large tasks leave one worker idle at the end. On 20 MB
-    of Shakespeare with 2 workers, 1 MiB tasks cut the main process's CPU time from 0.17 s to 0.11 s.
+
+def chunk_bytes_for(remaining: int | None, workers: int) -> int:
+    """Input bytes for the next worker task: the input still to hand out split 2·`workers` ways, within
+    `CHUNK_BYTES` (guided self-scheduling).
+
+    Each task costs the main process a little (handing it over, collecting its tokens), which competes
+    with the workers for the same cores, so tasks should be few and large; but while the last task runs
+    the other workers have nothing to do, so the last ones must be small. Shrinking tasks give both: on
+    20 MB of Shakespeare with 2 workers, tasks go from 4 MiB down to 256 KiB.
     """
     least, unknown, most = CHUNK_BYTES
-    return unknown if total is None else min(max(total // (8 * workers), least), most)
+    return unknown if remaining is None else min(max(remaining // (2 * workers), least), most)
 
 
-def chunked(units: Iterator[Unit], chunk_bytes: int) -> Iterator[list[Unit]]:
-    chunk, size = [], 0
-    for unit in units:
-        chunk.append(unit)
-        size += len(unit.data)
-        if size >= chunk_bytes:
+def chunked(items: Iterator[Item], chunk_bytes: Callable[[int], int]) -> Iterator[list[Item]]:
+    """`items` grouped into tasks of `chunk_bytes(bytes handed out so far)` bytes each; an on-disk Item
+    that would overfill a task is split between it and the next."""
+    chunk, size, done = [], 0, 0
+    target = chunk_bytes(0)
+    for item in items:
+        while item.data is None and size + item.size > target:
+            head, item = item.split(target - size)
+            chunk.append(head)
             yield chunk
+            done += target
             chunk, size = [], 0
+            target = chunk_bytes(done)
+        chunk.append(item)
+        size += item.size
+        if size >= target:
+            yield chunk
+            done += size
+            chunk, size = [], 0
+            target = chunk_bytes(done)
     if chunk:
         yield chunk
 
@@ -232,23 +310,28 @@ def iter_texts(inputs: list[str], json_key: str = "text", bad_lines: list[str] |
 
 
 def _texts(files: list[Path], json_key: str, bad_lines: list[str] | None) -> Iterator[str]:
-    for unit in iter_units(files):
-        try:
-            yield document_text(unit.kind, unit.data, json_key)[0]
-        except (ValueError, TypeError) as err:
-            if bad_lines is not None:
-                bad_lines.append(f"{unit.source}:{unit.line}: {err}")
+    lines: dict[str, int] = {}
+    for item in plan_items(files, False, PIECE_BYTES):
+        data = read_item(item)
+        for line, text, _, error in documents(item.kind, data, json_key):
+            if error is None:
+                yield text
+            elif bad_lines is not None:
+                bad_lines.append(f"{item.source}:{lines.get(item.source, 0) + line}: {error}")
+        lines[item.source] = lines.get(item.source, 0) + data.count(b"\n")
 
 
 # ---- worker side -----------------------------------------------------------------------------------
 _STATE: dict = {}
 
 
-def _init_worker(spec: str, json_key: str, dtype: str, in_pool: bool = True) -> None:
+def _init_worker(spec: str, json_key: str, dtype: str, eod: int | None, piece_bytes: int,
+                 in_pool: bool = True) -> None:
     if in_pool:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
-    _STATE.update(tokenizer=get_tokenizer(spec), json_key=json_key, dtype=np.dtype(dtype))
+    _STATE.update(tokenizer=get_tokenizer(spec), json_key=json_key, dtype=np.dtype(dtype), eod=eod,
+                  piece_bytes=piece_bytes)
 
 
 def document_text(kind: str, data: bytes, json_key: str) -> tuple[str, bool]:
@@ -257,7 +340,7 @@ def document_text(kind: str, data: bytes, json_key: str) -> tuple[str, bool]:
         raw, bad = data.decode("utf-8"), False
     except UnicodeDecodeError:
         raw, bad = data.decode("utf-8", errors="replace"), True
-    if kind == "text":
+    if kind != "json":
         return raw, bad
     key = json_key
     try:
@@ -271,23 +354,66 @@ def document_text(kind: str, data: bytes, json_key: str) -> tuple[str, bool]:
     return obj[key], bad
 
 
-def encode_chunk(items: list[tuple[str, bytes]]) -> tuple[np.ndarray, list[tuple]]:
-    """Tokens of a chunk (concatenated) and, per unit, (n_tokens, text_bytes, has_text, bad_utf8, error)."""
-    tokenizer, dtype = _STATE["tokenizer"], _STATE["dtype"]
-    encode = getattr(tokenizer, "encode_array", None) or (lambda text: np.asarray(tokenizer.encode(text), dtype))
-    ids, rows = [], []
-    for kind, data in items:
-        try:
-            text, bad = document_text(kind, data, _STATE["json_key"])
-        except (ValueError, TypeError) as err:
-            rows.append((0, 0, False, False, str(err)))
+def documents(kind: str, data: bytes, json_key: str) -> Iterator[tuple[int, str, bool, str | None]]:
+    """(line within `data`, text, had invalid UTF-8, error) of every document in an Item's bytes: the one
+    text piece, every non-blank JSON line (error set for a bad one), or every paragraph."""
+    if kind == "text":
+        yield (1, *document_text(kind, data, json_key), None)
+        return
+    lines = data.split(b"\n")
+    if kind == "json":
+        for n, line in enumerate(lines, 1):
+            if line.strip():
+                try:
+                    yield (n, *document_text(kind, line, json_key), None)
+                except (ValueError, TypeError) as err:
+                    yield n, "", False, str(err)
+        return
+    paragraph: list[bytes] = []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            paragraph.append(line)
             continue
-        has_text = not text.isspace() and text != ""
-        tokens = encode(text) if has_text or kind == "text" else np.zeros(0, dtype)
+        if paragraph:
+            yield (n - len(paragraph), *document_text(kind, b"\n".join(paragraph) + b"\n", json_key), None)
+            paragraph = []
+    if paragraph:  # the data's last paragraph: its last line had no newline
+        yield (len(lines) - len(paragraph) + 1, *document_text(kind, b"\n".join(paragraph), json_key), None)
+
+
+def encode_item(item: Item) -> Part:
+    """Read, decode, parse and tokenize one Item (in a worker, or in the main process with one worker)."""
+    tokenizer, dtype, eod = _STATE["tokenizer"], _STATE["dtype"], _STATE["eod"]
+    encode = getattr(tokenizer, "encode_array", None) or (lambda text: np.asarray(tokenizer.encode(text), dtype))
+    data = read_item(item, _STATE["piece_bytes"])
+    part = Part(np.zeros(0, dtype), lines=data.count(b"\n"))
+    ids, lengths = [], []
+    for line, text, bad, error in documents(item.kind, data, _STATE["json_key"]):
+        if error is not None:
+            part.errors.append((line, error))
+            continue
+        has_text = text != "" and not text.isspace()
+        if item.kind == "text":  # a piece: the main process decides when its document ends
+            part.has_text = has_text
+        elif not has_text:
+            part.empty += 1
+            continue
+        tokens = encode(text) if has_text or item.kind == "text" else np.zeros(0, dtype)
         ids.append(tokens)
-        n_bytes = len(data) if kind == "text" and not bad else len(text.encode("utf-8"))
-        rows.append((len(tokens), n_bytes, has_text, bad, None))
-    return (np.concatenate(ids).astype(dtype, copy=False) if ids else np.zeros(0, dtype)), rows
+        if eod is not None and item.kind != "text":
+            ids.append(np.asarray([eod], dtype))
+        lengths.append(len(tokens) + (eod is not None))
+        part.bad_utf8 += bad
+        part.text_bytes += len(data) if item.kind == "text" and not bad else len(text.encode("utf-8"))
+    if ids:
+        part.tokens = np.concatenate(ids).astype(dtype, copy=False)
+    if item.kind != "text":
+        part.lengths = np.asarray(lengths, dtype=np.int64)
+    return part
+
+
+def encode_task(items: list[Item]) -> list[Part]:
+    return [encode_item(item) for item in items]
 
 
 def start_pool(workers: int, init_args: tuple):
@@ -299,30 +425,27 @@ def start_pool(workers: int, init_args: tuple):
     return mp.get_context(method).Pool(workers, _init_worker, init_args)
 
 
-def ordered_map(chunks: Iterator[list[Unit]], pool, workers: int) -> Iterator[tuple[list[Unit], tuple]]:
-    """(chunk, encode_chunk(chunk)) in input order. Pool.imap would read the whole input ahead into its
-    task queue; a window of 4 chunks per worker keeps memory bounded and every worker busy."""
-    def payload(chunk: list[Unit]) -> list[tuple[str, bytes]]:
-        return [(u.kind, u.data) for u in chunk]
-
+def ordered_map(tasks: Iterator[list[Item]], pool, workers: int) -> Iterator[tuple[list[Item], list[Part]]]:
+    """(task, encode_task(task)) in input order. Pool.imap would plan the whole input ahead into its
+    task queue; a window of 4 tasks per worker keeps memory bounded and every worker busy."""
     if pool is None:
-        for chunk in chunks:
-            yield chunk, encode_chunk(payload(chunk))
+        for task in tasks:
+            yield task, encode_task(task)
         return
     pending: deque = deque()
-    for chunk in chunks:
-        pending.append((chunk, pool.apply_async(encode_chunk, (payload(chunk),))))
+    for task in tasks:
+        pending.append((task, pool.apply_async(encode_task, (task,))))
         if len(pending) >= 4 * workers:
-            chunk0, result = pending.popleft()
-            yield chunk0, result.get()
+            task0, result = pending.popleft()
+            yield task0, result.get()
     while pending:
-        chunk0, result = pending.popleft()
-        yield chunk0, result.get()
+        task0, result = pending.popleft()
+        yield task0, result.get()
 
 
 # ---- main side -------------------------------------------------------------------------------------
 class _Document:
-    """Accumulates the parts of the document being written."""
+    """Accumulates the pieces of the text document being written."""
 
     def __init__(self) -> None:
         self.has_text = self.bad_utf8 = False
@@ -351,30 +474,30 @@ def prepare(inputs: list[str], tokenizer: str, output: str, workers: int = 1, ap
     except OSError as err:
         raise DataError(f"--output {output!r} cannot be written ({err.strerror or err}); choose another "
                         "path") from None
-    pool = start_pool(workers, (tokenizer, json_key, writer.dtype.str))  # before tqdm starts a thread
+    eod = tok.eod_id if append_eod else None
+    pool = start_pool(workers, (tokenizer, json_key, writer.dtype.str, eod, piece_bytes))  # before tqdm's thread
     with writer, (pool or contextlib.nullcontext()):
-        chunk_bytes = chunk_bytes or chunk_bytes_for(total, workers)
-        results = ordered_map(chunked(iter_units(files, split_paragraphs, piece_bytes), chunk_bytes), pool, workers)
+        def task_bytes(done: int) -> int:
+            return chunk_bytes or chunk_bytes_for(None if total is None else total - done, workers)
+
+        results = ordered_map(chunked(plan_items(files, split_paragraphs, piece_bytes), task_bytes), pool, workers)
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", dynamic_ncols=True,
                    disable=None if progress else True)
-        doc = _Document()
+        doc, lines = _Document(), {}
         with bar:
-            for chunk, (tokens, rows) in results:
-                offset = 0
-                for unit, (n, text_bytes, has_text, bad, error) in zip(chunk, rows):
-                    stats.input_bytes += len(unit.data)
-                    if error is not None:
-                        _bad_line(stats, f"{unit.source}:{unit.line}: {error}", on_error, bar)
-                        continue
-                    writer.add_tokens(tokens[offset:offset + n])
-                    offset += n
-                    doc.has_text |= has_text
-                    doc.bad_utf8 |= bad
-                    doc.text_bytes += text_bytes
-                    if unit.last:
-                        _end_document(writer, doc, stats, tok.eod_id if append_eod else None)
+            for task, parts in results:
+                for item, part in zip(task, parts):
+                    first_line = lines.get(item.source, 0)
+                    lines[item.source] = first_line + part.lines
+                    for line, error in part.errors:
+                        _bad_line(stats, f"{item.source}:{first_line + line}: {error}", on_error, bar)
+                    _write_part(writer, item, part, doc, stats)
+                    if item.kind == "text" and item.last:
+                        _end_document(writer, doc, stats, eod)
                         doc = _Document()
-                bar.update(sum(len(u.data) for u in chunk))
+                size = sum(item.size for item in task)
+                stats.input_bytes += size
+                bar.update(size)
                 elapsed = max(time.perf_counter() - start, 1e-9)
                 bar.set_postfix_str(f"{writer.n_tokens / elapsed:,.0f} tok/s", refresh=False)
         stats.tokens, stats.seconds = writer.n_tokens, time.perf_counter() - start
@@ -387,6 +510,20 @@ def prepare(inputs: list[str], tokenizer: str, output: str, workers: int = 1, ap
                        "stats": {k: v for k, v in asdict(stats).items() if k != "errors"}})
     log(stats.summary(prefix))
     return stats
+
+
+def _write_part(writer: IndexedWriter, item: Item, part: Part, doc: _Document, stats: PrepareStats) -> None:
+    if part.lengths is None:  # a piece of the text document being written
+        writer.add_tokens(part.tokens)
+        doc.has_text |= part.has_text
+        doc.bad_utf8 |= bool(part.bad_utf8)
+        doc.text_bytes += part.text_bytes
+        return
+    writer.add_documents(part.tokens, part.lengths)
+    stats.documents += len(part.lengths)
+    stats.empty_documents += part.empty
+    stats.text_bytes += part.text_bytes
+    stats.invalid_utf8_documents += part.bad_utf8
 
 
 def _bad_line(stats: PrepareStats, message: str, on_error: str, bar) -> None:

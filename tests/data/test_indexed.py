@@ -95,6 +95,31 @@ def test_meshlm_pair_equals_the_reference_writers_bytes(tmp_path):
         assert (tmp_path / f"ours{suffix}").read_bytes() == (tmp_path / f"ref{suffix}").read_bytes()
 
 
+def test_add_documents_writes_the_same_bytes_as_one_document_at_a_time(tmp_path):
+    with IndexedWriter(tmp_path / "bulk", vocab_size=50257) as w:
+        w.add_document(DOCS[0])  # the two ways mix
+        w.add_documents(np.concatenate([np.asarray(d, dtype="<u2") for d in DOCS[1:]]), [len(d) for d in DOCS[1:]])
+        w.finish()
+    reference_write(tmp_path / "ref", DOCS, [0, 1, 2, 3], "<u2", 8)
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"bulk{suffix}").read_bytes() == (tmp_path / f"ref{suffix}").read_bytes()
+
+
+def test_add_documents_refuses_lengths_that_do_not_match_and_ids_out_of_range(tmp_path):
+    with IndexedWriter(tmp_path / "bad", vocab_size=50257) as w:
+        with pytest.raises(ValueError, match="add up to 4 tokens, not 5"):
+            w.add_documents([1, 2, 3, 4, 5], [2, 2])
+        with pytest.raises(ValueError, match="lengths must be 1"):
+            w.add_documents([1, 2], [2, 0])
+        with pytest.raises(ValueError, match="out of range for uint16"):
+            w.add_documents(np.asarray([70000], dtype=np.int64), [1])
+        w.add_tokens([1])
+        with pytest.raises(ValueError, match="while a document is open"):
+            w.add_documents([2], [1])
+        w.abort()
+    assert not is_prefix(tmp_path / "bad")
+
+
 def test_failed_write_leaves_nothing_at_the_prefix(tmp_path):
     with pytest.raises(RuntimeError), IndexedWriter(tmp_path / "corpus", vocab_size=100) as w:
         w.add_document([1, 2, 3])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import os
 
@@ -21,6 +22,12 @@ QUIET = {"progress": False, "log": lambda line: None}
 def small_plays(n: int = 3):
     """The n shortest modern-spelling plays (fast, real text)."""
     return sorted(shakespeare_files(), key=lambda f: f.stat().st_size)[:n]
+
+
+def verse(n_bytes: int) -> bytes:
+    """The first `n_bytes` of the shortest play of at least that size (real text with line breaks)."""
+    play = next(f for f in sorted(shakespeare_files(), key=lambda f: f.stat().st_size) if f.stat().st_size >= n_bytes)
+    return play.read_bytes()[:n_bytes]
 
 
 def write_jsonl(path, docs, key="text"):
@@ -149,11 +156,101 @@ def test_cli_prepare_user_errors_exit_2_with_one_line(tmp_path):
     assert not is_prefix(tmp_path / "out")
 
 
-def test_worker_tasks_are_about_8_per_worker_within_bounds():
-    from meshlm.data.prepare import CHUNK_BYTES, chunk_bytes_for
+def test_task_sizes_shrink_toward_the_end_within_bounds():
+    """Guided self-scheduling: large tasks first (few hand-overs), small ones last (no idle worker)."""
+    from meshlm.data.prepare import CHUNK_BYTES, Item, chunk_bytes_for, chunked
 
     least, unknown, most = CHUNK_BYTES
-    assert chunk_bytes_for(20 << 20, 2) == (20 << 20) // 16  # 1.25 MiB: 16 tasks for 2 workers
-    assert chunk_bytes_for(1 << 20, 2) == least  # a small input still goes in tasks of at least 256 KiB
     assert chunk_bytes_for(10 << 30, 4) == most  # 10 GiB: 4 MiB tasks, so memory in flight stays bounded
+    assert chunk_bytes_for(8 << 20, 2) == 2 << 20  # a quarter of what is left, for 2 workers
+    assert chunk_bytes_for(1 << 20, 2) == least
     assert chunk_bytes_for(None, 2) == unknown  # compressed input: size unknown
+    total = 20 << 20
+    items = (Item("text", "f", s, min(s + (1 << 20), total), last=s + (1 << 20) >= total) for s in range(0, total, 1 << 20))
+    tasks = list(chunked(items, lambda done: chunk_bytes_for(total - done, 2)))
+    sizes = [sum(i.size for i in task) for task in tasks]
+    flat = [i for task in tasks for i in task]
+    assert [(i.start, i.end) for i in flat] == list(zip([0] + [i.end for i in flat[:-1]], [i.end for i in flat]))
+    assert flat[-1].end == total and [i.last for i in flat].count(True) == 1 and flat[-1].last
+    assert sizes[0] == most and sizes == sorted(sizes, reverse=True)
+    assert min(sizes[:-1]) >= least and sizes[-1] <= least and 10 <= len(tasks) <= 25
+
+
+CUT_RULES = {
+    "text": lambda data, p: data[p - 1:p] == b"\n",
+    "json": lambda data, p: data[p - 1:p] == b"\n",
+    "paragraphs": lambda data, p: data[:p].rstrip(b" \t").endswith(b"\n\n") or data[p - 1:p] == b"\n",
+}
+
+
+@pytest.mark.parametrize("kind", ["text", "json", "paragraphs"])
+def test_items_cut_anywhere_tile_the_file_at_allowed_points(tmp_path, kind):
+    """Neighbouring Items agree on their common end wherever the nominal cut falls, so the Items' bytes
+    put together are the file, and every real cut is at a point allowed for the kind."""
+    from meshlm.data.prepare import Item, read_item
+
+    text = verse(20_000)
+    data = {"text": text, "json": b"".join(json.dumps({"text": line}).encode() + b"\n"
+                                          for line in text.decode().split("\n")),
+            "paragraphs": text.replace(b".\n", b".\n\n")}[kind]
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        bounds = [0, *sorted(rng.choice(np.arange(1, len(data)), size=trial + 1, replace=False).tolist()), len(data)]
+        pieces = [read_item(Item(kind, str(path), a, b, last=b == len(data)), piece_bytes=256)
+                  for a, b in itertools.pairwise(bounds)]
+        assert b"".join(pieces) == data
+        cuts = np.cumsum([len(piece) for piece in pieces])[:-1]
+        assert all(CUT_RULES[kind](data, int(p)) for p in cuts if 0 < p < len(data))
+    if kind == "text":  # the proper cuts: a newline between printable ASCII characters
+        assert all(0x21 <= data[p - 2] <= 0x7E and 0x21 <= data[p] <= 0x7E for p in cuts if 0 < p < len(data))
+
+
+def test_jsonl_and_paragraphs_in_tiny_pieces_equal_the_whole(tmp_path, capsys):
+    """Items of 64 bytes (every line crosses a cut somewhere), tasks of 100 bytes, 2 workers: the same
+    .bin/.idx as whole files in one process, and bad lines keep their file line numbers."""
+    play = verse(6000).decode()
+    lines = [json.dumps({"text": line}) for line in play.split("\n")]
+    lines[7], lines[40] = '{"text": "broken', '{"body": "no key"}'
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "p.txt").write_text(play.replace(".\n", ".\n\n"))
+    for split in (False, True):
+        inputs = [str(tmp_path / "d.jsonl"), str(tmp_path / "p.txt")]
+        whole = prepare(inputs, "gpt2", str(tmp_path / "whole"), split_paragraphs=split, append_eod=True, **QUIET)
+        capsys.readouterr()
+        tiny = prepare(inputs, "gpt2", str(tmp_path / "tiny"), workers=2, piece_bytes=64, chunk_bytes=100,
+                       split_paragraphs=split, append_eod=True, **QUIET)
+        for suffix in (".bin", ".idx"):
+            assert (tmp_path / f"whole{suffix}").read_bytes() == (tmp_path / f"tiny{suffix}").read_bytes()
+        assert (tiny.documents, tiny.bad_lines, tiny.text_bytes) == (whole.documents, whole.bad_lines, whole.text_bytes)
+        err = capsys.readouterr().err
+        assert "d.jsonl:8: not valid JSON" in err and "d.jsonl:41: no key 'text'" in err
+    assert whole.documents > 50  # paragraphs were split
+
+
+def test_compressed_input_in_tiny_pieces_equals_the_plain_file(tmp_path):
+    play = verse(6000).decode()
+    jsonl = "".join(json.dumps({"text": line}) + "\n" for line in play.split("\n"))
+    for name, body in (("d.jsonl", jsonl), ("p.txt", play)):
+        (tmp_path / name).write_text(body)
+        with gzip.open(tmp_path / f"{name}.gz", "wt") as fh:
+            fh.write(body)
+    for split in (False, True):
+        plain = [str(tmp_path / "d.jsonl"), str(tmp_path / "p.txt")]
+        prepare(plain, "gpt2", str(tmp_path / "plain"), split_paragraphs=split, **QUIET)
+        prepare([f + ".gz" for f in plain], "gpt2", str(tmp_path / "gz"), piece_bytes=64, split_paragraphs=split,
+                **QUIET)
+        for suffix in (".bin", ".idx"):
+            assert (tmp_path / f"plain{suffix}").read_bytes() == (tmp_path / f"gz{suffix}").read_bytes()
+
+
+def test_text_without_a_safe_cut_still_decodes_back(tmp_path):
+    """A document with no newline between printable characters (one long line; multi-byte characters)
+    is cut at a character boundary: its tokens may differ from the whole's, its text may not."""
+    text = "word " * 20_000 + "é€😀" * 10_000  # no newline for 190 kB: beyond the search for a cut
+    (tmp_path / "long.txt").write_text(text)
+    stats = prepare([str(tmp_path / "long.txt")], "gpt2", str(tmp_path / "out"), piece_bytes=256, **QUIET)
+    data, tok = IndexedDataset(tmp_path / "out"), get_tokenizer("gpt2")
+    assert stats.documents == 1 and stats.invalid_utf8_documents == 0
+    assert tok.decode(data.document(0).tolist()) == text
