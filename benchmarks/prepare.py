@@ -20,8 +20,10 @@ K times (symlinks), so that fixed costs (starting workers, fsync) weigh less. Ro
 Each measurement runs in a fresh subprocess; interpreter start, imports and loading the tokenizer are
 outside the clock for every method, starting the worker processes is inside. The
 best of `--repeats` interleaved runs gives tokens/s and MB/s (other load on the machine only slows a
-run down); the last column compares medians instead. Peak memory is the resident set (ru_maxrss) of the
-main process and of the largest worker.
+run down) and the "vs plain loop" ratio of bests. On a shared VM the speed drifts by ±20% within a
+minute, so the last column pairs runs instead: in every repeat the methods run back to back, each
+method's time is divided into that repeat's plain-loop time, and the median of those ratios is shown.
+Peak memory is the resident set (ru_maxrss) of the main process and of the largest worker.
 """
 
 from __future__ import annotations
@@ -126,8 +128,9 @@ def main() -> None:
         for m in METHODS:
             runs[m].append(run_child(*m, args.copies))
     best = {m: min(r, key=lambda x: x["seconds"]) for m, r in runs.items()}
-    median = {m: statistics.median(x["seconds"] for x in r) for m, r in runs.items()}
-    base, base_median = best[("plain", 1)]["seconds"], median[("plain", 1)]
+    plain = runs[("plain", 1)]
+    paired = {m: statistics.median(p["seconds"] / x["seconds"] for p, x in zip(plain, r)) for m, r in runs.items()}
+    base = best[("plain", 1)]["seconds"]
     first = best[("plain", 1)]
     copies = f"{args.copies} copies of " if args.copies > 1 else ""
     print(f"corpus: {copies}Shakespeare, {first['bytes'] / 1e6:.2f} MB, {first['tokens']:,} GPT-2 tokens; "
@@ -135,14 +138,14 @@ def main() -> None:
           f"best of {args.repeats}")
     print()
     print("| method | processes | tokens/s | MB/s | peak RSS main (MB) | peak RSS worker (MB) | vs plain loop "
-          "| vs plain loop, medians |")
+          "| vs plain loop, paired median |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for (method, n), r in best.items():
         label = LABELS[method].format(n=n, s="" if n == 1 else "s")
         procs = 1 + n if method == "split" or (method == "prepare" and n > 1) else 1
         worker = f"{r['worker_mb']:.0f}" if procs > 1 else "-"
         print(f"| {label} | {procs} | {r['tokens'] / r['seconds']:,.0f} | {r['bytes'] / 1e6 / r['seconds']:.2f} | "
-              f"{r['main_mb']:.0f} | {worker} | {base / r['seconds']:.2f}x | {base_median / median[(method, n)]:.2f}x |")
+              f"{r['main_mb']:.0f} | {worker} | {base / r['seconds']:.2f}x | {paired[(method, n)]:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -116,20 +116,45 @@ class IndexedWriter:
         self._bin.write(memoryview(arr).cast("B"))
         self._doc_tokens += arr.size
 
+    def copy_tokens(self, fd: int, offset: int, count: int) -> None:
+        """Append to the current document `count` tokens of this writer's dtype that sit at byte `offset`
+        of the open file `fd` (the kernel copies them where it can, without passing through Python)."""
+        self._bin.flush()
+        out, start, n_bytes = self._bin.fileno(), self._bin.tell(), count * self.dtype.itemsize
+        done = 0
+        while done < n_bytes:
+            try:
+                step = os.copy_file_range(fd, out, n_bytes - done, offset + done, start + done)
+            except (AttributeError, OSError):  # no copy_file_range here (or not between these files)
+                step = os.pwrite(out, os.pread(fd, n_bytes - done, offset + done), start + done)
+            if step == 0:
+                raise ValueError(f"the source holds fewer than {count} tokens at byte {offset}")
+            done += step
+        self._bin.seek(start + n_bytes)
+        self._doc_tokens += count
+
     def add_documents(self, tokens, lengths) -> None:
         """Append whole documents at once: `tokens` back to back, `lengths[i]` (> 0) of them in document i."""
         if self._doc_tokens:
             raise ValueError("add_documents while a document is open; call end_document first")
-        arr, lengths = self._checked(tokens), np.asarray(lengths, dtype=np.int64)
+        self.add_tokens(tokens)
+        self.end_documents(lengths)
+
+    def end_documents(self, lengths) -> None:
+        """Close the tokens added since the last document ended as documents of `lengths` tokens each."""
+        lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.size and (lengths.min() <= 0 or lengths.max() > np.iinfo(np.int32).max):
+            self.discard_document()
             raise ValueError(f"document lengths must be 1..{np.iinfo(np.int32).max} tokens")
-        if int(lengths.sum()) != arr.size:
-            raise ValueError(f"document lengths add up to {int(lengths.sum())} tokens, not {arr.size}")
-        self._bin.write(memoryview(arr).cast("B"))
+        if int(lengths.sum()) != self._doc_tokens:
+            n = self._doc_tokens
+            self.discard_document()
+            raise ValueError(f"document lengths add up to {int(lengths.sum())} tokens, not {n}")
         self._lengths.write(lengths.astype("<i4").tobytes())
         self.n_documents += lengths.size
-        self.n_tokens += arr.size
+        self.n_tokens += self._doc_tokens
         self._doc_start = self._bin.tell()
+        self._doc_tokens = 0
 
     def _checked(self, tokens) -> np.ndarray:
         """`tokens` as a contiguous array of the writer's dtype; an id the dtype cannot hold is an error."""

@@ -34,8 +34,10 @@ import json
 import multiprocessing as mp
 import os
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -88,9 +90,11 @@ class Item:
 @dataclass
 class Part:
     """What a worker returns for one Item. A "text" Item gives a piece of its document (`lengths` None);
-    the others give whole documents: their tokens back to back (each with end-of-document if asked)."""
+    the others give whole documents: their tokens back to back. End-of-document tokens (if asked) are
+    included: after every document, and after the last piece of a text."""
 
-    tokens: np.ndarray
+    tokens: np.ndarray | None  # None once a pool worker has written them to its task's file
+    n_tokens: int = 0
     lengths: np.ndarray | None = None  # tokens per document kept
     has_text: bool = False  # a text piece holds more than whitespace
     bad_utf8: int = 0  # documents with invalid UTF-8
@@ -326,12 +330,12 @@ _STATE: dict = {}
 
 
 def _init_worker(spec: str, json_key: str, dtype: str, eod: int | None, piece_bytes: int,
-                 in_pool: bool = True) -> None:
-    if in_pool:
+                 parts_dir: str | None = None) -> None:
+    if parts_dir is not None:  # a pool worker
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
     _STATE.update(tokenizer=get_tokenizer(spec), json_key=json_key, dtype=np.dtype(dtype), eod=eod,
-                  piece_bytes=piece_bytes)
+                  piece_bytes=piece_bytes, parts_dir=parts_dir)
 
 
 def document_text(kind: str, data: bytes, json_key: str) -> tuple[str, bool]:
@@ -400,13 +404,15 @@ def encode_item(item: Item) -> Part:
             continue
         tokens = encode(text) if has_text or item.kind == "text" else np.zeros(0, dtype)
         ids.append(tokens)
-        if eod is not None and item.kind != "text":
+        with_eod = eod is not None and (item.kind != "text" or item.last)
+        if with_eod:
             ids.append(np.asarray([eod], dtype))
-        lengths.append(len(tokens) + (eod is not None))
+        lengths.append(len(tokens) + with_eod)
         part.bad_utf8 += bad
         part.text_bytes += len(data) if item.kind == "text" and not bad else len(text.encode("utf-8"))
     if ids:
         part.tokens = np.concatenate(ids).astype(dtype, copy=False)
+    part.n_tokens = part.tokens.size
     if item.kind != "text":
         part.lengths = np.asarray(lengths, dtype=np.int64)
     return part
@@ -416,42 +422,53 @@ def encode_task(items: list[Item]) -> list[Part]:
     return [encode_item(item) for item in items]
 
 
-def start_pool(workers: int, init_args: tuple):
-    """A pool of `workers` tokenizing processes (None for one: encode in this process)."""
-    if workers <= 1:
-        _init_worker(*init_args, in_pool=False)
+def encode_task_to_file(index: int, items: list[Item]) -> list[Part]:
+    """encode_task in a pool worker: the tokens go to `parts_dir/index.bin`, back to back, and only the
+    counts go back through the pipe. The main process has the kernel copy them into the `.bin`, so it
+    neither unpickles them nor keeps the worker waiting while it drains a pipe."""
+    parts = encode_task(items)
+    with open(task_file(_STATE["parts_dir"], index), "wb") as fh:
+        for part in parts:
+            fh.write(memoryview(part.tokens).cast("B"))
+            part.tokens = None
+    return parts
+
+
+def task_file(parts_dir: str, index: int) -> str:
+    return os.path.join(parts_dir, f"{index}.bin")
+
+
+def start_pool(workers: int, init_args: tuple, parts_dir: str | None):
+    """A pool of `workers` tokenizing processes writing to `parts_dir` (None for one worker: encode in
+    this process)."""
+    if parts_dir is None:
+        _init_worker(*init_args)
         return None
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    return mp.get_context(method).Pool(workers, _init_worker, init_args)
+    return mp.get_context(method).Pool(workers, _init_worker, (*init_args, parts_dir))
 
 
-def ordered_map(tasks: Iterator[list[Item]], pool, workers: int) -> Iterator[tuple[list[Item], list[Part]]]:
-    """(task, encode_task(task)) in input order. Pool.imap would plan the whole input ahead into its
-    task queue; a window of 4 tasks per worker keeps memory bounded and every worker busy."""
+def ordered_map(tasks: Iterator[list[Item]], pool, workers: int
+                ) -> Iterator[tuple[int, list[Item], list[Part]]]:
+    """(index, task, its Parts) in input order; with a pool, Parts whose tokens are in the task's file.
+    Pool.imap would plan the whole input ahead into its task queue; a window of 4 tasks per worker keeps
+    memory and the task files bounded and every worker busy."""
     if pool is None:
-        for task in tasks:
-            yield task, encode_task(task)
+        for index, task in enumerate(tasks):
+            yield index, task, encode_task(task)
         return
     pending: deque = deque()
-    for task in tasks:
-        pending.append((task, pool.apply_async(encode_task, (task,))))
+    for index, task in enumerate(tasks):
+        pending.append((index, task, pool.apply_async(encode_task_to_file, (index, task))))
         if len(pending) >= 4 * workers:
-            task0, result = pending.popleft()
-            yield task0, result.get()
+            index0, task0, result = pending.popleft()
+            yield index0, task0, result.get()
     while pending:
-        task0, result = pending.popleft()
-        yield task0, result.get()
+        index0, task0, result = pending.popleft()
+        yield index0, task0, result.get()
 
 
 # ---- main side -------------------------------------------------------------------------------------
-class _Document:
-    """Accumulates the pieces of the text document being written."""
-
-    def __init__(self) -> None:
-        self.has_text = self.bad_utf8 = False
-        self.text_bytes = 0
-
-
 def prepare(inputs: list[str], tokenizer: str, output: str, workers: int = 1, append_eod: bool = False,
             json_key: str = "text", on_error: str = "skip", split_paragraphs: bool = False,
             progress: bool = True, chunk_bytes: int | None = None, piece_bytes: int = PIECE_BYTES,
@@ -474,32 +491,31 @@ def prepare(inputs: list[str], tokenizer: str, output: str, workers: int = 1, ap
     except OSError as err:
         raise DataError(f"--output {output!r} cannot be written ({err.strerror or err}); choose another "
                         "path") from None
-    eod = tok.eod_id if append_eod else None
-    pool = start_pool(workers, (tokenizer, json_key, writer.dtype.str, eod, piece_bytes))  # before tqdm's thread
-    with writer, (pool or contextlib.nullcontext()):
-        def task_bytes(done: int) -> int:
-            return chunk_bytes or chunk_bytes_for(None if total is None else total - done, workers)
 
-        results = ordered_map(chunked(plan_items(files, split_paragraphs, piece_bytes), task_bytes), pool, workers)
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", dynamic_ncols=True,
-                   disable=None if progress else True)
-        doc, lines = _Document(), {}
-        with bar:
-            for task, parts in results:
-                for item, part in zip(task, parts):
-                    first_line = lines.get(item.source, 0)
-                    lines[item.source] = first_line + part.lines
-                    for line, error in part.errors:
-                        _bad_line(stats, f"{item.source}:{first_line + line}: {error}", on_error, bar)
-                    _write_part(writer, item, part, doc, stats)
-                    if item.kind == "text" and item.last:
-                        _end_document(writer, doc, stats, eod)
-                        doc = _Document()
-                size = sum(item.size for item in task)
-                stats.input_bytes += size
-                bar.update(size)
-                elapsed = max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix_str(f"{writer.n_tokens / elapsed:,.0f} tok/s", refresh=False)
+    def task_bytes(done: int) -> int:
+        return chunk_bytes or chunk_bytes_for(None if total is None else total - done, workers)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(writer)
+        parts_dir = None
+        if workers > 1:  # hidden beside the output (same file system: the kernel copies without moving data)
+            parts_dir = tempfile.mkdtemp(prefix=f".{Path(prefix).name}.parts.", dir=writer.bin_path.parent)
+            stack.callback(shutil.rmtree, parts_dir, ignore_errors=True)
+        init = (tokenizer, json_key, writer.dtype.str, tok.eod_id if append_eod else None, piece_bytes)
+        pool = start_pool(workers, init, parts_dir)  # before tqdm starts a thread
+        if pool is not None:
+            stack.enter_context(pool)
+        bar = stack.enter_context(tqdm(total=total, unit="B", unit_scale=True, desc="prepare", dynamic_ncols=True,
+                                       disable=None if progress else True))
+        out = _Output(writer, stats, on_error, bar, parts_dir)
+        tasks = chunked(plan_items(files, split_paragraphs, piece_bytes), task_bytes)
+        for index, task, parts in ordered_map(tasks, pool, workers):
+            out.add(index, task, parts)
+            size = sum(item.size for item in task)
+            stats.input_bytes += size
+            bar.update(size)
+            bar.set_postfix_str(f"{writer.n_tokens / max(time.perf_counter() - start, 1e-9):,.0f} tok/s",
+                                refresh=False)
         stats.tokens, stats.seconds = writer.n_tokens, time.perf_counter() - start
         if stats.documents == 0:
             raise DataError(f"no documents in {len(files)} input file(s): {stats.empty_documents} empty, "
@@ -512,44 +528,74 @@ def prepare(inputs: list[str], tokenizer: str, output: str, workers: int = 1, ap
     return stats
 
 
-def _write_part(writer: IndexedWriter, item: Item, part: Part, doc: _Document, stats: PrepareStats) -> None:
-    if part.lengths is None:  # a piece of the text document being written
-        writer.add_tokens(part.tokens)
-        doc.has_text |= part.has_text
-        doc.bad_utf8 |= bool(part.bad_utf8)
-        doc.text_bytes += part.text_bytes
-        return
-    writer.add_documents(part.tokens, part.lengths)
-    stats.documents += len(part.lengths)
-    stats.empty_documents += part.empty
-    stats.text_bytes += part.text_bytes
-    stats.invalid_utf8_documents += part.bad_utf8
+class _Output:
+    """Writes the Parts of each task, in input order: counts documents, numbers bad lines across a file's
+    Items, and joins the pieces of a text document (dropped at its end if it had no text)."""
 
+    def __init__(self, writer: IndexedWriter, stats: PrepareStats, on_error: str, bar, parts_dir: str | None):
+        self.writer, self.stats, self.on_error, self.bar, self.parts_dir = writer, stats, on_error, bar, parts_dir
+        self.lines: dict[str, int] = {}  # newlines seen so far per file
+        self.doc_has_text = self.doc_bad_utf8 = False  # of the text document being written
+        self.doc_text_bytes = 0
 
-def _bad_line(stats: PrepareStats, message: str, on_error: str, bar) -> None:
-    if on_error == "fatal":
-        raise DataError(f"{message}; fix the line or pass --on-error skip")
-    stats.bad_lines += 1
-    if len(stats.errors) < MAX_REPORTED:
-        stats.errors.append(message)
-        bar.write(f"skipped {message}", file=sys.stderr)
-    elif len(stats.errors) == MAX_REPORTED:
-        stats.errors.append("...")
-        bar.write(f"more bad lines are skipped silently (only the first {MAX_REPORTED} are shown)",
-                  file=sys.stderr)
+    def add(self, index: int, task: list[Item], parts: list[Part]) -> None:
+        if self.parts_dir is None:
+            self._add(task, parts, None)
+            return
+        path = task_file(self.parts_dir, index)
+        with open(path, "rb") as fh:
+            self._add(task, parts, fh.fileno())
+        os.unlink(path)
 
+    def _add(self, task: list[Item], parts: list[Part], fd: int | None) -> None:
+        offset, writer, stats = 0, self.writer, self.stats
+        for item, part in zip(task, parts):
+            first_line = self.lines.get(item.source, 0)
+            self.lines[item.source] = first_line + part.lines
+            for line, error in part.errors:
+                self._bad_line(f"{item.source}:{first_line + line}: {error}")
+            if fd is None:
+                writer.add_tokens(part.tokens)
+            else:
+                writer.copy_tokens(fd, offset, part.n_tokens)
+                offset += part.n_tokens * writer.dtype.itemsize
+            if part.lengths is not None:  # whole documents
+                writer.end_documents(part.lengths)
+                stats.documents += len(part.lengths)
+                stats.empty_documents += part.empty
+                stats.text_bytes += part.text_bytes
+                stats.invalid_utf8_documents += part.bad_utf8
+                continue
+            self.doc_has_text |= part.has_text  # a piece of a text document
+            self.doc_bad_utf8 |= bool(part.bad_utf8)
+            self.doc_text_bytes += part.text_bytes
+            if item.last:
+                self._end_text_document()
 
-def _end_document(writer: IndexedWriter, doc: _Document, stats: PrepareStats, eod_id: int | None) -> None:
-    if not doc.has_text:
-        writer.discard_document()
-        stats.empty_documents += 1
-        return
-    if eod_id is not None:
-        writer.add_tokens(np.asarray([eod_id]))
-    writer.end_document()
-    stats.documents += 1
-    stats.text_bytes += doc.text_bytes
-    stats.invalid_utf8_documents += doc.bad_utf8
+    def _end_text_document(self) -> None:
+        if self.doc_has_text:
+            self.writer.end_document()
+            self.stats.documents += 1
+            self.stats.text_bytes += self.doc_text_bytes
+            self.stats.invalid_utf8_documents += self.doc_bad_utf8
+        else:
+            self.writer.discard_document()
+            self.stats.empty_documents += 1
+        self.doc_has_text = self.doc_bad_utf8 = False
+        self.doc_text_bytes = 0
+
+    def _bad_line(self, message: str) -> None:
+        stats = self.stats
+        if self.on_error == "fatal":
+            raise DataError(f"{message}; fix the line or pass --on-error skip")
+        stats.bad_lines += 1
+        if len(stats.errors) < MAX_REPORTED:
+            stats.errors.append(message)
+            self.bar.write(f"skipped {message}", file=sys.stderr)
+        elif len(stats.errors) == MAX_REPORTED:
+            stats.errors.append("...")
+            self.bar.write(f"more bad lines are skipped silently (only the first {MAX_REPORTED} are shown)",
+                           file=sys.stderr)
 
 
 def main(args) -> int:

@@ -85,15 +85,19 @@ def test_a_large_text_read_in_pieces_tokenizes_like_the_whole(tmp_path):
     assert data.document(0).tolist() == tok.encode(play.read_text())
 
 
-def test_empty_documents_and_invalid_utf8_are_counted(tmp_path):
+@pytest.mark.parametrize("workers,append_eod", [(1, False), (2, True)])
+def test_empty_documents_and_invalid_utf8_are_counted(tmp_path, workers, append_eod):
     (tmp_path / "a.txt").write_bytes(b"caf\xe9 ok\n")  # latin-1 byte: invalid UTF-8
     (tmp_path / "b.txt").write_text("  \n\n")  # whitespace only
     (tmp_path / "c.jsonl").write_text('{"text": ""}\n\n{"text": "fine"}\n')
-    stats = prepare([str(tmp_path)], "gpt2", str(tmp_path / "out"), **QUIET)
+    stats = prepare([str(tmp_path)], "gpt2", str(tmp_path / "out"), workers=workers, append_eod=append_eod,
+                    chunk_bytes=1, **QUIET)
     assert (stats.documents, stats.empty_documents, stats.invalid_utf8_documents) == (2, 2, 1)
     tok, data = get_tokenizer("gpt2"), IndexedDataset(tmp_path / "out")
-    assert tok.decode(data.document(0).tolist()) == "caf\ufffd ok\n"
-    assert tok.decode(data.document(1).tolist()) == "fine"
+    eod = [tok.eod_id] if append_eod else []
+    assert data.document(0).tolist() == tok.encode("caf\ufffd ok\n") + eod
+    assert data.document(1).tolist() == tok.encode("fine") + eod
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt", "c.jsonl", "out.bin", "out.idx", "out.json"]
 
 
 def test_split_paragraphs_makes_one_document_per_paragraph(tmp_path):
@@ -112,10 +116,13 @@ def test_bad_jsonl_line_is_reported_with_file_and_line_then_skipped(tmp_path, ca
     assert f"{tmp_path / 'd.jsonl'}:2: not valid JSON" in err and f"{tmp_path / 'd.jsonl'}:3: no key 'text'" in err
 
 
-def test_bad_jsonl_line_is_fatal_on_request_and_nothing_is_written(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_bad_jsonl_line_is_fatal_on_request_and_nothing_is_written(tmp_path, workers):
+    """Nothing at the prefix, and no temporary file (the workers' task files included) is left."""
     (tmp_path / "d.jsonl").write_text('{"text": "a"}\n{"text": "b"\n')
     with pytest.raises(DataError, match=r"d\.jsonl:2: not valid JSON .*--on-error skip"):
-        prepare([str(tmp_path / "d.jsonl")], "gpt2", str(tmp_path / "out"), on_error="fatal", **QUIET)
+        prepare([str(tmp_path / "d.jsonl")], "gpt2", str(tmp_path / "out"), on_error="fatal", workers=workers,
+                chunk_bytes=1, **QUIET)
     assert sorted(os.listdir(tmp_path)) == ["d.jsonl"]
 
 
@@ -254,3 +261,24 @@ def test_text_without_a_safe_cut_still_decodes_back(tmp_path):
     data, tok = IndexedDataset(tmp_path / "out"), get_tokenizer("gpt2")
     assert stats.documents == 1 and stats.invalid_utf8_documents == 0
     assert tok.decode(data.document(0).tolist()) == text
+
+
+def test_a_file_that_vanishes_before_a_worker_reads_it_is_a_clear_error(tmp_path, monkeypatch):
+    """Workers read the files themselves, after the main process has checked them: a file removed in
+    between stops the run with the path (the error crosses the process boundary) and leaves nothing."""
+    from meshlm.data import prepare as prepare_module
+
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text(f"text of {name}\n")
+    planned = prepare_module.plan_items
+
+    def plan_then_remove(files, *args):
+        items = list(planned(files, *args))
+        (tmp_path / "b.txt").unlink()
+        return iter(items)
+
+    monkeypatch.setattr(prepare_module, "plan_items", plan_then_remove)
+    with pytest.raises(DataError, match=r"b\.txt cannot be read .*fix or remove the file"):
+        prepare([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], "gpt2", str(tmp_path / "out"), workers=2,
+                chunk_bytes=1, **QUIET)
+    assert sorted(os.listdir(tmp_path)) == ["a.txt"]
