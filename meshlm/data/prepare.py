@@ -41,6 +41,8 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -338,83 +340,95 @@ def _init_worker(spec: str, json_key: str, dtype: str, eod: int | None, piece_by
                   piece_bytes=piece_bytes, parts_dir=parts_dir)
 
 
-def document_text(kind: str, data: bytes, json_key: str) -> tuple[str, bool]:
-    """(text, had invalid UTF-8); ValueError/TypeError with the reason for a bad JSON line."""
+def decode(data: bytes) -> tuple[str, bool]:
+    """(text, had invalid UTF-8): invalid bytes become U+FFFD."""
     try:
-        raw, bad = data.decode("utf-8"), False
+        return data.decode("utf-8"), False
     except UnicodeDecodeError:
-        raw, bad = data.decode("utf-8", errors="replace"), True
-    if kind != "json":
-        return raw, bad
-    key = json_key
+        return data.decode("utf-8", errors="replace"), True
+
+
+def json_text(line: str, json_key: str) -> str:
+    """The text under `json_key` of one JSON line; ValueError/TypeError with the reason for a bad line."""
     try:
-        obj = json.loads(raw)
+        obj = json.loads(line)
     except json.JSONDecodeError as err:
         raise ValueError(f"not valid JSON ({err})") from None
-    if not isinstance(obj, dict) or key not in obj:
-        raise ValueError(f"no key {key!r} (pass --json-key with the field that holds the text)")
-    if not isinstance(obj[key], str):
-        raise TypeError(f"key {key!r} holds {type(obj[key]).__name__}, not a string")
-    return obj[key], bad
+    if not isinstance(obj, dict) or json_key not in obj:
+        raise ValueError(f"no key {json_key!r} (pass --json-key with the field that holds the text)")
+    if not isinstance(obj[json_key], str):
+        raise TypeError(f"key {json_key!r} holds {type(obj[json_key]).__name__}, not a string")
+    return obj[json_key]
 
 
 def documents(kind: str, data: bytes, json_key: str) -> Iterator[tuple[int, str, bool, str | None]]:
     """(line within `data`, text, had invalid UTF-8, error) of every document in an Item's bytes: the one
-    text piece, every non-blank JSON line (error set for a bad one), or every paragraph."""
+    text piece, every JSON line that is not blank (error set for a bad one), or every paragraph. Blank
+    means ASCII whitespace only (a line of U+00A0 is a bad JSON line, not a blank one)."""
     if kind == "text":
-        yield (1, *document_text(kind, data, json_key), None)
+        yield (1, *decode(data), None)
         return
-    lines = data.split(b"\n")
+    try:  # the whole Item at once; only one with invalid UTF-8 decodes document by document, to count them
+        lines, space = data.decode("utf-8").split("\n"), " \t\n\r\x0b\x0c"
+    except UnicodeDecodeError:
+        lines, space = data.split(b"\n"), None
     if kind == "json":
         for n, line in enumerate(lines, 1):
-            if line.strip():
+            if line.strip(space):
+                text, bad = (line, False) if space else decode(line)
                 try:
-                    yield (n, *document_text(kind, line, json_key), None)
+                    yield n, json_text(text, json_key), bad, None
                 except (ValueError, TypeError) as err:
                     yield n, "", False, str(err)
         return
-    paragraph: list[bytes] = []
+    newline = "\n" if space else b"\n"
+    paragraph: list = []
     for n, line in enumerate(lines, 1):
-        if line.strip():
+        if line.strip(space):
             paragraph.append(line)
             continue
         if paragraph:
-            yield (n - len(paragraph), *document_text(kind, b"\n".join(paragraph) + b"\n", json_key), None)
+            text = newline.join(paragraph) + newline
+            yield (n - len(paragraph), *((text, False) if space else decode(text)), None)
             paragraph = []
     if paragraph:  # the data's last paragraph: its last line had no newline
-        yield (len(lines) - len(paragraph) + 1, *document_text(kind, b"\n".join(paragraph), json_key), None)
+        text = newline.join(paragraph)
+        yield (len(lines) - len(paragraph) + 1, *((text, False) if space else decode(text)), None)
 
 
 def encode_item(item: Item) -> Part:
     """Read, decode, parse and tokenize one Item (in a worker, or in the main process with one worker)."""
     tokenizer, dtype, eod = _STATE["tokenizer"], _STATE["dtype"], _STATE["eod"]
-    encode = getattr(tokenizer, "encode_array", None) or (lambda text: np.asarray(tokenizer.encode(text), dtype))
     data = read_item(item, _STATE["piece_bytes"])
-    part = Part(np.zeros(0, dtype), lines=data.count(b"\n"))
-    ids, lengths = [], []
-    for line, text, bad, error in documents(item.kind, data, _STATE["json_key"]):
-        if error is not None:
-            part.errors.append((line, error))
-            continue
-        has_text = text != "" and not text.isspace()
-        if item.kind == "text":  # a piece: the main process decides when its document ends
-            part.has_text = has_text
-        elif not has_text:
-            part.empty += 1
-            continue
-        tokens = encode(text) if has_text or item.kind == "text" else np.zeros(0, dtype)
-        ids.append(tokens)
-        with_eod = eod is not None and (item.kind != "text" or item.last)
-        if with_eod:
-            ids.append(np.asarray([eod], dtype))
-        lengths.append(len(tokens) + with_eod)
-        part.bad_utf8 += bad
-        part.text_bytes += len(data) if item.kind == "text" and not bad else len(text.encode("utf-8"))
-    if ids:
-        part.tokens = np.concatenate(ids).astype(dtype, copy=False)
-    part.n_tokens = part.tokens.size
-    if item.kind != "text":
+    part = Part(None, lines=data.count(b"\n"))
+    if item.kind == "text":  # a piece of one document: the main process decides when it ends
+        text, bad = decode(data)
+        encode = getattr(tokenizer, "encode_array", None)  # one long text: no list of Python ints
+        tokens = encode(text) if encode else np.asarray(tokenizer.encode(text))
+        if eod is not None and item.last:
+            tokens = np.append(tokens, eod)
+        part.tokens = tokens.astype(dtype, copy=False)
+        part.has_text, part.bad_utf8 = text != "" and not text.isspace(), int(bad)
+        part.text_bytes = len(text.encode("utf-8")) if bad else len(data)
+    else:  # whole documents, usually short: one flat list of ids, turned into an array once
+        ids: list[int] = []
+        lengths: list[int] = []
+        for line, text, bad, error in documents(item.kind, data, _STATE["json_key"]):
+            if error is not None:
+                part.errors.append((line, error))
+            elif text == "" or text.isspace():
+                part.empty += 1
+            else:
+                doc = tokenizer.encode(text)
+                ids += doc
+                if eod is not None:
+                    ids.append(eod)
+                lengths.append(len(doc) + (eod is not None))
+                part.bad_utf8 += bad
+                part.text_bytes += len(text) if text.isascii() else len(text.encode("utf-8"))
+        part.tokens = np.fromiter(ids, dtype, count=len(ids))
         part.lengths = np.asarray(lengths, dtype=np.int64)
+    part.n_tokens = part.tokens.size
     return part
 
 
@@ -438,34 +452,51 @@ def task_file(parts_dir: str, index: int) -> str:
     return os.path.join(parts_dir, f"{index}.bin")
 
 
-def start_pool(workers: int, init_args: tuple, parts_dir: str | None):
-    """A pool of `workers` tokenizing processes writing to `parts_dir` (None for one worker: encode in
-    this process)."""
+def start_pool(workers: int, init_args: tuple, parts_dir: str | None) -> ProcessPoolExecutor | None:
+    """`workers` tokenizing processes writing to `parts_dir` (None for one worker: encode in this process).
+
+    A ProcessPoolExecutor rather than multiprocessing.Pool: when a worker dies (killed for memory, say),
+    the executor fails every pending task (BrokenProcessPool) where Pool would wait for its result
+    forever, and stopping it early never kills a worker halfway through sending a result, which can
+    leave Pool.terminate() waiting forever on the lock that worker held.
+    """
     if parts_dir is None:
         _init_worker(*init_args)
         return None
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    return mp.get_context(method).Pool(workers, _init_worker, (*init_args, parts_dir))
+    pool = ProcessPoolExecutor(workers, mp.get_context(method), initializer=_init_worker,
+                               initargs=(*init_args, parts_dir))
+    pool.submit(int).result()  # starts every worker now, while this process has no other thread to fork
+    return pool
 
 
-def ordered_map(tasks: Iterator[list[Item]], pool, workers: int
+def stop_pool(pool: ProcessPoolExecutor) -> None:
+    """Drop the tasks not started, let the running ones finish (at most one per worker), wait for exit."""
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def ordered_map(tasks: Iterator[list[Item]], pool: ProcessPoolExecutor | None, workers: int
                 ) -> Iterator[tuple[int, list[Item], list[Part]]]:
     """(index, task, its Parts) in input order; with a pool, Parts whose tokens are in the task's file.
-    Pool.imap would plan the whole input ahead into its task queue; a window of 4 tasks per worker keeps
-    memory and the task files bounded and every worker busy."""
+    A window of 4 tasks per worker in flight keeps memory and the task files bounded and every worker
+    busy."""
     if pool is None:
         for index, task in enumerate(tasks):
             yield index, task, encode_task(task)
         return
     pending: deque = deque()
-    for index, task in enumerate(tasks):
-        pending.append((index, task, pool.apply_async(encode_task_to_file, (index, task))))
-        if len(pending) >= 4 * workers:
-            index0, task0, result = pending.popleft()
-            yield index0, task0, result.get()
-    while pending:
-        index0, task0, result = pending.popleft()
-        yield index0, task0, result.get()
+    try:
+        for index, task in enumerate(tasks):
+            pending.append((index, task, pool.submit(encode_task_to_file, index, task)))
+            if len(pending) >= 4 * workers:
+                index0, task0, future = pending.popleft()
+                yield index0, task0, future.result()
+        while pending:
+            index0, task0, future = pending.popleft()
+            yield index0, task0, future.result()
+    except BrokenProcessPool:
+        raise DataError("a tokenizing worker process died (killed for memory, or by a signal); nothing was "
+                        "written. Retry, with fewer --workers if memory is short") from None
 
 
 # ---- main side -------------------------------------------------------------------------------------
@@ -504,7 +535,7 @@ def prepare(inputs: list[str], tokenizer: str, output: str, workers: int = 1, ap
         init = (tokenizer, json_key, writer.dtype.str, tok.eod_id if append_eod else None, piece_bytes)
         pool = start_pool(workers, init, parts_dir)  # before tqdm starts a thread
         if pool is not None:
-            stack.enter_context(pool)
+            stack.callback(stop_pool, pool)
         bar = stack.enter_context(tqdm(total=total, unit="B", unit_scale=True, desc="prepare", dynamic_ncols=True,
                                        disable=None if progress else True))
         out = _Output(writer, stats, on_error, bar, parts_dir)

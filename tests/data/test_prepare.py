@@ -6,6 +6,7 @@ import gzip
 import itertools
 import json
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -282,3 +283,24 @@ def test_a_file_that_vanishes_before_a_worker_reads_it_is_a_clear_error(tmp_path
         prepare([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], "gpt2", str(tmp_path / "out"), workers=2,
                 chunk_bytes=1, **QUIET)
     assert sorted(os.listdir(tmp_path)) == ["a.txt"]
+
+
+def test_a_worker_killed_mid_run_is_a_clear_error_not_a_hang(tmp_path, monkeypatch):
+    """A worker that dies (here SIGKILL, as the kernel's OOM killer would) fails the run at once with a
+    clear error; multiprocessing.Pool would wait for its result forever. Nothing is left behind."""
+    from meshlm.data import prepare as prepare_module
+
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (tmp_path / name).write_text(f"text of {name}\n")
+
+    def encode_or_die(items):
+        if any(item.source.endswith("b.txt") for item in items):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return planned_encode(items)
+
+    planned_encode = prepare_module.encode_task
+    monkeypatch.setattr(prepare_module, "encode_task", encode_or_die)  # forked workers inherit the patch
+    with pytest.raises(DataError, match="a tokenizing worker process died .*nothing was written"):
+        prepare([str(tmp_path / n) for n in ("a.txt", "b.txt", "c.txt")], "gpt2", str(tmp_path / "out"),
+                workers=2, chunk_bytes=1, **QUIET)
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt", "c.txt"]
