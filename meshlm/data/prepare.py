@@ -332,12 +332,27 @@ _STATE: dict = {}
 
 
 def _init_worker(spec: str, json_key: str, dtype: str, eod: int | None, piece_bytes: int,
-                 parts_dir: str | None = None) -> None:
+                 parts_dir: str | None = None, parent: int | None = None) -> None:
     if parts_dir is not None:  # a pool worker
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C ...
+        if hasattr(signal, "pthread_sigmask"):  # ... and blocked it while forking us (see start_pool)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        _die_with_parent(parent)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
     _STATE.update(tokenizer=get_tokenizer(spec), json_key=json_key, dtype=np.dtype(dtype), eod=eod,
                   piece_bytes=piece_bytes, parts_dir=parts_dir)
+
+
+def _die_with_parent(parent: int | None) -> None:
+    """On Linux, have the kernel kill this worker when the main process `parent` dies (kill -9 included);
+    otherwise the worker would wait for tasks forever."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if parent is not None and os.getppid() != parent:  # it died before that took effect
+            os._exit(1)
 
 
 def decode(data: bytes) -> tuple[str, bool]:
@@ -452,8 +467,10 @@ def task_file(parts_dir: str, index: int) -> str:
     return os.path.join(parts_dir, f"{index}.bin")
 
 
-def start_pool(workers: int, init_args: tuple, parts_dir: str | None) -> ProcessPoolExecutor | None:
-    """`workers` tokenizing processes writing to `parts_dir` (None for one worker: encode in this process).
+def start_pool(workers: int, init_args: tuple, parts_dir: str | None, stack: contextlib.ExitStack
+               ) -> ProcessPoolExecutor | None:
+    """`workers` tokenizing processes writing to `parts_dir`, stopped when `stack` closes (None for one
+    worker: encode in this process).
 
     A ProcessPoolExecutor rather than multiprocessing.Pool: when a worker dies (killed for memory, say),
     the executor fails every pending task (BrokenProcessPool) where Pool would wait for its result
@@ -465,9 +482,25 @@ def start_pool(workers: int, init_args: tuple, parts_dir: str | None) -> Process
         return None
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     pool = ProcessPoolExecutor(workers, mp.get_context(method), initializer=_init_worker,
-                               initargs=(*init_args, parts_dir))
-    pool.submit(int).result()  # starts every worker now, while this process has no other thread to fork
+                               initargs=(*init_args, parts_dir, os.getpid()))  # no process yet
+    stack.callback(stop_pool, pool)
+    with _ctrl_c_deferred():  # a Ctrl-C during a fork would be lost in fork's handlers, or kill a new worker
+        pool.submit(int).result()  # starts every worker now, while this process has no other thread to fork
     return pool
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred():
+    """SIGINT blocked inside (the workers forked here inherit that, until they ignore it); one that came
+    meanwhile raises KeyboardInterrupt on the way out."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def stop_pool(pool: ProcessPoolExecutor) -> None:
@@ -533,9 +566,7 @@ def prepare(inputs: list[str], tokenizer: str, output: str, workers: int = 1, ap
             parts_dir = tempfile.mkdtemp(prefix=f".{Path(prefix).name}.parts.", dir=writer.bin_path.parent)
             stack.callback(shutil.rmtree, parts_dir, ignore_errors=True)
         init = (tokenizer, json_key, writer.dtype.str, tok.eod_id if append_eod else None, piece_bytes)
-        pool = start_pool(workers, init, parts_dir)  # before tqdm starts a thread
-        if pool is not None:
-            stack.callback(stop_pool, pool)
+        pool = start_pool(workers, init, parts_dir, stack)  # before tqdm starts a thread
         bar = stack.enter_context(tqdm(total=total, unit="B", unit_scale=True, desc="prepare", dynamic_ncols=True,
                                        disable=None if progress else True))
         out = _Output(writer, stats, on_error, bar, parts_dir)

@@ -7,6 +7,8 @@ import itertools
 import json
 import os
 import signal
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -304,3 +306,77 @@ def test_a_worker_killed_mid_run_is_a_clear_error_not_a_hang(tmp_path, monkeypat
         prepare([str(tmp_path / n) for n in ("a.txt", "b.txt", "c.txt")], "gpt2", str(tmp_path / "out"),
                 workers=2, chunk_bytes=1, **QUIET)
     assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt", "c.txt"]
+
+
+def test_ctrl_c_stops_the_cli_and_leaves_nothing(tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while 2 workers run: exit code
+    130, one line on stderr, and neither output nor temporary files (task files included) are left."""
+    import subprocess
+    import time
+
+    from tests.conftest import ROOT, meshlm_command
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for c in range(4):  # 20 MB: about a second of work, so the signal arrives mid-run
+        for play in shakespeare_files():
+            (corpus / f"{c}-{play.name}").symlink_to(play)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([*meshlm_command(), "prepare", "--input", str(corpus), "--output", str(out / "shk"),
+                             "--workers", "2", "--no-progress"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not any(p.name.startswith(".shk.parts.") for p in out.iterdir()):  # the workers are running
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (stdout, stderr)
+    assert stderr.strip().splitlines()[-1] == "interrupted; nothing was written"
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal is Linux's")
+def test_workers_die_with_a_killed_main_process(tmp_path):
+    """kill -9 of `meshlm prepare` takes its workers with it (they would otherwise wait for tasks forever)."""
+    import subprocess
+    import time
+
+    from tests.conftest import ROOT, meshlm_command
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for c in range(4):
+        for play in shakespeare_files():
+            (corpus / f"{c}-{play.name}").symlink_to(play)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([*meshlm_command(), "prepare", "--input", str(corpus), "--output", str(out / "shk"),
+                             "--workers", "2", "--no-progress"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+    def state_and_parent(pid: int) -> tuple[str, int]:
+        """("Z" for a zombie, ...) and the parent pid of a live process; ("gone", 0) for none."""
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return "gone", 0
+        return fields[0], int(fields[1])
+
+    def children() -> list[int]:
+        pids = [int(path.name) for path in Path("/proc").iterdir() if path.name.isdigit()]
+        stats = {pid: state_and_parent(pid) for pid in pids}
+        return [pid for pid, (state, parent) in stats.items() if parent == proc.pid and state != "Z"]
+
+    deadline = time.monotonic() + 60
+    while len(children()) < 2:  # both workers started
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    workers = children()
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while any(state_and_parent(pid)[0] not in ("gone", "Z") for pid in workers):
+        assert time.monotonic() < deadline, f"workers {workers} outlived their main process"
+        time.sleep(0.05)
