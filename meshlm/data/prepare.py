@@ -485,7 +485,10 @@ def start_pool(workers: int, init_args: tuple, parts_dir: str | None, stack: con
                                initargs=(*init_args, parts_dir, os.getpid()))  # no process yet
     stack.callback(stop_pool, pool)
     with _ctrl_c_deferred():  # a Ctrl-C during a fork would be lost in fork's handlers, or kill a new worker
-        pool.submit(int).result()  # starts every worker now, while this process has no other thread to fork
+        try:
+            pool.submit(int).result()  # starts every worker now, while this process has no other thread to fork
+        except BrokenProcessPool:
+            raise _worker_died() from None
     return pool
 
 
@@ -528,8 +531,12 @@ def ordered_map(tasks: Iterator[list[Item]], pool: ProcessPoolExecutor | None, w
             index0, task0, future = pending.popleft()
             yield index0, task0, future.result()
     except BrokenProcessPool:
-        raise DataError("a tokenizing worker process died (killed for memory, or by a signal); nothing was "
-                        "written. Retry, with fewer --workers if memory is short") from None
+        raise _worker_died() from None
+
+
+def _worker_died() -> DataError:
+    return DataError("a tokenizing worker process died (killed for memory, or by a signal); nothing was "
+                     "written. Retry, with fewer --workers if memory is short")
 
 
 # ---- main side -------------------------------------------------------------------------------------
