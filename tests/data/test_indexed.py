@@ -85,14 +85,18 @@ def test_reference_pair_reads_back_token_identical(tmp_path, dtype, code):
     assert data.metadata is None  # no meshlm sidecar
 
 
+def assert_same_bytes_as_the_reference(tmp_path, prefix) -> None:
+    reference_write(tmp_path / "ref", DOCS, [0, 1, 2, 3], "<u2", 8)
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"{prefix}{suffix}").read_bytes() == (tmp_path / f"ref{suffix}").read_bytes()
+
+
 def test_meshlm_pair_equals_the_reference_writers_bytes(tmp_path):
     with IndexedWriter(tmp_path / "ours", vocab_size=50257) as w:
         for doc in DOCS:
             w.add_document(doc)
         w.finish()
-    reference_write(tmp_path / "ref", DOCS, [0, 1, 2, 3], "<u2", 8)
-    for suffix in (".bin", ".idx"):
-        assert (tmp_path / f"ours{suffix}").read_bytes() == (tmp_path / f"ref{suffix}").read_bytes()
+    assert_same_bytes_as_the_reference(tmp_path, "ours")
 
 
 def test_add_documents_writes_the_same_bytes_as_one_document_at_a_time(tmp_path):
@@ -100,9 +104,7 @@ def test_add_documents_writes_the_same_bytes_as_one_document_at_a_time(tmp_path)
         w.add_document(DOCS[0])  # the two ways mix
         w.add_documents(np.concatenate([np.asarray(d, dtype="<u2") for d in DOCS[1:]]), [len(d) for d in DOCS[1:]])
         w.finish()
-    reference_write(tmp_path / "ref", DOCS, [0, 1, 2, 3], "<u2", 8)
-    for suffix in (".bin", ".idx"):
-        assert (tmp_path / f"bulk{suffix}").read_bytes() == (tmp_path / f"ref{suffix}").read_bytes()
+    assert_same_bytes_as_the_reference(tmp_path, "bulk")
 
 
 def test_add_documents_refuses_lengths_that_do_not_match_and_ids_out_of_range(tmp_path):

