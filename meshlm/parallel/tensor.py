@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.config import ConfigError, ModelConfig
-from meshlm.models.loss import cross_entropy  # the tp=1 loss
+from meshlm.models.loss import IGNORE_INDEX, cross_entropy  # the tp=1 loss
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.rng import TPRNGTracker
 
@@ -501,12 +501,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group,
                                  vocab_size: int) -> torch.Tensor:
-    """Mean token cross-entropy from (B, T, V/t) vocab-split logits and (B, T) targets, in fp32."""
+    """Mean token cross-entropy from (B, T, V/t) vocab-split logits and (B, T) targets, in fp32. Targets
+    equal to IGNORE_INDEX (-100) add nothing and are not counted, as in `F.cross_entropy` and the fused
+    tp = 1 loss."""
     width = logits.shape[-1]
     n_valid = vocab_size - dist.get_rank(group) * width
-    losses = _VocabParallelCrossEntropy.apply(logits.float().reshape(-1, width), targets.reshape(-1), group,
-                                              n_valid)
-    return losses.mean()
+    targets = targets.reshape(-1)
+    losses = _VocabParallelCrossEntropy.apply(logits.float().reshape(-1, width), targets, group, n_valid)
+    keep = targets != IGNORE_INDEX  # an ignored target is on no rank: its row's loss is log Σ exp, dropped here
+    return (losses * keep).sum() / keep.sum()
 
 
 # ---- transforming a plain GPT ----------------------------------------------------------------------------

@@ -123,6 +123,7 @@ def _cross_entropy(dims: ParallelDims) -> dict:
     logits = 3 * torch.randn(B, T, VOCAB, generator=gen)
     targets = torch.randint(0, VOCAB, (B, T), generator=gen)
     targets[0, 0] = VOCAB - 1  # a target on the last, partly padded shard
+    targets[1, 2] = targets[2, 5] = -100  # ignored (fine-tuning masks): no loss, no gradient, not counted
     ref = logits.clone().requires_grad_()
     loss_ref = F.cross_entropy(ref.view(-1, VOCAB), targets.view(-1))
     loss_ref.backward()
@@ -260,7 +261,7 @@ def test_parallel_layer_matches_single_process(layer_results, layer, sp):
             assert diff <= TOL, f"rank {rank}: {layer} {what} differs by {diff:.2e}"
 
 
-def test_vocab_parallel_cross_entropy_matches_and_padding_gets_no_gradient(layer_results):
+def test_vocab_parallel_cross_entropy_matches_ignores_and_padding_gets_no_gradient(layer_results):
     for rank, res in enumerate(layer_results):
         for what, diff in res["ce"].items():
             assert diff <= TOL, f"rank {rank}: cross-entropy {what} differs by {diff:.2e}"
