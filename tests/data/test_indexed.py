@@ -159,3 +159,22 @@ def test_truncated_index_is_refused(tmp_path):
     idx.write_bytes(b"NOTANIDX" + bytes(40))
     with pytest.raises(IndexedFormatError, match="magic"):
         IndexedDataset(tmp_path / "corpus")
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False], ids=["copy_file_range", "pread_pwrite"])
+def test_copy_tokens_appends_tokens_from_another_file(tmp_path, monkeypatch, kernel_copy):
+    """What prepare's main process does with a worker's task file, with the kernel's copy and with the
+    fallback used where copy_file_range is missing or refuses (another file system, another OS)."""
+    if not kernel_copy:
+        def refuse(*args):
+            raise OSError(18, "Invalid cross-device link")
+
+        monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
+    part = tmp_path / "task.bin"
+    part.write_bytes(np.asarray([9, 9, *DOCS[1], *DOCS[2]], dtype="<u2").tobytes())  # 2 tokens of something else first
+    with IndexedWriter(tmp_path / "copied", vocab_size=50257) as w, open(part, "rb") as fh:
+        w.add_document(DOCS[0])
+        w.copy_tokens(fh.fileno(), 4, len(DOCS[1]) + len(DOCS[2]))
+        w.end_documents([len(DOCS[1]), len(DOCS[2])])
+        w.finish()
+    assert_same_bytes_as_the_reference(tmp_path, "copied")
