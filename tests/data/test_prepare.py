@@ -170,7 +170,7 @@ def test_cli_prepare_user_errors_exit_2_with_one_line(tmp_path):
 
 def test_task_sizes_shrink_toward_the_end_within_bounds():
     """Guided self-scheduling: large tasks first (few hand-overs), small ones last (no idle worker)."""
-    from meshlm.data.prepare import CHUNK_BYTES, Item, chunk_bytes_for, chunked
+    from meshlm.data.items import CHUNK_BYTES, Item, chunk_bytes_for, chunked
 
     least, unknown, most = CHUNK_BYTES
     assert chunk_bytes_for(10 << 30, 4) == most  # 10 GiB: 4 MiB tasks, so memory in flight stays bounded
@@ -199,7 +199,7 @@ CUT_RULES = {
 def test_items_cut_anywhere_tile_the_file_at_allowed_points(tmp_path, kind):
     """Neighbouring Items agree on their common end wherever the nominal cut falls, so the Items' bytes
     put together are the file, and every real cut is at a point allowed for the kind."""
-    from meshlm.data.prepare import Item, read_item
+    from meshlm.data.items import Item, read_item
 
     text = verse(20_000)
     data = {"text": text, "json": b"".join(json.dumps({"text": line}).encode() + b"\n"
