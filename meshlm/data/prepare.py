@@ -16,6 +16,7 @@ skipped, or stops the run with `on_error="fatal"`. Nothing is written at PREFIX 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import multiprocessing as mp
 import os
 import shutil
@@ -136,24 +137,24 @@ def encode_item(item: Item) -> Part:
         part.tokens = tokens.astype(dtype, copy=False)
         part.has_text, part.bad_utf8 = text != "" and not text.isspace(), int(bad)
         part.text_bytes = len(text.encode("utf-8")) if bad else len(data)
-    else:  # whole documents, usually short: one flat list of ids, turned into an array once
-        ids: list[int] = []
-        lengths: list[int] = []
+    else:  # whole documents, usually short: parsed first, then tokenized in one tight loop
+        texts: list[str] = []
         for line, text, bad, error in documents(item.kind, data, _STATE["json_key"]):
             if error is not None:
                 part.errors.append((line, error))
             elif text == "" or text.isspace():
                 part.empty += 1
             else:
-                doc = tokenizer.encode(text)
-                ids += doc
-                if eod is not None:
-                    ids.append(eod)
-                lengths.append(len(doc) + (eod is not None))
+                texts.append(text)
                 part.bad_utf8 += bad
-                part.text_bytes += len(text) if text.isascii() else len(text.encode("utf-8"))
-        part.tokens = np.fromiter(ids, dtype, count=len(ids))
-        part.lengths = np.asarray(lengths, dtype=np.int64)
+        encode = tokenizer.encode
+        docs = [list(encode(text)) for text in texts]
+        if eod is not None:
+            for doc in docs:
+                doc.append(eod)
+        part.lengths = np.fromiter(map(len, docs), np.int64, count=len(docs))
+        part.tokens = np.fromiter(itertools.chain.from_iterable(docs), dtype, count=int(part.lengths.sum()))
+        part.text_bytes = sum(len(text) if text.isascii() else len(text.encode("utf-8")) for text in texts)
     part.n_tokens = part.tokens.size
     return part
 
