@@ -105,6 +105,7 @@ def _worker(rank: int, out_dir: str, forward_s: float, steps: int) -> None:
     try:
         results = {cfg: _measure(*cfg, forward_s, steps) for cfg in CONFIGS}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # every rank done talking before any tears gloo down (else one can abort)
     finally:
         dist.destroy_process_group()
 

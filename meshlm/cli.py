@@ -23,8 +23,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     try:
         Trainer(cfg).run()
-    finally:
-        destroy()  # under torchrun: leave the process groups cleanly (a no-op for one process)
+    except BaseException:
+        destroy()  # under torchrun: leave the process groups (a no-op for one process)
+        raise
+    destroy(wait_for_all=True)
     return 0
 
 

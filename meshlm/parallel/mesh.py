@@ -149,7 +149,12 @@ def init_distributed(cfg: ParallelConfig, device: torch.device | None = None) ->
     return ParallelDims.build(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s, device=device)
 
 
-def destroy() -> None:
-    """Tear down every process group (safe to call when none exists)."""
+def destroy(wait_for_all: bool = False) -> None:
+    """Tear down every process group (safe to call when none exists). After a run that ended well, pass
+    `wait_for_all`: a barrier first, so that no rank tears gloo down while another still talks to it (that
+    can abort the other with "terminate called without an active exception"). After an error, don't:
+    the other ranks may be gone, and the barrier would wait for its timeout."""
     if dist.is_initialized():
+        if wait_for_all:
+            dist.barrier()
         dist.destroy_process_group()

@@ -33,8 +33,10 @@ def _bench_memory(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     try:
         text = bench_memory(cfg)
-    finally:
+    except BaseException:
         destroy()
+        raise
+    destroy(wait_for_all=True)
     if text:
         print(text)
     return 0

@@ -27,6 +27,9 @@ def _entry(rank: int, fn, world_size: int, out_dir: str) -> None:
     try:
         result = fn(rank, world_size, out_dir)
         torch.save(result, Path(out_dir) / f"result_{rank}.pt")
+        # No rank tears gloo down while another still talks to it: that aborted a rank about one world in
+        # a few hundred ("terminate called without an active exception", SIGABRT), as in benchmarks/world.py.
+        dist.barrier()
     except BaseException:
         (Path(out_dir) / f"error_{rank}.txt").write_text(traceback.format_exc())
         raise
