@@ -133,13 +133,6 @@ class IndexedWriter:
         self._bin.seek(start + n_bytes)
         self._doc_tokens += count
 
-    def add_documents(self, tokens, lengths) -> None:
-        """Append whole documents at once: `tokens` back to back, `lengths[i]` (> 0) of them in document i."""
-        if self._doc_tokens:
-            raise ValueError("add_documents while a document is open; call end_document first")
-        self.add_tokens(tokens)
-        self.end_documents(lengths)
-
     def end_documents(self, lengths) -> None:
         """Close the tokens added since the last document ended as documents of `lengths` tokens each."""
         lengths = np.asarray(lengths, dtype=np.int64)

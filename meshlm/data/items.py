@@ -35,7 +35,6 @@ CUT_AT = {"text": re.compile(rb"[\x21-\x7e]\n(?=[\x21-\x7e])"), "json": re.compi
           "paragraphs": re.compile(rb"\n[ \t\r\f\v]*\n")}
 
 
-
 class DataError(ConfigError):
     """A problem with the input data or output path, stated with the path (and line) and the fix."""
 
@@ -257,7 +256,8 @@ def _texts(files: list[Path], json_key: str, bad_lines: list[str] | None) -> Ite
                 yield text
             elif bad_lines is not None:
                 bad_lines.append(f"{item.source}:{lines.get(item.source, 0) + line}: {error}")
-        lines[item.source] = lines.get(item.source, 0) + data.count(b"\n")
+        if item.kind == "json":  # only JSON lines are reported by number
+            lines[item.source] = lines.get(item.source, 0) + data.count(b"\n")
 
 
 # ---- parsing an Item's bytes into documents ---------------------------------------------------

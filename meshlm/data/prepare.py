@@ -70,7 +70,7 @@ class Part:
     text_bytes: int = 0  # UTF-8 bytes of the documents (pieces) kept
     empty: int = 0  # documents skipped as empty
     errors: list[tuple[int, str]] = field(default_factory=list)  # (line within the Item, reason)
-    lines: int = 0  # newlines in the Item's bytes (the main process numbers lines across Items)
+    lines: int = 0  # newlines in a JSON Item's bytes (the main process numbers bad lines across Items)
 
 
 @dataclass
@@ -127,7 +127,7 @@ def encode_item(item: Item) -> Part:
     """Read, decode, parse and tokenize one Item (in a worker, or in the main process with one worker)."""
     tokenizer, dtype, eod = _STATE["tokenizer"], _STATE["dtype"], _STATE["eod"]
     data = read_item(item, _STATE["piece_bytes"])
-    part = Part(None, lines=data.count(b"\n"))
+    part = Part(None, lines=data.count(b"\n") if item.kind == "json" else 0)  # numbers bad JSON lines
     if item.kind == "text":  # a piece of one document: the main process decides when it ends
         text, bad = decode(data)
         encode = getattr(tokenizer, "encode_array", None)  # one long text: no list of Python ints

@@ -99,27 +99,31 @@ def test_meshlm_pair_equals_the_reference_writers_bytes(tmp_path):
     assert_same_bytes_as_the_reference(tmp_path, "ours")
 
 
-def test_add_documents_writes_the_same_bytes_as_one_document_at_a_time(tmp_path):
+def test_end_documents_closes_many_documents_with_the_same_bytes_as_one_at_a_time(tmp_path):
     with IndexedWriter(tmp_path / "bulk", vocab_size=50257) as w:
         w.add_document(DOCS[0])  # the two ways mix
-        w.add_documents(np.concatenate([np.asarray(d, dtype="<u2") for d in DOCS[1:]]), [len(d) for d in DOCS[1:]])
+        w.add_tokens(np.concatenate([np.asarray(d, dtype="<u2") for d in DOCS[1:]]))
+        w.end_documents([len(d) for d in DOCS[1:]])
         w.finish()
     assert_same_bytes_as_the_reference(tmp_path, "bulk")
 
 
-def test_add_documents_refuses_lengths_that_do_not_match_and_ids_out_of_range(tmp_path):
+def test_end_documents_refuses_lengths_that_do_not_match_and_add_tokens_ids_out_of_range(tmp_path):
+    """A refused call drops the tokens it was to close, so the next documents start clean."""
     with IndexedWriter(tmp_path / "bad", vocab_size=50257) as w:
+        w.add_tokens([1, 2, 3, 4, 5])
         with pytest.raises(ValueError, match="add up to 4 tokens, not 5"):
-            w.add_documents([1, 2, 3, 4, 5], [2, 2])
+            w.end_documents([2, 2])
+        w.add_tokens([1, 2])
         with pytest.raises(ValueError, match="lengths must be 1"):
-            w.add_documents([1, 2], [2, 0])
+            w.end_documents([2, 0])
         with pytest.raises(ValueError, match="out of range for uint16"):
-            w.add_documents(np.asarray([70000], dtype=np.int64), [1])
-        w.add_tokens([1])
-        with pytest.raises(ValueError, match="while a document is open"):
-            w.add_documents([2], [1])
-        w.abort()
-    assert not is_prefix(tmp_path / "bad")
+            w.add_tokens(np.asarray([70000], dtype=np.int64))
+        w.add_tokens([7, 8])
+        w.end_documents([2])
+        w.finish()
+    assert IndexedDataset(tmp_path / "bad").document(0).tolist() == [7, 8]
+    assert IndexedDataset(tmp_path / "bad").n_documents == 1
 
 
 def test_failed_write_leaves_nothing_at_the_prefix(tmp_path):
