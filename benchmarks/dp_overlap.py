@@ -33,6 +33,7 @@ from meshlm.models.gpt import GPT
 from meshlm.parallel.data import BucketedDataParallel
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.tensor import cross_entropy
+from meshlm.train.optim import build_optimizer
 
 MODES = ("compute only", "overlap off", "overlap on", "ZeRO-2 (overlap on)")
 
@@ -62,7 +63,7 @@ def _make(cfg, dims: ParallelDims, mode: str, accum: int):
     kind = _NoReduction if mode == "compute only" else BucketedDataParallel
     sync = kind(model, dims, accum, zero=2 if mode.startswith("ZeRO") else 0, bucket_mb=cfg.parallel.bucket_mb,
                 overlap=mode != "overlap off")
-    return model, sync, sync.build_optimizer(cfg.optim)
+    return model, sync, build_optimizer(sync, cfg.optim)
 
 
 def _step(model, sync, opt, batches, accum: int) -> tuple[float, float]:

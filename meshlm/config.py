@@ -34,8 +34,11 @@ def _choices(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and flavour of the transformer (GPT-2 style by default, Llama style by switches)."""
+    """Shape and flavour of the transformer (GPT-2 style by default, Llama style by switches).
 
+    `family` names the model family (`meshlm.models.registry`): its model class and how it is parallelised."""
+
+    family: str = "gpt"
     vocab_size: int = 50257
     n_layers: int = 4
     hidden_size: int = 128

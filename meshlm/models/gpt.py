@@ -3,35 +3,58 @@
 `forward(idx)` returns logits, and the caller computes the loss, so tensor parallelism can swap in a
 vocab-parallel cross-entropy without touching this file. `forward(idx, targets=y)` returns the mean loss
 through the fused chunked head + cross-entropy (`models/loss.py`), which never builds the logits; it needs
-the whole (tp=1) output layer.
+the whole (tp=1) output layer. The forward is three steps, `embed` → `run_layers` → `head` (or
+`head_loss`), which the pipeline stages call on their part of the model (`models/spec.py`).
+
+Initialisation is per parameter and seeded (`models/init.py`): `GPT(cfg)` draws one base seed from the
+global generator and fills every parameter from it, so a model built on the meta device and materialised
+shard by shard on several ranks (`parallel.build_model`) holds exactly the slices of this one.
+At the bottom, `GPT_SPEC` tells the rest of meshlm how this family is parallelised and trained.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-from meshlm.config import ModelConfig
-from meshlm.models.layers import Block, KVCache, init_weights, make_norm, rope_tables
-from meshlm.models.loss import linear_cross_entropy
+from meshlm.config import Config, ModelConfig
+from meshlm.models.init import InitRule, draw_base_seed, fill_
+from meshlm.models.layers import Block, KVCache, make_norm, rope_tables
+from meshlm.models.loss import cross_entropy, linear_cross_entropy
+from meshlm.models.spec import ModelSpec, PipelinePlan
 
 
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.hidden_size) if cfg.position == "learned" else None
-        self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = make_norm(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        init_weights(self, cfg.init_std, cfg.n_layers)
+        self.init_seed = draw_base_seed()  # the one draw from the global generator (also on the meta device)
+        with torch.random.fork_rng(devices=[]):  # the modules' own default init must not move the generator
+            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.pos_emb = nn.Embedding(cfg.seq_len, cfg.hidden_size) if cfg.position == "learned" else None
+            self.drop = nn.Dropout(cfg.dropout)
+            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.norm = make_norm(cfg)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.rope_len = 0
-        if cfg.position == "rope":
-            self._build_rope(cfg.seq_len)
+        self.init_buffers()
+        if not self.tok_emb.weight.is_meta:
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Every parameter from `init_seed` by `init_rule` (the same values any shard of it would get)."""
+        for name, p in self.named_parameters():
+            fill_(p.data, init_rule(name, tuple(p.shape), self.cfg), self.init_seed, name, tuple(p.shape))
+
+    def init_buffers(self, device: torch.device | None = None) -> None:
+        """The RoPE tables (not saved in checkpoints), on `device` (default: the parameters')."""
+        if self.cfg.position == "rope":
+            device = device or next(self.parameters()).device
+            self._build_rope(max(self.cfg.seq_len, self.rope_len), device)
 
     def _build_rope(self, length: int, device=None) -> None:
         cos, sin = rope_tables(self.cfg.head_dim, length, self.cfg.rope_theta, device)
@@ -46,7 +69,7 @@ class GPT(nn.Module):
         return n
 
     def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
-        x = self.tok_emb(idx)  # (B, T, h)
+        x = self.tok_emb(idx)  # (B, T, h), or (B, T/t, h) under sequence parallelism
         if self.pos_emb is not None:
             pos = torch.arange(start, start + idx.shape[1], device=idx.device)
             x = x + self.pos_emb(pos)
@@ -59,6 +82,24 @@ class GPT(nn.Module):
             self._build_rope(needed, self.rope_cos.device)
         return self.rope_cos, self.rope_sin
 
+    def run_layers(self, x: torch.Tensor, layer_ids=None, caches: list[KVCache] | None = None, start: int = 0,
+                   rope=None) -> torch.Tensor:
+        """The residual stream through layers `layer_ids` (default: all), positions from `start`."""
+        rope = rope if rope is not None else self.rope(self.rope_len)
+        for i in range(len(self.layers)) if layer_ids is None else layer_ids:
+            x = self.layers[i](x, rope, caches[i] if caches is not None else None, start)
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x))  # (B, T, V), or (B, T, V/t) under tensor parallelism
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of `head(x)` without building the logits (the whole output layer only)."""
+        if type(self.lm_head) is not nn.Linear:
+            raise RuntimeError("forward(targets=...) fuses the whole output layer; with parallel.tp > 1 compute "
+                               "the vocab-parallel loss on forward(idx)'s logits")
+        return linear_cross_entropy(self.norm(x), self.lm_head.weight, targets)
+
     def forward(self, idx: torch.Tensor, caches: list[KVCache] | None = None, start: int = 0,
                 targets: torch.Tensor | None = None) -> torch.Tensor:
         """idx: (B, T) token ids → logits (B, T, V); with targets (B, T), the mean cross-entropy instead.
@@ -66,18 +107,114 @@ class GPT(nn.Module):
         T = idx.shape[1]
         if self.pos_emb is not None and start + T > self.cfg.seq_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds model.seq_len={self.cfg.seq_len}")
-        x = self.embed(idx, start)
-        rope = self.rope(start + T)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, caches[i] if caches is not None else None, start)
-        if targets is None:
-            return self.lm_head(self.norm(x))
-        if type(self.lm_head) is not nn.Linear:
-            raise RuntimeError("forward(targets=...) fuses the whole output layer; with parallel.tp > 1 compute "
-                               "the vocab-parallel loss on forward(idx)'s logits")
-        return linear_cross_entropy(self.norm(x), self.lm_head.weight, targets)
+        x = self.run_layers(self.embed(idx, start), None, caches, start, self.rope(start + T))
+        return self.head(x) if targets is None else self.head_loss(x, targets)
 
     def new_caches(self, batch: int, max_len: int) -> list[KVCache]:
         p = self.tok_emb.weight
         return [KVCache(batch, layer.attn.n_kv_heads, max_len, layer.attn.head_dim, p.dtype, p.device)
                 for layer in self.layers]
+
+
+# ---- the family's spec ------------------------------------------------------------------------------------
+def init_rule(name: str, shape: tuple, cfg: ModelConfig) -> InitRule:
+    """GPT-2/Megatron init: N(0, std) everywhere, output projections N(0, std/√(2L)), biases 0, norms 1."""
+    if len(shape) == 1:
+        return InitRule("ones") if "norm" in name and name.endswith("weight") else InitRule("zeros")
+    if name.endswith("proj.weight"):
+        return InitRule("normal", cfg.init_std / math.sqrt(2 * cfg.n_layers))
+    return InitRule("normal", cfg.init_std)
+
+
+def tp_plan(cfg: ModelConfig) -> dict:
+    """Megatron's split: embedding and head over the vocabulary, attention by heads, the MLP's fc by columns
+    (each of [W_gate; W_up] alike) and its proj by rows; norms, dropout and positions per token under SP."""
+    from meshlm.parallel.styles import (
+        ColumnParallel,
+        HeadParallelAttention,
+        RowParallel,
+        SequenceDropout,
+        SequenceParallel,
+        SequenceShardedPositions,
+        VocabParallel,
+    )
+
+    ffn = cfg.ffn_size
+    return {
+        "tok_emb": VocabParallel(),
+        "pos_emb": SequenceShardedPositions(),
+        "drop": SequenceDropout(),
+        "layers.*.norm[12]": SequenceParallel(),
+        "layers.*.attn": HeadParallelAttention(qkv="qkv", proj="proj", core="core"),
+        "layers.*.attn.resid_dropout": SequenceDropout(),
+        "layers.*.mlp.fc": ColumnParallel(blocks=(ffn, ffn) if cfg.activation == "swiglu" else None),
+        "layers.*.mlp.proj": RowParallel(),
+        "layers.*.mlp.dropout": SequenceDropout(),
+        "norm": SequenceParallel(),
+        "lm_head": ColumnParallel(vocab_of="tok_emb"),
+    }
+
+
+def logical_blocks(name: str, cfg: ModelConfig) -> list[tuple[str, int]]:
+    """Layout-free checkpoint tensors stacked along dim 0 of parameter `name`, with their row counts:
+    `attn.qkv` → q, k, v; SwiGLU's `mlp.fc` → gate, up; others whole (embedding/head: the vocabulary)."""
+    prefix, attr = name.rsplit(".", 1)
+    if prefix.endswith("attn.qkv"):
+        base, hd = prefix[:-len("qkv")], cfg.head_dim
+        return [(f"{base}q.{attr}", cfg.n_heads * hd), (f"{base}k.{attr}", cfg.kv_heads * hd),
+                (f"{base}v.{attr}", cfg.kv_heads * hd)]
+    if prefix.endswith("mlp.fc") and cfg.activation == "swiglu":
+        base = prefix[:-len("fc")]
+        return [(f"{base}gate.{attr}", cfg.ffn_size), (f"{base}up.{attr}", cfg.ffn_size)]
+    return [(name, -1)]  # whole: the rows of the plain parameter
+
+
+def _check_tp(cfg: ModelConfig, tp: int, sp: bool) -> None:
+    from meshlm.plan.layout import check_tensor_parallel
+
+    check_tensor_parallel(cfg, tp, sp)
+
+
+def _datasets(cfg: Config, progress: bool = False):
+    from meshlm.data import build_datasets
+
+    return build_datasets(cfg, progress=progress)
+
+
+def _activation_bytes(cfg: Config, **kw):
+    from meshlm.plan.memory import layer_activation_bytes
+
+    return layer_activation_bytes(cfg, **kw)
+
+
+def _parameter_count(cfg: ModelConfig) -> int:
+    from meshlm.plan.memory import parameter_count
+
+    return parameter_count(cfg)
+
+
+def _flops(cfg: ModelConfig, batch: int, seq_len: int | None = None) -> float:
+    from meshlm.plan.flops import model_flops
+
+    return model_flops(cfg, batch, seq_len)
+
+
+def _recompute_flops(cfg: ModelConfig, batch: int, mode: str, seq_len: int | None = None, layers=None) -> float:
+    from meshlm.plan.flops import recompute_flops
+
+    return recompute_flops(cfg, batch, mode, seq_len, layers)
+
+
+def _stage_costs(cfg: ModelConfig) -> tuple[float, float]:
+    from meshlm.plan.flops import stage_costs
+
+    return stage_costs(cfg)
+
+
+GPT_SPEC = ModelSpec(
+    name="gpt", model_class=GPT, tp_plan=tp_plan, check_tensor_parallel=_check_tp,
+    pipeline=PipelinePlan(first=("tok_emb", "pos_emb", "drop"), layers="layers", last=("norm", "lm_head")),
+    selective_recompute=("attn.core",), init_rule=init_rule, logical_blocks=logical_blocks, loss=cross_entropy,
+    fused_loss=True, flops=_flops, recompute_flops=_recompute_flops, stage_costs=_stage_costs,
+    parameter_count=_parameter_count, activation_bytes=_activation_bytes, build_datasets=_datasets,
+    hf_adapter="hf")

@@ -8,8 +8,6 @@ takes the same slice of every block.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -149,15 +147,3 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, rope=None, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), rope, cache, start)
         return x + self.mlp(self.norm2(x))
-
-
-def init_weights(module: nn.Module, std: float, n_layers: int) -> None:
-    """GPT-2/Megatron init: N(0, std) everywhere, output projections N(0, std/√(2L)), biases 0, norms 1."""
-    for name, p in module.named_parameters():
-        if p.dim() == 1:
-            is_norm_weight = "norm" in name and name.endswith("weight")
-            nn.init.ones_(p) if is_norm_weight else nn.init.zeros_(p)
-        elif name.endswith("proj.weight"):
-            nn.init.normal_(p, 0.0, std / math.sqrt(2 * n_layers))
-        else:
-            nn.init.normal_(p, 0.0, std)

@@ -1,48 +1,99 @@
-"""Parallelism applied from outside a plain model: `parallelize(model, dims, cfg)`.
+"""Parallelism applied from outside a plain model: `build_model(cfg, dims)` and `parallelize(model, dims, cfg)`.
 
-Each parallelism is one `apply_*` transform in its own module; `parallelize` runs them in a fixed order.
+Each parallelism is one `apply_*` transform in its own module, driven by the model family's `ModelSpec`
+(`models/registry.py`); `parallelize` runs them in a fixed order and returns one `Parallelized` object
+holding everything a training step needs. `build_model` builds the family's model on the meta device
+first, so each rank only ever allocates and initialises its own shards (`materialize.py`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from meshlm.config import Config
-from meshlm.parallel.data import GradSync, apply_data_parallel, microbatches_per_step
+from meshlm.parallel.data import GradSync, apply_data_parallel
+from meshlm.parallel.materialize import materialize
 from meshlm.parallel.mesh import ParallelDims, destroy, init_distributed
-from meshlm.parallel.pipeline import apply_pipeline
+from meshlm.parallel.pipeline import Pipeline, build_pipeline, cut_stages, fused_head
 from meshlm.parallel.recompute import apply_recompute
 from meshlm.parallel.rng import TPRNGTracker
 from meshlm.parallel.tensor import LossFn, apply_tensor_parallel, clip_grad_norm_, finish_grads, full_state_dict
+from meshlm.plan.layout import microbatches_per_step
 
-__all__ = ["GradSync", "ParallelDims", "TPRNGTracker", "clip_grad_norm_", "destroy", "finish_grads",
-           "full_state_dict", "init_distributed", "parallelize"]
+__all__ = ["GradSync", "ParallelDims", "Parallelized", "TPRNGTracker", "build_model", "clip_grad_norm_", "destroy",
+           "finish_grads", "full_state_dict", "init_distributed", "parallelize"]
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, rng: TPRNGTracker | None = None) -> LossFn:
-    """Transform the whole, seeded `GPT` into this rank's part of the layout; returns the loss to use.
+@dataclass
+class Parallelized:
+    """This rank's part of a parallel model, and what a step needs around it.
+
+    `model` is the plain model pruned and transformed in place (plain parameter names: checkpoints and
+    the optimizer's groups read them); `loss_fn(output, targets)` the loss on its output (vocab-parallel
+    under tp); `pipeline` this rank's stages and schedule (None without pp); `grad_sync` the gradient
+    synchronisation: reductions over dp, the tp/pp fix-ups, the norm and clipping, ZeRO's shards
+    (build the optimizer with `train.optim.build_optimizer(grad_sync, cfg.optim)`).
+    """
+
+    model: nn.Module
+    spec: object  # models.spec.ModelSpec
+    dims: ParallelDims
+    loss_fn: LossFn
+    pipeline: Pipeline | None
+    grad_sync: GradSync
+    rng: TPRNGTracker | None
+
+    @property
+    def stages(self) -> list[nn.Module]:
+        """The modules this rank runs forward: its pipeline stages, or the whole (tp-sharded) model."""
+        return list(self.pipeline.modules) if self.pipeline is not None else [self.model]
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, rng: TPRNGTracker | None = None,
+                spec=None) -> Parallelized:
+    """Transform a plain model (initialised, or built on the meta device) into this rank's part of the layout.
 
     Order matters:
     1. tensor parallel first: it swaps linears/embeddings for their sharded versions, which every later
        transform (activation recomputation, compile, data-parallel wrapping) must see, not the dense ones.
     2. pipeline cutting (`parallel.pp` > 1): it groups the (parallel) modules into this rank's stages and
-       prunes the rest; the schedule is left at `model.pipeline`. Before recomputation, whose chunks and
-       `block` counts are per stage, as in Megatron.
-    3. activation recomputation next (`train.recompute`): it wraps the parallel layers' forwards (full) or
+       prunes the rest. Before recomputation, whose chunks and `block` counts are per stage, as in Megatron.
+    3. materialisation of a meta-built model: only now is it known what this rank holds, so only that is
+       allocated and initialised (to its slices of the single-process initialisation).
+    4. the pipeline schedule and the tied-embedding group, over the real parameters.
+    5. activation recomputation (`train.recompute`): it wraps the parallel layers' forwards (full) or
        attention core (selective), so a recomputed region replays the sharded computation, its collectives
        and the TP dropout stream; before compile, which must trace the checkpoint regions, and before
        data-parallel wrapping, which must see the final modules.
-    4. data parallelism last (`parallel.dp`, `parallel.zero`): its gradient hooks, flat buffers or FSDP2
-       shards must hold the final parameters of this rank's stages. The gradient synchronisation (also the
-       tp/pp gradient fix-ups and the norm, for any dp) is left at `model.grad_sync`; build the optimizer
-       with `model.grad_sync.build_optimizer`.
+    6. data parallelism last (`parallel.dp`, `parallel.zero`): its gradient hooks, flat buffers or FSDP2
+       shards must hold the final parameters of this rank's stages.
     """
+    from meshlm.models.registry import spec_of
+
+    spec = spec or spec_of(model)
     if rng is None and dims.tp > 1:  # one TP dropout stream, shared by TP and the recomputation that replays it
         rng = TPRNGTracker(torch.initial_seed(), dims.tp_rank, dims.device)
-    loss_fn = apply_tensor_parallel(model, dims, sp=cfg.parallel.sp, rng=rng)
-    pipe = apply_pipeline(model, dims, cfg, loss_fn) if dims.pp > 1 else None
+    loss_fn = apply_tensor_parallel(model, dims, sp=cfg.parallel.sp, rng=rng, spec=spec)
+    cut = cut_stages(model, spec, cfg, dims.pp_rank, fused_head(cfg, dims, spec)) if dims.pp > 1 else None
+    if any(p.is_meta for p in model.parameters()):
+        materialize(model, spec, dims.device)
+    pipe = build_pipeline(model, spec, dims, cfg, loss_fn, cut) if cut is not None else None
     for stage in pipe.modules if pipe is not None else [model]:
-        apply_recompute(stage, cfg, rng)
-    model.grad_sync = apply_data_parallel(model, dims, cfg, microbatches_per_step(cfg, dims.dp), pipe)
-    return loss_fn
+        apply_recompute(stage, cfg, rng, spec)
+    sync = apply_data_parallel(model, dims, cfg, microbatches_per_step(cfg, dims.dp), pipe)
+    return Parallelized(model, spec, dims, loss_fn, pipe, sync, rng)
+
+
+def build_model(cfg: Config, dims: ParallelDims, rng: TPRNGTracker | None = None, spec=None) -> Parallelized:
+    """`cfg.model.family`'s model for this rank: built on the meta device (one draw from the global
+    generator, as a whole build makes), parallelised, and only this rank's shards allocated on `dims.device`
+    and initialised, equal to the slices of `spec.model_class(cfg.model)` built whole from the same seed."""
+    from meshlm.models.registry import get_spec
+
+    spec = spec or get_spec(cfg.model.family)
+    with torch.device("meta"):
+        model = spec.model_class(cfg.model)
+    return parallelize(model, dims, cfg, rng, spec)

@@ -50,11 +50,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.config import Config, ConfigError, OptimConfig
+from meshlm.config import Config
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.tensor import _ALL_GATHER, _REDUCE_SCATTER, ColumnParallelLinear, _Sharded, finish_grads
 from meshlm.parallel.tensor import clip_grad_norm_ as tp_clip_grad_norm_
-from meshlm.train.optim import build_optimizer, param_groups
+from meshlm.plan.layout import check_data_parallel, microbatches_per_step  # noqa: F401 (re-exported)
+
+ParamGroups = list[dict]  # torch.optim param groups over the model's parameters
+MakeOptimizer = Callable[[ParamGroups], torch.optim.Optimizer]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -113,8 +116,10 @@ class GradSync:
             return tp_clip_grad_norm_(self.model, self.dims, max_norm)
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
-    def build_optimizer(self, cfg: OptimConfig) -> torch.optim.Optimizer:
-        return build_optimizer(self.model, cfg)
+    def build_optimizer(self, groups: ParamGroups, make: MakeOptimizer) -> torch.optim.Optimizer:
+        """`make(groups)`, with `groups` (over the model's parameters, e.g. weight-decay groups) mapped to
+        what this rank steps: the parameters themselves, or under ZeRO its shards of them."""
+        return make(groups)
 
     def after_step(self) -> None:
         """After the optimizer step (ZeRO-1/2: all-gather the updated parameter shards)."""
@@ -398,13 +403,12 @@ class BucketedDataParallel(GradSync):
             return None if rows is None else rows.repeat_interleave(p.numel() // p.shape[0])
         return None if self.dims.tp_rank == 0 else ~count
 
-    def build_optimizer(self, cfg: OptimConfig) -> torch.optim.Optimizer:
+    def build_optimizer(self, groups: ParamGroups, make: MakeOptimizer) -> torch.optim.Optimizer:
         if self.zero == 0:
-            return super().build_optimizer(cfg)
-        groups = param_groups(self.model, cfg.weight_decay)
-        for g in groups:
-            g["params"] = [self._shard_of[id(p)].opt_key for p in g["params"] if id(p) in self._shard_of]
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+            return make(groups)
+        sharded = [{**g, "params": [self._shard_of[id(p)].opt_key for p in g["params"] if id(p) in self._shard_of]}
+                   for g in groups]
+        return make(sharded)
 
     def after_step(self) -> None:
         if self.zero == 0:
@@ -471,21 +475,26 @@ class FullyShardedDataParallel(GradSync):
     def __init__(self, model: nn.Module, dims: ParallelDims, pipe=None):
         from torch.distributed.fsdp import fully_shard
 
+        from meshlm.models.registry import spec_of
+
         super().__init__(model, dims, pipe)
         mesh = dims.mesh["dp"]
         self.roots = list(pipe.modules) if pipe is not None else [model]
+        layers_attr = spec_of(model).pipeline.layers
         for root in self.roots:
-            layers = root.layers.values() if isinstance(root.layers, nn.ModuleDict) else root.layers
-            for layer in layers:
-                fully_shard(layer, mesh=mesh)
+            for layer in (root.layers if pipe is not None else getattr(root, layers_attr)):
+                if layer is not None:
+                    fully_shard(layer, mesh=mesh)
             fully_shard(root, mesh=mesh)
-        # fully_shard swapped the parameters for new (DTensor) ones. The last stage keeps `tok_emb` only to
-        # name the tied weight (it is not part of the stage): tie it to the new LM-head parameter again.
+        # fully_shard swapped the parameters for new (DTensor) ones. The last stage keeps the first-stage
+        # module of the tied weight only to name it (it is not part of the stage): tie it again.
         self.tied = None
         if pipe is not None and pipe.tied_weight is not None:
+            first_name, last_name = pipe.tied_names
             if not pipe.has_first:
-                model.tok_emb.weight = model.lm_head.weight
-            self.tied = model.tok_emb.weight
+                owner, _, attr = first_name.rpartition(".")
+                setattr(model.get_submodule(owner), attr, model.get_parameter(last_name))
+            self.tied = model.get_parameter(first_name)
         self.names = {id(p): n for n, p in model.named_parameters()}  # now DTensors
 
     def set_last_microbatch(self, last: bool) -> None:
@@ -542,26 +551,6 @@ class FullyShardedDataParallel(GradSync):
         return super().state_bytes(optimizer)
 
 
-def microbatches_per_step(cfg: Config, dp: int) -> int:
-    """Micro-batches each rank runs per step: global_batch_size / (micro_batch_size · dp)."""
-    t = cfg.train
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size="
-                          f"{t.micro_batch_size} × dp={dp}: every data-parallel rank takes an equal share of each "
-                          f"global batch; set it to a multiple of {t.micro_batch_size * dp}")
-    return t.global_batch_size // (t.micro_batch_size * dp)
-
-
-def check_data_parallel(cfg: Config, dims: ParallelDims) -> None:
-    """Layouts the data-parallel transforms cannot serve, as errors that say why and what to do."""
-    zero = cfg.parallel.zero
-    if zero == 3 and dims.tp > 1:
-        raise ConfigError(f"parallel.zero=3 (FSDP2) with parallel.tp={dims.tp} is not supported: tensor "
-                          "parallelism completes and measures gradients by rows of whole local tensors "
-                          "(replicated KV heads, sequence-parallel norms, the norm's row masks), which FSDP2 "
-                          "has sharded over dp; use parallel.zero=1 or 2 with tensor parallelism")
-
-
 def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: Config, microbatches: int, pipe=None,
                         overlap: bool = True) -> GradSync:
     """The gradient synchronisation for this layout; call after every other transform (it hooks, flattens
@@ -569,7 +558,7 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: Config, micro
 
     `microbatches`: backward passes per step on this rank (the accumulation count, or the pipeline's m).
     """
-    check_data_parallel(cfg, dims)
+    check_data_parallel(cfg, dims.tp)
     if dims.dp == 1:
         return GradSync(model, dims, pipe)
     if cfg.parallel.zero == 3:

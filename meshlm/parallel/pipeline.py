@@ -2,9 +2,11 @@
 through them by `torch.distributed.pipelining`'s 1F1B or interleaved-1F1B schedule.
 
 Layout. The model is cut into S = pp·vpp *virtual stages* of consecutive layers; stage s lives on pipeline
-rank s mod pp (with vpp = 1 that is just stage r on rank r). Stage 0 also holds the token and position
-embeddings, stage S−1 the final norm and the LM head. `partition_layers` balances the layer counts with
-that extra work counted, or takes `parallel.pp_layers` as given.
+rank s mod pp (with vpp = 1 that is just stage r on rank r). Stage 0 also holds the modules the family's
+`PipelinePlan.first` names (embeddings), stage S−1 those of `last` (final norm, output layer).
+`plan.layout.partition_layers` balances the layer counts with that extra work counted (the family's
+`stage_costs`), or takes `parallel.pp_layers` as given. A stage runs the model's own `embed`,
+`run_layers` and `head` (`models/spec.py`) on its part: there is no second copy of the model's forward.
 
 Schedules. With m micro-batches per step (m = global_batch / (micro_batch · dp)), 1F1B runs on stage r
 min(m, pp − r) forwards (warm-up), then alternates one backward and one forward (steady state), then the
@@ -19,14 +21,16 @@ Equal to the single-process run. The loss the schedule back-propagates is `loss(
 accumulation loop, which averages micro-batch losses. The step's loss (their sum) is broadcast from the
 last stage to its whole pipeline, so every rank logs and checks the same number.
 
-Tied embeddings. With `model.tie_embeddings`, the first stage's `tok_emb.weight` and the last stage's
-`lm_head.weight` are one parameter in the plain model but live on two ranks here: each keeps a copy, and
-after backward their gradients are summed over a two-rank group (first, last) of each pipeline, so both
-receive the full gradient and the two optimizer steps stay bit-identical (Megatron's embedding group).
+Tied embeddings. When a parameter of a first-stage module is also one of a last-stage module (GPT's
+`tok_emb.weight` is its `lm_head.weight` with `model.tie_embeddings`), it lives on two ranks here: each
+keeps a copy, and after backward their gradients are summed over a two-rank group (first, last) of each
+pipeline, so both receive the full gradient and the two optimizer steps stay bit-identical (Megatron's
+embedding group).
 
-The plain `GPT` is pruned in place to this rank's parameters (modules of other stages set to None), so
+The plain model is pruned in place to this rank's parameters (modules of other stages set to None), so
 `model.state_dict()`, the optimizer and the tensor-parallel helpers see plain names (`layers.5.attn…`)
-and only what this rank owns. Dropout masks differ from the single-process run (each rank draws from
+and only what this rank owns. The cut needs no process group (`cut_stages`): a layout can be planned
+on the meta device for any rank without starting the others. Dropout masks differ from the single-process run (each rank draws from
 its own generator for its own layers), as in Megatron; with dropout off the runs are equal.
 """
 
@@ -42,150 +46,108 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.config import Config, ConfigError, ModelConfig
-from meshlm.models.loss import linear_cross_entropy
+from meshlm.config import Config
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.tensor import LossFn
 from meshlm.parallel.tensor import grad_norm as tp_grad_norm
+from meshlm.plan.layout import microbatches_per_step, partition_layers, stage_ids, stage_layer_ranges
 
 
-# ---- the layer partition (pure data) ---------------------------------------------------------------------
-def stage_costs(m: ModelConfig) -> tuple[float, float]:
-    """(first, last) stage's extra work in layer-equivalents of forward+backward FLOPs per token.
-
-    One layer: its matmuls (`layer_flops_per_token`) plus causal attention scores, 6·s·k·a (FORMULAS.md).
-    First stage: the embedding lookups are gathers, no FLOPs: 0. Last stage: the LM head, 6·h·V (the final
-    norm and the cross-entropy are O(h + V), negligible). E.g. gpt2-1.3b: the head ≈ 2 layers.
-    """
-    from meshlm.train.metrics import layer_flops_per_token  # metrics imports torch only; no cycle
-
-    layer = layer_flops_per_token(m) + 6.0 * m.seq_len * m.head_dim * m.n_heads
-    return 0.0, 6.0 * m.hidden_size * m.vocab_size / layer
-
-
-def partition_layers(n_layers: int, pp: int, vpp: int = 1, explicit: list[int] | None = None,
-                     first_cost: float = 0.0, last_cost: float = 0.0) -> list[int]:
-    """Layers per virtual stage, in model order (length pp·vpp; stage s runs on pipeline rank s mod pp).
-
-    `explicit` (`parallel.pp_layers`) is validated and returned. Otherwise every stage gets one layer and
-    each further layer goes to the currently cheapest stage, the cost of a stage being its layers plus
-    `first_cost` (stage 0) or `last_cost` (stage S−1) in layer-equivalents. Adding unit weights one at a
-    time to the minimum minimises the maximum stage cost; ties go to the later stage, because the early
-    stages of 1F1B hold the most micro-batches' activations. 30 layers on 4 stages with a head of 0.25
-    layers: [7, 8, 8, 7]. The result always sums to `n_layers` with ≥ 1 layer per stage, so no layout can
-    drop or duplicate a layer (`stage_layer_ranges` turns counts into ranges).
-    """
-    stages = pp * vpp
-    if explicit:
-        counts = [int(c) for c in explicit]
-        if len(counts) != stages:
-            raise ConfigError(f"parallel.pp_layers={counts} has {len(counts)} entries but parallel.pp={pp} × "
-                              f"parallel.vpp={vpp} = {stages} stages; give one layer count per stage")
-        if min(counts) < 1:
-            raise ConfigError(f"parallel.pp_layers={counts}: every stage needs at least 1 layer")
-        if sum(counts) != n_layers:
-            raise ConfigError(f"parallel.pp_layers={counts} sums to {sum(counts)} but model.n_layers={n_layers}; "
-                              "the counts must add up to the number of layers")
-        return counts
-    if n_layers < stages:
-        raise ConfigError(f"model.n_layers={n_layers} is fewer than parallel.pp={pp} × parallel.vpp={vpp} = "
-                          f"{stages} stages; every stage needs a layer: lower parallel.pp or parallel.vpp")
-    counts = [1] * stages
-    extra = [0.0] * stages
-    extra[0] += first_cost
-    extra[-1] += last_cost
-    for _ in range(n_layers - stages):
-        cheapest = min(range(stages), key=lambda s: (counts[s] + extra[s], -s))
-        counts[cheapest] += 1
-    return counts
-
-
-def stage_layer_ranges(counts: list[int]) -> list[range]:
-    """[3, 2, 2] → [range(0, 3), range(3, 5), range(5, 7)]: consecutive, disjoint, covering."""
-    starts = [sum(counts[:s]) for s in range(len(counts))]
-    return [range(start, start + c) for start, c in zip(starts, counts)]
-
-
-def pipeline_layers(cfg: Config) -> list[int]:
-    """The layer counts for `cfg`: `parallel.pp_layers` if set, else balanced with the head's cost counted."""
+def pipeline_layers(cfg: Config, spec) -> list[int]:
+    """The layer counts for `cfg`: `parallel.pp_layers` if set, else balanced with the family's
+    first/last stage costs counted."""
     p = cfg.parallel
-    first, last = stage_costs(cfg.model)
+    first, last = spec.stage_costs(cfg.model)
     return partition_layers(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers or None, first, last)
-
-
-def n_microbatches(cfg: Config, dp: int = 1) -> int:
-    """Micro-batches per step and pipeline: global_batch_size / (micro_batch_size · dp)."""
-    t = cfg.train
-    per_pipeline = t.micro_batch_size * dp
-    if t.global_batch_size % per_pipeline:
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size="
-                          f"{t.micro_batch_size} × dp={dp}; set it to a multiple of {per_pipeline}")
-    m = t.global_batch_size // per_pipeline
-    pp, vpp = cfg.parallel.pp, cfg.parallel.vpp
-    if vpp > 1 and m % pp:
-        raise ConfigError(f"the interleaved schedule (parallel.vpp={vpp}) needs the micro-batches per step, "
-                          f"train.global_batch_size / (micro_batch_size · dp) = {m}, to be a multiple of "
-                          f"parallel.pp={pp}; set train.global_batch_size to a multiple of "
-                          f"{pp * per_pipeline}")
-    return m
 
 
 # ---- one stage's module ----------------------------------------------------------------------------------
 class StageModule(nn.Module):
-    """One virtual stage of a GPT: [embeddings] → its layers → [final norm → LM head].
+    """One virtual stage: [the family's first-stage modules] → its layers → [its last-stage modules].
 
     Holds the plain model's own submodules (after tensor parallelism swapped them, if it did), so
-    gradients and weights are the model's (the pruned model keeps their plain names). Input: token ids (B, T) on the first stage, the
-    residual stream (B, T, h) (or (B, T/t, h) under sequence parallelism) elsewhere; output: the residual
-    stream, or on the last stage the logits (or, with `fused_head`, the final norm's output, from which the
-    loss function computes the fused chunked head + cross-entropy: `models/loss.py`).
+    gradients and weights are the model's (the pruned model keeps their plain names), and runs the model's
+    own `embed`, `run_layers` and `head`. Input: token ids (B, T) on the first stage, the residual stream
+    (B, T, h) (or (B, T/t, h) under sequence parallelism) elsewhere; output: the residual stream, or on the
+    last stage the output (logits, or with `fused_head` the stream itself, from which the loss function,
+    the model's `head_loss`, computes the fused head + loss).
     """
 
-    def __init__(self, model: nn.Module, layer_ids: range, first: bool, last: bool, fused_head: bool = False):
+    is_stage = True  # `apply_recompute` wraps `self.layers` (the model's own layer list may have another name)
+
+    def __init__(self, model: nn.Module, spec, layer_ids: range, first: bool, last: bool, fused_head: bool = False):
         super().__init__()
+        plan = spec.pipeline
+        self.spec = spec
         self.first, self.last, self.layer_ids, self.fused_head = first, last, layer_ids, fused_head
-        if first:
-            self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
-        # A list, as GPT.layers: `apply_recompute` wraps a stage's layers as it wraps a whole model's.
-        self.layers = nn.ModuleList(model.layers[i] for i in layer_ids)
-        if last:
-            self.norm, self.lm_head = model.norm, model.lm_head
-        self.rope = (model.rope_cos, model.rope_sin) if model.cfg.position == "rope" else None
+        for name in plan.first if first else ():
+            setattr(self, name, getattr(model, name))
+        # A list, as the model's: `apply_recompute` wraps a stage's layers as it wraps a whole model's.
+        self.layers = nn.ModuleList(getattr(model, plan.layers)[i] for i in layer_ids)
+        for name in plan.last if last else ():
+            setattr(self, name, getattr(model, name))
+        # The model's methods (plain attributes: the model is not a submodule of its stage).
+        self._embed, self._run_layers, self._head = model.embed, model.run_layers, model.head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:  # as GPT.embed, positions from 0 (training and evaluation see whole sequences)
-            ids = x
-            x = self.tok_emb(ids)  # (B, T, h), or (B, T/t, h) under sequence parallelism
-            if self.pos_emb is not None:
-                x = x + self.pos_emb(torch.arange(ids.shape[1], device=ids.device))
-            x = self.drop(x)
-        for layer in self.layers:
-            x = layer(x, self.rope)
+        if self.first:  # positions from 0 (training and evaluation see whole sequences)
+            x = self._embed(x)  # (B, T, h), or (B, T/t, h) under sequence parallelism
+        x = self._run_layers(x, self.layer_ids)
         if self.last:
-            x = self.norm(x)
-            return x if self.fused_head else self.lm_head(x)  # (B, T, h), or logits (B, T, V) or (B, T, V/t)
+            return x if self.fused_head else self._head(x)  # (B, T, h), or logits (B, T, V) or (B, T, V/t)
         # Sent to the next stage, whose receive buffer torch shapes after this tensor and gloo/NCCL need
         # contiguous (the residual stream can inherit a permuted layout from SP's reduce-scatter).
         return x.contiguous()
 
 
-def _prune(model: nn.Module, owned: set[int], first: bool, last: bool, tied: bool) -> None:
+def tied_parameter(model: nn.Module, spec) -> tuple[str, str] | None:
+    """(first-stage name, last-stage name) of a parameter both ends hold (a tied embedding), or None."""
+    plan = spec.pipeline
+    firsts = {}
+    for m in plan.first:
+        if getattr(model, m, None) is not None:
+            firsts.update({id(p): n for n, p in getattr(model, m).named_parameters(prefix=m)})
+    for m in plan.last:
+        if getattr(model, m, None) is not None:
+            for n, p in getattr(model, m).named_parameters(prefix=m):
+                if id(p) in firsts:
+                    return firsts[id(p)], n
+    return None
+
+
+def _prune(model: nn.Module, spec, owned: set[int], first: bool, last: bool, tied: tuple[str, str] | None) -> None:
     """Drop the modules of other ranks' stages from the plain model (set to None: names stay plain).
 
-    The last stage keeps `tok_emb` when the embeddings are tied: its weight *is* `lm_head.weight`, and
-    keeping the module keeps the parameter's name (and hence its optimizer group, no weight decay) as in
-    the plain model.
+    The last stage keeps the first-stage module holding a tied parameter: that parameter *is* its output
+    layer's, and keeping the module keeps the parameter's name (and hence its optimizer group, no weight
+    decay) as in the plain model.
     """
-    for i in range(len(model.layers)):
+    plan = spec.pipeline
+    layers = getattr(model, plan.layers)
+    for i in range(len(layers)):
         if i not in owned:
-            model.layers[i] = None
-    if not first:
-        model.pos_emb = None
-        if not (last and tied):
-            model.tok_emb = None
-    if not last:
-        model.norm = None
-        model.lm_head = None
+            layers[i] = None
+    keep = tied[0].split(".")[0] if tied is not None and last else None
+    for name in plan.first if not first else ():
+        if name != keep:
+            setattr(model, name, None)
+    for name in plan.last if not last else ():
+        setattr(model, name, None)
+
+
+def cut_stages(model: nn.Module, spec, cfg: Config, pp_rank: int, fused: bool):
+    """This pipeline rank's stage modules, pruning the model to them (no process group needed).
+    Returns (layer counts per virtual stage, this rank's stage ids, modules, tied parameter names)."""
+    p = cfg.parallel
+    counts = pipeline_layers(cfg, spec)
+    ranges = stage_layer_ranges(counts)
+    n_stages = p.pp * p.vpp
+    ids = stage_ids(pp_rank, p.pp, p.vpp)
+    first, last = 0 in ids, n_stages - 1 in ids
+    tied = tied_parameter(model, spec)
+    modules = [StageModule(model, spec, ranges[s], s == 0, s == n_stages - 1, fused) for s in ids]
+    _prune(model, spec, {i for s in ids for i in ranges[s]}, first, last, tied)
+    return counts, ids, modules, tied
 
 
 def _rank_at(dims: ParallelDims, pp_rank: int, dp_rank: int | None = None, tp_rank: int | None = None) -> int:
@@ -244,6 +206,7 @@ class Pipeline:
     seq_shard: int = 1  # tp under sequence parallelism: the stream between stages holds T/seq_shard tokens
     tied_group: dist.ProcessGroup | None = None
     tied_weight: nn.Parameter | None = None  # this rank's copy of the tied embedding (first or last stage)
+    tied_names: tuple[str, str] | None = None  # its (first-stage, last-stage) names in the plain model
     _step_kwargs: dict = field(default_factory=dict)
 
     @property
@@ -359,44 +322,48 @@ def _is_comm_error(err: BaseException) -> bool:
     return any(word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
 
 
-def apply_pipeline(model: nn.Module, dims: ParallelDims, cfg: Config, loss_fn: LossFn) -> Pipeline:
-    """Cut the (possibly tensor-parallel) plain `GPT` into this rank's stages; prune it to them; the
-    returned `Pipeline` is also left at `model.pipeline`.
+def apply_pipeline(model: nn.Module, dims: ParallelDims, cfg: Config, loss_fn: LossFn, spec=None) -> Pipeline:
+    """Cut the (possibly tensor-parallel) plain model into this rank's stages, prune it to them, and build
+    the schedule: `cut_stages` then `build_pipeline` (which `parallel.parallelize` calls apart, to
+    materialise a meta-built model's shards in between). Every rank must call this (collective)."""
+    from meshlm.models.registry import spec_of
 
-    `loss_fn(logits, targets)` is the mean-token loss for the model as parallelized so far (plain or
-    vocab-parallel cross-entropy); at tp = 1 with `train.fused_loss` the last stage uses the fused head +
-    loss instead. Every rank must call this (the tied-embedding group is collective).
+    spec = spec or spec_of(model)
+    return build_pipeline(model, spec, dims, cfg, loss_fn, cut_stages(model, spec, cfg, dims.pp_rank,
+                                                                      fused_head(cfg, dims, spec)))
+
+
+def fused_head(cfg: Config, dims: ParallelDims, spec) -> bool:
+    """At tp = 1 the last stage fuses its output layer into the loss (`train.fused_loss`): no logits."""
+    return cfg.train.fused_loss and dims.tp == 1 and spec.fused_loss
+
+
+def build_pipeline(model: nn.Module, spec, dims: ParallelDims, cfg: Config, loss_fn: LossFn, cut) -> Pipeline:
+    """torch's stages and schedule over this rank's stage modules (`cut_stages`' result), and the tied
+    embedding's group.
+
+    `loss_fn(output, targets)` is the mean-token loss for the model as parallelized so far (plain or
+    vocab-parallel cross-entropy); with a fused head the last stage uses the model's `head_loss` instead.
+    Collective: every rank must call it (the tied-embedding groups).
     """
     from torch.distributed.pipelining import PipelineStage
 
     p = cfg.parallel
-    counts = pipeline_layers(cfg)
-    ranges = stage_layer_ranges(counts)
+    counts, ids, modules, tied = cut
     n_stages = p.pp * p.vpp
-    stage_ids = [dims.pp_rank + k * dims.pp for k in range(p.vpp)]
-    tied = model.lm_head.weight is model.tok_emb.weight
-    first, last = 0 in stage_ids, n_stages - 1 in stage_ids
-    # At tp = 1 the last stage fuses its head into the loss (train.fused_loss): no (tokens × vocab) logits.
-    fused = cfg.train.fused_loss and dims.tp == 1
-    if fused and last:
-        head = model.lm_head
-
-        def loss_fn(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return linear_cross_entropy(hidden, head.weight, targets)
-    modules = [StageModule(model, ranges[s], s == 0, s == n_stages - 1, fused) for s in stage_ids]
-    _prune(model, {i for s in stage_ids for i in ranges[s]}, first, last, tied)
+    first, last = 0 in ids, n_stages - 1 in ids
+    if fused_head(cfg, dims, spec) and last:
+        loss_fn = model.head_loss
     group = embedding_group(dims, p.timeout_s) if tied else None
-    tied_weight = model.tok_emb.weight if tied and (first or last) else None
-    m = n_microbatches(cfg, dims.dp)
+    tied_weight = model.get_parameter(tied[0] if first else tied[1]) if tied and (first or last) else None
+    m = microbatches_per_step(cfg, dims.dp)
 
     def scaled_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return loss_fn(logits, targets) / m  # exactly the accumulation loop's `loss / accum`
 
-    stages = [PipelineStage(mod, s, n_stages, dims.device, group=dims.pp_group) for mod, s in zip(modules, stage_ids)]
+    stages = [PipelineStage(mod, s, n_stages, dims.device, group=dims.pp_group) for mod, s in zip(modules, ids)]
     schedule = build_schedule(stages, m, scaled_loss)
     # Newer torch merges the last stage's outputs (all m logits) unless told not to; older has no switch.
     kwargs = {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
-    pipeline = Pipeline(dims, counts, stage_ids, modules, schedule, loss_fn, m, p.timeout_s, cfg.model.hidden_size,
-                        dims.tp if p.sp else 1, group, tied_weight, kwargs)
-    model.pipeline = pipeline  # where the trainer finds this rank's stages and schedule (a plain attribute)
-    return pipeline
+    return Pipeline(dims, counts, ids, modules, schedule, loss_fn, m, p.timeout_s, cfg.model.hidden_size,
+                    dims.tp if p.sp else 1, group, tied_weight, tied, kwargs)

@@ -1,10 +1,11 @@
 """Activation recomputation (Chen et al. 2016; Korthikanti et al. 2022), from outside the model.
 
-`apply_recompute(model, cfg)` wraps parts of a (possibly tensor-parallel) `GPT` or pipeline stage in
+`apply_recompute(model, cfg)` wraps parts of a (possibly tensor-parallel) model or pipeline stage in
 non-reentrant `torch.utils.checkpoint`: their forward runs without keeping what its backward needs, and
 the backward runs the forward again to get it back. `train.recompute` picks what:
 
-* **selective** — only the attention core `softmax(QKᵀ/√d)·V` (`Attention.core`). Its saved tensors are
+* **selective** — only the attention core `softmax(QKᵀ/√d)·V` (the layer methods the family's
+  `ModelSpec.selective_recompute` names, GPT's `attn.core`). Its saved tensors are
   the `s×s` scores, softmax and dropout mask when the SDPA backend materialises them (Korthikanti's
   `5·a·s²·b` bytes per layer, the biggest term at long sequences), and costs only the `4·b·s²·h` FLOPs
   of its two batched matmuls to redo. What stays saved is the core's inputs q, k, v (which live anyway as
@@ -44,8 +45,8 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from meshlm.config import Config, ConfigError
 from meshlm.parallel.rng import TPRNGTracker
-
-MODES = ("none", "selective", "full")
+from meshlm.plan.layout import RECOMPUTE_MODES as MODES
+from meshlm.plan.layout import full_recompute_chunks, recomputed_layers  # noqa: F401 (re-exported)
 
 
 def _replay_tp_stream(rng: TPRNGTracker) -> Callable[[], tuple]:
@@ -91,36 +92,40 @@ def _checkpointed(fn: Callable, context_fn) -> Callable:
     return run
 
 
-def _recompute_attention_core(layers: list[nn.Module], context_fn) -> None:
-    """Selective: the instance's `attn.core` (plain, or tensor parallel's per-rank-stream wrapper) runs
-    inside a checkpoint; q, k, v are the saved inputs."""
+def _recompute_methods(layers: list[nn.Module], paths: tuple[str, ...], context_fn) -> None:
+    """Selective: each layer's methods at `paths` (e.g. `attn.core`: plain, or tensor parallel's
+    per-rank-stream wrapper) run inside a checkpoint; their arguments are the saved inputs."""
     for layer in layers:
-        layer.attn.core = _checkpointed(layer.attn.core, context_fn)
+        for path in paths:
+            owner_path, _, name = path.rpartition(".")
+            owner = layer.get_submodule(owner_path) if owner_path else layer
+            setattr(owner, name, _checkpointed(getattr(owner, name), context_fn))
 
 
 def _recompute_chunk(chunk: list[nn.Module], context_fn) -> None:
     """Full: one checkpoint region over consecutive layers, without renaming any parameter.
 
-    GPT.forward calls each layer in turn, so the region is set up on the layers' own `forward`s: the
-    chunk's first layer runs the whole chunk inside the checkpoint and returns its output; the other
-    layers, handed exactly that output, pass it on (their work is done). Called any other way (no
-    gradients, a KV cache, another input) every layer runs its own forward.
+    The model calls each layer in turn (`run_layers`), so the region is set up on the layers' own
+    `forward`s: the chunk's first layer runs the whole chunk inside the checkpoint and returns its output;
+    the other layers, handed exactly that output, pass it on (their work is done). Every layer gets the
+    same extra arguments (positions, RoPE tables). Called without gradients (evaluation, decoding with a
+    KV cache) or with another input, every layer runs its own forward.
     """
     forwards = [layer.forward for layer in chunk]  # the bound, unwrapped forwards
     last_output: list[torch.Tensor | None] = [None]
 
-    def run_chunk(x, rope, start):
+    def run_chunk(x, *args, **kwargs):
         for forward in forwards:
-            x = forward(x, rope, None, start)
+            x = forward(x, *args, **kwargs)
         return x
 
     region = _checkpointed(run_chunk, context_fn)
 
-    def head(x, rope=None, cache=None, start=0):
-        if cache is not None or not torch.is_grad_enabled():
+    def head(x, *args, **kwargs):
+        if not torch.is_grad_enabled():
             last_output[0] = None
-            return forwards[0](x, rope, cache, start)
-        out = region(x, rope, start)
+            return forwards[0](x, *args, **kwargs)
+        out = region(x, *args, **kwargs)
         last_output[0] = out if len(chunk) > 1 else None
         return out
 
@@ -128,33 +133,19 @@ def _recompute_chunk(chunk: list[nn.Module], context_fn) -> None:
     for i, (forward, layer) in enumerate(zip(forwards[1:], chunk[1:]), start=2):
         is_last = i == len(chunk)
 
-        def tail(x, rope=None, cache=None, start=0, _forward=forward, _last=is_last):
-            if x is last_output[0] and cache is None and torch.is_grad_enabled():
+        def tail(x, *args, _forward=forward, _last=is_last, **kwargs):
+            if x is last_output[0] and torch.is_grad_enabled():
                 if _last:
                     last_output[0] = None  # hold no reference past the chunk
                 return x  # computed by the chunk's first layer, inside the region
-            return _forward(x, rope, cache, start)
+            return _forward(x, *args, **kwargs)
 
         layer.forward = functools.wraps(forward)(tail)
 
 
-def full_recompute_chunks(n_layers: int, method: str, num_layers: int) -> list[list[int]]:
-    """Which layers of a stage of `n_layers` form each checkpoint region (layers in no region: stored).
-
-    uniform: consecutive chunks of `num_layers` (0 → 1), the last one possibly shorter (as Megatron);
-    block: each of the first `num_layers` (0 → all) layers alone.
-    """
-    if num_layers > n_layers:
-        raise ConfigError(f"train.recompute_num_layers={num_layers} exceeds the {n_layers} layers of this "
-                          f"pipeline stage; use 1..{n_layers}, or 0 for every layer")
-    if method == "uniform":
-        size = num_layers or 1
-        return [list(range(i, min(i + size, n_layers))) for i in range(0, n_layers, size)]
-    return [[i] for i in range(num_layers or n_layers)]
-
-
-def apply_recompute(model: nn.Module, cfg: Config, rng: TPRNGTracker | None = None) -> None:
-    """Wrap `model.layers` (a GPT's or a pipeline stage's transformer layers) for `cfg.train.recompute`.
+def apply_recompute(model: nn.Module, cfg: Config, rng: TPRNGTracker | None = None, spec=None) -> None:
+    """Wrap the layers of a model (its family's `PipelinePlan.layers`) or of a pipeline stage (`layers`)
+    for `cfg.train.recompute`.
 
     In place; parameter names are unchanged. `rng` is the tensor-parallel dropout stream, replayed in the
     recomputation when the model has dropout (None: no TP stream is in use).
@@ -166,7 +157,12 @@ def apply_recompute(model: nn.Module, cfg: Config, rng: TPRNGTracker | None = No
         return
     if getattr(model, "recompute", "none") != "none":
         raise RuntimeError(f"recomputation is already applied to this model ({model.recompute})")
-    layers = list(model.layers)
+    if spec is None:
+        from meshlm.models.registry import spec_of
+
+        spec = getattr(model, "spec", None) or spec_of(model)  # a pipeline stage knows its model's spec
+    container = model.layers if getattr(model, "is_stage", False) else getattr(model, spec.pipeline.layers)
+    layers = [m for m in container if m is not None]
     # No TP stream, or no dropout to draw from it: the plain checkpoint (which torch.compile also takes).
     context_fn = _replay_tp_stream(rng) if rng is not None and cfg.model.dropout > 0 else noop_context_fn
     if context_fn is not noop_context_fn and t.compile:
@@ -174,19 +170,8 @@ def apply_recompute(model: nn.Module, cfg: Config, rng: TPRNGTracker | None = No
                           f"train.recompute={t.recompute!r} needs with model.dropout={cfg.model.dropout} under tensor "
                           "parallelism; set model.dropout=0, train.recompute=none or train.compile=false")
     if t.recompute == "selective":
-        _recompute_attention_core(layers, context_fn)
+        _recompute_methods(layers, spec.selective_recompute, context_fn)
     else:
         for chunk in full_recompute_chunks(len(layers), t.recompute_method, t.recompute_num_layers):
             _recompute_chunk([layers[i] for i in chunk], context_fn)
     model.recompute = t.recompute
-
-
-def recomputed_layers(cfg: Config) -> int:
-    """How many of the model's layers redo (part of) their forward in backward (for hardware FLOPs):
-    every layer, except under `full` with `block`, which recomputes the first N of each (virtual) stage."""
-    t, p, n = cfg.train, cfg.parallel, cfg.model.n_layers
-    if t.recompute == "none":
-        return 0
-    if t.recompute == "full" and t.recompute_method == "block" and t.recompute_num_layers:
-        return min(n, t.recompute_num_layers * p.pp * p.vpp)
-    return n

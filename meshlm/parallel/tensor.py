@@ -1,600 +1,93 @@
-"""Megatron tensor parallelism (Shoeybi et al. 2019) and sequence parallelism (Korthikanti et al. 2022).
+"""Tensor parallelism applied from outside a plain model, by its family's plan (Megatron; Korthikanti).
 
-Every collective is a small autograd function over an explicit tp process group, so a debugger can step
-through the communication on CPU. With t ranks and a linear layer Y = XA:
+The math and the layers are in `tensor_layers.py`; which submodule becomes which is the model family's
+`tp_plan` (`models/registry.py`, styles in `styles.py`). `apply_tensor_parallel` walks that plan and swaps
+the modules of a plain model in place, keeping their names (`layers.3.attn.qkv` stays the path of the
+parallel layer), so the pipeline, recomputation, data parallelism and checkpoints see plain names.
 
-* column parallel: A = [A_1 … A_t] split by output columns; rank i computes Y_i = X A_i. X is needed
-  whole on every rank, so it enters through `f` (identity forward, all-reduce backward, because
-  ∂L/∂X = Σ_i ∂L/∂Y_i A_iᵀ sums contributions from every rank).
-* row parallel: A = [A_1; …; A_t] split by input rows, X = [X_1 … X_t] arrives split by columns (the output
-  of a column-parallel layer); Y = Σ_i X_i A_i leaves through `g` (all-reduce forward, identity
-  backward). `f` and `g` are conjugate: each is the other's transpose.
-* sequence parallel: between layers the activations (norms, dropout, residual adds) are split along the
-  sequence instead of replicated. `g` becomes a reduce-scatter along the sequence and `f` an all-gather;
-  their backwards swap (all-gather ↔ reduce-scatter). Same bytes on the wire as the two all-reduces, since
-  an all-reduce *is* a reduce-scatter followed by an all-gather, but the norms/dropout/residual work and
-  memory are divided by t. A column-parallel linear under SP fuses its all-gather with the matmul
-  (`_GatherSeqLinear`): it keeps only the sequence shard of its input for the weight gradient and
-  all-gathers it again in backward (Megatron's choice), so that activation too is divided by t, for one
-  more all-gather per column-parallel linear in backward.
+It works on a model built on the meta device as on an initialised one: on a real model each parallel layer
+takes its slice of the dense weights (so tp=N starts bit-identical to tp=1); on the meta device only the
+shards' shapes are made, and `parallel.init.materialize` then fills each rank's shards with exactly those
+slices (`models/init.py`) without the whole model ever existing in one process.
 
-An attention + MLP block therefore communicates twice forward and twice backward (under SP, plus the two
-re-gathers of the qkv and fc inputs in backward). The embedding is vocab-parallel (each rank holds V/t
-rows, out-of-range ids give zeros, then `g`); the LM head is a column-parallel linear whose logits stay
-split over the vocabulary, and the cross-entropy is computed from the shards (max, then sum-exp and target
-logit all-reduces) without ever gathering (B, T, V).
-
-`apply_tensor_parallel` transforms a plain `GPT` in place: it slices the full, already initialised
-weights, so tp=N starts bit-identical to tp=1, and `models/` stays single-device.
+After backward, `finish_grads` completes the gradients tp ranks hold only parts of, and `grad_norm`
+counts every element of the whole model once: the two rules every gradient synchroniser uses.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import functools
-from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from meshlm.config import ConfigError, ModelConfig
-from meshlm.models.loss import IGNORE_INDEX, cross_entropy  # the tp=1 loss
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.rng import TPRNGTracker
-
-SEQ_DIM = 1  # activations are (B, T, h): the sequence is dim 1
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-# torch 2.12 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names warn).
-# Looked up on `dist` at call time, so benchmarks/tp_comm.py can wrap them to count bytes.
-_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-_REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
-
-
-# ---- collectives as autograd functions -------------------------------------------------------------------
-def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    x = x.contiguous().clone()  # never reduce in place into a tensor autograd may still hold
-    dist.all_reduce(x, op=op, group=group)
-    return x
-
-
-def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """(B, T/t, …) on every rank → (B, T, …), rank i's chunk at positions [i·T/t, (i+1)·T/t)."""
-    out, _ = _start_gather_seq_first(x, group, async_op=False)
-    return out.movedim(0, SEQ_DIM)
-
-
-def _start_gather_seq_first(x: torch.Tensor, group, async_op: bool):
-    """All-gather (B, T/t, …) along the sequence into a (T, B, …) tensor (sequence first, contiguous);
-    with `async_op` the result is valid only after the returned work handle's `wait()`."""
-    part = x.movedim(SEQ_DIM, 0).contiguous()  # (T/t, B, …): the gathered dim must lead
-    out = part.new_empty((group.size() * part.shape[0], *part.shape[1:]))  # (T, B, …)
-    work = getattr(dist, _ALL_GATHER)(out, part, group=group, async_op=async_op)
-    return out, work
-
-
-def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """(B, T, …) partial sums on every rank → (B, T/t, …): this rank's positions, summed over ranks."""
-    out, _ = _start_reduce_scatter_seq_first(x.movedim(SEQ_DIM, 0).contiguous(), group, async_op=False)
-    return out.movedim(0, SEQ_DIM)
-
-
-def _start_reduce_scatter_seq_first(full: torch.Tensor, group, async_op: bool):
-    """Reduce-scatter a contiguous (T, B, …) tensor of partial sums into this rank's (T/t, B, …), summed;
-    with `async_op` the result is valid only after the returned work handle's `wait()`."""
-    t = group.size()
-    if full.shape[0] % t:
-        raise ValueError(f"sequence length {full.shape[0]} is not divisible by tp={t}")
-    out = full.new_empty((full.shape[0] // t, *full.shape[1:]))  # (T/t, B, …)
-    work = getattr(dist, _REDUCE_SCATTER)(out, full, group=group, async_op=async_op)
-    return out, work
-
-
-class _CopyToTensorRegion(torch.autograd.Function):
-    """`f`: forward identity, backward all-reduce (the input fans out to every rank's shard)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
-
-
-class _ReduceFromTensorRegion(torch.autograd.Function):
-    """`g`: forward all-reduce (sum the partial products), backward identity."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _GatherFromSequenceRegion(torch.autograd.Function):
-    """SP's `f`: forward all-gather along the sequence, backward reduce-scatter (sum, keep own tokens)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.group), None
-
-
-class _ReduceScatterToSequenceRegion(torch.autograd.Function):
-    """SP's `g`: forward reduce-scatter along the sequence, backward all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group), None
-
-
-class _GatherSeqLinear(torch.autograd.Function):
-    """SP's all-gather fused with a column-parallel linear; only the sequence shard is kept for backward.
-
-    Rank r holds X_r (B, T/t, in), its tokens, and A_i (in, out/t), its output columns (stored transposed,
-    as `F.linear`'s (out/t, in) weight), with bias b_i:
-
-        forward    Y   = AG(X_r)·A_i + b_i        (B, T, out/t)
-        backward   dX_r = RS(dY·A_iᵀ)              (B, T/t, in): every rank's partial dX, summed, own tokens
-                   dA_i = AG(X_r)ᵀ·dY              (in, out/t), AG(X_r) gathered again
-                   db_i = Σ_tokens dY
-
-    The composition `gather_from_sequence_region` then `F.linear` computes the same, but autograd saves the
-    gathered AG(X_r): s·b·in per rank. Here forward saves X_r and the weight only (s·b·in/t: Korthikanti et
-    al.'s `34/t`), and backward re-gathers X_r for dA_i, one more all-gather per linear. Backward overlaps
-    its communication with compute through async work handles, in Megatron's order: start the re-gather,
-    compute dY·A_iᵀ, wait; start the reduce-scatter of dX, compute dA_i and db_i, wait.
-
-    Autocast: the shard is cast to the autocast dtype *before* the gather (the matmul reads nothing else), so
-    the saved shard and both all-gathers are in that dtype; dX is reduce-scattered in the input's dtype, as
-    the composition did (it cast the gradient back before its reduce-scatter). Backward casts explicitly
-    (it does not run under autocast): dX to the input's dtype, dA_i and db_i to the parameters'.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) and x.is_floating_point() \
-            else x.dtype
-        ctx.group, ctx.in_dtype = group, x.dtype
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        x_c = x.to(dtype)  # x itself without autocast
-        ctx.save_for_backward(x_c, weight)  # the shard (B, T/t, in), not the gathered input
-        full, _ = _start_gather_seq_first(x_c, group, async_op=False)  # (T, B, in)
-        return F.linear(full.movedim(0, SEQ_DIM), weight, bias)  # autocast (if on) casts weight, bias
-
-    @staticmethod
-    def backward(ctx, grad):
-        x_c, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        group, dtype = ctx.group, x_c.dtype
-        grad_tb = grad.movedim(SEQ_DIM, 0).to(dtype).contiguous()  # (T, B, out/t): the gathered layout
-        if need_w:  # 1. start re-gathering the shard for dA_i …
-            full, gather = _start_gather_seq_first(x_c, group, async_op=True)  # (T, B, in)
-        dx = scatter = None
-        if need_x:  # 2. … while computing every rank's partial dX = dY·A_iᵀ
-            dx_full = grad_tb.matmul(weight.to(dtype)).to(ctx.in_dtype)  # (T, B, in)
-            dx, scatter = _start_reduce_scatter_seq_first(dx_full, group, async_op=True)  # 3. sum, own tokens …
-        dw = db = None
-        if need_w:  # 4. … while computing dA_i = AG(X_r)ᵀ·dY (as F.linear's (out/t, in) weight gradient)
-            gather.wait()
-            out_f = grad_tb.shape[-1]
-            dw = grad_tb.reshape(-1, out_f).t().matmul(full.reshape(-1, full.shape[-1])).to(weight.dtype)
-        if need_b:
-            db = grad_tb.reshape(-1, grad_tb.shape[-1]).sum(0).to(ctx.bias_dtype)
-        if scatter is not None:
-            scatter.wait()
-            dx = dx.movedim(0, SEQ_DIM)  # (B, T/t, in)
-        return dx, dw, db, None
-
-
-def linear_with_sequence_gather(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                                group) -> torch.Tensor:
-    """F.linear(AG(x), weight, bias), x all-gathered along the sequence, saving only x's shard for
-    backward (`_GatherSeqLinear`): (B, T/t, in) → (B, T, out/t)."""
-    return _GatherSeqLinear.apply(x, weight, bias, group)
-
-
-def copy_to_tensor_region(x, group):
-    return _CopyToTensorRegion.apply(x, group)
-
-
-def reduce_from_tensor_region(x, group):
-    return _ReduceFromTensorRegion.apply(x, group)
-
-
-def gather_from_sequence_region(x, group):
-    return _GatherFromSequenceRegion.apply(x, group)
-
-
-def reduce_scatter_to_sequence_region(x, group):
-    return _ReduceScatterToSequenceRegion.apply(x, group)
-
-
-# ---- which rows each rank holds --------------------------------------------------------------------------
-def block_rows(sizes: list[int], t: int) -> list[torch.Tensor]:
-    """For a weight stacked from blocks of `sizes` rows ([W_q; W_k; W_v], [W_gate; W_up]): per rank, the
-    indices of its 1/t slice of every block, in block order."""
-    out = []
-    for r in range(t):
-        idx, start = [], 0
-        for n in sizes:
-            idx.append(torch.arange(start + r * n // t, start + (r + 1) * n // t))
-            start += n
-        out.append(torch.cat(idx))
-    return out
-
-
-def qkv_rows(n_heads: int, n_kv_heads: int, head_dim: int, t: int) -> list[torch.Tensor]:
-    """Rows of [W_q; W_k; W_v] per rank. Query heads split evenly; KV heads split evenly when t divides
-    n_kv_heads, else (t a multiple of n_kv_heads) each rank takes the one KV head its query heads use, so
-    t / n_kv_heads ranks hold a copy of it."""
-    q, kv = n_heads * head_dim, n_kv_heads * head_dim
-    kv_per_rank = max(1, n_kv_heads // t)
-    out = []
-    for r in range(t):
-        first_kv = r * n_kv_heads // t
-        kv_idx = torch.arange(first_kv * head_dim, (first_kv + kv_per_rank) * head_dim)
-        q_idx = torch.arange(r * q // t, (r + 1) * q // t)
-        out.append(torch.cat([q_idx, q + kv_idx, q + kv + kv_idx]))
-    return out
-
-
-def padded_vocab(vocab_size: int, t: int) -> int:
-    """Vocabulary rounded up to a multiple of t (Megatron pads further for GEMM shapes; not needed here)."""
-    return -(-vocab_size // t) * t
-
-
-# ---- layers ----------------------------------------------------------------------------------------------
-class _Sharded(nn.Module):
-    """Shared by the parallel layers: the group, and how to put the full weight back together."""
-
-    group: dist.ProcessGroup
-    sharded_names: tuple[str, ...] = ("weight",)  # parameters split over tp (the others are replicated)
-
-    @property
-    def tp(self) -> int:
-        return self.group.size()
-
-    @property
-    def tp_rank(self) -> int:
-        return dist.get_rank(self.group)
-
-    def norm_row_mask(self) -> torch.Tensor | None:
-        """Rows of the weight this rank counts in the gradient norm (None: all; see `grad_norm`)."""
-        return None
-
-
-class ColumnParallelLinear(_Sharded):
-    """Y_i = X A_i (+ b_i): this rank's output rows `rows[rank]` of the full (out, in) weight.
-
-    Input: replicated (B, T, in) through `f`, or with `sequence_parallel` (B, T/t, in) gathered along
-    the sequence (`_GatherSeqLinear`: only the shard is saved, backward gathers it again). Output:
-    (B, T, out_i), split over the output features (never gathered here).
-    """
-
-    sharded_names = ("weight", "bias")
-
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, rows: list[torch.Tensor],
-                 full_out: int, group, sequence_parallel: bool = False):
-        super().__init__()
-        self.weight, self.bias, self.group = weight, bias, group
-        self.rows, self.full_out, self.sequence_parallel = rows, full_out, sequence_parallel
-        self.shared_rows: tuple[torch.Tensor, torch.Tensor, int] | None = None  # see share_rows
-
-    @classmethod
-    def from_dense(cls, linear: nn.Linear, group, rows: list[torch.Tensor], sequence_parallel: bool = False,
-                   weight: nn.Parameter | None = None) -> ColumnParallelLinear:
-        """Slice `linear` (padded to the largest row index + 1 with zero rows); `weight` reuses a shard
-        already made (tied embeddings)."""
-        full = linear.weight.detach()
-        rank, n_pad = dist.get_rank(group), max(int(r.max()) for r in rows) + 1
-        if weight is None:
-            padded = torch.cat([full, full.new_zeros(n_pad - full.shape[0], full.shape[1])])
-            weight = nn.Parameter(padded[rows[rank]].clone())
-        bias = None
-        if linear.bias is not None:
-            b = linear.bias.detach()
-            bias = nn.Parameter(torch.cat([b, b.new_zeros(n_pad - b.shape[0])])[rows[rank]].clone())
-        return cls(weight, bias, rows, full.shape[0], group, sequence_parallel)
-
-    def share_rows(self, local: torch.Tensor, compact: torch.Tensor, n_compact: int, owner: bool) -> None:
-        """Declare local rows `local` as copies held by several ranks (GQA KV heads when tp > n_kv_heads):
-        `compact` are their indices in a space of `n_compact` rows common to all ranks; `owner` marks the
-        one rank that counts them in the gradient norm."""
-        self.shared_rows = (local, compact, n_compact)
-        self._owner = owner
-
-    def norm_row_mask(self) -> torch.Tensor | None:
-        if self.shared_rows is None or self._owner:
-            return None
-        mask = torch.ones(self.weight.shape[0], dtype=torch.bool, device=self.weight.device)
-        mask[self.shared_rows[0]] = False
-        return mask
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:  # (B, T/t, in) all-gathered → (B, T, out/t); backward re-gathers the shard
-            return linear_with_sequence_gather(x, self.weight, self.bias, self.group)
-        x = copy_to_tensor_region(x, self.group)
-        return F.linear(x, self.weight, self.bias)  # (B, T, out/t)
-
-    def full_weight(self, name: str) -> torch.Tensor:
-        local = getattr(self, name)
-        parts = _all_gather_stacked(local.detach(), self.group)  # (t, out/t, …)
-        full = local.new_zeros((max(int(r.max()) for r in self.rows) + 1, *local.shape[1:]))
-        for r, rows in enumerate(self.rows):
-            full[rows.to(full.device)] = parts[r]
-        return full[:self.full_out]
-
-    def extra_repr(self) -> str:
-        return (f"in={self.weight.shape[1]}, out={self.weight.shape[0]} of {self.full_out}, tp={self.tp}, "
-                f"sequence_parallel={self.sequence_parallel}")
-
-
-class RowParallelLinear(_Sharded):
-    """Y = Σ_i X_i A_i + b: this rank's input columns `cols[rank]`; `g` (or a reduce-scatter along the
-    sequence) sums the partial products. The bias is added once, after the sum."""
-
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, cols: list[torch.Tensor], group,
-                 sequence_parallel: bool = False):
-        super().__init__()
-        self.weight, self.bias, self.group = weight, bias, group
-        self.cols, self.sequence_parallel = cols, sequence_parallel
-        if bias is not None and sequence_parallel:
-            bias.sequence_parallel = True  # added to this rank's tokens only: grads are partial
-
-    @classmethod
-    def from_dense(cls, linear: nn.Linear, group, cols: list[torch.Tensor],
-                   sequence_parallel: bool = False) -> RowParallelLinear:
-        rank = dist.get_rank(group)
-        weight = nn.Parameter(linear.weight.detach()[:, cols[rank]].clone())
-        bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
-        return cls(weight, bias, cols, group, sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # (B, T, out): this rank's partial sum
-        if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_region(y, self.group)  # (B, T/t, out)
-        else:
-            y = reduce_from_tensor_region(y, self.group)
-        return y + self.bias if self.bias is not None else y
-
-    def full_weight(self, name: str) -> torch.Tensor:
-        if name == "bias":
-            return self.bias.detach().clone()
-        parts = _all_gather_stacked(self.weight.detach().t(), self.group)  # (t, in/t, out)
-        full = self.weight.new_zeros(self.weight.shape[0], sum(len(c) for c in self.cols))
-        for r, cols in enumerate(self.cols):
-            full[:, cols.to(full.device)] = parts[r].t()
-        return full
-
-    def extra_repr(self) -> str:
-        return f"in={self.weight.shape[1]} of {sum(len(c) for c in self.cols)}, out={self.weight.shape[0]}, " \
-               f"tp={self.tp}, sequence_parallel={self.sequence_parallel}"
-
-
-class VocabParallelEmbedding(_Sharded):
-    """Rows [i·V/t, (i+1)·V/t) of the (padded) table. Ids outside give zeros; `g` sums the one rank that
-    holds each id (with `sequence_parallel`, a reduce-scatter leaves each rank its tokens: (B, T/t, h))."""
-
-    def __init__(self, weight: nn.Parameter, vocab_size: int, group, sequence_parallel: bool = False):
-        super().__init__()
-        self.weight, self.vocab_size, self.group = weight, vocab_size, group
-        self.sequence_parallel = sequence_parallel
-        self.vocab_start = self.tp_rank * weight.shape[0]
-
-    @classmethod
-    def from_dense(cls, emb: nn.Embedding, group, sequence_parallel: bool = False) -> VocabParallelEmbedding:
-        full, t = emb.weight.detach(), group.size()
-        rows = block_rows([padded_vocab(full.shape[0], t)], t)[dist.get_rank(group)]
-        padded = torch.cat([full, full.new_zeros(len(rows) * t - full.shape[0], full.shape[1])])
-        return cls(nn.Parameter(padded[rows].clone()), full.shape[0], group, sequence_parallel)
-
-    @property
-    def vocab_rows(self) -> list[torch.Tensor]:
-        return block_rows([self.weight.shape[0] * self.tp], self.tp)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.vocab_start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, h)
-        x = x.masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.sequence_parallel:
-            return reduce_scatter_to_sequence_region(x, self.group)  # (B, T/t, h)
-        return reduce_from_tensor_region(x, self.group)
-
-    def full_weight(self, name: str) -> torch.Tensor:
-        parts = _all_gather_stacked(self.weight.detach(), self.group)  # (t, V/t, h)
-        return parts.reshape(-1, self.weight.shape[1])[:self.vocab_size]
-
-    def extra_repr(self) -> str:
-        return f"rows {self.vocab_start}..{self.vocab_start + self.weight.shape[0]} of {self.vocab_size} (padded)"
-
-
-class SequenceShardedEmbedding(nn.Embedding):
-    """Learned positions under sequence parallelism: the full (replicated) table, but each rank looks up
-    only its own chunk of positions, matching its (B, T/t, h) slice of the residual stream. Each rank's
-    gradient covers only its rows, so `finish_grads` sums them over tp."""
-
-    def __init__(self, emb: nn.Embedding, group):
-        super().__init__(emb.num_embeddings, emb.embedding_dim, _weight=emb.weight.detach().clone())
-        self.group = group
-        self.weight.sequence_parallel = True
-
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        mine = positions.chunk(self.group.size())[dist.get_rank(self.group)]  # (T/t,)
-        return super().forward(mine)
-
-
-class TPRegionDropout(nn.Dropout):
-    """Dropout on a tp-sharded activation: masks drawn from this rank's stream (see `parallel.rng`)."""
-
-    def __init__(self, p: float, rng: TPRNGTracker):
-        super().__init__(p)
-        self.rng = rng
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with self.rng.tp_rng():
-            return super().forward(x)
-
-
-def _all_gather_stacked(x: torch.Tensor, group) -> torch.Tensor:
-    """Plain (no autograd) all-gather of equal shapes → (t, *x.shape)."""
-    out = x.new_empty((group.size() * x.shape[0], *x.shape[1:]))  # gathered along dim 0
-    getattr(dist, _ALL_GATHER)(out, x.contiguous(), group=group)
-    return out.view(group.size(), *x.shape)
-
-
-# ---- vocab-parallel cross-entropy ------------------------------------------------------------------------
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token loss ℓ = log Σ_v exp(z_v − m) − (z_y − m) from logits split over the vocabulary.
-
-    Rank i holds columns [s_i, s_i + V/t). Three reductions over tp, none of size V: the max m (for
-    stability), then Σ exp(z − m) and the target logit z_y − m (held by exactly one rank, zero elsewhere),
-    the latter two packed into one all-reduce. Padding columns (ids ≥ vocab_size) are set to −∞ first, so
-    they get zero probability and zero gradient. Backward: ∂ℓ/∂z = softmax(z) − onehot(y), local.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets, group, n_valid):
-        # logits: (N, V/t) fp32, targets: (N,) global ids, n_valid: real (non-padding) columns on this rank
-        width = logits.shape[-1]
-        start = dist.get_rank(group) * width
-        if n_valid < width:
-            logits = logits.clone()
-            logits[:, max(n_valid, 0):] = float("-inf")
-        m = _all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)  # (N,)
-        shifted = logits - m.unsqueeze(-1)
-        local_t = targets - start
-        mine = (local_t >= 0) & (local_t < width)
-        local_t = local_t.masked_fill(~mine, 0)
-        target = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1)
-        target = torch.where(mine, target, torch.zeros_like(target))
-        exp = shifted.exp()  # (N, V/t)
-        sums = _all_reduce(torch.stack([exp.sum(dim=-1), target]), group)  # (2, N): Σexp, z_y − m
-        ctx.save_for_backward(exp.div_(sums[0].unsqueeze(-1)), local_t, mine)  # softmax, in place
-        return sums[0].log() - sums[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, local_t, mine = ctx.saved_tensors
-        dz = softmax.clone()
-        rows = torch.arange(dz.shape[0], device=dz.device)
-        dz[rows, local_t] -= mine.to(dz.dtype)
-        return dz * grad.unsqueeze(-1), None, None, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group,
-                                 vocab_size: int) -> torch.Tensor:
-    """Mean token cross-entropy from (B, T, V/t) vocab-split logits and (B, T) targets, in fp32. Targets
-    equal to IGNORE_INDEX (-100) add nothing and are not counted, as in `F.cross_entropy` and the fused
-    tp = 1 loss."""
-    width = logits.shape[-1]
-    n_valid = vocab_size - dist.get_rank(group) * width
-    targets = targets.reshape(-1)
-    losses = _VocabParallelCrossEntropy.apply(logits.float().reshape(-1, width), targets, group, n_valid)
-    keep = targets != IGNORE_INDEX  # an ignored target is on no rank: its row's loss is log Σ exp, dropped here
-    return (losses * keep).sum() / keep.sum()
-
-
-# ---- transforming a plain GPT ----------------------------------------------------------------------------
-def check_tensor_parallel(cfg: ModelConfig, tp: int, sp: bool) -> None:
-    """The shapes tensor parallelism needs, as user-facing errors naming the keys."""
-    if cfg.n_heads % tp:
-        raise ConfigError(f"parallel.tp={tp} does not divide model.n_heads={cfg.n_heads}; "
-                          f"use one of {[d for d in range(1, cfg.n_heads + 1) if cfg.n_heads % d == 0]}")
-    kv = cfg.kv_heads
-    if kv % tp and tp % kv:
-        ok = [d for d in range(1, cfg.n_heads + 1) if cfg.n_heads % d == 0 and (kv % d == 0 or d % kv == 0)]
-        raise ConfigError(f"parallel.tp={tp} and model.n_kv_heads={kv}: one must divide the other (KV heads are "
-                          f"split when tp divides them, replicated when tp is a multiple); use tp in {ok}")
-    if cfg.ffn_size % tp:
-        raise ConfigError(f"parallel.tp={tp} does not divide the MLP width {cfg.ffn_size}; "
-                          "set model.ffn_hidden_size to a multiple of tp")
-    if sp and cfg.seq_len % tp:
-        raise ConfigError(f"parallel.sp=true splits the sequence over parallel.tp={tp} ranks, but model.seq_len="
-                          f"{cfg.seq_len} is not divisible by {tp}; set model.seq_len to a multiple of {tp}")
-
-
-def parallelize_block(block: nn.Module, cfg: ModelConfig, group, sp: bool, rng: TPRNGTracker) -> None:
-    """Attention: qkv column-parallel by heads, proj row-parallel. MLP: fc column-parallel (each of
-    [W_gate; W_up] sliced alike), proj row-parallel. Norms stay whole (replicated, or per-token under SP)."""
-    attn, mlp, t, rank = block.attn, block.mlp, group.size(), dist.get_rank(group)
-    nh, nkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    attn.qkv = ColumnParallelLinear.from_dense(attn.qkv, group, qkv_rows(nh, nkv, hd, t), sp)
-    if t > nkv:  # each KV head is held by t/nkv ranks: its gradient is the sum of theirs (finish_grads)
-        j, q_local = rank * nkv // t, nh // t * hd
-        local = torch.arange(q_local, q_local + 2 * hd)  # this rank's K rows then V rows
-        compact = torch.cat([torch.arange(j * hd, (j + 1) * hd), torch.arange((nkv + j) * hd, (nkv + j + 1) * hd)])
-        attn.qkv.share_rows(local, compact, 2 * nkv * hd, owner=rank % (t // nkv) == 0)
-    attn.proj = RowParallelLinear.from_dense(attn.proj, group, block_rows([nh * hd], t), sp)
-    attn.n_heads, attn.n_kv_heads = nh // t, max(1, nkv // t)  # the heads this rank computes
-    if attn.dropout > 0:  # the attention core holds this rank's heads: per-rank masks
-        core = attn.core
-        attn.core = functools.wraps(core)(lambda *a, **k: _in_tp_rng(rng, core, *a, **k))
-    ffn = cfg.ffn_size
-    mlp.fc = ColumnParallelLinear.from_dense(mlp.fc, group, block_rows([ffn, ffn] if mlp.swiglu else [ffn], t), sp)
-    mlp.proj = RowParallelLinear.from_dense(mlp.proj, group, block_rows([ffn], t), sp)
-    if sp:  # the residual stream is split by tokens: norms see partial batches, dropout must differ per rank
-        for norm in (block.norm1, block.norm2):
-            _mark_sequence_parallel(norm)
-        attn.resid_dropout = TPRegionDropout(attn.resid_dropout.p, rng)
-        mlp.dropout = TPRegionDropout(mlp.dropout.p, rng)
-
-
-def _in_tp_rng(rng: TPRNGTracker, fn, *args, **kwargs):
-    with rng.tp_rng():
-        return fn(*args, **kwargs)
-
-
-def _mark_sequence_parallel(module: nn.Module) -> None:
-    for p in module.parameters():
-        p.sequence_parallel = True
+from meshlm.parallel.styles import TPContext
+from meshlm.parallel.tensor_layers import (  # noqa: F401 (re-exported: the layers' public home is here too)
+    _ALL_GATHER,
+    _REDUCE_SCATTER,
+    ColumnParallelLinear,
+    LossFn,
+    RowParallelLinear,
+    SequenceShardedEmbedding,
+    TPRegionDropout,
+    VocabParallelEmbedding,
+    _all_reduce,
+    _Sharded,
+    block_rows,
+    copy_to_tensor_region,
+    gather_from_sequence_region,
+    linear_with_sequence_gather,
+    padded_vocab,
+    qkv_rows,
+    reduce_from_tensor_region,
+    reduce_scatter_to_sequence_region,
+    vocab_parallel_cross_entropy,
+)
+
+
+# ---- transforming a plain model ---------------------------------------------------------------------------
+def plan_targets(model: nn.Module, pattern: str) -> list[str]:
+    """Paths of `model`'s submodules that match an fnmatch `pattern` (a slot holding None matches nothing)."""
+    return [name for name, _ in model.named_modules() if name and fnmatch.fnmatchcase(name, pattern)]
 
 
 def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, sp: bool = False,
-                          rng: TPRNGTracker | None = None) -> LossFn:
-    """Turn a plain, fully initialised `GPT` into this rank's tensor-parallel shard, in place.
+                          rng: TPRNGTracker | None = None, spec=None) -> LossFn:
+    """Turn a plain model (initialised, or on the meta device) into this rank's tensor-parallel shard, in
+    place, following its family's `tp_plan`.
 
-    Returns the loss to use on its output: vocab-parallel cross-entropy over (B, T, V/t) logits. With
-    `sp`, the residual stream between layers is split along the sequence (seq_len divisible by tp).
-    `rng` provides the per-rank dropout stream (default: seeded from `torch.initial_seed()`).
+    Returns the loss to use on its output: the family's loss at tp = 1, else the vocab-parallel
+    cross-entropy over (B, T, V/t) logits. With `sp`, the residual stream between layers is split along
+    the sequence (seq_len divisible by tp). `rng` provides the per-rank dropout stream (default: seeded
+    from `torch.initial_seed()`). `dims` may be a planned layout without process groups (group None):
+    then the shards are made but cannot communicate (`benchmarks/init_memory.py`).
     Call `finish_grads(model, dims)` after backward and before clipping; use `grad_norm` for the norm.
     """
+    from meshlm.models.registry import spec_of
+
+    spec = spec or spec_of(model)
     if dims.tp == 1:
-        return cross_entropy
-    cfg: ModelConfig = model.cfg
-    check_tensor_parallel(cfg, dims.tp, sp)
-    group = dims.tp_group
+        return spec.loss
+    cfg = model.cfg
+    spec.check_tensor_parallel(cfg, dims.tp, sp)
     rng = rng or TPRNGTracker(torch.initial_seed(), dims.tp_rank, dims.device)
-    tied = model.lm_head.weight is model.tok_emb.weight
-    model.tok_emb = VocabParallelEmbedding.from_dense(model.tok_emb, group, sp)
-    vocab_rows = model.tok_emb.vocab_rows
-    model.lm_head = ColumnParallelLinear.from_dense(model.lm_head, group, vocab_rows, sp,
-                                                    weight=model.tok_emb.weight if tied else None)
-    if sp:
-        if model.pos_emb is not None:
-            model.pos_emb = SequenceShardedEmbedding(model.pos_emb, group)
-        model.drop = TPRegionDropout(model.drop.p, rng)  # embedding dropout on this rank's tokens
-        _mark_sequence_parallel(model.norm)
-    for block in model.layers:
-        parallelize_block(block, cfg, group, sp, rng)
-    return functools.partial(vocab_parallel_cross_entropy, group=group, vocab_size=cfg.vocab_size)
+    ctx = apply_plan(model, spec.tp_plan(cfg), TPContext(dims.tp_group, dims.tp, dims.tp_rank, sp, rng))
+    if not ctx.vocab_parallel_output:
+        return spec.loss
+    return functools.partial(vocab_parallel_cross_entropy, group=dims.tp_group, vocab_size=cfg.vocab_size)
+
+
+def apply_plan(model: nn.Module, plan: dict, ctx: TPContext) -> TPContext:
+    """Apply each style of `plan` (pattern → style, in order) to the matching submodules of `model`."""
+    for pattern, style in plan.items():
+        for path in plan_targets(model, pattern):
+            parent_path, _, attr = path.rpartition(".")
+            parent = model.get_submodule(parent_path) if parent_path else model
+            style.apply(model, parent, attr, path, ctx)
+    return ctx
 
 
 # ---- gradients, norms and the full weights ---------------------------------------------------------------

@@ -112,7 +112,8 @@ def count_saved_activations(model: nn.Module, layers: list[nn.Module] | None = N
                             details: bool = False) -> Iterator[ActivationReport]:
     """Count what autograd saves inside the `with` body; the report is filled in as ops run.
 
-    `layers` defaults to `model.layers` (the transformer blocks of a GPT or of a pipeline stage).
+    `layers` defaults to `model.layers` (the transformer blocks of a GPT or of a pipeline stage; other
+    families pass their own, `ModelSpec.pipeline.layers`).
     """
     layers = list(model.layers) if layers is None else layers
     report = ActivationReport(per_layer=[0] * len(layers), details=[[] for _ in layers] if details else [])
@@ -160,7 +161,8 @@ def measure_saved_activations(model: nn.Module, run: Callable[[], torch.Tensor],
 
 def measure_model_activations(model: nn.Module, loss_fn: Callable, micro_batch: int, seq_len: int, vocab_size: int,
                               autocast: contextlib.AbstractContextManager | None = None,
-                              tp_rng=None, fused_loss: bool = False) -> ActivationReport:
+                              tp_rng=None, fused_loss: bool = False,
+                              layers: list[nn.Module] | None = None) -> ActivationReport:
     """One training-mode forward and loss on random tokens, counted; every random stream left as it was.
 
     The loss is `loss_fn(model(x), y)`, or with `fused_loss` the model's own chunked head + loss
@@ -179,7 +181,7 @@ def measure_model_activations(model: nn.Module, loss_fn: Callable, micro_batch: 
         with torch.random.fork_rng(devices=devices, device_type=device.type), (autocast or contextlib.nullcontext()):
             x, y = ids[:, :-1], ids[:, 1:]
             return measure_saved_activations(model, (lambda: model(x, targets=y)) if fused_loss
-                                             else (lambda: loss_fn(model(x), y)))
+                                             else (lambda: loss_fn(model(x), y)), layers)
     finally:
         if tp_rng is not None:
             tp_rng.set_state(tp_state)

@@ -46,17 +46,15 @@ def bench_memory(cfg: Config) -> str:
     """The report (on rank 0; "" elsewhere). Every rank of the layout must call it."""
     import torch
 
-    from meshlm.models.gpt import GPT
-    from meshlm.parallel import TPRNGTracker, init_distributed, parallelize
+    from meshlm.models.registry import get_spec
+    from meshlm.parallel import TPRNGTracker, build_model, init_distributed
     from meshlm.plan.activations import measure_model_activations
     from meshlm.plan.memory import (
         activation_dtypes,
         activation_terms,
         attention_backend,
         korthikanti_bytes,
-        layer_activation_bytes,
         model_state_bytes,
-        parameter_count,
     )
     from meshlm.train.precision import Precision
 
@@ -67,9 +65,10 @@ def bench_memory(cfg: Config) -> str:
                           "stage or data-parallel replica (a stage holds min(pp, micro-batches) of them in 1F1B)")
     dims = init_distributed(p, torch.device("cpu") if t.device == "cpu" else None)
     torch.manual_seed(t.seed)
-    model = GPT(m).to(dims.device)
+    spec = get_spec(m.family)
     rng = TPRNGTracker(t.seed, dims.tp_rank, dims.device)
-    loss_fn = parallelize(model, dims, cfg, rng=rng)
+    par = build_model(cfg, dims, rng=rng, spec=spec)  # meta-built: this rank allocates only its shards
+    model, loss_fn = par.model, par.loss_fn
     precision = Precision(t.precision, dims.device)
     report = measure_model_activations(model, loss_fn, t.micro_batch_size, m.seq_len, m.vocab_size,
                                        precision.autocast(), rng, fused_loss=t.fused_loss and p.tp == 1)
@@ -77,7 +76,7 @@ def bench_memory(cfg: Config) -> str:
         return ""
     device_type = dims.device.type
     dtypes, backend = activation_dtypes(t.precision, device_type), attention_backend(device_type, m.dropout)
-    formula = layer_activation_bytes(cfg, dtypes=dtypes, backend=backend)
+    formula = spec.activation_bytes(cfg, dtypes=dtypes, backend=backend)
     mode = t.recompute + (f" ({t.recompute_method}, recompute_num_layers={t.recompute_num_layers})"
                           if t.recompute == "full" else "")
     title = (f"activation memory, one micro-batch: b={t.micro_batch_size} s={m.seq_len} h={m.hidden_size} "
@@ -100,7 +99,7 @@ def bench_memory(cfg: Config) -> str:
                  "bytes/layer")
     local = sum(q.numel() for q in model.parameters())
     states = model_state_bytes(local, "fp32")
-    lines.append(f"model states on this rank: {local:,} parameters (model {parameter_count(m):,}) × 16 B = "
+    lines.append(f"model states on this rank: {local:,} parameters (model {spec.parameter_count(m):,}) × 16 B = "
                  f"{states['total'] / 2 ** 20:,.1f} MiB (weights {states['weights'] / 2 ** 20:,.1f}, grads "
                  f"{states['grads'] / 2 ** 20:,.1f}, Adam {states['optimizer'] / 2 ** 20:,.1f})")
     return "\n".join(lines)

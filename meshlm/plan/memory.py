@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshlm.config import Config, ModelConfig
-from meshlm.parallel.recompute import full_recompute_chunks
+from meshlm.plan.layout import full_recompute_chunks
 
 # ---- model states --------------------------------------------------------------------------------------
 

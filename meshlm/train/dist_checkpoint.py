@@ -1,7 +1,8 @@
 """Checkpoints that reshard: saved under one layout (tp, pp, dp, ZeRO), loaded under any other.
 
-What is stored is layout-free: *logical tensors* named after the plain `GPT`'s parameters, with the fused
-ones split (`attn.qkv` → `attn.q`, `attn.k`, `attn.v`; SwiGLU's `mlp.fc` → `mlp.gate`, `mlp.up`), the
+What is stored is layout-free: *logical tensors* named after the plain model's parameters, with the fused
+ones split as the family's `logical_blocks` says (GPT: `attn.qkv` → `attn.q`, `attn.k`, `attn.v`; SwiGLU's
+`mlp.fc` → `mlp.gate`, `mlp.up`), the
 vocabulary padding dropped, replicated KV heads and the tied embedding stored once. For each one: the
 weights and Adam's `exp_avg` / `exp_avg_sq` (Adam's step count is one number for the whole model). Every
 rank writes the rectangular pieces it owns, each with its offset in the logical tensor, to its own
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.config import ModelConfig
+from meshlm.models.registry import get_spec
 from meshlm.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from meshlm.train import checkpoint as ckpt
 
@@ -55,31 +57,22 @@ class CheckpointWriteError(RuntimeError):
 
 # ---- logical tensors ----------------------------------------------------------------------------------------
 def fused_blocks(name: str, cfg: ModelConfig) -> list[tuple[str, int]]:
-    """The logical tensors stacked along dim 0 of plain parameter `name`, with their row counts."""
-    prefix, attr = name.rsplit(".", 1)
-    if prefix.endswith("attn.qkv"):
-        base, hd = prefix[:-len("qkv")], cfg.head_dim
-        return [(f"{base}q.{attr}", cfg.n_heads * hd), (f"{base}k.{attr}", cfg.kv_heads * hd),
-                (f"{base}v.{attr}", cfg.kv_heads * hd)]
-    if prefix.endswith("mlp.fc") and cfg.activation == "swiglu":
-        base = prefix[:-len("fc")]
-        return [(f"{base}gate.{attr}", cfg.ffn_size), (f"{base}up.{attr}", cfg.ffn_size)]
-    rows = cfg.vocab_size if name in ("tok_emb.weight", "lm_head.weight") else plain_shapes(cfg)[name][0]
-    return [(name, rows)]
+    """The logical tensors stacked along dim 0 of plain parameter `name`, with their row counts (the
+    family's `logical_blocks`; a whole parameter keeps its name and rows)."""
+    blocks = get_spec(cfg.family).logical_blocks(name, cfg)
+    return [(n, plain_shapes(cfg)[name][0] if rows < 0 else rows) for n, rows in blocks]
 
 
 @functools.lru_cache(maxsize=8)
 def plain_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of the plain GPT's parameters (each tensor once: a tied LM head is `tok_emb.weight`)."""
-    with torch.device("meta"):
-        model = _plain_model(cfg)
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+    """Shapes of the plain model's parameters (each tensor once: a tied LM head is `tok_emb.weight`)."""
+    from meshlm.parallel.materialize import plain_shapes as shapes
+
+    return shapes(get_spec(cfg.family), cfg)
 
 
 def _plain_model(cfg: ModelConfig) -> nn.Module:
-    from meshlm.models.gpt import GPT
-
-    return GPT(cfg)
+    return get_spec(cfg.family).model_class(cfg)
 
 
 def logical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -108,8 +101,12 @@ def fuse_logical(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
     for name, shape in plain_shapes(cfg).items():
         parts = [tensors[lname] for lname, _ in fused_blocks(name, cfg)]
         out[name] = torch.cat(parts).reshape(shape)
-    if cfg.tie_embeddings:
-        out["lm_head.weight"] = out["tok_emb.weight"]
+    with torch.device("meta"):  # tied parameters appear under every name in a state dict
+        model = _plain_model(cfg)
+    first = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+        out[name] = out[first[id(p)]]
     return out
 
 
@@ -197,7 +194,7 @@ def pieces(segments: list[Segment], shape: tuple[int, ...], lo: int, hi: int):
 
 def _segments_for(sync, owned) -> list[Segment]:
     pipe = sync.pipe
-    tied_copy = (pipe is not None and pipe.tied_weight is not None and owned.name == "tok_emb.weight"
+    tied_copy = (pipe is not None and pipe.tied_weight is not None and owned.name == pipe.tied_names[0]
                  and not pipe.has_first)  # the last stage's copy: the first stage writes the embedding
     return param_segments(sync.model, owned.name, owned.shape, sync.dims.tp_rank, tied_copy)
 

@@ -1,9 +1,5 @@
-"""Throughput accounting: model FLOPs (Megatron's formula), TFLOP/s, MFU, HFU, peak device and memory.
-
-Model FLOPs per step (FORMULAS.md; causal attention counted once; e = 3 with SwiGLU else 2):
-    F = 6·T·[L·(e·h·f + h·(k·a + 2·k·g) + k·a·h) + h·V] + 6·S2·L·k·a,   S2 = Σ s_i² = B·s²
-MFU = F / (time · peak). HFU adds the forward FLOPs that recomputation does again.
-"""
+"""Throughput accounting: the measured peak, peak memory. The FLOPs formulas (Megatron's; MFU, HFU) are
+torch-free in `meshlm/plan/flops.py` and each model family names its own (`ModelSpec.flops`)."""
 
 from __future__ import annotations
 
@@ -12,37 +8,7 @@ import time
 
 import torch
 
-from meshlm.config import ModelConfig
-
-
-def layer_flops_per_token(m: ModelConfig) -> float:
-    """Forward+backward FLOPs per token of one layer's matmuls (no attention scores, no head)."""
-    e = 3 if m.activation == "swiglu" else 2
-    h, f, k, a, g = m.hidden_size, m.ffn_size, m.head_dim, m.n_heads, m.kv_heads
-    return 6.0 * (e * h * f + h * (k * a + 2 * k * g) + k * a * h)
-
-
-def model_flops(m: ModelConfig, batch: int, seq_len: int | None = None) -> float:
-    """Model FLOPs of one training step on `batch` full-length sequences (forward + backward)."""
-    s = seq_len or m.seq_len
-    tokens = batch * s
-    dense = tokens * (m.n_layers * layer_flops_per_token(m) + 6.0 * m.hidden_size * m.vocab_size)
-    attention = 6.0 * batch * s * s * m.n_layers * m.head_dim * m.n_heads
-    return dense + attention
-
-
-def recompute_flops(m: ModelConfig, batch: int, recompute: str, seq_len: int | None = None,
-                    layers: int | None = None) -> float:
-    """Extra forward FLOPs done again by activation recomputation (for HFU), over `layers` recomputed
-    layers (default every layer; `meshlm.parallel.recompute.recomputed_layers` counts them)."""
-    s = seq_len or m.seq_len
-    n = m.n_layers if layers is None else layers
-    if recompute == "full":
-        per_layer = batch * s * layer_flops_per_token(m) / 3 + 2.0 * batch * s * s * m.head_dim * m.n_heads
-        return n * per_layer
-    if recompute == "selective":  # the attention core only: QKᵀ and ·V, causal counted once
-        return n * 2.0 * batch * s * s * m.head_dim * m.n_heads
-    return 0.0
+from meshlm.plan.flops import layer_flops_per_token, model_flops, recompute_flops  # noqa: F401 (re-exported)
 
 
 def measure_peak_tflops(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> float:

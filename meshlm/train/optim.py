@@ -26,9 +26,16 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+def build_optimizer(target, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW with the weight-decay groups, over a plain model's parameters or, given a gradient
+    synchroniser (`parallel.GradSync`), over what it says this rank steps (under ZeRO: its shards)."""
+
+    def make(groups: list[dict]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+
+    if isinstance(target, nn.Module):
+        return make(param_groups(target, cfg.weight_decay))
+    return target.build_optimizer(param_groups(target.model, cfg.weight_decay), make)
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

@@ -2,7 +2,8 @@
 checkpoints, metrics, and a clean stop on SIGTERM/SIGINT.
 
 Launched by torchrun, every process runs this loop on its part of the layout (`meshlm.parallel`): the
-model is built whole from the seed on every rank, then `parallelize` cuts out this rank's part. Only rank
+model is built on the meta device, `parallelize` cuts out this rank's part and only that is allocated
+and initialised (`parallel.build_model`). Only rank
 0 logs, writes metrics and publishes checkpoints. With pipeline parallelism (`parallel.pp` > 1) the step
 runs the pipeline schedule instead of the accumulation loop. Under data parallelism each dp rank runs
 global / (micro · dp) micro-batches of its slice of the global batch; `model.grad_sync` reduces the
@@ -25,19 +26,17 @@ import torch
 import torch.distributed as dist
 
 from meshlm.config import Config, ConfigError
-from meshlm.data import build_datasets
 from meshlm.data.dataset import BatchLoader
 from meshlm.infer.generate import generate
-from meshlm.models.gpt import GPT
-from meshlm.parallel import TPRNGTracker, init_distributed, parallelize
+from meshlm.models.registry import get_spec
+from meshlm.parallel import TPRNGTracker, build_model, init_distributed
 from meshlm.parallel.data import memory_report
-from meshlm.parallel.recompute import recomputed_layers
 from meshlm.plan.activations import measure_model_activations
-from meshlm.plan.memory import layer_activation_bytes
+from meshlm.plan.layout import recomputed_layers
 from meshlm.train import checkpoint as ckpt
 from meshlm.train import dist_checkpoint
-from meshlm.train.metrics import measure_peak_tflops, model_flops, peak_memory_mb, recompute_flops
-from meshlm.train.optim import lr_at
+from meshlm.train.metrics import measure_peak_tflops, peak_memory_mb
+from meshlm.train.optim import build_optimizer, lr_at
 from meshlm.train.precision import Precision
 
 
@@ -88,28 +87,32 @@ class Trainer:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.resume_from = self._find_resume()
         seed_everything(t.seed)
-        self.tokenizer, self.train_set, self.valid_set = build_datasets(cfg, progress=self.progress)
+        self.spec = get_spec(cfg.model.family)  # the model family: its model, plans, loss, data and formulas
+        self.tokenizer, self.train_set, self.valid_set = self.spec.build_datasets(cfg, progress=self.progress)
         if cfg.model.vocab_size < self.tokenizer.vocab_size:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                               f"{self.tokenizer.vocab_size}; set model.vocab_size={self.tokenizer.vocab_size}")
-        self.model = GPT(cfg.model).to(self.device)  # whole, from the seed, on every rank
-        self.n_params = self.model.num_params()
+        self.n_params = self.spec.parameter_count(cfg.model)  # the whole model's
+        self.tp_rng = TPRNGTracker(t.seed, self.dims.tp_rank, self.device)
+        # Built on the meta device; this rank allocates and initialises only its shards (equal to the slices
+        # of the whole model built from the seed), then the pipeline schedule, recomputation and DP wrap it.
+        self.parallel = build_model(cfg, self.dims, rng=self.tp_rng, spec=self.spec)
+        self.model = self.parallel.model  # this rank's part, plain parameter names
         self.legacy_resume = (self.resume_from is not None and self.dims.world_size == 1
                               and not dist_checkpoint.is_sharded(self.resume_from))
         if self.legacy_resume:  # a one-process checkpoint into one process: the plain state dicts
             self.model.load_state_dict(ckpt.load_model_state(self.resume_from, self.device))
-        self.tp_rng = TPRNGTracker(t.seed, self.dims.tp_rank, self.device)
-        self.loss_fn = parallelize(self.model, self.dims, cfg, rng=self.tp_rng)
-        self.pipeline = getattr(self.model, "pipeline", None)  # pp > 1: this rank's stages and the schedule
-        self.sync = self.model.grad_sync  # gradient reduction over dp, tp/pp fix-ups, clipping, ZeRO
+        self.loss_fn = self.parallel.loss_fn
+        self.pipeline = self.parallel.pipeline  # pp > 1: this rank's stages and the schedule
+        self.sync = self.parallel.grad_sync  # gradient reduction over dp, tp/pp fix-ups, clipping, ZeRO
         if self.pipeline is not None and t.compile:
             raise ConfigError("train.compile=true with parallel.pp > 1 is not supported yet; set train.compile=false")
         # Forward passes go through `self.forward`; `self.model` keeps the plain parameter names.
         self.forward = torch.compile(self.model) if t.compile else self.model
         # The fused chunked head + loss (models/loss.py) needs the whole output layer (tp = 1, else vocab-split
         # logits + `loss_fn`); under pp > 1 the last stage fuses it in the schedule's loss (parallel/pipeline.py).
-        self.fused_loss = t.fused_loss and self.dims.tp == 1 and self.pipeline is None
-        self.optimizer = self.sync.build_optimizer(cfg.optim)
+        self.fused_loss = t.fused_loss and self.spec.fused_loss and self.dims.tp == 1 and self.pipeline is None
+        self.optimizer = build_optimizer(self.sync, cfg.optim)
         self.precision = Precision(t.precision, self.device)
         self.accum = t.global_batch_size // (t.micro_batch_size * self.dims.dp)  # per dp rank
         # Every dp rank reads the same sample order and takes its slice of each global batch.
@@ -319,14 +322,16 @@ class Trainer:
                      f"{pipe.layer_counts}, {pipe.n_microbatches} micro-batches per step, "
                      f"{type(pipe.schedule).__name__}")
         peak = self._peak_tflops() * d.world_size  # MFU against the peak of every device in the job
-        flops = model_flops(m, t.global_batch_size)
-        hw_flops = flops + recompute_flops(m, t.global_batch_size, t.recompute, layers=recomputed_layers(cfg))
+        flops = self.spec.flops(m, t.global_batch_size)
+        hw_flops = flops + self.spec.recompute_flops(m, t.global_batch_size, t.recompute, layers=recomputed_layers(cfg))
         # Bytes saved for backward, measured on one micro-batch (random streams untouched); not under ZeRO-3,
         # whose sharded (DTensor) parameters the counter cannot tell apart from activations.
         if d.pp == 1 and self.sync.zero < 3:
             acts = measure_model_activations(self.model, self.loss_fn, t.micro_batch_size, m.seq_len, m.vocab_size,
-                                             self.precision.autocast(), self.tp_rng, self.fused_loss)
-            self.log(acts.summary(layer_activation_bytes(cfg, device_type=self.device.type)))
+                                             self.precision.autocast(), self.tp_rng, self.fused_loss,
+                                             layers=list(getattr(self.model, self.spec.pipeline.layers)))
+            formula = self.spec.activation_bytes
+            self.log(acts.summary(formula(cfg, device_type=self.device.type) if formula else None))
         writer = SummaryWriter(str(self.out_dir / "tensorboard")) if d.is_main else None
         metrics = open(self.out_dir / "metrics.jsonl", "a") if d.is_main else None  # noqa: SIM115 (closed in the finally below)
         self._bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step",
@@ -411,7 +416,7 @@ class Trainer:
         if self.dims.world_size > 1:  # the model lives on several ranks: rank 0 reads the checkpoint just saved
             if not self.dims.is_main:
                 return
-            model = GPT(self.cfg.model).to(self.device)
+            model = self.spec.model_class(self.cfg.model).to(self.device)
             model.load_state_dict(ckpt.load_model_state(ckpt.latest_checkpoint(self.out_dir), self.device))
         ids = torch.tensor([self.tokenizer.encode(t.sample_prompt)], device=self.device)
         out = generate(model, ids, t.sample_tokens, temperature=0.8, top_p=0.9, seed=t.seed)  # nucleus sampling

@@ -21,8 +21,13 @@ from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.pipeline import apply_pipeline
 from meshlm.parallel.rng import TPRNGTracker
 from meshlm.parallel.tensor import apply_tensor_parallel, cross_entropy, full_state_dict
+from meshlm.train.optim import build_optimizer
 
 SEED, LR, CLIP = 1234, 1e-3, 0.5
+# AdamW's eps: at 1e-8 an element whose gradient is at the level of fp32 rounding moves by ±lr with a sign
+# that rounding decides, so final weights could differ by up to lr between layouts on some CPUs; at 1e-6
+# such an element moves by at most lr·|g|/eps, well under the 1e-5 the tests hold weights to.
+EPS = 1e-6
 MICRO_BATCH_SIZE, GLOBAL_BATCH = 1, 8
 MODELS = {
     "gpt": {"n_layers": 4, "hidden_size": 32, "n_heads": 4, "seq_len": 16, "vocab_size": 101},
@@ -86,7 +91,7 @@ def build_run(cfg, dims: ParallelDims | None, consumed: int = 0) -> Run:
         pipe = apply_pipeline(model, dims, cfg, loss_fn)
     m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
     sync = apply_data_parallel(model, dims, cfg, m, pipe)
-    opt = sync.build_optimizer(OptimConfig(lr=LR))
+    opt = build_optimizer(sync, OptimConfig(lr=LR, eps=EPS))
     loader = BatchLoader(samples(cfg), cfg.train.micro_batch_size, SEED, consumed=consumed, dp_rank=dims.dp_rank,
                          dp_size=dp)
     return Run(cfg, dims, model, loss_fn, pipe, sync, opt, loader, m)

@@ -27,6 +27,7 @@ from meshlm.parallel.tensor import apply_tensor_parallel, cross_entropy, finish_
 from meshlm.train.optim import build_optimizer
 
 STEPS, SEED, LR, CLIP, TOL = 5, 1234, 1e-3, 0.5, 1e-5
+EPS = 1e-6  # AdamW eps: see dp_harness.EPS (rounding-level gradients must not decide ±lr updates)
 MICRO_BATCH_SIZE, MICROBATCHES = 2, 8  # > 1 sequence: SP then hands stages a permuted layout
 RECORD_STEP = 1  # the forward/backward order is recorded on the second step (the first also infers shapes)
 
@@ -68,7 +69,7 @@ def _reference(cfg, m: int) -> dict:
     """The trainer's accumulation loop in one process."""
     torch.manual_seed(SEED)
     model = GPT(cfg.model)
-    opt = build_optimizer(model, OptimConfig(lr=LR))
+    opt = build_optimizer(model, OptimConfig(lr=LR, eps=EPS))
     x, y = _batches(cfg, m)
     losses, norms = [], []
     for _ in range(STEPS):
@@ -115,7 +116,7 @@ def _pipelined(layout: str) -> dict:
         loss_fn = apply_tensor_parallel(model, dims, cfg.parallel.sp, TPRNGTracker(SEED, dims.tp_rank))
     pipe = apply_pipeline(model, dims, cfg, loss_fn)
     assert pipe.n_microbatches == m
-    opt = build_optimizer(model, OptimConfig(lr=LR))
+    opt = build_optimizer(model, OptimConfig(lr=LR, eps=EPS))
     order, recording = [], [False]
     _record_order(pipe, order, recording)
     x, y = _batches(cfg, m)

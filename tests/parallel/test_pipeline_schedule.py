@@ -15,14 +15,12 @@ import pytest
 from pipeline_orders import expected_1f1b, expected_interleaved, max_in_flight, simulate_bubble
 
 from meshlm.config import ConfigError, load_config
-from meshlm.parallel.pipeline import (
-    n_microbatches,
-    partition_layers,
-    pipeline_layers,
-    stage_costs,
-    stage_layer_ranges,
-)
-from meshlm.train.metrics import layer_flops_per_token
+from meshlm.models.registry import get_spec
+from meshlm.parallel.pipeline import pipeline_layers
+from meshlm.plan.flops import layer_flops_per_token, stage_costs
+from meshlm.plan.layout import microbatches_per_step, partition_layers, stage_layer_ranges
+
+GPT_SPEC = get_spec("gpt")
 
 
 @pytest.mark.parametrize("head", [0.0, 0.26, 1.0, 2.5, 30.0])
@@ -82,9 +80,9 @@ def test_head_cost_comes_from_flops():
 def test_explicit_pp_layers_from_the_config():
     cfg = load_config("gpt-tiny", ["--model.n_layers=30", "--parallel.pp=4", "--parallel.pp_layers=[7, 8, 8, 7]"])
     assert cfg.parallel.pp_layers == [7, 8, 8, 7]
-    assert pipeline_layers(cfg) == [7, 8, 8, 7]
+    assert pipeline_layers(cfg, GPT_SPEC) == [7, 8, 8, 7]
     auto = load_config("gpt-tiny", ["--model.n_layers=7", "--parallel.pp=2"])
-    assert pipeline_layers(auto) == [6, 1], "gpt-tiny's head (50k vocabulary) is worth > 20 layers"
+    assert pipeline_layers(auto, GPT_SPEC) == [6, 1], "gpt-tiny's head (50k vocabulary) is worth > 20 layers"
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -110,14 +108,14 @@ def test_partition_validates_explicit_counts_too():
 
 def test_microbatches_per_step():
     cfg = load_config("gpt-tiny", ["--train.micro_batch_size=2", "--train.global_batch_size=16", "--parallel.pp=2"])
-    assert n_microbatches(cfg) == 8
-    assert n_microbatches(cfg, dp=2) == 4
+    assert microbatches_per_step(cfg, 1) == 8
+    assert microbatches_per_step(cfg, dp=2) == 4
     with pytest.raises(ConfigError, match="train.global_batch_size"):
-        n_microbatches(cfg, dp=3)
+        microbatches_per_step(cfg, dp=3)
     inter = load_config("gpt-tiny", ["--train.micro_batch_size=2", "--train.global_batch_size=6", "--parallel.pp=2",
                                      "--parallel.vpp=2", "--model.n_layers=8"])
     with pytest.raises(ConfigError, match="multiple of parallel.pp=2"):
-        n_microbatches(inter)
+        microbatches_per_step(inter, 1)
 
 
 def test_reference_orders_follow_the_papers():

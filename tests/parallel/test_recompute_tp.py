@@ -42,7 +42,7 @@ def _build(cfg, dims: ParallelDims, replay: bool = True):
     model = GPT(cfg.model)
     rng = TPRNGTracker(SEED, dims.tp_rank)
     if replay:
-        loss_fn = parallelize(model, dims, cfg, rng=rng)
+        loss_fn = parallelize(model, dims, cfg, rng=rng).loss_fn
     else:  # negative control: TP draws from `rng`, the recomputation is not told about it
         loss_fn = apply_tensor_parallel(model, dims, cfg.parallel.sp, rng)
         apply_recompute(model, cfg, rng=None)

@@ -20,18 +20,20 @@ from parallel_world import run_world
 from torch import nn
 
 from meshlm.config import ModelConfig
+from meshlm.models.gpt import tp_plan
 from meshlm.models.layers import Block
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.rng import TPRNGTracker
+from meshlm.parallel.styles import TPContext
 from meshlm.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    apply_plan,
     block_rows,
     finish_grads,
     full_state_dict,
     gather_from_sequence_region,
-    parallelize_block,
     vocab_parallel_cross_entropy,
 )
 
@@ -159,7 +161,8 @@ def _gqa_block(dims: ParallelDims, sp: bool) -> dict:
 
     par = nn.Module()  # a container, so the gathered keys read block.*
     par.block = dense
-    parallelize_block(dense, cfg, dims.tp_group, sp, TPRNGTracker(0, dims.tp_rank))
+    block_plan = {k.replace("layers.*.", "block."): v for k, v in tp_plan(cfg).items() if k.startswith("layers.*.")}
+    apply_plan(par, block_plan, TPContext(dims.tp_group, dims.tp, dims.tp_rank, sp, TPRNGTracker(0, dims.tp_rank)))
     xp = (_seq_chunk(x, dims) if sp else x).clone().requires_grad_()
     y = par.block(xp)
     (y * (_seq_chunk(dy, dims) if sp else dy)).sum().backward()

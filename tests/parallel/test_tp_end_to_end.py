@@ -21,12 +21,12 @@ from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.rng import TPRNGTracker
 from meshlm.parallel.tensor import (
     apply_tensor_parallel,
-    check_tensor_parallel,
     clip_grad_norm_,
     cross_entropy,
     finish_grads,
     full_state_dict,
 )
+from meshlm.plan.layout import check_tensor_parallel
 from meshlm.train.optim import build_optimizer
 
 SMALL = ["--model.n_layers=2", "--model.hidden_size=32", "--model.seq_len=16", "--model.vocab_size=101"]
@@ -34,7 +34,7 @@ STEPS, MICRO_BATCHES, MICRO_BATCH_SIZE, SEED = 5, 2, 2, 1234
 # AdamW's update m/√v is scale-free: a gradient entry near zero whose fp32 rounding differs (sums taken in
 # another order) moves its weight by a fraction of lr either way. Measured on llama-tiny, tp=2: final
 # weights differ by 1.0e-5 at lr 3e-3, 3.6e-6 at lr 1e-3, and 7e-9 with SGD: rounding, not a TP error.
-LR = 1e-3
+LR, EPS = 1e-3, 1e-6  # eps: see dp_harness.EPS (rounding-level gradients must not decide ±lr updates)
 CLIP = 0.5  # small enough that clipping scales every step: a wrong tp gradient norm would show
 LAYOUTS = [(2, False), (2, True), (4, False), (4, True)]
 TOL = 1e-5
@@ -51,7 +51,7 @@ def _train(mcfg, dims: ParallelDims | None, sp: bool) -> dict:
     loss_fn = cross_entropy
     if dims is not None:
         loss_fn = apply_tensor_parallel(model, dims, sp, TPRNGTracker(SEED, dims.tp_rank))
-    opt = build_optimizer(model, OptimConfig(lr=LR, weight_decay=0.1))
+    opt = build_optimizer(model, OptimConfig(lr=LR, eps=EPS, weight_decay=0.1))
     # The same two micro-batches every step: random tokens have nothing to learn across batches, but a
     # repeated batch is memorised, so the loss must fall (a check that the steps do something).
     data = torch.Generator().manual_seed(7)

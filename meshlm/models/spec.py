@@ -1,0 +1,59 @@
+"""What a model family tells the rest of meshlm: one `ModelSpec` per family (`models/registry.py`).
+
+`parallel/`, `train/`, checkpoints, conversion, `bench memory` and the CLI read a family only through
+its spec; none names a family's attributes. A family's plain model class must offer this small protocol,
+which the spec's plans refer to:
+
+* `cfg` (its `ModelConfig`);
+* `embed(ids)` → the residual stream (first pipeline stage), `run_layers(x, layer_ids)` → the stream after
+  those layers (called with this stage's ids on a pruned model), `head(x)` → the output (logits) and,
+  when `fused_loss`, `head_loss(x, targets)` → the mean loss without building the logits (last stage);
+* `forward(ids)` = head(run_layers(embed(ids), all)), and `forward(ids, targets=y)` = the fused loss;
+* `init_buffers()`: recompute non-persistent buffers (RoPE tables) after a meta-device build.
+
+The spec then says which submodules are tensor-parallel and how (`tp_plan`), which belong to the first
+and last pipeline stage (`pipeline`), which methods of a layer selective recomputation wraps, how each
+parameter starts (`init_rule`), how fused parameters split into layout-free checkpoint tensors
+(`logical_blocks`), the loss, the dataset builder, the Hugging Face adapter, and the FLOPs and activation
+formulas the trainer logs and the planner uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from meshlm.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """How a family's model is cut into stages: `first` modules go with the first stage (embeddings),
+    `last` with the last one (final norm, output layer), `layers` names the `nn.ModuleList` of layers that
+    are split between stages."""
+
+    first: tuple[str, ...]
+    layers: str
+    last: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    model_class: type  # built as model_class(cfg: ModelConfig)
+    tp_plan: Callable[[ModelConfig], dict]  # module pattern → parallel.styles style, applied in order
+    check_tensor_parallel: Callable[[ModelConfig, int, bool], None]  # shape rules (ConfigError)
+    pipeline: PipelinePlan
+    selective_recompute: tuple[str, ...]  # method paths inside a layer that selective recomputation wraps
+    init_rule: Callable[[str, tuple, ModelConfig], Any]  # (plain name, full shape, cfg) → models.init.InitRule
+    logical_blocks: Callable[[str, ModelConfig], list[tuple[str, int]]]  # checkpoint tensors stacked in a param
+    loss: Callable  # (output, targets) → mean loss, at tp = 1
+    fused_loss: bool  # forward(ids, targets=y) / head_loss exist
+    flops: Callable[[ModelConfig, int], float]  # model FLOPs of a step on `batch` sequences
+    recompute_flops: Callable  # (cfg, batch, mode, layers=) → extra forward FLOPs of recomputation
+    stage_costs: Callable[[ModelConfig], tuple[float, float]]  # first/last stage extra work, in layers
+    parameter_count: Callable[[ModelConfig], int]  # exact, from the config
+    activation_bytes: Callable | None  # (Config, device_type=) → per-layer saved bytes (plan/memory.py); None: none
+    build_datasets: Callable  # (Config, progress=) → (tokenizer, train, valid)
+    hf_adapter: str | None = None  # module (under meshlm.interop) converting to/from Hugging Face

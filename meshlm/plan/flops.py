@@ -1,0 +1,52 @@
+"""FLOPs of a decoder transformer (Megatron's formula), free of torch: the planner and the trainer share it.
+
+Model FLOPs per step (causal attention counted once; e = 3 with SwiGLU else 2; k head dim, a query heads,
+g KV heads, f MLP width, T tokens, S2 = Σ s_i² = B·s²):
+    F = 6·T·[L·(e·h·f + h·(k·a + 2·k·g) + k·a·h) + h·V] + 6·S2·L·k·a
+MFU = F / (time · peak). HFU adds the forward FLOPs that recomputation does again.
+"""
+
+from __future__ import annotations
+
+from meshlm.config import ModelConfig
+
+
+def layer_flops_per_token(m: ModelConfig) -> float:
+    """Forward+backward FLOPs per token of one layer's matmuls (no attention scores, no head)."""
+    e = 3 if m.activation == "swiglu" else 2
+    h, f, k, a, g = m.hidden_size, m.ffn_size, m.head_dim, m.n_heads, m.kv_heads
+    return 6.0 * (e * h * f + h * (k * a + 2 * k * g) + k * a * h)
+
+
+def model_flops(m: ModelConfig, batch: int, seq_len: int | None = None) -> float:
+    """Model FLOPs of one training step on `batch` full-length sequences (forward + backward)."""
+    s = seq_len or m.seq_len
+    tokens = batch * s
+    dense = tokens * (m.n_layers * layer_flops_per_token(m) + 6.0 * m.hidden_size * m.vocab_size)
+    attention = 6.0 * batch * s * s * m.n_layers * m.head_dim * m.n_heads
+    return dense + attention
+
+
+def recompute_flops(m: ModelConfig, batch: int, recompute: str, seq_len: int | None = None,
+                    layers: int | None = None) -> float:
+    """Extra forward FLOPs done again by activation recomputation (for HFU), over `layers` recomputed
+    layers (default every layer; `plan.layout.recomputed_layers` counts them)."""
+    s = seq_len or m.seq_len
+    n = m.n_layers if layers is None else layers
+    if recompute == "full":
+        per_layer = batch * s * layer_flops_per_token(m) / 3 + 2.0 * batch * s * s * m.head_dim * m.n_heads
+        return n * per_layer
+    if recompute == "selective":  # the attention core only: QKᵀ and ·V, causal counted once
+        return n * 2.0 * batch * s * s * m.head_dim * m.n_heads
+    return 0.0
+
+
+def stage_costs(m: ModelConfig) -> tuple[float, float]:
+    """(first, last) pipeline stage's extra work in layer-equivalents of forward+backward FLOPs per token.
+
+    One layer: its matmuls plus causal attention scores, 6·s·k·a. First stage: the embedding lookups are
+    gathers, no FLOPs: 0. Last stage: the LM head, 6·h·V (the final norm and the cross-entropy are
+    O(h + V), negligible). E.g. gpt2-1.3b: the head ≈ 2 layers.
+    """
+    layer = layer_flops_per_token(m) + 6.0 * m.seq_len * m.head_dim * m.n_heads
+    return 0.0, 6.0 * m.hidden_size * m.vocab_size / layer

@@ -1,0 +1,176 @@
+"""Is this layout valid, and what are its numbers? One torch-free module answers for everyone.
+
+The config, the parallel transforms, the trainer and the (coming) auto-configurator all ask the same
+questions: how does the world factor into pp × dp × tp, how many micro-batches does each rank run per
+step, which layers go to which pipeline stage, which layers form each recomputation region, and which
+combinations are refused. Each rule lives here once, as a plain function of numbers and configs, raising
+`ConfigError` with the key and the fix. Nothing here imports torch, so a planner can call it for
+thousands of candidate layouts in a second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshlm.config import Config, ConfigError, ModelConfig
+
+
+# ---- tensor parallelism -----------------------------------------------------------------------------------
+def check_tensor_parallel(cfg: ModelConfig, tp: int, sp: bool) -> None:
+    """The shapes Megatron's tensor parallelism needs of a transformer: heads, KV heads, MLP width and (under
+    sequence parallelism) the sequence divisible by tp."""
+    if cfg.n_heads % tp:
+        raise ConfigError(f"parallel.tp={tp} does not divide model.n_heads={cfg.n_heads}; "
+                          f"use one of {[d for d in range(1, cfg.n_heads + 1) if cfg.n_heads % d == 0]}")
+    kv = cfg.kv_heads
+    if kv % tp and tp % kv:
+        ok = [d for d in range(1, cfg.n_heads + 1) if cfg.n_heads % d == 0 and (kv % d == 0 or d % kv == 0)]
+        raise ConfigError(f"parallel.tp={tp} and model.n_kv_heads={kv}: one must divide the other (KV heads are "
+                          f"split when tp divides them, replicated when tp is a multiple); use tp in {ok}")
+    if cfg.ffn_size % tp:
+        raise ConfigError(f"parallel.tp={tp} does not divide the MLP width {cfg.ffn_size}; "
+                          "set model.ffn_hidden_size to a multiple of tp")
+    if sp and cfg.seq_len % tp:
+        raise ConfigError(f"parallel.sp=true splits the sequence over parallel.tp={tp} ranks, but model.seq_len="
+                          f"{cfg.seq_len} is not divisible by {tp}; set model.seq_len to a multiple of {tp}")
+
+
+# ---- micro-batches ----------------------------------------------------------------------------------------
+def microbatches_per_step(cfg: Config, dp: int) -> int:
+    """Micro-batches each rank (or pipeline) runs per step: global_batch_size / (micro_batch_size · dp);
+    the interleaved schedule also needs a multiple of pp."""
+    t = cfg.train
+    per_pipeline = t.micro_batch_size * dp
+    if t.global_batch_size % per_pipeline:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size="
+                          f"{t.micro_batch_size} × dp={dp}: every data-parallel rank takes an equal share of each "
+                          f"global batch; set it to a multiple of {per_pipeline}")
+    m = t.global_batch_size // per_pipeline
+    pp, vpp = cfg.parallel.pp, cfg.parallel.vpp
+    if pp > 1 and vpp > 1 and m % pp:
+        raise ConfigError(f"the interleaved schedule (parallel.vpp={vpp}) needs the micro-batches per step, "
+                          f"train.global_batch_size / (micro_batch_size · dp) = {m}, to be a multiple of "
+                          f"parallel.pp={pp}; set train.global_batch_size to a multiple of "
+                          f"{pp * per_pipeline}")
+    return m
+
+
+# ---- pipeline stages --------------------------------------------------------------------------------------
+def partition_layers(n_layers: int, pp: int, vpp: int = 1, explicit: list[int] | None = None,
+                     first_cost: float = 0.0, last_cost: float = 0.0) -> list[int]:
+    """Layers per virtual stage, in model order (length pp·vpp; stage s runs on pipeline rank s mod pp).
+
+    `explicit` (`parallel.pp_layers`) is validated and returned. Otherwise every stage gets one layer and
+    each further layer goes to the currently cheapest stage, the cost of a stage being its layers plus
+    `first_cost` (stage 0) or `last_cost` (stage S−1) in layer-equivalents. Adding unit weights one at a
+    time to the minimum minimises the maximum stage cost; ties go to the later stage, because the early
+    stages of 1F1B hold the most micro-batches' activations. 30 layers on 4 stages with a head of 0.25
+    layers: [7, 8, 8, 7]. The result always sums to `n_layers` with ≥ 1 layer per stage, so no layout can
+    drop or duplicate a layer (`stage_layer_ranges` turns counts into ranges).
+    """
+    stages = pp * vpp
+    if explicit:
+        counts = [int(c) for c in explicit]
+        if len(counts) != stages:
+            raise ConfigError(f"parallel.pp_layers={counts} has {len(counts)} entries but parallel.pp={pp} × "
+                              f"parallel.vpp={vpp} = {stages} stages; give one layer count per stage")
+        if min(counts) < 1:
+            raise ConfigError(f"parallel.pp_layers={counts}: every stage needs at least 1 layer")
+        if sum(counts) != n_layers:
+            raise ConfigError(f"parallel.pp_layers={counts} sums to {sum(counts)} but model.n_layers={n_layers}; "
+                              "the counts must add up to the number of layers")
+        return counts
+    if n_layers < stages:
+        raise ConfigError(f"model.n_layers={n_layers} is fewer than parallel.pp={pp} × parallel.vpp={vpp} = "
+                          f"{stages} stages; every stage needs a layer: lower parallel.pp or parallel.vpp")
+    counts = [1] * stages
+    extra = [0.0] * stages
+    extra[0] += first_cost
+    extra[-1] += last_cost
+    for _ in range(n_layers - stages):
+        cheapest = min(range(stages), key=lambda s: (counts[s] + extra[s], -s))
+        counts[cheapest] += 1
+    return counts
+
+
+def stage_layer_ranges(counts: list[int]) -> list[range]:
+    """[3, 2, 2] → [range(0, 3), range(3, 5), range(5, 7)]: consecutive, disjoint, covering."""
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    return [range(start, start + c) for start, c in zip(starts, counts)]
+
+
+def stage_ids(pp_rank: int, pp: int, vpp: int) -> list[int]:
+    """The virtual stages pipeline rank `pp_rank` holds: pp_rank, pp_rank + pp, …"""
+    return [pp_rank + k * pp for k in range(vpp)]
+
+
+# ---- activation recomputation -----------------------------------------------------------------------------
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def full_recompute_chunks(n_layers: int, method: str, num_layers: int) -> list[list[int]]:
+    """Which layers of a stage of `n_layers` form each checkpoint region (layers in no region: stored).
+
+    uniform: consecutive chunks of `num_layers` (0 → 1), the last one possibly shorter (as Megatron);
+    block: each of the first `num_layers` (0 → all) layers alone.
+    """
+    if num_layers > n_layers:
+        raise ConfigError(f"train.recompute_num_layers={num_layers} exceeds the {n_layers} layers of this "
+                          f"pipeline stage; use 1..{n_layers}, or 0 for every layer")
+    if method == "uniform":
+        size = num_layers or 1
+        return [list(range(i, min(i + size, n_layers))) for i in range(0, n_layers, size)]
+    return [[i] for i in range(num_layers or n_layers)]
+
+
+def recomputed_layers(cfg: Config) -> int:
+    """How many of the model's layers redo (part of) their forward in backward (for hardware FLOPs):
+    every layer, except under `full` with `block`, which recomputes the first N of each (virtual) stage."""
+    t, p, n = cfg.train, cfg.parallel, cfg.model.n_layers
+    if t.recompute == "none":
+        return 0
+    if t.recompute == "full" and t.recompute_method == "block" and t.recompute_num_layers:
+        return min(n, t.recompute_num_layers * p.pp * p.vpp)
+    return n
+
+
+# ---- data parallelism -------------------------------------------------------------------------------------
+def check_data_parallel(cfg: Config, tp: int) -> None:
+    """Layouts the data-parallel transforms cannot serve, as errors that say why and what to do."""
+    if cfg.parallel.zero == 3 and tp > 1:
+        raise ConfigError(f"parallel.zero=3 (FSDP2) with parallel.tp={tp} is not supported: tensor "
+                          "parallelism completes and measures gradients by rows of whole local tensors "
+                          "(replicated KV heads, sequence-parallel norms, the norm's row masks), which FSDP2 "
+                          "has sharded over dp; use parallel.zero=1 or 2 with tensor parallelism")
+
+
+# ---- the whole layout -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    """A valid layout's numbers: sizes, micro-batches per rank and step, layers per virtual stage."""
+
+    pp: int
+    dp: int
+    tp: int
+    microbatches: int
+    stage_layers: tuple[int, ...]
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+
+def plan_layout(cfg: Config, pp: int, dp: int, tp: int, stage_cost: tuple[float, float] = (0.0, 0.0)) -> Layout:
+    """Check every rule for `cfg` on a pp × dp × tp world; the layout's numbers, or the first ConfigError.
+    `stage_cost`: the (first, last) stage's extra work in layers (`ModelSpec.stage_costs`)."""
+    check_tensor_parallel(cfg.model, tp, cfg.parallel.sp and tp > 1)
+    check_data_parallel(cfg, tp)
+    m = microbatches_per_step(cfg, dp)
+    p = cfg.parallel
+    vpp = p.vpp if pp > 1 else 1
+    counts = partition_layers(cfg.model.n_layers, pp, vpp, p.pp_layers or None, *stage_cost) if pp > 1 \
+        else [cfg.model.n_layers]
+    if cfg.train.recompute == "full":
+        for c in counts:
+            full_recompute_chunks(c, cfg.train.recompute_method, cfg.train.recompute_num_layers)
+    return Layout(pp, dp, tp, m, tuple(counts))
