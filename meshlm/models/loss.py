@@ -25,12 +25,18 @@ import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+
+
+def accumulation_dtype(x: torch.Tensor | torch.dtype) -> torch.dtype:
+    """fp32 for 16-bit and fp32 inputs, float64 for float64: softmax and sums run in at least fp32 and never
+    round a double down (the equivalence tests run in float64)."""
+    return torch.promote_types(x if isinstance(x, torch.dtype) else x.dtype, torch.float32)
 CHUNK_BYTES = {"cpu": 16 << 20, "cuda": 256 << 20}  # fp32 logits per chunk: fits the CPU's cache; big GEMMs on GPU
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy from (B, T, V) logits and (B, T) targets, computed in fp32."""
-    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1),
+    return F.cross_entropy(logits.to(accumulation_dtype(logits)).view(-1, logits.shape[-1]), targets.reshape(-1),
                            ignore_index=IGNORE_INDEX)
 
 
@@ -62,10 +68,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(h2, weight, t1, chunk)
     dtype = _compute_dtype(hidden)
+    acc = accumulation_dtype(dtype)
     with torch.autocast(hidden.device.type, enabled=False):
-        w, total = weight.to(dtype), torch.zeros((), device=hidden.device)
+        w, total = weight.to(dtype), torch.zeros((), dtype=acc, device=hidden.device)
         for s in range(0, h2.shape[0], chunk):
-            z = torch.log_softmax((h2[s:s + chunk].to(dtype) @ w.t()).float(), dim=-1)
+            z = torch.log_softmax((h2[s:s + chunk].to(dtype) @ w.t()).to(acc), dim=-1)
             total -= _picked(z, t1[s:s + chunk]).sum()
         return total / (t1 != IGNORE_INDEX).sum()
 
@@ -85,27 +92,28 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int):
         dtype = _compute_dtype(hidden)
+        acc = accumulation_dtype(dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             n = (targets != IGNORE_INDEX).sum()
-            loss = torch.zeros((), device=hidden.device)
-            grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            loss = torch.zeros((), dtype=acc, device=hidden.device)
+            grad_h = torch.empty(hidden.shape, dtype=acc, device=hidden.device)
+            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
             rows = torch.arange(min(chunk, hidden.shape[0]), device=hidden.device)
             for s in range(0, hidden.shape[0], chunk):
                 t = targets[s:s + chunk]
                 keep = (t != IGNORE_INDEX).unsqueeze(1)
                 h = hidden[s:s + chunk].to(dtype) * keep  # an ignored token's row adds nothing to ∂W
-                z = torch.log_softmax((h @ w.t()).float(), dim=-1)  # (c, V): log p
+                z = torch.log_softmax((h @ w.t()).to(acc), dim=-1)  # (c, V): log p
                 loss -= _picked(z, t).sum()
                 z.exp_()  # p
                 z[rows[:len(t)], t.clamp_min(0)] -= 1.0  # p − onehot: ∂loss_i/∂z_i
                 dz = z.to(dtype)
-                grad_h[s:s + chunk] = (dz @ w).float() * keep
-                if dtype == torch.float32:
+                grad_h[s:s + chunk] = (dz @ w).to(acc) * keep
+                if dtype == acc:
                     grad_w.addmm_(dz.t(), h)
                 else:  # accumulate the chunks' bf16/fp16 products in fp32
-                    grad_w += (dz.t() @ h).float()
+                    grad_w += (dz.t() @ h).to(acc)
         ctx.save_for_backward(grad_h, grad_w, n)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return loss / n

@@ -51,8 +51,16 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.config import Config
+from meshlm.parallel.grads import (
+    NONE,
+    counted_rows,
+    element_mask,
+    sequence_parallel_params,
+    sharded_row_masks,
+    shared_row_layers,
+)
 from meshlm.parallel.mesh import ParallelDims
-from meshlm.parallel.tensor import _ALL_GATHER, _REDUCE_SCATTER, ColumnParallelLinear, _Sharded, finish_grads
+from meshlm.parallel.tensor import _ALL_GATHER, _REDUCE_SCATTER, finish_grads
 from meshlm.parallel.tensor import clip_grad_norm_ as tp_clip_grad_norm_
 from meshlm.plan.layout import check_data_parallel, microbatches_per_step  # noqa: F401 (re-exported)
 
@@ -332,17 +340,17 @@ class BucketedDataParallel(GradSync):
         """`tensor.finish_grads` and the pipeline's tied-embedding sum, on gradient shards."""
         d = self.dims
         if d.tp > 1:
-            marked = [sh.opt_key.grad for sh in self._shards if getattr(sh.param, "sequence_parallel", False)]
+            sp_params = {id(p) for p in sequence_parallel_params(self.model)}
+            marked = [sh.opt_key.grad for sh in self._shards if id(sh.param) in sp_params]
             if marked:
                 flat = torch.cat(marked)
                 dist.all_reduce(flat, group=d.tp_group)
                 for g, part in zip(marked, flat.split([g.numel() for g in marked])):
                     g.copy_(part)
-            for m in self.model.modules():
-                if isinstance(m, ColumnParallelLinear) and m.shared_rows is not None:
-                    for p in (m.weight, m.bias):
-                        if p is not None and id(p) in self._shard_of:
-                            _sum_shared_rows(self._shard_of[id(p)], m.shared_rows, d.tp_group)
+            for m in shared_row_layers(self.model):
+                for p in (m.weight, m.bias):
+                    if p is not None and id(p) in self._shard_of:
+                        _sum_shared_rows(self._shard_of[id(p)], m.shared_rows, d.tp_group)
         pipe = self.pipe
         if pipe is not None and pipe.tied_group is not None and id(pipe.tied_weight) in self._shard_of:
             dist.all_reduce(self._shard_of[id(pipe.tied_weight)].opt_key.grad, group=pipe.tied_group)
@@ -350,9 +358,9 @@ class BucketedDataParallel(GradSync):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         if self.zero == 0:
             return super().clip_grad_norm_(max_norm)
-        total = torch.zeros((), dtype=torch.float32, device=self.dims.device)
+        total = torch.zeros((), dtype=torch.float64, device=self.dims.device)  # as grads.local_square_sum
         for sh in self._shards:
-            g = sh.opt_key.grad.float()
+            g = sh.opt_key.grad.to(torch.promote_types(sh.opt_key.dtype, torch.float32))
             if sh.norm_mask is not None:
                 g = g[sh.norm_mask]
             total += g.pow(2).sum()
@@ -367,12 +375,7 @@ class BucketedDataParallel(GradSync):
     # ---- the distributed optimizer ----------------------------------------------------------------------
     def _make_shards(self) -> list[_Shard]:
         """Per parameter, its part of this rank's shard of its bucket (skipping empty intersections)."""
-        self._sharded_rows = {}  # id(param) → row mask (None: all rows) for tp-sharded parameters
-        for m in self.model.modules():
-            if isinstance(m, _Sharded):
-                for n in m.sharded_names:
-                    if getattr(m, n, None) is not None:
-                        self._sharded_rows[id(getattr(m, n))] = m.norm_row_mask()
+        masks = sharded_row_masks(self.model) if self.dims.tp > 1 else {}
         shards = []
         for b in self.buckets:
             lo, hi = b.shard
@@ -382,26 +385,9 @@ class BucketedDataParallel(GradSync):
                     continue
                 view = b.param_buf[a:e]
                 view.grad = b.shard_grad[a - lo:e - lo] if self.zero == 2 else b.grad[a:e]
-                mask = self._norm_mask(p)
-                if mask is not None:
-                    mask = mask[a - s:e - s]
+                mask = element_mask(p, counted_rows(p, masks, self.dims, self.pipe), a - s, e - s)
                 shards.append(_Shard(p, a - s, e - s, view, mask))
         return shards
-
-    def _norm_mask(self, p: nn.Parameter) -> torch.Tensor | None:
-        """Elements of p this rank counts in the gradient norm (None: all), as tensor.grad_norm and the
-        pipeline's grad_norm do: tp-sharded rows always (replicated KV rows on their owner only),
-        tp-replicated tensors on tp rank 0, the tied embedding on the first stage."""
-        count = torch.ones(p.numel(), dtype=torch.bool, device=p.device)
-        pipe = self.pipe
-        if pipe is not None and p is pipe.tied_weight and not pipe.has_first:
-            return ~count
-        if self.dims.tp == 1:
-            return None
-        if id(p) in self._sharded_rows:
-            rows = self._sharded_rows[id(p)]
-            return None if rows is None else rows.repeat_interleave(p.numel() // p.shape[0])
-        return None if self.dims.tp_rank == 0 else ~count
 
     def build_optimizer(self, groups: ParamGroups, make: MakeOptimizer) -> torch.optim.Optimizer:
         if self.zero == 0:
@@ -508,13 +494,13 @@ class FullyShardedDataParallel(GradSync):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         pipe = self.pipe
-        grads, total = [], torch.zeros((), dtype=torch.float32, device=self.dims.device)
+        grads, total = [], torch.zeros((), dtype=torch.float64, device=self.dims.device)
         for p in self.model.parameters():
             if p.grad is None:
                 continue
             grads.append(_local(p.grad))
-            if not (p is self.tied and not pipe.has_first):
-                total += grads[-1].float().pow(2).sum()
+            if counted_rows(p, {}, self.dims, pipe) is not NONE:  # tp = 1 under FSDP2: rule c only
+                total += grads[-1].to(torch.promote_types(grads[-1].dtype, torch.float32)).pow(2).sum()
         dist.all_reduce(total, group=self.dims.dp_group)
         if self.dims.pp > 1:
             dist.all_reduce(total, group=self.dims.pp_group)

@@ -47,9 +47,9 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.config import Config
+from meshlm.parallel.grads import local_square_sum
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.tensor import LossFn
-from meshlm.parallel.tensor import grad_norm as tp_grad_norm
 from meshlm.plan.layout import microbatches_per_step, partition_layers, stage_ids, stage_layer_ranges
 
 
@@ -252,9 +252,10 @@ class Pipeline:
         with self._peers("training step"):
             self.schedule.step(*args, target=y if self.has_last else None,
                                losses=losses if self.has_last else None, **self._step_kwargs)
-            total = torch.zeros((), device=self.dims.device)
+            total = torch.zeros((), dtype=torch.promote_types(torch.get_default_dtype(), torch.float32),
+                                device=self.dims.device)
             for loss in losses:  # the accumulation loop's order: the same float sum
-                total += loss.detach().float()
+                total += loss.detach().to(total.dtype)
             dist.broadcast(total, src=self.last_rank, group=self.dims.pp_group)
         return total
 
@@ -269,19 +270,12 @@ class Pipeline:
             dist.all_reduce(w.grad, group=self.tied_group)
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
-        """‖∇‖₂ of the whole model: every stage's parameters once (tensor-parallel shards once, via
-        `tensor.grad_norm`), the tied embedding once (the last stage's copy is left out), summed over pp."""
-        hidden = self.tied_weight if (self.tied_weight is not None and not self.has_first) else None
-        saved = hidden.grad if hidden is not None else None
-        if hidden is not None:
-            hidden.grad = None
-        try:
-            local = tp_grad_norm(model, self.dims)
-        finally:
-            if hidden is not None:
-                hidden.grad = saved
-        square = local.pow(2)
+        """‖∇‖₂ of the whole model: every stage's parameters once (tensor-parallel shards once), the tied
+        embedding once (the first stage's copy), summed over tp then pp (`parallel/grads.py`)."""
+        square = local_square_sum(model.parameters(), self.dims, self, model)
         with self._peers("gradient-norm all-reduce"):
+            if self.dims.tp > 1:
+                dist.all_reduce(square, group=self.dims.tp_group)
             dist.all_reduce(square, group=self.dims.pp_group)
         return square.sqrt()
 
@@ -298,7 +292,7 @@ class Pipeline:
         d, pp = self.dims, self.dims.pp
         dtype = next(p for m in self.modules for p in m.parameters()).dtype
         shape = (x.shape[0], x.shape[1] // self.seq_shard, self.hidden_size)  # the stream between stages
-        loss = torch.zeros((), device=d.device)
+        loss = torch.zeros((), dtype=torch.promote_types(torch.get_default_dtype(), torch.float32), device=d.device)
         with self._peers("evaluation forward"):
             for k, s in enumerate(self.stage_ids):
                 if s == 0:
@@ -310,7 +304,7 @@ class Pipeline:
                 if s < self.n_stages - 1:
                     dist.send(out.to(dtype).contiguous(), dst=_rank_at(d, (s + 1) % pp), group=d.pp_group)
                 else:
-                    loss = self.loss_fn(out, y).detach().float()
+                    loss = self.loss_fn(out, y).detach().to(loss.dtype)
             dist.broadcast(loss, src=self.last_rank, group=d.pp_group)
         return loss
 

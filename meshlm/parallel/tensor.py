@@ -22,6 +22,7 @@ import functools
 import torch
 from torch import nn
 
+from meshlm.parallel.grads import local_square_sum, sequence_parallel_params, shared_row_layers
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.rng import TPRNGTracker
 from meshlm.parallel.styles import TPContext
@@ -92,54 +93,36 @@ def apply_plan(model: nn.Module, plan: dict, ctx: TPContext) -> TPContext:
 
 # ---- gradients, norms and the full weights ---------------------------------------------------------------
 def finish_grads(model: nn.Module, dims: ParallelDims) -> None:
-    """Complete the gradients tp ranks hold only parts of; call after backward, before clipping.
+    """Complete the gradients tp ranks hold only parts of (`parallel/grads.py`, rules 1 and 2); call after
+    backward, before clipping.
 
-    * parameters marked `sequence_parallel` (norms, row-parallel biases and learned positions under SP) saw
-      only this rank's tokens: their gradients are summed over tp (one coalesced all-reduce);
+    * parameters marked `sequence_parallel` saw only this rank's tokens: their gradients are summed over
+      tp (one coalesced all-reduce);
     * KV rows replicated over t/n_kv_heads ranks are summed over the ranks holding each head (one
       all-reduce of the compact KV space per layer, zeros where a rank holds nothing).
     Explicit rather than autograd hooks: it runs once per optimizer step, not once per micro-batch.
     """
     if dims.tp == 1:
         return
-    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [p.grad for p in sequence_parallel_params(model) if p.grad is not None]
     if grads:
         flat = _all_reduce(torch.cat([g.reshape(-1) for g in grads]), dims.tp_group)
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
-    for m in model.modules():
-        if isinstance(m, ColumnParallelLinear) and m.shared_rows is not None:
-            local, compact, n = m.shared_rows
-            for p in (m.weight, m.bias):
-                if p is None or p.grad is None:
-                    continue
-                space = p.grad.new_zeros((n, *p.shape[1:]))
-                space[compact] = p.grad[local]
-                p.grad[local] = _all_reduce(space, dims.tp_group)[compact]
+    for m in shared_row_layers(model):
+        local, compact, n = m.shared_rows
+        for p in (m.weight, m.bias):
+            if p is None or p.grad is None:
+                continue
+            space = p.grad.new_zeros((n, *p.shape[1:]))
+            space[compact] = p.grad[local]
+            p.grad[local] = _all_reduce(space, dims.tp_group)[compact]
 
 
 def grad_norm(model: nn.Module, dims: ParallelDims) -> torch.Tensor:
-    """‖∇‖₂ of the whole (unsharded) model: each sharded row counted once, each replicated tensor once.
-
-    Sharded weights contribute their local squares from every rank (replicated KV rows only from the owning
-    rank); replicated parameters (norms, row biases, positions) only from tp rank 0. One all-reduce sums.
-    """
-    sharded = {}  # id(param) → row mask (None: every row)
-    for m in model.modules():
-        if isinstance(m, _Sharded):
-            for name in m.sharded_names:
-                if getattr(m, name, None) is not None:
-                    sharded[id(getattr(m, name))] = m.norm_row_mask()
-    total = torch.zeros((), dtype=torch.float32, device=dims.device)
-    for p in model.parameters():  # each shared (tied) parameter once
-        if p.grad is None:
-            continue
-        g = p.grad.float()
-        if id(p) in sharded:
-            mask = sharded[id(p)]
-            total += (g if mask is None else g[mask]).pow(2).sum()
-        elif dims.tp_rank == 0:
-            total += g.pow(2).sum()
+    """‖∇‖₂ of the whole (unsharded) model, each element counted by one rank (`parallel/grads.py`, rules
+    a and b); one all-reduce over tp sums the squares."""
+    total = local_square_sum(model.parameters(), dims, model=model)
     if dims.tp > 1:
         total = _all_reduce(total, dims.tp_group)
     return total.sqrt()

@@ -550,7 +550,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     width = logits.shape[-1]
     n_valid = vocab_size - dist.get_rank(group) * width
     targets = targets.reshape(-1)
-    losses = _VocabParallelCrossEntropy.apply(logits.float().reshape(-1, width), targets, group, n_valid)
+    acc = torch.promote_types(logits.dtype, torch.float32)  # fp32, or float64 for a float64 model
+    losses = _VocabParallelCrossEntropy.apply(logits.to(acc).reshape(-1, width), targets, group, n_valid)
     keep = targets != IGNORE_INDEX  # an ignored target is on no rank: its row's loss is log Σ exp, dropped here
     return (losses * keep).sum() / keep.sum()
 

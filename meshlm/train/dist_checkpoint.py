@@ -212,7 +212,8 @@ def _rank_pieces(sync, optimizer) -> tuple[dict[str, torch.Tensor], list[list]]:
                 continue
             for kind, flat in flats.items():
                 key = f"{kind}/{seg.name}/{row}/{col}"
-                tensors[key] = flat[off:off + n * w].detach().reshape(n, w).float().cpu().clone()
+                piece = flat[off:off + n * w].detach().reshape(n, w)
+                tensors[key] = piece.to(torch.promote_types(piece.dtype, torch.float32)).cpu().clone()  # fp32/f64
                 entries.append([key, kind, seg.name, row, col, n, w])
     return tensors, entries
 

@@ -3,13 +3,14 @@
 The world holds two layouts at once: tp=4, and tp=2 × dp=2 (two independent tp=2 replicas fed the same
 data, no data-parallel reduction). On every rank, `gpt-tiny` and `llama-tiny` (GQA with 2 KV heads: split
 at tp=2, replicated at tp=4), shrunk to 2 layers of width 32 and a vocabulary of 101 (padded), train 5
-AdamW steps of 2 micro-batches with clipping active, fp32, dropout off, against the same model trained
-without tensor parallelism on that rank. Checked: per-step losses and gradient norms within 1e-5 relative,
-and the gathered final weights within 1e-5. The same world checks the mesh layout and the dropout streams.
+AdamW steps of 2 micro-batches with clipping active, float64, dropout off, against the same model trained
+without tensor parallelism on that rank. Checked: per-step losses and gradient norms within 1e-9 relative,
+and the gathered final weights within 1e-9. The same world checks the mesh layout and the dropout streams.
 """
 
 from __future__ import annotations
 
+import dp_harness as H
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,12 +18,12 @@ from parallel_world import run_world
 
 from meshlm.config import ConfigError, OptimConfig, load_config
 from meshlm.models.gpt import GPT
+from meshlm.models.loss import cross_entropy
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.rng import TPRNGTracker
 from meshlm.parallel.tensor import (
     apply_tensor_parallel,
     clip_grad_norm_,
-    cross_entropy,
     finish_grads,
     full_state_dict,
 )
@@ -31,13 +32,14 @@ from meshlm.train.optim import build_optimizer
 
 SMALL = ["--model.n_layers=2", "--model.hidden_size=32", "--model.seq_len=16", "--model.vocab_size=101"]
 STEPS, MICRO_BATCHES, MICRO_BATCH_SIZE, SEED = 5, 2, 2, 1234
-# AdamW's update m/√v is scale-free: a gradient entry near zero whose fp32 rounding differs (sums taken in
-# another order) moves its weight by a fraction of lr either way. Measured on llama-tiny, tp=2: final
-# weights differ by 1.0e-5 at lr 3e-3, 3.6e-6 at lr 1e-3, and 7e-9 with SGD: rounding, not a TP error.
-LR, EPS = 1e-3, 1e-6  # eps: see dp_harness.EPS (rounding-level gradients must not decide ±lr updates)
+# AdamW's update m/√v is scale-free: a gradient entry near zero whose rounding differs (sums taken in
+# another order) moves its weight by a fraction of lr either way. In fp32, measured on llama-tiny, tp=2:
+# final weights differed by 1.0e-5 at lr 3e-3, 3.6e-6 at lr 1e-3 (1.25e-5 on a CPU without AVX-512), and
+# 7e-9 with SGD: rounding, not a TP error. So these runs are in float64 (dp_harness.TOL says why 1e-9).
+LR = 1e-3
 CLIP = 0.5  # small enough that clipping scales every step: a wrong tp gradient norm would show
 LAYOUTS = [(2, False), (2, True), (4, False), (4, True)]
-TOL = 1e-5
+TOL = H.TOL
 
 
 def _model_config(name: str, **changes):
@@ -51,7 +53,7 @@ def _train(mcfg, dims: ParallelDims | None, sp: bool) -> dict:
     loss_fn = cross_entropy
     if dims is not None:
         loss_fn = apply_tensor_parallel(model, dims, sp, TPRNGTracker(SEED, dims.tp_rank))
-    opt = build_optimizer(model, OptimConfig(lr=LR, eps=EPS, weight_decay=0.1))
+    opt = build_optimizer(model, OptimConfig(lr=LR, weight_decay=0.1))
     # The same two micro-batches every step: random tokens have nothing to learn across batches, but a
     # repeated batch is memorised, so the loss must fall (a check that the steps do something).
     data = torch.Generator().manual_seed(7)
@@ -127,6 +129,7 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
     dims2 = ParallelDims.build(tp=2, timeout_s=60)  # tp=2 × dp=2
     dims4 = ParallelDims.build(tp=4, timeout_s=60)  # a second layout in the same world
     out = {"mesh": _mesh_facts(dims2, dims4), "rng": _rng_facts(dims2)}
+    torch.set_default_dtype(torch.float64)  # the training comparisons (this spawned process only): H.TOL
     for name in ("gpt-tiny", "llama-tiny"):
         mcfg = _model_config(name)
         ref = _train(mcfg, None, False)

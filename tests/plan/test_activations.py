@@ -8,8 +8,8 @@ from torch import nn
 
 from meshlm.config import build
 from meshlm.models.gpt import GPT
+from meshlm.models.loss import cross_entropy
 from meshlm.parallel.rng import TPRNGTracker
-from meshlm.parallel.tensor import cross_entropy
 from meshlm.plan.activations import measure_model_activations, measure_saved_activations
 
 
