@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from meshlm.config import ConfigError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = 34
@@ -41,8 +43,8 @@ DTYPE_CODES: dict[int, np.dtype] = {
 CODE_OF_DTYPE = {dt: code for code, dt in DTYPE_CODES.items()}
 
 
-class IndexedFormatError(ValueError):
-    """An `.idx`/`.bin` pair that does not follow the format."""
+class IndexedFormatError(ConfigError):
+    """An `.idx`/`.bin` pair that does not follow the format (a user error: the CLI prints one line)."""
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:

@@ -96,7 +96,7 @@ def test_empty_documents_and_invalid_utf8_are_counted(tmp_path, workers, append_
     (tmp_path / "b.txt").write_text("  \n\n")  # whitespace only
     (tmp_path / "c.jsonl").write_text('{"text": ""}\n\n{"text": "fine"}\n')
     stats = prepare([str(tmp_path)], "gpt2", str(tmp_path / "out"), workers=workers, append_eod=append_eod,
-                    chunk_bytes=1, **QUIET)
+                    chunk_bytes=1, allow_binary=True, **QUIET)  # invalid UTF-8 up front: refused without it
     assert (stats.documents, stats.empty_documents, stats.invalid_utf8_documents) == (2, 2, 1)
     tok, data = get_tokenizer("gpt2"), IndexedDataset(tmp_path / "out")
     eod = [tok.eod_id] if append_eod else []
