@@ -38,6 +38,13 @@ INT_MAX = 2 ** 63 - 1  # torch and numpy hold counts in int64
 SEED_MAX = 2 ** 32 - 1  # numpy's seeds are 32-bit
 
 
+def _divisors(n: int, most: int = 12) -> str:
+    """The divisors of `n` (without enumerating up to n: it may be huge), at most `most` of them."""
+    small = [d for d in range(1, min(math.isqrt(n), 10 ** 6) + 1) if n % d == 0]
+    found = sorted(set(small + [n // d for d in small]))
+    return ", ".join(map(str, found[:most])) + (", ..." if len(found) > most else "")
+
+
 def _default(obj: object, key: str) -> Any:
     return next(f.default for f in fields(obj) if f.name == key)
 
@@ -122,7 +129,7 @@ class ModelConfig:
         _check(self.init_std <= 1, f"model.init_std={self.init_std} must be at most 1 (typically 0.02)")
         _check(self.hidden_size % self.n_heads == 0,
                f"model.hidden_size={self.hidden_size} is not divisible by model.n_heads={self.n_heads}; "
-               f"choose n_heads among {[d for d in range(1, 65) if self.hidden_size % d == 0]}")
+               f"choose n_heads among {_divisors(self.hidden_size)}")
         _check(self.n_kv_heads is None or (self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0),
                f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
         _check(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)")
@@ -284,7 +291,7 @@ class Config:
         m, p = self.model, self.parallel
         _check(m.n_heads % p.tp == 0,
                f"parallel.tp={p.tp} does not divide model.n_heads={m.n_heads}; "
-               f"use one of {[d for d in range(1, m.n_heads + 1) if m.n_heads % d == 0]}")
+               f"use one of {_divisors(m.n_heads)}")
         _check(not p.pp_layers or sum(p.pp_layers) == m.n_layers,
                f"parallel.pp_layers={p.pp_layers} sums to {sum(p.pp_layers)} but model.n_layers={m.n_layers}")
         _check(m.n_layers >= p.pp * p.vpp, f"model.n_layers={m.n_layers} is fewer than parallel.pp × parallel.vpp "

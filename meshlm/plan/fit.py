@@ -48,7 +48,6 @@ def training_bytes(cfg: Config, world_size: int | None = None, device_type: str 
     """Per process: fp32 weights, gradients and Adam states (16 B/param: `model_state_bytes_per_param`),
     split by tp × pp and, with ZeRO, over dp; and the activations one pipeline stage holds in flight."""
     from meshlm.plan.memory import (
-        layer_activation_bytes,
         model_state_bytes_per_param,
         parameter_count,
         pipeline_activation_factor,
@@ -65,9 +64,20 @@ def training_bytes(cfg: Config, world_size: int | None = None, device_type: str 
     local = parameter_count(m) / (p.tp * p.pp)
     out = {name: value * local for name, value in per.items()}
     micro_batches = max(1, t.global_batch_size // (t.micro_batch_size * dp))
-    layers = sum(layer_activation_bytes(cfg, device_type=device_type)) / p.pp
+    layers = _all_layers_activation_bytes(cfg, device_type) / p.pp
     out["activations"] = layers * pipeline_activation_factor(p.pp, micro_batches, p.vpp)
     return out
+
+
+def _all_layers_activation_bytes(cfg: Config, device_type: str) -> float:
+    """`layer_activation_bytes` summed, without a list of n_layers entries for absurd n_layers (then a lower
+    bound: every layer saves at least what the first layer of a recomputed region does)."""
+    from meshlm.plan.memory import layer_activation_bytes
+
+    n = cfg.model.n_layers
+    if n <= 100_000:
+        return sum(layer_activation_bytes(cfg, device_type=device_type))
+    return min(layer_activation_bytes(cfg, n_layers=1, device_type=device_type)) * n
 
 
 def weights_bytes(m: ModelConfig, tp: int = 1) -> float:
@@ -102,10 +112,8 @@ def check_training_fits(cfg: Config) -> None:
 
 def check_bench_fits(cfg: Config) -> None:
     """`meshlm bench memory`: the weights and one micro-batch's activations (no gradients, no optimizer)."""
-    from meshlm.plan.memory import layer_activation_bytes
-
     device = device_type_of(cfg)
     needed = {"weights": weights_bytes(cfg.model, cfg.parallel.tp),
-              "activations": sum(layer_activation_bytes(cfg, device_type=device))}
+              "activations": _all_layers_activation_bytes(cfg, device)}
     check_fits(needed, "measuring this model", "make the model smaller (model.n_layers, model.hidden_size), "
                "lower train.micro_batch_size or model.seq_len, or spread it with parallel.tp", device)
