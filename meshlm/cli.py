@@ -124,12 +124,17 @@ def _plot(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def one_line(message: str) -> str:
+    """`message` as one printable line: newlines and other control characters (from user input) escaped."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in message)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, with a usage error as one line `error: ...` (exit code 2) instead of the usage and the
     error; the subcommands' parsers are of this class too."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {self.prog}: {message}; see {self.prog} -h\n")
+        self.exit(2, f"error: {self.prog}: {one_line(message)}; see {self.prog} -h\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, extra)
     except (ConfigError, CheckpointError, AssetError) as err:  # DataError, IndexedFormatError too
-        message = " ".join(str(err).split("\n"))  # one line, whatever the message holds
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {one_line(str(err))}", file=sys.stderr)
         return 2
 
 
