@@ -1,13 +1,16 @@
 """meshlm command line: `meshlm train | generate | plot | prepare | tokenizer train | bench memory | convert`.
 
-User errors (bad config, missing checkpoint or asset) print one line naming the key or path and the fix,
-and exit with code 2, without a traceback.
+User errors (bad config or argument, missing checkpoint or asset, bad data, a run too large for this
+machine) print one line starting with `error:` that names the key or path and the fix, and exit with
+code 2, without a traceback; argparse's usage errors too (docs/reliability-inputs.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from typing import NoReturn
 
 from meshlm.config import DEFAULT_CONFIG, ConfigError, bundled_configs
 from meshlm.data.commands import add_data_commands
@@ -18,9 +21,11 @@ from meshlm.plan.commands import add_bench_commands
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from meshlm.config import load_config
     from meshlm.parallel import destroy
+    from meshlm.plan.fit import check_training_fits
     from meshlm.train.trainer import Trainer
 
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides).check_paths()
+    check_training_fits(cfg)
     try:
         Trainer(cfg).run()
     except BaseException:
@@ -30,34 +35,83 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def load_model_from_checkpoint(path: str, device: str = "cpu"):
+def load_model_from_checkpoint(path: str, device: str = "cpu", cfg=None):
     """(model, tokenizer, config) from a run directory or checkpoint directory."""
     import torch
 
-    from meshlm.config import config_from_dict
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.models.gpt import GPT
     from meshlm.train import checkpoint as ckpt
 
     target = ckpt.resolve_checkpoint(path)
-    cfg = config_from_dict(ckpt.load_config_dict(target))
+    cfg = cfg or checkpoint_config(path)
     model = GPT(cfg.model)
     model.load_state_dict(ckpt.load_model_state(target))
     return model.to(torch.device(device)).eval(), get_tokenizer(cfg.data.tokenizer), cfg
 
 
+def checkpoint_config(path: str):
+    from meshlm.config import config_from_dict
+    from meshlm.train import checkpoint as ckpt
+
+    return config_from_dict(ckpt.load_config_dict(ckpt.resolve_checkpoint(path)))
+
+
+def _check_sampling(args: argparse.Namespace) -> None:
+    """The sampling arguments of `meshlm generate` (the lengths are checked against the model later)."""
+    from meshlm.config import SEED_MAX
+
+    checks = [
+        (args.max_new_tokens >= 0, f"--max-new-tokens {args.max_new_tokens} must be >= 0"),
+        (math.isfinite(args.temperature) and args.temperature >= 0,
+         f"--temperature {args.temperature} must be a finite number >= 0 (0: greedy decoding)"),
+        (args.top_k >= 0, f"--top-k {args.top_k} must be >= 0 (0: keep every token)"),
+        (math.isfinite(args.top_p) and 0 < args.top_p <= 1,
+         f"--top-p {args.top_p} must be in (0, 1] (1: off; e.g. 0.9 keeps the tokens holding 90% of the mass)"),
+        (args.seed is None or 0 <= args.seed <= SEED_MAX, f"--seed {args.seed} must be in 0..{SEED_MAX}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def _check_lengths(cfg, n_prompt: int, max_new_tokens: int) -> int:
+    """How many tokens to generate: a prompt longer than the context is an error; with learned positions,
+    generation stops at model.seq_len (said on stderr); RoPE may go further while the KV cache fits."""
+    from meshlm.plan.fit import check_fits, kv_cache_bytes, weights_bytes
+
+    m = cfg.model
+    if n_prompt > m.seq_len:
+        raise ConfigError(f"--prompt is {n_prompt} tokens, longer than the model's context of model.seq_len="
+                          f"{m.seq_len} tokens; shorten the prompt")
+    if m.position == "learned" and n_prompt + max_new_tokens > m.seq_len:
+        print(f"note: generating {m.seq_len - n_prompt} tokens, not {max_new_tokens}: the prompt "
+              f"({n_prompt} tokens) and the new tokens fill the model's context of model.seq_len={m.seq_len} "
+              "(learned positions)", file=sys.stderr)
+        max_new_tokens = m.seq_len - n_prompt
+    needed = {"weights": weights_bytes(m), "KV cache": kv_cache_bytes(m, 1, n_prompt + max_new_tokens)}
+    check_fits(needed, f"generating {max_new_tokens:,} tokens", "lower --max-new-tokens (at most model.seq_len="
+               f"{m.seq_len} is what the model was trained for)")
+    return max_new_tokens
+
+
 def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
-    import torch
-
-    from meshlm.infer.generate import generate
-
     if overrides:
         raise ConfigError(f"generate takes no config overrides (got {overrides[0]!r}); see meshlm generate -h")
+    _check_sampling(args)
+    import torch
+
+    from meshlm.data.tokenizers import get_tokenizer
+    from meshlm.infer.generate import generate
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer, _ = load_model_from_checkpoint(args.checkpoint, device)
+    cfg = checkpoint_config(args.checkpoint)
+    tokenizer = get_tokenizer(cfg.data.tokenizer)
     ids = tokenizer.encode(args.prompt) or [tokenizer.eod_id]
+    max_new_tokens = _check_lengths(cfg, len(ids), args.max_new_tokens)
+    model, _, _ = load_model_from_checkpoint(args.checkpoint, device, cfg)
     prompt = torch.tensor([ids], device=device)
-    out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+    out = generate(model, prompt, max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, use_cache=not args.no_cache)
     print(tokenizer.decode(out[0].tolist()))
     return 0
@@ -70,8 +124,21 @@ def _plot(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def one_line(message: str) -> str:
+    """`message` as one printable line: newlines and other control characters (from user input) escaped."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in message)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line `error: ...` (exit code 2) instead of the usage and the
+    error; the subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {one_line(message)}; see {self.prog} -h\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshlm", description="GPT training with Megatron-style parallelism")
+    parser = Parser(prog="meshlm", description="GPT training with Megatron-style parallelism")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model; extra --section.key=value override the config")
     train.add_argument("--config", default=DEFAULT_CONFIG,
@@ -107,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)} (config overrides look like --train.lr=3e-4)")
     try:
         return args.func(args, extra)
-    except (ConfigError, CheckpointError, AssetError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (ConfigError, CheckpointError, AssetError) as err:  # DataError, IndexedFormatError too
+        print(f"error: {one_line(str(err))}", file=sys.stderr)
         return 2
 
 

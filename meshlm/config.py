@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import os
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields
@@ -30,6 +32,54 @@ def _check(cond: bool, message: str) -> None:
 
 def _choices(key: str, value: str, allowed: tuple[str, ...]) -> None:
     _check(value in allowed, f"{key}={value!r} is not one of {', '.join(allowed)}; pick one of them")
+
+
+INT_MAX = 2 ** 63 - 1  # torch and numpy hold counts in int64
+SEED_MAX = 2 ** 32 - 1  # numpy's seeds are 32-bit
+
+
+def _divisors(n: int, most: int = 12) -> str:
+    """The divisors of `n` (without enumerating up to n: it may be huge), at most `most` of them."""
+    small = [d for d in range(1, min(math.isqrt(n), 10 ** 6) + 1) if n % d == 0]
+    found = sorted(set(small + [n // d for d in small]))
+    return ", ".join(map(str, found[:most])) + (", ..." if len(found) > most else "")
+
+
+def _default(obj: object, key: str) -> Any:
+    return next(f.default for f in fields(obj) if f.name == key)
+
+
+def _positive(section: str, obj: object, *keys: str) -> None:
+    for key in keys:
+        value = getattr(obj, key)
+        _check(value > 0, f"{section}.{key}={value} must be positive; e.g. {section}.{key}={_default(obj, key)} "
+                          "(the default)")
+
+
+def _non_negative(section: str, obj: object, *keys: str, zero: str = "0 disables") -> None:
+    for key in keys:
+        value = getattr(obj, key)
+        _check(value >= 0, f"{section}.{key}={value} must be >= 0 ({zero})")
+
+
+def _non_empty(section: str, obj: object, *keys: str) -> None:
+    for key in keys:
+        value = getattr(obj, key)
+        _check(value.strip() != "", f"{section}.{key}={value!r} is empty; give a value (or leave the key out "
+                                    "for the default)")
+
+
+def check_output_dir(key: str, path: str) -> None:
+    """`path` is, or can become, a writable directory: not a file, below no file, in a writable parent."""
+    target = Path(path).expanduser()
+    _check(not target.exists() or target.is_dir(),
+           f"{key}={path!r} is an existing file, not a directory; choose a directory path")
+    parent = target
+    while not parent.exists():
+        parent = parent.parent
+    _check(parent.is_dir(), f"{key}={path!r} lies below the file {str(parent)!r}; choose a directory path")
+    _check(os.access(parent, os.W_OK | os.X_OK),
+           f"{key}={path!r} cannot be created or written ({str(parent)!r} is not writable); choose another path")
 
 
 @dataclass(frozen=True)
@@ -73,11 +123,16 @@ class ModelConfig:
         return 4 * self.hidden_size
 
     def validate(self) -> None:
-        for key in ("vocab_size", "n_layers", "hidden_size", "n_heads", "seq_len"):
-            _check(getattr(self, key) > 0, f"model.{key}={getattr(self, key)} must be positive")
+        _positive("model", self, "vocab_size", "n_layers", "hidden_size", "n_heads", "seq_len", "norm_eps",
+                  "rope_theta", "init_std")
+        _check(self.ffn_hidden_size is None or self.ffn_hidden_size > 0,
+               f"model.ffn_hidden_size={self.ffn_hidden_size} must be positive; or leave it out for the default "
+               "(4 × hidden_size for gelu, about 8/3 × hidden_size for swiglu)")
+        _check(self.norm_eps < 1, f"model.norm_eps={self.norm_eps} must be below 1 (typically 1e-5 or 1e-6)")
+        _check(self.init_std <= 1, f"model.init_std={self.init_std} must be at most 1 (typically 0.02)")
         _check(self.hidden_size % self.n_heads == 0,
                f"model.hidden_size={self.hidden_size} is not divisible by model.n_heads={self.n_heads}; "
-               f"choose n_heads among {[d for d in range(1, 65) if self.hidden_size % d == 0]}")
+               f"choose n_heads among {_divisors(self.hidden_size)}")
         _check(self.n_kv_heads is None or (self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0),
                f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
         _check(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)")
@@ -113,17 +168,17 @@ class TrainConfig:
     sample_prompt: str = "\n"
 
     def validate(self) -> None:
-        for key in ("max_steps", "micro_batch_size", "global_batch_size", "log_every", "eval_iters"):
-            _check(getattr(self, key) > 0, f"train.{key}={getattr(self, key)} must be positive")
-        for key in ("save_every", "eval_every", "sample_tokens"):
-            _check(getattr(self, key) >= 0, f"train.{key}={getattr(self, key)} must be >= 0 (0 disables)")
+        _positive("train", self, "max_steps", "micro_batch_size", "global_batch_size", "log_every", "eval_iters")
+        _non_negative("train", self, "save_every", "eval_every", "sample_tokens")
+        _check(0 <= self.seed <= SEED_MAX, f"train.seed={self.seed} must be in 0..{SEED_MAX}; e.g. train.seed=1234")
+        _non_empty("train", self, "out_dir", "resume")
         _check(self.global_batch_size % self.micro_batch_size == 0,
                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
                f"train.micro_batch_size={self.micro_batch_size}; set it to "
                f"{max(1, self.global_batch_size // self.micro_batch_size) * self.micro_batch_size}")
         _choices("train.precision", self.precision, ("fp32", "bf16", "fp16"))
         _choices("train.device", self.device, ("auto", "cpu", "cuda"))
-        _check(self.peak_tflops >= 0, f"train.peak_tflops={self.peak_tflops} must be >= 0 (0 measures it)")
+        _non_negative("train", self, "peak_tflops", zero="0 measures it at start")
         _choices("train.recompute", self.recompute, ("none", "selective", "full"))
         _choices("train.recompute_method", self.recompute_method, ("uniform", "block"))
         _check(self.recompute_num_layers >= 0,
@@ -151,14 +206,13 @@ class OptimConfig:
     wsd_decay_fraction: float = 0.2  # WSD: share of the steps spent in the final decay
 
     def validate(self) -> None:
-        _check(self.lr > 0, f"optim.lr={self.lr} must be positive")
+        _positive("optim", self, "lr", "eps")
         _check(0 <= self.min_lr <= self.lr, f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
-        _check(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
+        _non_negative("optim", self, "weight_decay", zero="0 disables")
         for key in ("beta1", "beta2"):
             _check(0 <= getattr(self, key) < 1, f"optim.{key}={getattr(self, key)} must be in [0, 1)")
-        _check(self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip} must be >= 0 (0 disables)")
-        _check(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
-        _check(self.decay_steps >= 0, f"optim.decay_steps={self.decay_steps} must be >= 0")
+        _non_negative("optim", self, "grad_clip", "warmup_steps")
+        _non_negative("optim", self, "decay_steps", zero="0: train.max_steps")
         _choices("optim.decay", self.decay, ("cosine", "linear", "constant", "wsd"))
         _check(0 < self.wsd_decay_fraction <= 1,
                f"optim.wsd_decay_fraction={self.wsd_decay_fraction} must be in (0, 1]")
@@ -173,6 +227,7 @@ class DataConfig:
     split: str = "95,5,0"  # train, validation, test shares, by document
     cache_dir: str = ""  # "": $MESHLM_CACHE or ~/.cache/meshlm (prepared text and sample indices)
     json_key: str = "text"  # the field holding the text in .jsonl data.paths
+    allow_binary: bool = False  # true: text data.paths that look binary (NUL bytes, invalid UTF-8) are used anyway
 
     @property
     def split_weights(self) -> tuple[float, float, float]:
@@ -186,9 +241,12 @@ class DataConfig:
             parts = [float(p) for p in self.split.split(",")]
         except ValueError:
             parts = []
-        _check(0 < len(parts) <= 3 and all(p >= 0 for p in parts) and sum(parts) > 0 and parts[0] > 0,
+        _check(0 < len(parts) <= 3 and all(0 <= p < math.inf for p in parts) and sum(parts) > 0 and parts[0] > 0,
                f"data.split={self.split!r} must be up to three non-negative weights 'train,valid,test' "
                "with a positive train share, e.g. '98,1,1'")
+        _non_empty("data", self, "tokenizer", "json_key")
+        for path in self.paths:
+            _check(path.strip() != "", f"data.paths={self.paths!r} holds an empty path; remove it or name a file")
 
 
 @dataclass(frozen=True)
@@ -236,7 +294,7 @@ class Config:
         m, p = self.model, self.parallel
         _check(m.n_heads % p.tp == 0,
                f"parallel.tp={p.tp} does not divide model.n_heads={m.n_heads}; "
-               f"use one of {[d for d in range(1, m.n_heads + 1) if m.n_heads % d == 0]}")
+               f"use one of {_divisors(m.n_heads)}")
         _check(not p.pp_layers or sum(p.pp_layers) == m.n_layers,
                f"parallel.pp_layers={p.pp_layers} sums to {sum(p.pp_layers)} but model.n_layers={m.n_layers}")
         _check(m.n_layers >= p.pp * p.vpp, f"model.n_layers={m.n_layers} is fewer than parallel.pp × parallel.vpp "
@@ -248,6 +306,14 @@ class Config:
                f"1..{per_stage}, or 0 for every layer")
         return self
 
+    def check_paths(self) -> Config:
+        """The directories a training run writes can be written (checked by `meshlm train`, not by
+        `validate`: a checkpoint's config is read again where its out_dir may not exist)."""
+        check_output_dir("train.out_dir", self.train.out_dir)
+        if self.data.cache_dir:
+            check_output_dir("data.cache_dir", self.data.cache_dir)
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -257,7 +323,21 @@ _SECTION_TYPES = {"model": ModelConfig, "train": TrainConfig, "optim": OptimConf
 
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
-    """Check (and for strings from the command line, convert) one value against its field's type."""
+    """Check one value against its field's type, and that it is a sane value of that type: a finite float,
+    an int within int64, a string without NUL characters, a list of plain values."""
+    value = _coerce_type(key, value, annotation)
+    items = value if isinstance(value, list) else [value]
+    for item in items:
+        if isinstance(item, float):
+            _check(math.isfinite(item), f"{key}={value!r} is not a finite number; give a finite value")
+        elif isinstance(item, int) and not isinstance(item, bool):
+            _check(-INT_MAX <= item <= INT_MAX, f"{key}={value!r} is out of range; use a value below 2**63")
+        elif isinstance(item, str):
+            _check("\x00" not in item, f"{key}={value!r} contains a NUL character; remove it")
+    return value
+
+
+def _coerce_type(key: str, value: Any, annotation: Any) -> Any:
     kinds = annotation if isinstance(annotation, tuple) else (annotation,)
     if value is None and type(None) in kinds:
         return None
@@ -276,7 +356,9 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
                 if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
                     return list(value)
                 continue
-            return [str(v) for v in value]
+            if all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+                return [str(v) for v in value]  # list[str]; a number is a blend weight (data.paths)
+            continue
     names = " or ".join("null" if k is type(None) else str(k) if typing.get_origin(k) else k.__name__
                         for k in kinds)
     raise ConfigError(f"{key}={value!r} has the wrong type: expected {names}")
@@ -351,11 +433,16 @@ def bundled_configs() -> list[str]:
 
 
 def load_toml(path: Path) -> dict[str, dict[str, Any]]:
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory; pass a .toml file or a bundled name")
     try:
         with open(path, "rb") as fh:
             return tomllib.load(fh)
-    except tomllib.TOMLDecodeError as err:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML ({err}); fix the syntax") from None
+    except OSError as err:
+        raise ConfigError(f"config file {str(path)!r} cannot be read ({err.strerror or err}); fix its "
+                          "permissions or pass another file") from None
 
 
 def apply_overrides(values: dict[str, dict[str, Any]], overrides: list[str]) -> dict[str, dict[str, Any]]:

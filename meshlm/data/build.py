@@ -71,7 +71,7 @@ def _file_lock(path: Path):
 
 
 def prepare_cached(inputs: list[str | Path], tokenizer: Tokenizer, cache_dir: Path, json_key: str = "text",
-                   name: str | None = None, progress: bool = True) -> str:
+                   name: str | None = None, progress: bool = True, allow_binary: bool = False) -> str:
     """Prepare text `inputs` (with an end-of-document token per document) once into the cache; the key
     covers the files (path, size, mtime), the tokenizer's vocabulary and the options."""
     files = expand_inputs([str(p) for p in inputs], what="data.paths")
@@ -85,7 +85,8 @@ def prepare_cached(inputs: list[str | Path], tokenizer: Tokenizer, cache_dir: Pa
         with _file_lock(Path(f"{prefix}.lock")):
             if not is_prefix(prefix):
                 prepare([str(f) for f in files], tokenizer.spec, str(prefix), append_eod=True, json_key=json_key,
-                        progress=progress, what="data.paths")
+                        progress=progress, what="data.paths", allow_binary=allow_binary,
+                        allow_flag="data.allow_binary=true")
     return str(prefix)
 
 
@@ -131,11 +132,14 @@ def resolve_sources(cfg: Config, tokenizer: Tokenizer, progress: bool) -> list[t
     pairs = parse_paths(d.paths)
     if pairs[0][0] is not None:
         return [(w, strip_suffix(p) if _is_prefix(p) else prepare_cached([p], tokenizer, cache, d.json_key,
-                                                                      progress=progress)) for w, p in pairs]
+                                                                      progress=progress,
+                                                                      allow_binary=d.allow_binary))
+                for w, p in pairs]
     prefixes = [(None, strip_suffix(p)) for _, p in pairs if _is_prefix(p)]
     texts = [p for _, p in pairs if not _is_prefix(p)]
     if texts:
-        prefixes.append((None, prepare_cached(texts, tokenizer, cache, d.json_key, progress=progress)))
+        prefixes.append((None, prepare_cached(texts, tokenizer, cache, d.json_key, progress=progress,
+                                              allow_binary=d.allow_binary)))
     return prefixes
 
 

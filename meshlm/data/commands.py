@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from meshlm.config import ConfigError
+from meshlm.config import ConfigError, check_output_dir
+
+VOCAB_MAX = 2 ** 31 - 1  # token ids are int32 in the .bin at most
 
 
 def _no_overrides(command: str, overrides: list[str]) -> None:
@@ -20,10 +22,18 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _tokenizer_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from meshlm.data.items import expand_inputs, refuse_binary
     from meshlm.data.prepare import DataError, iter_texts
     from meshlm.data.tokenizers import get_tokenizer, train_bpe
 
     _no_overrides("tokenizer train", overrides)
+    if not 1 <= args.vocab_size <= VOCAB_MAX:
+        raise ConfigError(f"--vocab-size {args.vocab_size} must be in 1..{VOCAB_MAX}; e.g. 32000")
+    if not 0 <= args.min_frequency <= VOCAB_MAX:
+        raise ConfigError(f"--min-frequency {args.min_frequency} must be in 0..{VOCAB_MAX}; e.g. 2 (the default)")
+    check_output_dir("--output", args.output)
+    if not args.allow_binary:
+        refuse_binary(expand_inputs(args.input), "--input", "--allow-binary")
     bad: list[str] = []
     path = train_bpe(iter_texts(args.input, args.json_key, bad), args.vocab_size, args.output, args.min_frequency)
     if bad:
@@ -55,6 +65,9 @@ def add_data_commands(sub) -> None:
     p.add_argument("--split-paragraphs", action="store_true",
                    help="in .txt files, every blank-line separated paragraph is a document")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--allow-binary", action="store_true",
+                   help="use inputs that look binary (NUL bytes or invalid UTF-8 in the first KiB, an image, "
+                        "an executable, ...); by default they stop the run")
     p.set_defaults(func=_prepare)
 
     tok = sub.add_parser("tokenizer", help="tokenizer tools").add_subparsers(dest="tokenizer_command", required=True)
@@ -64,4 +77,5 @@ def add_data_commands(sub) -> None:
     t.add_argument("--output", required=True, metavar="DIR", help="directory for tokenizer.json")
     t.add_argument("--json-key", default="text", help="field of each .jsonl line that holds the text")
     t.add_argument("--min-frequency", type=int, default=2, help="least count of a pair to merge (default 2)")
+    t.add_argument("--allow-binary", action="store_true", help="use inputs that look binary (see meshlm prepare)")
     t.set_defaults(func=_tokenizer_train)

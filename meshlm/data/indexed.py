@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from meshlm.config import ConfigError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = 34
@@ -41,8 +43,8 @@ DTYPE_CODES: dict[int, np.dtype] = {
 CODE_OF_DTYPE = {dt: code for code, dt in DTYPE_CODES.items()}
 
 
-class IndexedFormatError(ValueError):
-    """An `.idx`/`.bin` pair that does not follow the format."""
+class IndexedFormatError(ConfigError):
+    """An `.idx`/`.bin` pair that does not follow the format (a user error: the CLI prints one line)."""
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -253,10 +255,11 @@ class IndexedDataset:
         if version != VERSION or code not in DTYPE_CODES:
             raise IndexedFormatError(f"{self.idx_path}: unsupported version {version} or dtype code {code}")
         self.dtype = DTYPE_CODES[code]
-        expected = HEADER_SIZE + 12 * n_seq + 8 * n_doc_idx
-        if self.idx_path.stat().st_size < expected or n_doc_idx < 1:
-            raise IndexedFormatError(f"{self.idx_path} is truncated ({self.idx_path.stat().st_size} bytes, "
-                                     f"header promises {expected}); prepare the data again")
+        expected, idx_size = HEADER_SIZE + 12 * n_seq + 8 * n_doc_idx, self.idx_path.stat().st_size
+        if idx_size != expected or n_doc_idx < 1:
+            raise IndexedFormatError(f"{self.idx_path} is {idx_size:,} bytes but its header describes {n_seq:,} "
+                                     f"sequences and {n_doc_idx:,} document indices, {expected:,} bytes; "
+                                     "prepare the data again")
         idx = np.memmap(self.idx_path, dtype=np.uint8, mode="r")
         self.sequence_lengths = np.frombuffer(idx, "<i4", n_seq, HEADER_SIZE)
         self.sequence_pointers = np.frombuffer(idx, "<i8", n_seq, HEADER_SIZE + 4 * n_seq)
@@ -265,12 +268,24 @@ class IndexedDataset:
             raise IndexedFormatError(f"{self.idx_path}: document indices end at {self.document_indices[-1]}, "
                                      f"not at the sequence count {n_seq}")
         n_tokens = int(self.sequence_lengths.sum(dtype=np.int64))
-        if self.bin_path.stat().st_size < n_tokens * self.dtype.itemsize:
-            raise IndexedFormatError(f"{self.bin_path} is shorter than its index says; prepare the data again")
+        self._check_bin(n_tokens)
         self.tokens = (np.memmap(self.bin_path, dtype=self.dtype, mode="r") if n_tokens
                        else np.zeros(0, self.dtype))  # all tokens, flat (mmap of an empty file fails)
         self.n_sequences = int(n_seq)
         self.n_documents = int(n_doc_idx) - 1
+
+    def _check_bin(self, n_tokens: int) -> None:
+        """`.bin` holds exactly the tokens `.idx` describes, back to back (a longer or shorter one belongs
+        to another index, or was cut or appended to)."""
+        size, want = self.bin_path.stat().st_size, n_tokens * self.dtype.itemsize
+        if (self.sequence_lengths < 0).any():
+            raise IndexedFormatError(f"{self.idx_path} holds negative sequence lengths; prepare the data again")
+        ends = self.sequence_pointers.astype(np.int64) + self.sequence_lengths * self.dtype.itemsize
+        if size != want or (len(ends) and (self.sequence_pointers.min() < 0 or int(ends.max()) > size)):
+            raise IndexedFormatError(
+                f"{self.bin_path} is {size:,} bytes but {self.idx_path} describes {n_tokens:,} tokens of "
+                f"{self.dtype.name}, {want:,} bytes ({'longer' if size > want else 'shorter'} than its index: "
+                "the pair does not belong together, or one was cut); prepare the data again")
 
     def __len__(self) -> int:
         """Number of sequences, as in Megatron."""

@@ -15,6 +15,7 @@ Compressed files cannot be read from the middle: their Items carry the decompres
 
 from __future__ import annotations
 
+import codecs
 import glob
 import gzip
 import json
@@ -37,6 +38,44 @@ CUT_AT = {"text": re.compile(rb"[\x21-\x7e]\n(?=[\x21-\x7e])"), "json": re.compi
 
 class DataError(ConfigError):
     """A problem with the input data or output path, stated with the path (and line) and the fix."""
+
+
+SNIFF_BYTES = 1024  # what `binary_reason` reads of each input
+SIGNATURES = {b"\x1f\x8b": "gzip-compressed data (name the file *.gz to have it decompressed)",
+              b"\x89PNG": "a PNG image", b"\x7fELF": "an ELF executable", b"PK\x03\x04": "a zip archive",
+              b"\xff\xd8\xff": "a JPEG image", b"%PDF-": "a PDF document", b"\xfd7zXZ": "xz-compressed data",
+              b"\x28\xb5\x2f\xfd": "zstd-compressed data", b"MMIDIDX": "a Megatron .idx index"}
+
+
+def binary_reason(path: Path) -> str | None:
+    """Why the first KiB of `path` (decompressed for *.gz) is not text: a known binary signature, a NUL
+    byte, or bytes that are not UTF-8; None for text."""
+    opener = gzip.open if file_format(path)[1] else open
+    try:
+        with opener(path, "rb") as fh:
+            head = fh.read(SNIFF_BYTES)
+    except (OSError, EOFError) as err:
+        raise DataError(f"{path} cannot be read ({err}); fix or remove the file") from None
+    for magic, what in SIGNATURES.items():
+        if head.startswith(magic):
+            return f"it is {what}"
+    nul = head.find(b"\x00")
+    if nul >= 0:
+        return f"it holds a NUL byte at offset {nul}"
+    try:  # an incomplete character at the end of the KiB is fine
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < SNIFF_BYTES)
+    except UnicodeDecodeError as err:
+        return f"byte {err.start} is not UTF-8"
+    return None
+
+
+def refuse_binary(files: list[Path], what: str, flag: str) -> None:
+    """DataError for the first of `files` that looks binary (`binary_reason`); `flag` is how to allow it."""
+    for f in files:
+        reason = binary_reason(f)
+        if reason is not None:
+            raise DataError(f"{what} {str(f)!r} does not look like text: {reason}; leave it out, or pass {flag} "
+                            "to use it anyway (invalid UTF-8 becomes U+FFFD)")
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from meshlm.data.items import (
     iter_texts,
     plan_items,
     read_item,
+    refuse_binary,
 )
 from meshlm.data.tokenizers import get_tokenizer
 
@@ -255,13 +256,18 @@ def _worker_died() -> DataError:
 def prepare(inputs: list[str], tokenizer: str, output: str, workers: int = 1, append_eod: bool = False,
             json_key: str = "text", on_error: str = "skip", split_paragraphs: bool = False,
             progress: bool = True, chunk_bytes: int | None = None, piece_bytes: int = PIECE_BYTES,
-            log: Callable[[str], None] = print, what: str = "--input") -> PrepareStats:
-    """Tokenize `inputs` into OUTPUT.bin/.idx (+ OUTPUT.json sidecar); returns the statistics."""
+            log: Callable[[str], None] = print, what: str = "--input", allow_binary: bool = False,
+            allow_flag: str = "--allow-binary") -> PrepareStats:
+    """Tokenize `inputs` into OUTPUT.bin/.idx (+ OUTPUT.json sidecar); returns the statistics. An input
+    that looks binary is refused unless `allow_binary` (`allow_flag` is how the user says so)."""
     if on_error not in ("skip", "fatal"):
         raise DataError(f"--on-error {on_error!r} is not skip or fatal")
-    if workers < 1:
-        raise DataError(f"--workers {workers} must be at least 1")
+    most = max(8, 4 * (os.cpu_count() or 1))
+    if not 1 <= workers <= most:
+        raise DataError(f"--workers {workers} must be in 1..{most} (4 per core of this machine, at least 8)")
     files = expand_inputs(inputs, what)
+    if not allow_binary:
+        refuse_binary(files, what, allow_flag)
     tok = get_tokenizer(tokenizer)
     prefix = strip_suffix(str(output))
     if prefix.endswith(os.sep) or Path(prefix).is_dir():
@@ -384,7 +390,7 @@ def main(args) -> int:
     try:
         prepare(args.input, args.tokenizer, args.output, workers=args.workers, append_eod=args.append_eod,
                 json_key=args.json_key, on_error=args.on_error, split_paragraphs=args.split_paragraphs,
-                progress=not args.no_progress)
+                progress=not args.no_progress, allow_binary=args.allow_binary)
     except KeyboardInterrupt:
         print("interrupted; nothing was written", file=sys.stderr)
         return 130

@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from meshlm.config import ConfigError
+from meshlm.config import ConfigError, check_output_dir
 
 WEIGHTS = "model.safetensors"
 
@@ -40,6 +40,7 @@ def convert_to_single(checkpoint: str | Path, out_dir: str | Path) -> Path:
 def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides:
         raise ConfigError(f"convert takes no config overrides (got {overrides[0]!r}); see meshlm convert -h")
+    check_output_dir("--to-single", args.to_single)
     path = convert_to_single(args.checkpoint, args.to_single)
     print(f"wrote {path} and {path.parent / 'config.json'}")
     return 0

@@ -29,8 +29,10 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
 def _bench_memory(args: argparse.Namespace, overrides: list[str]) -> int:
     from meshlm.config import load_config
     from meshlm.parallel import destroy
+    from meshlm.plan.fit import check_bench_fits
 
     cfg = load_config(args.config, overrides)
+    check_bench_fits(cfg)
     try:
         text = bench_memory(cfg)
     except BaseException:

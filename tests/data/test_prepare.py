@@ -96,7 +96,7 @@ def test_empty_documents_and_invalid_utf8_are_counted(tmp_path, workers, append_
     (tmp_path / "b.txt").write_text("  \n\n")  # whitespace only
     (tmp_path / "c.jsonl").write_text('{"text": ""}\n\n{"text": "fine"}\n')
     stats = prepare([str(tmp_path)], "gpt2", str(tmp_path / "out"), workers=workers, append_eod=append_eod,
-                    chunk_bytes=1, **QUIET)
+                    chunk_bytes=1, allow_binary=True, **QUIET)  # invalid UTF-8 up front: refused without it
     assert (stats.documents, stats.empty_documents, stats.invalid_utf8_documents) == (2, 2, 1)
     tok, data = get_tokenizer("gpt2"), IndexedDataset(tmp_path / "out")
     eod = [tok.eod_id] if append_eod else []
@@ -310,18 +310,37 @@ def test_a_worker_killed_mid_run_is_a_clear_error_not_a_hang(tmp_path, monkeypat
     assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt", "c.txt"]
 
 
+# Run the CLI with SIGINT at its default disposition, as a terminal starts a command. A process started
+# with SIGINT ignored (anything launched with `&` from a non-interactive shell, e.g. `make test &` in CI,
+# and everything it starts) keeps ignoring it: Python installs its KeyboardInterrupt handler only over
+# SIG_DFL, so Ctrl-C would then be ignored by design, as by any Unix program. exec keeps SIG_DFL.
+_SIGINT_DEFAULT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                   "os.execv(sys.argv[1], sys.argv[1:])")
+COPIES = 100  # of the 42 plays: 500 MB, tens of seconds of work, so no run ends before a signal sent at start
+
+
 def start_cli_prepare(tmp_path, **popen):
-    """`meshlm prepare --workers 2` started on 4 copies of Shakespeare (20 MB: about a second of work, so
-    a signal sent once it runs arrives mid-run), writing into tmp_path/out: (process, out)."""
+    """`meshlm prepare --workers 2` started on 100 copies of Shakespeare (500 MB: tens of seconds of work
+    even on a fast machine, where the tests below stop it within a second of its start), writing into
+    tmp_path/out: (process, out)."""
     corpus, out = tmp_path / "corpus", tmp_path / "out"
     corpus.mkdir()
     out.mkdir()
-    for c in range(4):
+    for c in range(COPIES):
         for play in shakespeare_files():
             (corpus / f"{c}-{play.name}").symlink_to(play)
     command = [*meshlm_command(), "prepare", "--input", str(corpus), "--output", str(out / "shk"), "--workers", "2",
                "--no-progress"]
-    return subprocess.Popen(command, cwd=ROOT, **popen), out
+    return subprocess.Popen([sys.executable, "-c", _SIGINT_DEFAULT, *command], cwd=ROOT, **popen), out
+
+
+def wait_until_running(proc: subprocess.Popen, out: Path) -> None:
+    """Until the hidden task directory exists: the CLI is past Python's start-up (its SIGINT handler is
+    in place) and starts its workers (a SIGINT during their fork is deferred, not lost)."""
+    deadline = time.monotonic() + 120
+    while not any(p.name.startswith(".shk.parts.") for p in out.iterdir()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
 
 
 def test_ctrl_c_stops_the_cli_and_leaves_nothing(tmp_path):
@@ -329,12 +348,9 @@ def test_ctrl_c_stops_the_cli_and_leaves_nothing(tmp_path):
     130, one line on stderr, and neither output nor temporary files (task files included) are left."""
     proc, out = start_cli_prepare(tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   start_new_session=True)
-    deadline = time.monotonic() + 60
-    while not any(p.name.startswith(".shk.parts.") for p in out.iterdir()):  # the workers are running
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.01)
+    wait_until_running(proc, out)
     os.killpg(proc.pid, signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=60)
+    stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, (stdout, stderr)
     assert stderr.strip().splitlines()[-1] == "interrupted; nothing was written"
     assert list(out.iterdir()) == []
