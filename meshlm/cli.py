@@ -40,12 +40,12 @@ def load_model_from_checkpoint(path: str, device: str = "cpu", cfg=None):
     import torch
 
     from meshlm.data.tokenizers import get_tokenizer
-    from meshlm.models.gpt import GPT
+    from meshlm.models.registry import get_spec
     from meshlm.train import checkpoint as ckpt
 
     target = ckpt.resolve_checkpoint(path)
     cfg = cfg or checkpoint_config(path)
-    model = GPT(cfg.model)
+    model = get_spec(cfg.model.family).model_class(cfg.model)
     model.load_state_dict(ckpt.load_model_state(target))
     return model.to(torch.device(device)).eval(), get_tokenizer(cfg.data.tokenizer), cfg
 
