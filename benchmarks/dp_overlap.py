@@ -31,7 +31,7 @@ from world import run_world  # benchmarks/world.py, beside this script
 from meshlm.config import build
 from meshlm.models.gpt import GPT
 from meshlm.models.loss import cross_entropy
-from meshlm.parallel.data import BucketedDataParallel
+from meshlm.parallel.buckets import BucketedDataParallel
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.train.optim import build_optimizer
 
