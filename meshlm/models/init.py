@@ -81,16 +81,25 @@ def fill_(out: torch.Tensor, rule: InitRule, base: int, name: str, full_shape: t
     n_rows = full_shape[0]
     want = torch.arange(n_rows) if rows is None else rows.to(torch.int64).cpu()
     flat = out.view(len(want), -1)
-    k = rows_per_block(full_shape)
     valid = want < n_rows
     if not bool(valid.all()):
         flat[(~valid).nonzero().flatten().to(out.device)] = 0.0
-    blocks = torch.unique(want[valid] // k)
-    for b in blocks.tolist():
+    # Group the wanted rows by block: sorted, each block's rows are one run of the order (no per-block scan).
+    dst = valid.nonzero().flatten()
+    src = want[dst]
+    order = torch.argsort(src, stable=True)
+    dst, src = dst[order], src[order]
+    k = rows_per_block(full_shape)
+    blocks, counts = torch.unique_consecutive(src // k, return_counts=True)
+    start = 0
+    for b, n in zip(blocks.tolist(), counts.tolist()):
         values = _block(base, name, full_shape, b, rule.std)  # (rows in block, cols)
         if cols is not None:
             values = values[:, cols]
-        here = ((want // k) == b) & valid
-        local = here.nonzero().flatten()
-        flat[local.to(out.device)] = values[want[local] - b * k].to(out.dtype).to(out.device)
+        d, r = dst[start:start + n], src[start:start + n] - b * k
+        start += n
+        if n == values.shape[0] and int(d[-1] - d[0]) == n - 1 and int(r[0]) == 0:  # a whole block, in order
+            flat[int(d[0]):int(d[0]) + n] = values.to(out.dtype)
+        else:
+            flat[d.to(out.device)] = values[r].to(out.dtype).to(out.device)
     return out
