@@ -1,7 +1,7 @@
 """bf16 training throughput on one GPU through meshlm's real Trainer: SDPA flash vs math, fused vs foreach
 AdamW, torch.compile on vs off.
 
-    PYTHONPATH=. python benchmarks/gpu_train.py                 # gpt2-1.3b, micro-batch 4 × 2048, on the GPU
+    PYTHONPATH=. python benchmarks/gpu_train.py                 # gpt2-1.3b, micro-batch 8 × 2048, on the GPU
     PYTHONPATH=. python benchmarks/gpu_train.py --micro-batch 8 --variants flash,compile
     python benchmarks/gpu_train.py --smoke                      # a tiny shape on any device (CPU test)
 
@@ -72,7 +72,7 @@ VARIANTS = {v.name: v for v in (
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="gpt2-1.3b")
-    p.add_argument("--micro-batch", type=int, default=4, help="sequences per step (no accumulation)")
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per step (no accumulation)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -215,14 +215,20 @@ def print_row(row: dict, ref: dict | None) -> None:
     print(ROW.format(**row, mfu_pct=100 * row["mfu"], hfu_pct=100 * row["hfu"], mem=mem, ratio=ratio), flush=True)
 
 
+def write_json(path: str, device: torch.device, peak: float, source: str, rows: list[dict]) -> None:
+    if path:  # rewritten after every variant: a run cut short by its timeout keeps the rows it finished
+        with open(path, "w") as fh:
+            json.dump({"device": str(device), "peak_tflops": peak, "peak_source": source, "rows": rows}, fh, indent=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="meshlm-gpu-train-") as work:
         cfg = make_config(args, work)
         trainer = Trainer(cfg, progress=False)
         peak, source = datasheet_peak(trainer.device, args.peak_tflops)
         print_header(trainer, args, peak, source)
-        rows: list[dict] = []
         print(HEAD, flush=True)
         for name in args.variants.split(","):
             try:
@@ -231,10 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"variant": name, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"})
             ref = next((r for r in rows if r["variant"] == "flash" and "error" not in r), None)
             print_row(rows[-1], ref)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"device": str(trainer.device), "peak_tflops": peak, "peak_source": source, "rows": rows}, fh,
-                      indent=1)
+            write_json(args.json, trainer.device, peak, source, rows)
     failed = [r["variant"] for r in rows if "error" in r or not r.get("finite", False)]
     if failed:
         print(f"failed or non-finite: {', '.join(failed)}", file=sys.stderr)
