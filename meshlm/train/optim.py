@@ -26,12 +26,22 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(target, cfg: OptimConfig) -> torch.optim.Optimizer:
+def adamw_kernel(groups: list[dict]) -> dict[str, bool]:
+    """torch's fused AdamW (one kernel for every tensor's update) when every parameter is on a CUDA device;
+    the multi-tensor `foreach` one otherwise (CPU, meta, mixed devices)."""
+    params = [p for g in groups for p in g["params"]]
+    on_cuda = bool(params) and all(p.device.type == "cuda" and torch.is_floating_point(p) for p in params)
+    return {"fused": True} if on_cuda else {"foreach": True}
+
+
+def build_optimizer(target, cfg: OptimConfig, fused: bool | None = None) -> torch.optim.Optimizer:
     """AdamW with the weight-decay groups, over a plain model's parameters or, given a gradient
-    synchroniser (`parallel.GradSync`), over what it says this rank steps (under ZeRO: its shards)."""
+    synchroniser (`parallel.GradSync`), over what it says this rank steps (under ZeRO: its shards).
+    `fused`: None picks from the parameters' device (`adamw_kernel`); True / False force fused / foreach."""
 
     def make(groups: list[dict]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+        kernel = adamw_kernel(groups) if fused is None else ({"fused": True} if fused else {"foreach": True})
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel)
 
     if isinstance(target, nn.Module):
         return make(param_groups(target, cfg.weight_decay))

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from meshlm.config import Config, ConfigError
 from meshlm.data.dataset import BatchLoader
+from meshlm.data.prefetch import PrefetchLoader
 from meshlm.infer.generate import generate
 from meshlm.models.registry import get_spec
 from meshlm.parallel import TPRNGTracker, build_model, init_distributed
@@ -118,6 +119,8 @@ class Trainer:
         # Every dp rank reads the same sample order and takes its slice of each global batch.
         self.loader = BatchLoader(self.train_set, t.micro_batch_size, t.seed, dp_rank=self.dims.dp_rank,
                                   dp_size=self.dims.dp)
+        if self.device.type == "cuda":  # the next micro-batches built ahead in pinned memory (data/prefetch.py)
+            self.loader = PrefetchLoader(self.loader, self.device, depth=max(2, self.accum))
         self._memory_logged = False
         self.step = 0
         self.tokens_seen = 0

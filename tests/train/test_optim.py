@@ -1,10 +1,11 @@
 import math
 
 import pytest
+import torch
 
 from meshlm.config import ModelConfig, OptimConfig
 from meshlm.models.gpt import GPT
-from meshlm.train.optim import build_optimizer, lr_at, param_groups
+from meshlm.train.optim import adamw_kernel, build_optimizer, lr_at, param_groups
 
 
 def test_warmup_is_linear_to_peak():
@@ -53,3 +54,17 @@ def test_no_weight_decay_on_norms_biases_embeddings():
 def test_cosine_midpoint_formula():
     cfg = OptimConfig(lr=2.0, min_lr=0.0, warmup_steps=0)
     assert lr_at(25, cfg, 100) == pytest.approx(1.0 + math.cos(math.pi / 4))
+
+
+def test_cpu_keeps_foreach_adamw_and_fused_is_cuda_only():
+    """On CPU the optimizer is the multi-tensor (foreach) AdamW, as before; fused only when every parameter
+    is on CUDA (tests/cuda checks that side, and that both kernels give the same update); `fused` forces one."""
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(n_layers=1, hidden_size=16, n_heads=2, seq_len=8, vocab_size=50))
+    opt = build_optimizer(model, OptimConfig())
+    assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
+    assert adamw_kernel(param_groups(model, 0.1)) == {"foreach": True}
+    assert adamw_kernel([{"params": [torch.zeros(2, device="meta")]}]) == {"foreach": True}
+    assert adamw_kernel([{"params": []}]) == {"foreach": True}
+    assert build_optimizer(model, OptimConfig(), fused=True).defaults["fused"] is True
+    assert build_optimizer(model, OptimConfig(), fused=False).defaults["foreach"] is True

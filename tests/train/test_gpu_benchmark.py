@@ -1,0 +1,26 @@
+"""benchmarks/gpu_train.py --smoke runs on this machine (CPU: a tiny shape, no compile) on the synthetic corpus
+the offline GPU box uses, and reports a finite row per variant. Not a cuda test: it guards the script that
+benchmarks/gpu_check.sh runs on the GPU against breaking unseen."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def test_gpu_train_benchmark_smoke_runs_on_cpu(tmp_path):
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "benchmarks/gpu_train.py", "--smoke", "--data", "synthetic", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert set(rows) == {"flash", "auto", "foreach", "math"}  # compile is left out of --smoke (minutes on CPU)
+    for r in rows.values():
+        assert "error" not in r and r["finite"], r
+        assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and 0 < r["mfu"] == r["hfu"]  # no recompute: HFU = MFU
+    assert rows["foreach"]["adamw"] == "foreach" and rows["flash"]["adamw"] == "fused"
+    assert result["peak_tflops"] > 0 and "| flash " in proc.stdout and "memory estimate" in proc.stdout
