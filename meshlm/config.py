@@ -273,10 +273,6 @@ class ParallelConfig:
         _check(self.timeout_s > 0, f"parallel.timeout_s={self.timeout_s} must be positive")
         _check(self.zero in (0, 1, 2, 3), f"parallel.zero={self.zero} is not a ZeRO stage; use 0 (off), 1 (optimizer "
                "states sharded over dp), 2 (and gradients) or 3 (and weights, FSDP2)")
-        _check(self.zero < 3 or self.tp == 1,
-               f"parallel.zero=3 (FSDP2) with parallel.tp={self.tp} is not supported: tensor parallelism completes "
-               "and measures gradients by rows of whole local tensors, which FSDP2 shards over dp; use "
-               "parallel.zero=1 or 2 with tensor parallelism")
         _check(self.bucket_mb > 0, f"parallel.bucket_mb={self.bucket_mb} must be positive (MiB per gradient bucket)")
 
 
@@ -291,19 +287,9 @@ class Config:
     def validate(self) -> Config:
         for f in fields(self):
             getattr(self, f.name).validate()
-        m, p = self.model, self.parallel
-        _check(m.n_heads % p.tp == 0,
-               f"parallel.tp={p.tp} does not divide model.n_heads={m.n_heads}; "
-               f"use one of {_divisors(m.n_heads)}")
-        _check(not p.pp_layers or sum(p.pp_layers) == m.n_layers,
-               f"parallel.pp_layers={p.pp_layers} sums to {sum(p.pp_layers)} but model.n_layers={m.n_layers}")
-        _check(m.n_layers >= p.pp * p.vpp, f"model.n_layers={m.n_layers} is fewer than parallel.pp × parallel.vpp "
-               f"= {p.pp * p.vpp} stages; every stage needs a layer")
-        per_stage = min(p.pp_layers) if p.pp_layers else m.n_layers // (p.pp * p.vpp)
-        _check(self.train.recompute_num_layers <= per_stage,
-               f"train.recompute_num_layers={self.train.recompute_num_layers} exceeds the {per_stage} layers of a "
-               f"pipeline stage (model.n_layers={m.n_layers} over parallel.pp={p.pp} × vpp={p.vpp}); use "
-               f"1..{per_stage}, or 0 for every layer")
+        from meshlm.plan.layout import check_config  # the layout rules live there, once (torch-free)
+
+        check_config(self)
         return self
 
     def check_paths(self) -> Config:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshlm.config import Config, ConfigError, ModelConfig
+from meshlm.config import Config, ConfigError, ModelConfig, _divisors
 
 
 # ---- tensor parallelism -----------------------------------------------------------------------------------
@@ -21,10 +21,11 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, sp: bool) -> None:
     sequence parallelism) the sequence divisible by tp."""
     if cfg.n_heads % tp:
         raise ConfigError(f"parallel.tp={tp} does not divide model.n_heads={cfg.n_heads}; "
-                          f"use one of {[d for d in range(1, cfg.n_heads + 1) if cfg.n_heads % d == 0]}")
+                          f"use one of {_divisors(cfg.n_heads)}")
     kv = cfg.kv_heads
     if kv % tp and tp % kv:
-        ok = [d for d in range(1, cfg.n_heads + 1) if cfg.n_heads % d == 0 and (kv % d == 0 or d % kv == 0)]
+        ok = [d for d in range(1, min(cfg.n_heads, 4096) + 1)
+              if cfg.n_heads % d == 0 and (kv % d == 0 or d % kv == 0)]
         raise ConfigError(f"parallel.tp={tp} and model.n_kv_heads={kv}: one must divide the other (KV heads are "
                           f"split when tp divides them, replicated when tp is a multiple); use tp in {ok}")
     if cfg.ffn_size % tp:
@@ -142,6 +143,22 @@ def check_data_parallel(cfg: Config, tp: int) -> None:
                           "parallelism completes and measures gradients by rows of whole local tensors "
                           "(replicated KV heads, sequence-parallel norms, the norm's row masks), which FSDP2 "
                           "has sharded over dp; use parallel.zero=1 or 2 with tensor parallelism")
+
+
+# ---- the rules that need no world size (Config.validate) ----------------------------------------------------
+def check_config(cfg: Config) -> None:
+    """Every layout rule that the config alone decides: tensor-parallel shapes, refused combinations, the
+    stage partition (an explicit `parallel.pp_layers`, enough layers), recomputation per stage."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.tp > 1:
+        check_tensor_parallel(m, p.tp, p.sp)
+    check_data_parallel(cfg, p.tp)
+    counts = partition_layers(m.n_layers, p.pp, p.vpp, p.pp_layers or None) if m.n_layers <= 10 ** 5 else \
+        [m.n_layers // (p.pp * p.vpp)]  # (a size this large is refused before allocation anyway: plan/fit.py)
+    if t.recompute_num_layers > min(counts):
+        raise ConfigError(f"train.recompute_num_layers={t.recompute_num_layers} exceeds the {min(counts)} layers of a "
+                          f"pipeline stage (model.n_layers={m.n_layers} over parallel.pp={p.pp} × vpp={p.vpp}); use "
+                          f"1..{min(counts)}, or 0 for every layer")
 
 
 # ---- the whole layout -------------------------------------------------------------------------------------
