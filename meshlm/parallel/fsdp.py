@@ -40,6 +40,7 @@ class FullyShardedDataParallel(GradSync):
                 owner, _, attr = first_name.rpartition(".")
                 setattr(model.get_submodule(owner), attr, model.get_parameter(last_name))
             self.tied = model.get_parameter(first_name)
+            pipe.tied_weight = self.tied  # the pipeline's rules (grads.counted_rows) must see the new parameter
         self.names = {id(p): n for n, p in model.named_parameters()}  # now DTensors
 
     def set_last_microbatch(self, last: bool) -> None:
