@@ -68,13 +68,16 @@ class _ChecksumWriter(io.RawIOBase):
         self.fh, self.size, self.crc = fh, 0, 0
         self.error: OSError | None = None
 
+    def _disk_write(self, view: memoryview) -> None:
+        self.fh.write(view)
+
     def writable(self) -> bool:
         return True
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         try:
-            self.fh.write(view)
+            self._disk_write(view)
         except OSError as err:  # torch.save would turn it into "[enforce fail at inline_container.cc]"
             self.error = err
             raise

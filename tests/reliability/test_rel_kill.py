@@ -9,7 +9,6 @@ import random
 import signal
 import time
 
-import pytest
 import torch
 
 from meshlm.train import checkpoint as ckpt
@@ -19,15 +18,6 @@ from tests.conftest import tiny_config
 STEPS = 48
 KILLS = 20
 EXACT_KEYS = ("kind", "step", "loss", "lr", "grad_norm", "tokens", "skipped_steps", "val_loss", "val_bpb")
-
-
-@pytest.fixture
-def one_thread():
-    """Two cores shared by several runs: one intra-op thread keeps a tiny step at ~0.1 s instead of ~1 s."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def config(out):
@@ -53,7 +43,7 @@ def run_and_kill(out, delay: float) -> None:
     os.waitpid(pid, 0)
 
 
-def test_kill9_at_random_moments_resumes_bit_exactly(tmp_path, one_thread, capfd):
+def test_kill9_at_random_moments_resumes_bit_exactly(tmp_path):
     ref = tmp_path / "ref"
     Trainer(config(ref)).run()
     out = tmp_path / "killed"

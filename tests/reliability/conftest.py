@@ -1,0 +1,13 @@
+"""Fixtures of the reliability tests (issue 13)."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Two cores shared by several runs: one intra-op thread keeps a tiny step at ~0.1 s instead of ~1 s."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
