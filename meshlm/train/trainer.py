@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import signal
 import time
@@ -38,7 +37,13 @@ from meshlm.plan.activations import measure_model_activations
 from meshlm.plan.memory import layer_activation_bytes
 from meshlm.train import checkpoint as ckpt
 from meshlm.train import ckpt_files, dist_checkpoint
-from meshlm.train.metrics import measure_peak_tflops, model_flops, peak_memory_mb, recompute_flops
+from meshlm.train.metrics import (
+    measure_peak_tflops,
+    model_flops,
+    peak_memory_mb,
+    recompute_flops,
+    truncate_metrics,
+)
 from meshlm.train.optim import lr_at
 from meshlm.train.precision import Precision
 
@@ -225,20 +230,10 @@ class Trainer:
         """Drop metric lines past the resumed step (a killed run may have logged beyond its checkpoint; a
         fresh start, step 0, keeps none) and lines a kill tore (with a note)."""
         path = self.out_dir / "metrics.jsonl"
-        if not (path.exists() and self.dims.is_main):
-            return
-        keep, torn = [], 0
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                if json.loads(line)["step"] <= step:
-                    keep.append(line)
-            except (ValueError, KeyError, TypeError):
-                torn += line.strip() != ""
-        if torn:
-            self.log(f"note: skipped {torn} unreadable line(s) of {path} (a run killed while writing it)")
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, path)
+        if path.exists() and self.dims.is_main:
+            torn = truncate_metrics(path, step)
+            if torn:
+                self.log(f"note: skipped {torn} unreadable line(s) of {path} (a run killed while writing it)")
 
     # ---- one step ------------------------------------------------------------------------------------
     def train_step(self) -> tuple[float, float]:
