@@ -16,6 +16,7 @@ from meshlm.train import checkpoint as ckpt
 from meshlm.train import ckpt_files
 from meshlm.train.trainer import Trainer
 from tests.conftest import ROOT, tiny_config
+from tests.reliability.threads import _one_thread  # noqa: F401 (autouse: one intra-op thread)
 
 FILES = ("model.pt", "optim.pt", "state.pt", "config.json", "manifest.json")
 KINDS = ("truncated", "emptied", "deleted", "flipped")

@@ -14,6 +14,7 @@ import torch
 from meshlm.train import checkpoint as ckpt
 from meshlm.train.trainer import Trainer
 from tests.conftest import tiny_config
+from tests.reliability.threads import _one_thread  # noqa: F401 (autouse: one intra-op thread)
 
 STEPS = 48
 KILLS = 20

@@ -17,6 +17,7 @@ from meshlm.train import checkpoint as ckpt
 from meshlm.train import ckpt_files
 from meshlm.train.trainer import Trainer
 from tests.conftest import tiny_config
+from tests.reliability.threads import _one_thread  # noqa: F401 (autouse: one intra-op thread)
 
 TINY = ["--config", "gpt-tiny", "--model.n_layers=2", "--model.hidden_size=32", "--model.seq_len=32",
         "--train.micro_batch_size=2", "--train.global_batch_size=2", "--train.progress=false", "--train.peak_tflops=1",

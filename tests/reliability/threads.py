@@ -1,4 +1,5 @@
-"""Fixtures of the reliability tests (issue 13)."""
+"""The reliability tests' shared fixture (a module, not a conftest.py: `from conftest import ...` elsewhere must
+keep finding tests/conftest.py)."""
 
 import pytest
 import torch
