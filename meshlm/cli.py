@@ -1,8 +1,10 @@
 """meshlm command line: `meshlm train | generate | plot | prepare | tokenizer train | bench memory | convert`.
 
-User errors (bad config or argument, missing checkpoint or asset, bad data, a run too large for this
-machine) print one line starting with `error:` that names the key or path and the fix, and exit with
-code 2, without a traceback; argparse's usage errors too (docs/reliability-inputs.md).
+User errors (bad config or argument, missing or corrupt checkpoint or asset, bad data, a full disk, a
+run too large for this machine, a run whose losses stay non-finite) print one line starting with
+`error:` that names the key or path and the fix, and exit with code 2, without a traceback; argparse's
+usage errors too (docs/reliability.md). A training run stopped by SIGINT or SIGTERM saves its checkpoint
+and exits with 130 or 143.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides).check_paths()
     check_training_fits(cfg)
     try:
-        Trainer(cfg).run()
+        trainer = Trainer(cfg)
+        trainer.run()
     except BaseException:
         destroy()  # under torchrun: leave the process groups (a no-op for one process)
         raise
     destroy(wait_for_all=True)
-    return 0
+    return trainer.exit_code  # 0, or 130 / 143 after SIGINT / SIGTERM (the checkpoint is saved)
 
 
 def load_model_from_checkpoint(path: str, device: str = "cpu", cfg=None):
@@ -165,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from meshlm.data.assets import AssetError
-    from meshlm.errors import CheckpointError
+    from meshlm.errors import CheckpointError, CheckpointWriteError, TrainingError
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -174,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)} (config overrides look like --train.lr=3e-4)")
     try:
         return args.func(args, extra)
-    except (ConfigError, CheckpointError, AssetError) as err:  # DataError, IndexedFormatError too
+    except (ConfigError, CheckpointError, CheckpointWriteError, TrainingError, AssetError) as err:
         print(f"error: {one_line(str(err))}", file=sys.stderr)
         return 2
 

@@ -164,6 +164,8 @@ class TrainConfig:
     recompute_method: str = "uniform"  # full only: uniform (chunks of recompute_num_layers) | block (first N)
     recompute_num_layers: int = 0  # full only: chunk size (uniform) or layers recomputed (block); 0: every layer
     progress: bool = True
+    keep_last: int = 3  # checkpoints kept (the newest valid ones); 0 keeps all
+    max_bad_steps: int = 5  # stop after this many steps in a row with a non-finite loss or gradient norm
     sample_tokens: int = 0  # >0: print a sample of this many tokens at the end
     sample_prompt: str = "\n"
 
@@ -176,6 +178,9 @@ class TrainConfig:
                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
                f"train.micro_batch_size={self.micro_batch_size}; set it to "
                f"{max(1, self.global_batch_size // self.micro_batch_size) * self.micro_batch_size}")
+        _check(self.keep_last >= 0, f"train.keep_last={self.keep_last} must be >= 0 (0 keeps every checkpoint)")
+        _check(self.max_bad_steps > 0, f"train.max_bad_steps={self.max_bad_steps} must be positive (the number of "
+               "non-finite steps in a row that stops the run); set it to 5")
         _choices("train.precision", self.precision, ("fp32", "bf16", "fp16"))
         _choices("train.device", self.device, ("auto", "cpu", "cuda"))
         _non_negative("train", self, "peak_tflops", zero="0 measures it at start")

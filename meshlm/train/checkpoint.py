@@ -1,116 +1,118 @@
-"""Checkpoints written atomically, with a `latest` pointer.
+"""Checkpoints of one process, and reading a checkpoint of any format.
 
-Layout: OUT_DIR/checkpoints/step_000100/{model.pt, optim.pt, state.pt, config.json} (one process; a parallel
-run writes per-rank pieces instead, see `dist_checkpoint.py`), and
-OUT_DIR/checkpoints/latest holding the name of the newest complete one. A checkpoint is written into a
-temporary directory, fsynced, then renamed into place; only then is `latest` replaced (write + rename).
-A crash or SIGKILL at any moment therefore leaves `latest` naming a complete checkpoint.
+One process writes OUT_DIR/checkpoints/step_0000100/{model.pt, optim.pt, state.pt, config.json,
+manifest.json}; a parallel run writes per-rank pieces instead (`dist_checkpoint.py`). Both go through
+`ckpt_files.py`: written into a temporary directory with a CRC-32 of every file, the manifest last,
+fsynced, renamed into place, then `checkpoints/latest` moved. Readers (`resolve_checkpoint`,
+`latest_checkpoint`, training's `train.resume=auto`) take the newest checkpoint whose files match its
+manifest, whatever `latest` says, and say which one they passed over and why.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from meshlm.errors import CheckpointError  # callers catch ckpt.CheckpointError
+from meshlm.errors import CheckpointError, TrainingError  # callers catch ckpt.CheckpointError
+from meshlm.train import ckpt_files
+from meshlm.train.ckpt_files import (  # noqa: F401 (re-exported: the names callers have always used)
+    LATEST,
+    MANIFEST,
+    begin_checkpoint,
+    checkpoints_dir,
+    prune_temporaries,
+    step_name,
+)
 
-LATEST = "latest"
 MODEL_FILES = ("model.pt", "model.safetensors", "index.json")  # one process, `meshlm convert`, a parallel run
 
 
-def checkpoints_dir(out_dir: str | Path) -> Path:
-    return Path(out_dir) / "checkpoints"
-
-
-def step_name(step: int) -> str:
-    return f"step_{step:07d}"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _save_file(obj: Any, path: Path) -> None:
-    with open(path, "wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def save_checkpoint(out_dir: str | Path, step: int, parts: dict[str, Any], config: dict) -> Path:
-    """Write `parts` (name → object, one file each) and the config; atomically publish as `latest`."""
+    """Write `parts` (name → object, one file each), the config and the manifest; publish atomically.
+    Refuses (TrainingError) a model with non-finite weights; a failed write (disk full) removes the
+    partial directory and raises CheckpointWriteError naming the file and the bytes needed."""
+    bad = ckpt_files.non_finite(parts.get("model", {}))
+    if bad:
+        raise TrainingError(f"refusing to save step {step}: the model's weights hold NaN or inf ({', '.join(bad[:3])}"
+                            f"{', ...' if len(bad) > 3 else ''}); the previous checkpoint is kept. Lower optim.lr "
+                            "or raise optim.warmup_steps")
     tmp = begin_checkpoint(out_dir, step)
-    for name, obj in parts.items():
-        write_part(tmp, name, obj)
-    return publish_checkpoint(out_dir, step, tmp, config)
+    files = {}
+    try:
+        for name, obj in parts.items():
+            files[f"{name}.pt"] = ckpt_files.save_torch(obj, tmp / f"{name}.pt")
+        return ckpt_files.publish_checkpoint(out_dir, step, tmp, config, files)
+    except (OSError, RuntimeError) as err:
+        if not tmp.exists():  # published: the failure came later (e.g. moving `latest`)
+            raise
+        raise ckpt_files.write_failure(err, tmp, step, ckpt_files.state_nbytes(parts)) from err
 
 
-def begin_checkpoint(out_dir: str | Path, step: int) -> Path:
-    """A fresh temporary directory for step `step`'s files (several processes may write into it)."""
+def find_checkpoint(out_dir: str | Path, checksum: bool = True) -> tuple[Path | None, str | None, bool]:
+    """(newest valid checkpoint or None, a note on what was passed over, whether any checkpoint exists)
+    for a run directory."""
     root = checkpoints_dir(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{step_name(step)}-"))
+    path, note = ckpt_files.find_valid(root, checksum)
+    return path, note, ckpt_files.any_checkpoint(root)
 
 
-def write_part(tmp: Path, name: str, obj: Any) -> None:
-    _save_file(obj, tmp / f"{name}.pt")
-
-
-def publish_checkpoint(out_dir: str | Path, step: int, tmp: Path, config: dict) -> Path:
-    """Add the config, then rename `tmp` into place and point `latest` at it. In a multi-process run only
-    one process calls this, after every process has written its parts (a barrier)."""
-    root = checkpoints_dir(out_dir)
-    final = root / step_name(step)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    _fsync_dir(tmp)
-    if final.exists():  # a re-save of the same step (e.g. resumed then stopped at once)
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(final.name + "\n")
-    os.replace(pointer, root / LATEST)
-    _fsync_dir(root)
-    return final
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A run directory, its checkpoints/ directory, or one step directory → that complete checkpoint."""
+def resolve_checkpoint(path: str | Path, log: Callable[[str], None] | None = _stderr) -> Path:
+    """A run directory, its checkpoints/ directory, or one step directory → a complete, verified checkpoint.
+    In a run directory the newest valid one is taken; what was passed over is logged."""
     p = Path(path)
-    for root in (checkpoints_dir(p), p):
-        if (root / LATEST).exists():
-            target = root / (root / LATEST).read_text().strip()
-            if (target / "config.json").exists():
-                return target
-    if (p / "config.json").exists() and any((p / name).exists() for name in MODEL_FILES):
+    for run in [p] + ([p.parent] if p.name == "checkpoints" else []):
+        root = checkpoints_dir(run)
+        if root.is_dir() and ckpt_files.any_checkpoint(root):
+            found, note, _ = find_checkpoint(run)
+            if found is None:
+                raise CheckpointError(f"no valid checkpoint in {root}: {note}; train again (train.resume=never "
+                                      "starts over) or restore a copy")
+            if note and log is not None:
+                log(f"note: {note}; using {found}")
+            return found
+    if (p / MANIFEST).exists():
+        problem = ckpt_files.verify(p)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {p} is incomplete ({problem}); pass its run directory to use the "
+                                  "newest valid checkpoint")
         return p
-    raise CheckpointError(f"no checkpoint at {str(p)!r}: expected a run directory with checkpoints/latest, "
+    if (p / "config.json").exists() and any((p / name).exists() for name in MODEL_FILES):
+        return p  # `meshlm convert --to-single` output, or a checkpoint from before manifests
+    raise CheckpointError(f"no checkpoint at {str(p)!r}: expected a run directory with checkpoints/step_*, "
                           "or a checkpoints/step_* directory; train first or fix the path")
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    try:
-        return resolve_checkpoint(out_dir)
-    except CheckpointError:
-        return None
+    """The newest valid checkpoint of a run directory, or None (quietly)."""
+    return find_checkpoint(out_dir)[0]
+
+
+def _check_sizes(ckpt: Path) -> None:
+    if (ckpt / MANIFEST).exists():
+        problem = ckpt_files.verify(ckpt, checksum=False)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {ckpt} is incomplete ({problem}); use an earlier checkpoint")
 
 
 def load_part(ckpt: Path, name: str, map_location: str | torch.device = "cpu") -> Any:
-    return torch.load(ckpt / f"{name}.pt", map_location=map_location, weights_only=False)
+    return ckpt_files.load_torch(Path(ckpt) / f"{name}.pt", map_location)
 
 
 def load_model_state(ckpt: Path, map_location: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """The whole model's state dict: `model.pt`, `model.safetensors` (`meshlm convert --to-single`), or the
-    pieces of a parallel run (`index.json`, assembled by `dist_checkpoint.full_model_state` in this process)."""
+    pieces of a parallel run (`index.json`, assembled by `dist_checkpoint.full_model_state` in this process).
+    File sizes are checked against the manifest first (checksums: `resolve_checkpoint`)."""
+    ckpt = Path(ckpt)
+    _check_sizes(ckpt)
     if (ckpt / "model.pt").exists():
         return load_part(ckpt, "model", map_location)
     if (ckpt / "model.safetensors").exists():  # written by `meshlm convert --to-single`
@@ -127,12 +129,8 @@ def load_model_state(ckpt: Path, map_location: str | torch.device = "cpu") -> di
 
 
 def load_config_dict(ckpt: Path) -> dict:
-    return json.loads((ckpt / "config.json").read_text())
-
-
-def prune_temporaries(out_dir: str | Path) -> None:
-    """Remove half-written temporaries left by a killed run (never a published checkpoint)."""
-    root = checkpoints_dir(out_dir)
-    if root.exists():
-        for tmp in root.glob(".tmp-*"):
-            shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        return json.loads((Path(ckpt) / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{Path(ckpt) / 'config.json'} cannot be read ({err}); the checkpoint is "
+                              "incomplete") from None

@@ -18,7 +18,7 @@ boundaries; a tp rank's qkv rows are three blocks (its q heads, its k heads, its
 are held by a subset of the tp group; the vocabulary rows are padded. DCP would need a gather over dp
 (the memory ZeRO saves) and extra meshes per tensor. Our pieces are plain boxes, a few per tensor and rank.
 
-Publishing is atomic as in `checkpoint.py`: everything goes into a temporary directory; every rank
+Publishing is atomic as in `ckpt_files.py` (which both this module and `checkpoint.py` use): everything goes into a temporary directory; every rank
 reports success (one all-reduce), and only if all did does rank 0 rename it into place and move
 `latest`. A rank that fails or dies leaves `latest` on the previous checkpoint.
 
@@ -32,27 +32,25 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from meshlm.config import ModelConfig
+from meshlm.errors import CheckpointError, CheckpointWriteError, TrainingError
 from meshlm.models.registry import get_spec
 from meshlm.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from meshlm.train import checkpoint as ckpt
+from meshlm.train import ckpt_files
 
 FORMAT = "meshlm-logical-v1"
 INDEX = "index.json"
 SHARDS = "shards"
 KINDS = ("weight", "exp_avg", "exp_avg_sq")
-
-
-class CheckpointWriteError(RuntimeError):
-    """Some rank could not write its part of a checkpoint; nothing was published."""
 
 
 # ---- logical tensors ----------------------------------------------------------------------------------------
@@ -225,54 +223,87 @@ def _adam_step(optimizer) -> float | None:
     return steps.pop() if steps else None
 
 
+def _write_rank(tmp: Path, rank: int, tensors: dict[str, torch.Tensor], rank_state: dict,
+                layout: dict | None) -> dict[str, ckpt_files.Entry]:
+    """This rank's two files (its pieces, its random streams); their manifest entries."""
+    from safetensors.torch import save as to_bytes
+
+    bad = ckpt_files.non_finite({k: v for k, v in tensors.items() if k.startswith("weight/")})
+    if bad:
+        raise TrainingError(f"refusing to save: the model's weights hold NaN or inf ({bad[0].split('/')[1]}); the "
+                            "previous checkpoint is kept. Lower optim.lr or raise optim.warmup_steps")
+    (tmp / SHARDS).mkdir(exist_ok=True)
+    name = f"rank{rank:05d}"
+    return {f"{SHARDS}/{name}.safetensors": ckpt_files.save_bytes(to_bytes(tensors), tmp / SHARDS / f"{name}.safetensors"),
+            f"{SHARDS}/{name}.pt": ckpt_files.save_torch({"rank_state": rank_state, "layout": layout},
+                                                         tmp / SHARDS / f"{name}.pt")}
+
+
 def save(out_dir: str | Path, step: int, sync, optimizer, state: dict, config: dict, rank_state: dict) -> Path:
     """Write this layout's checkpoint of step `step` and publish it as `latest` (a collective).
 
-    `state` (rank 0's): step, data position, layout, …; `rank_state`: this rank's random streams."""
-    from safetensors.torch import save_file
-
+    `state` (rank 0's): step, data position, layout, …; `rank_state`: this rank's random streams. No rank
+    publishes unless every rank wrote its files; a failed write removes the temporary directory."""
     d = sync.dims
     world = d.world_size > 1
-    box = [str(ckpt.begin_checkpoint(out_dir, step)) if d.is_main else None]
+    box = [str(ckpt_files.begin_checkpoint(out_dir, step)) if d.is_main else None]
     if world:
         dist.broadcast_object_list(box, src=0)
     tmp = Path(box[0])
-    entries, error = [], None
+    entries, files, error, tensors = [], {}, None, {}
     try:
-        (tmp / SHARDS).mkdir(exist_ok=True)
         tensors, entries = _rank_pieces(sync, optimizer)
-        name = f"rank{d.rank:05d}"
-        save_file(tensors, str(tmp / SHARDS / f"{name}.safetensors"))
-        ckpt.write_part(tmp / SHARDS, name, {"rank_state": rank_state, "layout": state.get("layout")})
+        files = _write_rank(tmp, d.rank, tensors, rank_state, state.get("layout"))
     except Exception as err:  # noqa: BLE001 (any failure: every rank must hear of it before anyone publishes)
         error = err
     ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=d.device)
     if world:
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if error is not None:
-        raise error
     if not ok.item():
-        raise CheckpointWriteError(f"another rank failed to write its part of step {step}'s checkpoint; "
-                                   f"nothing was published, {ckpt.checkpoints_dir(out_dir) / ckpt.LATEST} still "
-                                   "names the previous checkpoint")
+        _fail(error, tmp, step, d.is_main, ckpt_files.state_nbytes(tensors))
     adam_step = _adam_step(optimizer)
     gathered = [None] * d.world_size if d.is_main else None
     if world:
-        dist.gather_object((d.rank, entries, adam_step), gathered, dst=0)
+        dist.gather_object((d.rank, entries, adam_step, files), gathered, dst=0)
     else:
-        gathered = [(0, entries, adam_step)]
-    path = ckpt.checkpoints_dir(out_dir) / ckpt.step_name(step)
+        gathered = [(0, entries, adam_step, files)]
+    path = ckpt_files.checkpoints_dir(out_dir) / ckpt_files.step_name(step)
     if d.is_main:
-        steps = {s for _, _, s in gathered if s is not None}
-        index = {"format": FORMAT, "shapes": logical_shapes(sync.model.cfg),
-                 "adam_step": steps.pop() if steps else None,
-                 "chunks": [[f"rank{r:05d}.safetensors", *e] for r, es, _ in gathered for e in es]}
-        (tmp / INDEX).write_text(json.dumps(index))
-        ckpt.write_part(tmp, "state", state)
-        path = ckpt.publish_checkpoint(out_dir, step, tmp, config)
+        path = _publish(out_dir, step, tmp, sync, state, config, gathered)
     if world:
         dist.barrier()
     return path
+
+
+def _fail(error: BaseException | None, tmp: Path, step: int, main: bool, need_bytes: int) -> NoReturn:
+    """Every rank got here (no one publishes): rank 0 removes the temporary directory; each raises."""
+    if isinstance(error, (TrainingError, CheckpointError)):
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise error
+    if error is not None:
+        raise ckpt_files.write_failure(error, tmp, step, need_bytes) from error
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    raise CheckpointWriteError(f"another rank failed to write its part of step {step}'s checkpoint; nothing was "
+                               "published, the previous checkpoints are intact")
+
+
+def _publish(out_dir, step: int, tmp: Path, sync, state: dict, config: dict, gathered: list) -> Path:
+    """Rank 0: the index of every rank's pieces, the shared state, the manifest; then the rename."""
+    steps = {s for _, _, s, _ in gathered if s is not None}
+    index = {"format": FORMAT, "shapes": logical_shapes(sync.model.cfg),
+             "adam_step": steps.pop() if steps else None,
+             "chunks": [[f"rank{r:05d}.safetensors", *e] for r, es, _, _ in gathered for e in es]}
+    files = {k: v for _, _, _, fs in gathered for k, v in fs.items()}
+    try:
+        files[INDEX] = ckpt_files.save_bytes(json.dumps(index).encode(), tmp / INDEX)
+        files["state.pt"] = ckpt_files.save_torch(state, tmp / "state.pt")
+        return ckpt_files.publish_checkpoint(out_dir, step, tmp, config, files)
+    except (OSError, RuntimeError) as err:
+        if not tmp.exists():
+            raise
+        raise ckpt_files.write_failure(err, tmp, step, ckpt_files.state_nbytes(state)) from err
 
 
 # ---- sources of logical tensors ---------------------------------------------------------------------------
@@ -283,7 +314,7 @@ class _ShardedSource:
         self.dir = path / SHARDS
         index = json.loads((path / INDEX).read_text())
         if index.get("format") != FORMAT:
-            raise ckpt.CheckpointError(f"{path} has checkpoint format {index.get('format')!r}, not {FORMAT!r}")
+            raise CheckpointError(f"{path} has checkpoint format {index.get('format')!r}, not {FORMAT!r}")
         self.shapes = {k: tuple(v) for k, v in index["shapes"].items()}
         self.adam_step = index["adam_step"]
         self.chunks: dict[tuple[str, str], list] = {}
@@ -335,10 +366,10 @@ def _single_process_source(path: Path, cfg: ModelConfig) -> _TensorSource:
     """`model.pt` + `optim.pt` of a one-process run → logical tensors (its AdamW's state, by parameter)."""
     from meshlm.train.optim import param_groups
 
-    tensors = {("weight", k): v for k, v in split_plain(ckpt.load_part(path, "model"), cfg).items()}
+    tensors = {("weight", k): v for k, v in split_plain(ckpt_files.load_torch(path / "model.pt"), cfg).items()}
     adam_step = None
     if (path / "optim.pt").exists():
-        optim = ckpt.load_part(path, "optim")
+        optim = ckpt_files.load_torch(path / "optim.pt")
         with torch.device("meta"):
             model = _plain_model(cfg)
         names = {id(p): n for n, p in model.named_parameters()}
@@ -359,7 +390,7 @@ def open_source(path: Path, cfg: ModelConfig):
     if (path / INDEX).exists():
         return _ShardedSource(path)
     if not (path / "model.pt").exists() or any(path.glob("rank*.pt")):
-        raise ckpt.CheckpointError(f"{path} was written by an earlier parallel meshlm whose checkpoints cannot be "
+        raise CheckpointError(f"{path} was written by an earlier parallel meshlm whose checkpoints cannot be "
                                    "resumed (`meshlm generate` still reads its weights); train.resume=never starts over")
     return _single_process_source(path, cfg)
 
@@ -377,7 +408,7 @@ def _fill(source, kind: str, sync, owned, flat: torch.Tensor) -> None:
         want += n * w
         got += source.read(kind, seg.name, row, col, out)
     if got != want:
-        raise ckpt.CheckpointError(f"the checkpoint holds {got} of the {want} {kind} values this rank needs for "
+        raise CheckpointError(f"the checkpoint holds {got} of the {want} {kind} values this rank needs for "
                                    f"{owned.name}; it is incomplete or from another model shape")
 
 
@@ -390,7 +421,7 @@ def load(path: str | Path, sync, optimizer) -> None:
     cfg = sync.model.cfg
     source = open_source(path, cfg)
     if source.shapes != logical_shapes(cfg):
-        raise ckpt.CheckpointError(f"checkpoint {path} was saved for a model of another shape; set the model.* "
+        raise CheckpointError(f"checkpoint {path} was saved for a model of another shape; set the model.* "
                                    "keys as in its config.json")
     try:
         for owned in sync.load_weight_ranges():
@@ -412,7 +443,7 @@ def load_rank_state(path: str | Path, rank: int, layout: dict) -> dict | None:
     part = Path(path) / SHARDS / f"rank{rank:05d}.pt"
     if not part.exists():
         return None
-    saved = ckpt.load_part(Path(path) / SHARDS, f"rank{rank:05d}")
+    saved = ckpt_files.load_torch(part)
     return saved["rank_state"] if saved.get("layout") == layout else None
 
 
@@ -426,7 +457,7 @@ def full_model_state(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tens
             rows = shape[0]
             t = torch.zeros(rows, max(1, torch.Size(shape[1:]).numel()))
             if source.read("weight", name, 0, 0, t) != t.numel():
-                raise ckpt.CheckpointError(f"checkpoint {path} is missing parts of {name}")
+                raise CheckpointError(f"checkpoint {path} is missing parts of {name}")
             tensors[name] = t
     finally:
         source.close()

@@ -3,8 +3,11 @@ torch-free in `meshlm/plan/flops.py` and each model family names its own (`Model
 
 from __future__ import annotations
 
+import json
+import os
 import resource
 import time
+from pathlib import Path
 
 import torch
 
@@ -40,3 +43,19 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2 ** 20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Keep the records of `path` (metrics.jsonl) up to `step`, atomically; unparsable lines (torn by a
+    kill) are dropped. Returns how many were."""
+    keep, torn = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            torn += line.strip() != ""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+    return torn

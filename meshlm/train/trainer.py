@@ -28,6 +28,7 @@ import torch.distributed as dist
 from meshlm.config import Config, ConfigError
 from meshlm.data.dataset import BatchLoader
 from meshlm.data.prefetch import PrefetchLoader
+from meshlm.errors import CheckpointError, TrainingError
 from meshlm.infer.generate import generate
 from meshlm.models.registry import get_spec
 from meshlm.parallel import TPRNGTracker, build_model, init_distributed
@@ -35,8 +36,8 @@ from meshlm.parallel.data import memory_report
 from meshlm.plan.activations import measure_model_activations
 from meshlm.plan.layout import recomputed_layers
 from meshlm.train import checkpoint as ckpt
-from meshlm.train import dist_checkpoint
-from meshlm.train.metrics import measure_peak_tflops, peak_memory_mb
+from meshlm.train import ckpt_files, dist_checkpoint
+from meshlm.train.metrics import measure_peak_tflops, peak_memory_mb, truncate_metrics
 from meshlm.train.optim import build_optimizer, lr_at
 from meshlm.train.precision import Precision
 
@@ -130,15 +131,36 @@ class Trainer:
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def _find_resume(self) -> Path | None:
+        """Rank 0 picks the checkpoint (the newest valid one for `auto`, verified by checksum) and tells
+        everyone; checkpoints present but none valid stop the run rather than start over."""
         resume = self.cfg.train.resume
         if self.dims.is_main:
             ckpt.prune_temporaries(self.out_dir)
-        self.dims.barrier()  # nobody looks for `latest` while rank 0 still cleans up
         if resume == "never":
+            self.dims.barrier()
             return None
-        if resume == "auto":
-            return ckpt.latest_checkpoint(self.out_dir)
-        return ckpt.resolve_checkpoint(resume)
+        box = [self._pick_checkpoint(resume) if self.dims.is_main else None]
+        if self.dims.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        path, error = box[0]
+        if error is not None:
+            raise CheckpointError(error)
+        return None if path is None else Path(path)
+
+    def _pick_checkpoint(self, resume: str) -> tuple[str | None, str | None]:
+        """(checkpoint path, None) or (None, the error every rank raises)."""
+        try:
+            if resume != "auto":
+                return str(ckpt.resolve_checkpoint(resume, log=self.log)), None
+            path, note, present = ckpt.find_checkpoint(self.out_dir)
+        except CheckpointError as err:
+            return None, str(err)
+        if path is None and present:
+            return None, (f"{ckpt.checkpoints_dir(self.out_dir)} holds checkpoints but none is valid ({note}); "
+                          "restore one, or set train.resume=never to start over")
+        if note:
+            self.log(f"note: {note}; resuming from {path.name}")
+        return (None if path is None else str(path)), None
 
     def state_parts(self) -> dict:
         return {
@@ -150,15 +172,24 @@ class Trainer:
         }
 
     def save(self) -> Path:
+        """Publish this step's checkpoint (never one with non-finite weights), then keep the newest
+        `train.keep_last` valid ones."""
         if self.dims.world_size == 1:
-            return ckpt.save_checkpoint(self.out_dir, self.step, self.state_parts(), self.cfg.to_dict())
-        return self._save_sharded()
+            parts = self.state_parts()
+            parts["state"]["skipped_steps"] = self.skipped_steps
+            path = ckpt.save_checkpoint(self.out_dir, self.step, parts, self.cfg.to_dict())
+        else:
+            path = self._save_sharded()
+        if self.dims.is_main:
+            ckpt_files.prune_old(self.out_dir, self.cfg.train.keep_last, self.step)
+        return path
 
     def _save_sharded(self) -> Path:
         """Every rank writes the pieces of the layout-free tensors it owns (weights and Adam states) and its
         random streams; rank 0 adds the index and the shared state and publishes `latest` once every rank
         reported success (`dist_checkpoint.save`, a collective)."""
         state = {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
+                 "skipped_steps": self.skipped_steps,
                  "scaler": self.precision.state_dict(), "tokenizer": self.tokenizer.name, "layout": self._layout()}
         rank_state = {"rng": rng_state(), "tp_rng": self.tp_rng.get_state()}
         return dist_checkpoint.save(self.out_dir, self.step, self.sync, self.optimizer, state, self.cfg.to_dict(),
@@ -192,15 +223,17 @@ class Trainer:
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.loader.load_state_dict(state["loader"])
         self.precision.load_state_dict(state["scaler"])
-        self._truncate_metrics(self.step)
+        self.skipped_steps = state.get("skipped_steps", 0)
         self.log(f"resumed from {path} at step {self.step}")
 
     def _truncate_metrics(self, step: int) -> None:
-        """Drop metric lines past the resumed step (a killed run may have logged beyond its checkpoint)."""
+        """Drop metric lines past the resumed step (a killed run may have logged beyond its checkpoint; a
+        fresh start, step 0, keeps none) and lines a kill tore (with a note)."""
         path = self.out_dir / "metrics.jsonl"
         if path.exists() and self.dims.is_main:
-            keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-            path.write_text("".join(ln + "\n" for ln in keep))
+            torn = truncate_metrics(path, step)
+            if torn:
+                self.log(f"note: skipped {torn} unreadable line(s) of {path} (a run killed while writing it)")
 
     # ---- one step ------------------------------------------------------------------------------------
     def train_step(self) -> tuple[float, float]:
@@ -228,8 +261,15 @@ class Trainer:
         self.precision.scaler.unscale_(self.optimizer)
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         grad_norm = self.sync.clip_grad_norm_(clip)  # each parameter (shard) once, over the whole layout
-        self.precision.scaler.step(self.optimizer)
-        self.precision.scaler.update()
+        loss, norm = self._host_values(total, grad_norm)
+        scaler = self.precision.scaler
+        # fp16: a finite loss with inf gradients is the GradScaler's to skip (it lowers the scale).
+        if math.isfinite(loss) and (math.isfinite(norm) or scaler.is_enabled()):
+            scaler.step(self.optimizer)
+            self.bad_in_row = 0
+        else:
+            self._skip_step(loss, norm)
+        scaler.update()
         self.sync.after_step()  # ZeRO-1/2: every rank's updated shard into everyone's parameters
         if not self._memory_logged:  # measured now: Adam's states exist, gradients not yet released
             self.log(memory_report(self.sync, self.optimizer))
@@ -237,7 +277,42 @@ class Trainer:
         self.sync.zero_grad(self.optimizer)
         self.step += 1
         self.tokens_seen += cfg.train.global_batch_size * cfg.model.seq_len
-        return float(total), float(grad_norm)
+        return loss, norm
+
+    def _host_values(self, total: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
+        """The step's one host sync: the loss and the gradient norm together (and, with several processes,
+        the stop flag, all-reduced on the device). Both are the same on every rank (the loss is averaged over
+        dp, identical over tp, broadcast from the last pipeline stage; the norm is all-reduced over the whole
+        layout, and NaN/inf survive those sums), so every rank takes the same skip decision."""
+        values = [total.detach().float().reshape(()), grad_norm.detach().float().reshape(()).to(total.device)]
+        if self.dims.world_size > 1:
+            flag = torch.tensor(float(self.stop_signum), device=total.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            values.append(flag)
+        host = torch.stack(values).tolist()
+        if len(host) == 3 and host[2] and self._stop_seen == 0:
+            self._stop_seen = int(host[2])
+        return host[0], host[1]
+
+    def _skip_step(self, loss: float, norm: float) -> None:
+        """No update: gradients dropped, weights and Adam's state unchanged. The iteration still counts
+        (Megatron-style): the step number, the learning-rate schedule and the data position move on."""
+        self.skipped_steps += 1
+        self.bad_in_row += 1
+        limit = self.cfg.train.max_bad_steps
+        self.log(f"warning: step {self.step + 1}: loss {loss}, gradient norm {norm} not finite; update skipped "
+                 f"({self.bad_in_row} in a row, {self.skipped_steps} in all; train.max_bad_steps={limit} in a row "
+                 "stop the run)")
+        if self.bad_in_row >= limit:
+            raise TrainingError(
+                f"stopped at step {self.step + 1}: {limit} steps in a row had a non-finite loss or gradient norm "
+                f"(train.max_bad_steps={limit}); nothing was saved after them, the newest checkpoint is kept. "
+                "Lower optim.lr, raise optim.warmup_steps, or use train.precision=fp32")
+
+    skipped_steps = 0  # steps whose update was skipped (non-finite loss or gradient norm), over the whole run
+    bad_in_row = 0
+    stop_signum = 0  # the signal that asked this process to stop (0: none)
+    _stop_seen = 0  # the largest signal number any rank saw, as of the last step (several processes)
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The mean token loss of one micro-batch through this rank's model (not the pipeline's)."""
@@ -278,6 +353,12 @@ class Trainer:
     # ---- loop ----------------------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
         self.stop_signal = signal.Signals(signum).name
+        self.stop_signum = max(self.stop_signum, int(signum))
+
+    @property
+    def exit_code(self) -> int:
+        """0 for a finished run; 128 + the signal's number (SIGINT 130, SIGTERM 143) for a stopped one."""
+        return 128 + self.stop_signum if self.stop_signal is not None and self.stop_signum else 0
 
     def log(self, text: str) -> None:
         if not self.dims.is_main:
@@ -335,6 +416,7 @@ class Trainer:
                                              layers=list(getattr(self.model, self.spec.pipeline.layers)))
             formula = self.spec.activation_bytes
             self.log(acts.summary(formula(cfg, device_type=self.device.type) if formula else None))
+        self._truncate_metrics(self.step)
         writer = SummaryWriter(str(self.out_dir / "tensorboard")) if d.is_main else None
         metrics = open(self.out_dir / "metrics.jsonl", "a") if d.is_main else None  # noqa: SIM115 (closed in the finally below)
         self._bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step",
@@ -347,16 +429,12 @@ class Trainer:
                 window_steps += 1
                 self._bar.update(1)
                 self._bar.set_postfix(loss=f"{loss:.3f}")
-                if not math.isfinite(loss):
-                    raise FloatingPointError(f"loss is {loss} at step {self.step}; lower optim.lr or use "
-                                             "train.precision=bf16/fp32")
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize()
+                    # No torch.cuda.synchronize(): every step already waits for its loss (`_host_values`).
                     dt = (time.perf_counter() - window_start) / window_steps
                     rec = {"kind": "train", "step": self.step, "loss": loss,
                            "lr": lr_at(self.step - 1, cfg.optim, t.max_steps), "grad_norm": grad_norm,
-                           "tokens": self.tokens_seen,
+                           "tokens": self.tokens_seen, "skipped_steps": self.skipped_steps,
                            "tokens_per_s": t.global_batch_size * m.seq_len / dt,
                            "tflops": flops / dt / 1e12, "mfu": flops / dt / 1e12 / peak,
                            "hfu": hw_flops / dt / 1e12 / peak, "peak_mem_mb": peak_memory_mb(self.device),
@@ -395,13 +473,14 @@ class Trainer:
         return result
 
     def _stop_requested(self) -> bool:
-        """A signal seen by any rank stops every rank after the same step (one tiny all-reduce per step)."""
-        if self.dims.world_size > 1:
-            flag = torch.tensor([self.stop_signal is not None], dtype=torch.int32, device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item() and self.stop_signal is None:
+        """A signal seen by any rank stops every rank after the same step: the ranks' signal numbers are
+        all-reduced with each step's loss (`_host_values`), so this costs no extra sync."""
+        if self.dims.world_size > 1 and self._stop_seen:
+            if self.stop_signal is None:
                 self.stop_signal = "a signal on another rank"
-        return self.stop_signal is not None
+            self.stop_signum = self._stop_seen
+            return True
+        return self.dims.world_size == 1 and self.stop_signal is not None
 
     def _write(self, metrics, writer, rec: dict) -> None:
         if not self.dims.is_main:

@@ -144,7 +144,7 @@ def test_pipeline_checkpoint_resumes_exactly_and_under_another_layout(runs, tmp_
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
     files = sorted(p.name for p in ckpt.resolve_checkpoint(split).iterdir())
-    assert files == ["config.json", "index.json", "shards", "state.pt"]
+    assert files == ["config.json", "index.json", "manifest.json", "shards", "state.pt"]
     assert _losses(split) == _losses(straight["out"])
     a = ckpt.load_model_state(ckpt.resolve_checkpoint(straight["out"]))
     b = ckpt.load_model_state(ckpt.resolve_checkpoint(split))

@@ -68,28 +68,28 @@ def _failing_worker(rank: int, world: int, out_dir: str) -> dict:
     H.step(run)
     H.save(run, root, cfg.to_dict())
     out = {"first": ckpt.resolve_checkpoint(root).name}
-    real = st.save_file
+    real = st.save  # the shard's bytes (dist_checkpoint writes them through ckpt_files' checksumming writer)
 
-    def broken(tensors, path, **kw):
+    def broken(tensors, **kw):
         raise OSError("disk full (injected)")
 
     H.step(run)
     if rank == 1:
-        st.save_file = broken
+        st.save = broken
     try:
         H.save(run, root, cfg.to_dict())
     except Exception as err:  # noqa: BLE001 (what each rank saw)
         out["failed"] = f"{type(err).__name__}: {err}"
     finally:
-        st.save_file = real
+        st.save = real
     out["after_failure"] = ckpt.resolve_checkpoint(root).name
     H.step(run)
     if rank == 1:
-        def dying(tensors, path, **kw):
+        def dying(tensors, **kw):
             torch.save({**out, "died": True}, Path(out_dir) / "result_1.pt")
             os._exit(0)  # a SIGKILL-like death, mid-checkpoint, without tearing anything down
 
-        st.save_file = dying
+        st.save = dying
     try:
         H.save(run, root, cfg.to_dict())
         out["killed"] = "published"
@@ -112,6 +112,6 @@ def test_a_failed_or_dead_rank_never_moves_latest(tmp_path):
     assert rank0["after_failure"] == "step_0000001", "nothing was published"
     assert rank0["killed"] != "published", "rank 1 died while writing: rank 0 must not publish"
     assert rank0["after_kill"] == "step_0000001"
-    assert rank0["temporaries"] == ["step_0000002", "step_0000003"], "the half-written attempts stay aside"
+    assert rank0["temporaries"] == ["step_0000003"], "a failed write is cleaned up; a death's leftovers stay aside"
     state = ckpt.load_model_state(ckpt.resolve_checkpoint(tmp_path / "run"))
     assert state.keys() == GPT(H.config().model).state_dict().keys(), "latest still loads whole"

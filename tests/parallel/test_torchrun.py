@@ -70,7 +70,7 @@ def test_torchrun_tp2_resumes_exactly_and_under_another_layout(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
     assert sorted(p.name for p in ckpt.resolve_checkpoint(split).iterdir()) == [
-        "config.json", "index.json", "shards", "state.pt"]
+        "config.json", "index.json", "manifest.json", "shards", "state.pt"]
     assert _losses(straight) == _losses(split)
     a, b = _weights(straight), _weights(split)
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -59,15 +59,16 @@ def test_checkpoint_holds_everything_needed(tmp_path):
 
 KILLER = textwrap.dedent("""
     import sys, time
-    from meshlm.train import checkpoint as ckpt
+    from meshlm.train import checkpoint as ckpt, ckpt_files
     out = sys.argv[1]
     ckpt.save_checkpoint(out, 1, {"model": {"w": list(range(10))}}, {"step": 1})
-    real = ckpt._save_file
+    real = ckpt_files.save_torch
     def slow(obj, path):            # a slow disk: the process is killed in the middle of step 2's write
-        real(obj, path)
+        entry = real(obj, path)
         print("writing", flush=True)
         time.sleep(60)
-    ckpt._save_file = slow
+        return entry
+    ckpt_files.save_torch = slow
     ckpt.save_checkpoint(out, 2, {"model": {"w": [0]}, "optim": {}}, {"step": 2})
 """)
 
@@ -128,7 +129,7 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
             break
     proc.send_signal(signal.SIGTERM)
     rest = proc.stdout.read()
-    assert proc.wait(timeout=60) == 0
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM, "a stopped run is not a finished one"
     assert "stopped by SIGTERM" in rest
     state = ckpt.load_part(ckpt.resolve_checkpoint(tmp_path), "state")
     assert 1 <= state["step"] < 100_000

@@ -1,0 +1,340 @@
+"""The files of a checkpoint, in any format: written with a checksum, published atomically, verified.
+
+Layout: OUT_DIR/checkpoints/step_0000100/ holds the parts (one process: `model.pt`, `optim.pt`, `state.pt`;
+a parallel run: `index.json`, `state.pt`, `shards/rank*.safetensors`, `shards/rank*.pt`, see
+`dist_checkpoint.py`), `config.json`, and, written last, `manifest.json`: every other file's relative
+path, size and CRC-32 (zlib), computed while the bytes were written. OUT_DIR/checkpoints/latest names the
+newest published checkpoint, but readers do not trust it alone: `find_valid` scans every `step_*`
+directory, newest first, and takes the first whose files match its manifest.
+
+Publishing: everything goes into `.tmp-step_N-*`, is fsynced, and the directory is renamed to `step_N`.
+If `step_N` already exists (a re-save), it is first renamed aside (`.aside-step_N-*`), the new one renamed
+into place, `latest` moved, and only then the old copy deleted; `find_valid` counts an aside copy as a
+candidate too, so a crash at any moment leaves a complete checkpoint of the newest step findable.
+
+This module is the low level both `checkpoint.py` (one process, "load any format") and `dist_checkpoint.py`
+(sharded) use; it imports neither.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import re
+import shutil
+import tempfile
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshlm.errors import CheckpointError, CheckpointWriteError
+
+LATEST = "latest"
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "meshlm-manifest-v1"
+_STEP = re.compile(r"^(?:\.aside-)?step_(\d+)(?:-.*)?$")
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+Entry = dict[str, int]  # {"size": bytes, "crc32": checksum}
+
+
+def checkpoints_dir(out_dir: str | Path) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- writing ------------------------------------------------------------------------------------------------
+class _ChecksumWriter(io.RawIOBase):
+    """A write-only file that checksums and counts the bytes on their way to disk."""
+
+    def __init__(self, fh):
+        super().__init__()
+        self.fh, self.size, self.crc = fh, 0, 0
+        self.error: OSError | None = None
+
+    def _disk_write(self, view: memoryview) -> None:
+        self.fh.write(view)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            self._disk_write(view)
+        except OSError as err:  # torch.save would turn it into "[enforce fail at inline_container.cc]"
+            self.error = err
+            raise
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += len(view)
+        return len(view)
+
+
+def write_file(path: Path, fill: Callable[[Any], None]) -> Entry:
+    """Create `path`, let `fill(file)` write it, fsync; returns its size and CRC-32 (from the bytes written)."""
+    out = None
+    try:
+        with open(path, "wb") as fh:
+            out = _ChecksumWriter(fh)
+            fill(out)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except (OSError, RuntimeError) as err:
+        cause = out.error if out is not None and out.error is not None else err
+        if isinstance(cause, OSError) and cause.filename is None:
+            cause.filename = str(path)
+        if cause is err:
+            raise
+        raise cause from err
+    return {"size": out.size, "crc32": out.crc}
+
+
+def save_torch(obj: Any, path: Path) -> Entry:
+    return write_file(path, lambda fh: torch.save(obj, fh))
+
+
+def save_bytes(data: bytes, path: Path) -> Entry:
+    return write_file(path, lambda fh: fh.write(data))
+
+
+def begin_checkpoint(out_dir: str | Path, step: int) -> Path:
+    """A fresh temporary directory for step `step`'s files (several processes may write into it)."""
+    root = checkpoints_dir(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{step_name(step)}-"))
+
+
+def publish_checkpoint(out_dir: str | Path, step: int, tmp: Path, config: dict, files: dict[str, Entry]) -> Path:
+    """Add the config and the manifest (last), then move `tmp` into place and point `latest` at it. A
+    published copy of the same step is replaced, never removed before its replacement is in place."""
+    root = checkpoints_dir(out_dir)
+    final = root / step_name(step)
+    files = {**files, "config.json": save_bytes(json.dumps(config, indent=2).encode(), tmp / "config.json")}
+    manifest = {"format": MANIFEST_FORMAT, "step": step, "files": dict(sorted(files.items()))}
+    save_bytes(json.dumps(manifest, indent=1).encode(), tmp / MANIFEST)
+    fsync_dir(tmp)
+    aside = None
+    if final.exists():  # a re-save of the same step (resumed and stopped at once, a finished run rerun)
+        aside = Path(tempfile.mkdtemp(dir=root, prefix=f".aside-{final.name}-"))
+        os.rename(final, aside / "old")  # the aside directory's name carries the step, for `find_valid`
+        _hook("aside")
+    os.rename(tmp, final)
+    _hook("renamed")
+    pointer = root / f".{LATEST}.tmp"
+    pointer.write_text(final.name + "\n")
+    os.replace(pointer, root / LATEST)
+    fsync_dir(root)
+    _hook("pointed")
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+    return final
+
+
+def _hook(point: str) -> None:
+    """Fault injection for tests (monkeypatched): called between the steps of a publish."""
+
+
+def space_error(err: BaseException) -> bool:
+    """Is `err` (an OSError, or torch.save's RuntimeError wrapping one) a full disk or quota?"""
+    if isinstance(err, OSError):
+        return err.errno in _SPACE_ERRNOS
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("No space left" in text or "Disk quota" in text
+                                              or ("inline_container.cc" in text and "write" in text))
+
+
+def write_failure(err: BaseException, tmp: Path, step: int, need_bytes: int) -> CheckpointWriteError:
+    """One line for the user: the file, the bytes needed, the fix. Removes the partial directory."""
+    name = getattr(err, "filename", None) or "a checkpoint file"
+    free = shutil.disk_usage(tmp.parent).free if tmp.parent.exists() else 0
+    shutil.rmtree(tmp, ignore_errors=True)
+    cause = "no space left on device" if space_error(err) else f"{type(err).__name__}: {err}".splitlines()[0]
+    return CheckpointWriteError(
+        f"could not write step {step}'s checkpoint ({cause}) at {name}: it needs about {need_bytes / 2**20:.1f} MiB, "
+        f"{free / 2**20:.1f} MiB are free; free disk space or set train.out_dir to a larger disk (the partial "
+        f"checkpoint was removed; the previous checkpoints are intact)")
+
+
+def state_nbytes(obj: Any) -> int:
+    """The bytes of the tensors in `obj` (nested dicts, lists): about what torch.save writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_nbytes(v) for v in obj)
+    return 0
+
+
+def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of floating-point tensors holding NaN or ±inf (one host sync for all of them)."""
+    named = [(k, t) for k, t in tensors.items() if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not named:
+        return []
+    flags = torch.stack([torch.isfinite(t).all().to("cpu") for _, t in named]).tolist()
+    return [k for (k, _), ok in zip(named, flags) if not ok]
+
+
+# ---- verifying and finding ---------------------------------------------------------------------------------
+def read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{MANIFEST} missing") from None
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"{MANIFEST} is not valid JSON") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise CheckpointError(f"{MANIFEST} is not a {MANIFEST_FORMAT} manifest")
+    return manifest
+
+
+def verify(path: Path, checksum: bool = True) -> str | None:
+    """None if every file of checkpoint `path` matches its manifest (sizes; CRC-32 too if `checksum`),
+    else what is wrong, e.g. "model.pt: size 12 != 4096 in manifest"."""
+    try:
+        files = read_manifest(path)["files"]
+    except CheckpointError as err:
+        return str(err)
+    for rel, entry in files.items():
+        f = path / rel
+        try:
+            size = f.stat().st_size
+        except OSError:
+            return f"{rel} missing"
+        if size != entry["size"]:
+            return f"{rel}: size {size} != {entry['size']} in manifest"
+        if checksum and file_crc32(f) != entry["crc32"]:
+            return f"{rel}: checksum mismatch (CRC-32 {file_crc32(f):08x} != {entry['crc32']:08x} in manifest)"
+    return None
+
+
+def file_crc32(path: Path, chunk: int = 1 << 22) -> int:
+    crc = 0
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def candidates(root: Path) -> list[tuple[int, Path]]:
+    """Published checkpoints (and copies set aside by an interrupted re-save) under checkpoints/, newest
+    first; for one step, the published copy before an aside one."""
+    found = []
+    for p in root.iterdir() if root.is_dir() else ():
+        m = _STEP.match(p.name)
+        if m is None or not p.is_dir():
+            continue
+        if p.name.startswith(".aside-"):
+            p = p / "old"
+            if not p.is_dir():
+                continue
+        found.append((int(m.group(1)), p.parent.name.startswith(".aside-"), p))
+    return [(step, p) for step, _, p in sorted(found, key=lambda x: (-x[0], x[1]))]
+
+
+def read_latest(root: Path) -> str | None:
+    try:
+        return (root / LATEST).read_text().strip() or "(empty)"
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _label(path: Path) -> str:
+    return path.parent.name if path.name == "old" else path.name
+
+
+def find_valid(root: Path, checksum: bool = True) -> tuple[Path | None, str | None]:
+    """The newest complete, verified checkpoint under `root` (a checkpoints/ directory), and a note saying
+    what was passed over and why (None when `latest` names the one found and nothing was skipped), e.g.
+    "checkpoints/latest names step_0000040, which is incomplete (model.pt: size 12 != 4096 in manifest)"."""
+    latest = read_latest(root)
+    bad: dict[str, str] = {}
+    found = None
+    for _, path in candidates(root):
+        problem = verify(path, checksum)
+        if problem is None:
+            found = path
+            break
+        bad[_label(path)] = problem
+    if (found is not None and latest == found.name and not bad) or (found is None and latest is None and not bad):
+        return found, None
+    notes = []
+    if latest is None:
+        notes.append(f"{root.name}/{LATEST} is missing")
+    elif latest in bad:
+        notes.append(f"{root.name}/{LATEST} names {latest}, which is incomplete ({bad.pop(latest)})")
+    elif found is not None and latest == found.name:
+        pass
+    elif (root / latest).is_dir():
+        notes.append(f"{root.name}/{LATEST} names {latest}, but {_label(found)} is newer and complete")
+    else:
+        notes.append(f"{root.name}/{LATEST} names {latest!r}, which does not exist")
+    notes += [f"{name} is incomplete ({problem})" for name, problem in bad.items()]
+    return found, "; ".join(notes)
+
+
+def any_checkpoint(root: Path) -> bool:
+    return (root / LATEST).exists() or bool(candidates(root))
+
+
+def prune_temporaries(out_dir: str | Path) -> None:
+    """Remove half-written temporaries left by a killed run; an aside copy whose step has no valid
+    published copy is renamed back into place (never is a published checkpoint removed)."""
+    root = checkpoints_dir(out_dir)
+    if not root.exists():
+        return
+    for tmp in root.glob(".tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    for aside in root.glob(".aside-*"):
+        m = _STEP.match(aside.name)
+        final = root / f"step_{m.group(1)}" if m else None
+        if final is not None and (aside / "old").is_dir() and verify(final, checksum=False) is not None:
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(aside / "old", final)
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def prune_old(out_dir: str | Path, keep_last: int, newest: int) -> list[Path]:
+    """Keep the `keep_last` newest valid (size-checked) checkpoints up to step `newest`; delete the older
+    ones (never one newer than `newest`). Returns what was deleted."""
+    if keep_last <= 0:
+        return []
+    kept, gone = 0, []
+    for step, path in candidates(checkpoints_dir(out_dir)):
+        if step > newest or path.name == "old":
+            continue
+        if kept < keep_last and verify(path, checksum=False) is None:
+            kept += 1
+            continue
+        if kept >= 1:  # only once a newer valid one is kept
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(path)
+    return gone
+
+
+def load_torch(path: Path, map_location: str | torch.device = "cpu") -> Any:
+    """torch.load, with an unreadable (truncated, garbled, missing) file reported by name."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=False)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete") from None
+    except Exception as err:  # noqa: BLE001 (torch.load raises RuntimeError, EOFError, UnpicklingError, ...)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{path} cannot be read ({first}); the checkpoint is corrupt") from None
