@@ -262,6 +262,7 @@ class ParallelConfig:
     sp: bool = False
     vpp: int = 1
     timeout_s: float = 600.0
+    heartbeat_s: float = 120.0  # a peer silent this long (stopped, frozen, gone) stops the job; 0: off
     pp_layers: list[int] = field(default_factory=list)  # layers per (virtual) stage; []: balanced automatically
     zero: int = 0  # 0: replicated optimizer | 1: states sharded over dp | 2: + gradients | 3: + weights (FSDP2)
     bucket_mb: float = 25.0  # data parallel: gradients reduced in buckets of about this size, during backward
@@ -276,6 +277,8 @@ class ParallelConfig:
         _check(self.dp >= 0, f"parallel.dp={self.dp} must be >= 1 (or 0 to fill the world)")
         _check(not self.sp or self.tp > 1, "parallel.sp=true needs parallel.tp > 1; set parallel.tp or drop sp")
         _check(self.timeout_s > 0, f"parallel.timeout_s={self.timeout_s} must be positive")
+        _check(self.heartbeat_s >= 0, f"parallel.heartbeat_s={self.heartbeat_s} must be >= 0 (seconds a peer may be "
+               "silent before the job stops; 0 turns the heartbeat off); e.g. 120")
         _check(self.zero in (0, 1, 2, 3), f"parallel.zero={self.zero} is not a ZeRO stage; use 0 (off), 1 (optimizer "
                "states sharded over dp), 2 (and gradients) or 3 (and weights, FSDP2)")
         _check(self.bucket_mb > 0, f"parallel.bucket_mb={self.bucket_mb} must be positive (MiB per gradient bucket)")

@@ -33,6 +33,7 @@ from meshlm.infer.generate import generate
 from meshlm.models.registry import get_spec
 from meshlm.parallel import TPRNGTracker, build_model, init_distributed
 from meshlm.parallel.data import memory_report
+from meshlm.parallel.heartbeat import start_heartbeat
 from meshlm.plan.activations import measure_model_activations
 from meshlm.plan.layout import recomputed_layers
 from meshlm.train import checkpoint as ckpt
@@ -78,6 +79,8 @@ class Trainer:
         device = pick_device(t.device)
         # torchrun's environment → process groups (none for one process); cuda:LOCAL_RANK on GPUs.
         self.dims = init_distributed(cfg.parallel, device if device.type == "cpu" else None)
+        # A stopped or frozen peer is reported by rank and host within parallel.heartbeat_s (parallel/heartbeat.py).
+        self.heartbeat = start_heartbeat(self.dims, cfg.parallel.heartbeat_s)
         self.device = self.dims.device
         self.progress = (t.progress if progress is None else progress) and self.dims.is_main
         if t.precision == "fp16" and self.device.type == "cpu":
@@ -378,6 +381,8 @@ class Trainer:
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
 
     def _peak_tflops(self) -> float:
         if self.cfg.train.peak_tflops > 0:
