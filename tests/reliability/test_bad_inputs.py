@@ -1,7 +1,7 @@
 """Bad input (issue 13): every user error is one line `error: ...` on stderr, exit code 2, no traceback, no
 hang, and nothing is allocated first. Property-based cases run `meshlm.cli.main` in this process (a stub
 stands in for training, so an accepted bad input fails the test instead of training); a handful run the
-real `meshlm` command. docs/reliability-inputs.md lists the guarantees and these tests."""
+real `meshlm` command. docs/reliability.md lists the guarantees and these tests."""
 
 from __future__ import annotations
 
