@@ -18,11 +18,11 @@ from meshlm.config import OptimConfig, build
 from meshlm.data.dataset import BatchLoader
 from meshlm.models.gpt import GPT
 from meshlm.models.loss import cross_entropy
+from meshlm.parallel import build_model
 from meshlm.parallel.data import apply_data_parallel
 from meshlm.parallel.mesh import ParallelDims
-from meshlm.parallel.pipeline import apply_pipeline
 from meshlm.parallel.rng import TPRNGTracker
-from meshlm.parallel.tensor import apply_tensor_parallel, full_state_dict
+from meshlm.parallel.tensor import full_state_dict
 from meshlm.train.optim import build_optimizer
 
 SEED, LR, CLIP = 1234, 1e-3, 0.5
@@ -94,19 +94,19 @@ def dims_for(tp: int = 1, pp: int = 1, dp: int = 1) -> ParallelDims:
 
 
 def build_run(cfg, dims: ParallelDims | None, consumed: int = 0) -> Run:
-    """The whole model from the seed, then tp → pp → dp, as `parallelize` and the trainer order them."""
+    """The reference (dims None): the whole model built from the seed in one process. A layout: the model
+    built on the meta device and only this rank's shards materialised, then tp → pp → dp, exactly as the
+    trainer does (`parallel.build_model`)."""
     torch.manual_seed(SEED)
-    model = GPT(cfg.model)
-    loss_fn, pipe = cross_entropy, None
     dp = dims.dp if dims is not None else 1
     if dims is None:
-        dims = ParallelDims()
-    if dims.tp > 1:
-        loss_fn = apply_tensor_parallel(model, dims, cfg.parallel.sp, TPRNGTracker(SEED, dims.tp_rank))
-    if dims.pp > 1:
-        pipe = apply_pipeline(model, dims, cfg, loss_fn)
+        dims, pipe, loss_fn = ParallelDims(), None, cross_entropy
+        model = GPT(cfg.model)
+        sync = apply_data_parallel(model, dims, cfg, cfg.train.global_batch_size // cfg.train.micro_batch_size)
+    else:
+        par = build_model(cfg, dims, rng=TPRNGTracker(SEED, dims.tp_rank) if dims.tp > 1 else None)
+        model, loss_fn, pipe, sync = par.model, par.loss_fn, par.pipeline, par.grad_sync
     m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
-    sync = apply_data_parallel(model, dims, cfg, m, pipe)
     opt = build_optimizer(sync, OptimConfig(lr=LR))
     loader = BatchLoader(samples(cfg), cfg.train.micro_batch_size, SEED, consumed=consumed, dp_rank=dims.dp_rank,
                          dp_size=dp)

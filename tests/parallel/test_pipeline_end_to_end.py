@@ -22,8 +22,10 @@ from pipeline_orders import expected_1f1b, expected_interleaved, max_in_flight
 from meshlm.config import OptimConfig, build
 from meshlm.models.gpt import GPT
 from meshlm.models.loss import cross_entropy
+from meshlm.models.registry import get_spec
+from meshlm.parallel.materialize import materialize
 from meshlm.parallel.mesh import ParallelDims
-from meshlm.parallel.pipeline import apply_pipeline
+from meshlm.parallel.pipeline import build_pipeline, cut_stages, fused_head
 from meshlm.parallel.rng import TPRNGTracker
 from meshlm.parallel.tensor import apply_tensor_parallel, finish_grads, full_state_dict
 from meshlm.train.optim import build_optimizer
@@ -112,11 +114,15 @@ def _pipelined(layout: str) -> dict:
     _, _, (tp, pp), _, _, m, _ = LAYOUTS[layout]
     dims = ParallelDims.build(tp=tp, pp=pp, timeout_s=60)
     torch.manual_seed(SEED)
-    model = GPT(cfg.model)
+    with torch.device("meta"):  # built on the meta device; this rank's stages (and tp shards) made real
+        model = GPT(cfg.model)
+    spec = get_spec("gpt")
     loss_fn = cross_entropy
     if tp > 1:
         loss_fn = apply_tensor_parallel(model, dims, cfg.parallel.sp, TPRNGTracker(SEED, dims.tp_rank))
-    pipe = apply_pipeline(model, dims, cfg, loss_fn)
+    cut = cut_stages(model, spec, cfg, dims.pp_rank, fused_head(cfg, dims, spec))
+    materialize(model, spec, dims.device)
+    pipe = build_pipeline(model, spec, dims, cfg, loss_fn, cut)
     assert pipe.n_microbatches == m
     opt = build_optimizer(model, OptimConfig(lr=LR))
     order, recording = [], [False]

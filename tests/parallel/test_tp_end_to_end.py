@@ -19,6 +19,8 @@ from parallel_world import run_world
 from meshlm.config import ConfigError, OptimConfig, load_config
 from meshlm.models.gpt import GPT
 from meshlm.models.loss import cross_entropy
+from meshlm.models.registry import get_spec
+from meshlm.parallel.materialize import materialize
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.rng import TPRNGTracker
 from meshlm.parallel.tensor import (
@@ -49,10 +51,14 @@ def _model_config(name: str, **changes):
 
 def _train(mcfg, dims: ParallelDims | None, sp: bool) -> dict:
     torch.manual_seed(SEED)
-    model = GPT(mcfg)  # built whole from the seed, then sliced: tp=N starts identical to tp=1
     loss_fn = cross_entropy
-    if dims is not None:
+    if dims is None:
+        model = GPT(mcfg)  # the reference: whole, from the seed
+    else:  # on the meta device, sliced, then only this rank's shards made: equal to the reference's slices
+        with torch.device("meta"):
+            model = GPT(mcfg)
         loss_fn = apply_tensor_parallel(model, dims, sp, TPRNGTracker(SEED, dims.tp_rank))
+        materialize(model, get_spec("gpt"), dims.device)
     opt = build_optimizer(model, OptimConfig(lr=LR, weight_decay=0.1))
     # The same two micro-batches every step: random tokens have nothing to learn across batches, but a
     # repeated batch is memorised, so the loss must fall (a check that the steps do something).
