@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.conftest import ROOT
 
@@ -24,3 +25,16 @@ def test_gpu_train_benchmark_smoke_runs_on_cpu(tmp_path):
         assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and 0 < r["mfu"] == r["hfu"]  # no recompute: HFU = MFU
     assert rows["foreach"]["adamw"] == "foreach" and rows["flash"]["adamw"] == "fused"
     assert result["peak_tflops"] > 0 and "| flash " in proc.stdout and "memory estimate" in proc.stdout
+
+
+def test_gpu_check_script_runs_on_cpu(tmp_path):
+    """The README's `PYTHONPATH=. bash benchmarks/gpu_check.sh`: on a CPU the CUDA tests are skipped and the
+    benchmark runs its smoke shape; every part must end ok and the log and rows land under $OUT."""
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "OUT": str(tmp_path), "HOME": str(tmp_path),
+           "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, check=False, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    for part in ("environment", "cuda-tests", "gpu-train"):
+        assert f"---- {part}: ok" in proc.stdout, proc.stdout[-3000:]
+    assert (tmp_path / "gpu_check.log").stat().st_size > 0 and json.loads((tmp_path / "gpu_train.json").read_text())
