@@ -47,11 +47,7 @@ def device_type_of(cfg: Config) -> str:
 def training_bytes(cfg: Config, world_size: int | None = None, device_type: str = "cpu") -> dict[str, float]:
     """Per process: fp32 weights, gradients and Adam states (16 B/param: `model_state_bytes_per_param`),
     split by tp × pp and, with ZeRO, over dp; and the activations one pipeline stage holds in flight."""
-    from meshlm.plan.memory import (
-        model_state_bytes_per_param,
-        parameter_count,
-        pipeline_activation_factor,
-    )
+    from meshlm.plan.memory import model_state_bytes_per_param, pipeline_activation_factor
 
     m, t, p = cfg.model, cfg.train, cfg.parallel
     world = world_size or int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -61,7 +57,7 @@ def training_bytes(cfg: Config, world_size: int | None = None, device_type: str 
         per["grads"] /= dp
     if p.zero >= 3:
         per["weights"] /= dp
-    local = parameter_count(m) / (p.tp * p.pp)
+    local = family_parameter_count(m) / (p.tp * p.pp)
     out = {name: value * local for name, value in per.items()}
     micro_batches = max(1, t.global_batch_size // (t.micro_batch_size * dp))
     layers = _all_layers_activation_bytes(cfg, device_type) / p.pp
@@ -69,11 +65,23 @@ def training_bytes(cfg: Config, world_size: int | None = None, device_type: str 
     return out
 
 
-def _all_layers_activation_bytes(cfg: Config, device_type: str) -> float:
-    """`layer_activation_bytes` summed, without a list of n_layers entries for absurd n_layers (then a lower
-    bound: every layer saves at least what the first layer of a recomputed region does)."""
-    from meshlm.plan.memory import layer_activation_bytes
+def family_parameter_count(m: ModelConfig) -> int:
+    """The model family's own parameter count (`ModelSpec.parameter_count`); an unknown `model.family` is
+    the usual one-line error."""
+    from meshlm.models.registry import get_spec
 
+    return get_spec(m.family).parameter_count(m)
+
+
+def _all_layers_activation_bytes(cfg: Config, device_type: str) -> float:
+    """The family's `activation_bytes` summed (0 for a family without a formula: still a lower bound),
+    without a list of n_layers entries for absurd n_layers (then a lower bound: every layer saves at least
+    what the first layer of a recomputed region does)."""
+    from meshlm.models.registry import get_spec
+
+    layer_activation_bytes = get_spec(cfg.model.family).activation_bytes
+    if layer_activation_bytes is None:
+        return 0.0
     n = cfg.model.n_layers
     if n <= 100_000:
         return sum(layer_activation_bytes(cfg, device_type=device_type))
@@ -81,9 +89,7 @@ def _all_layers_activation_bytes(cfg: Config, device_type: str) -> float:
 
 
 def weights_bytes(m: ModelConfig, tp: int = 1) -> float:
-    from meshlm.plan.memory import parameter_count
-
-    return 4.0 * parameter_count(m) / tp
+    return 4.0 * family_parameter_count(m) / tp
 
 
 def kv_cache_bytes(m: ModelConfig, batch: int, tokens: int) -> float:
