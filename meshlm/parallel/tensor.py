@@ -7,8 +7,8 @@ parallel layer), so the pipeline, recomputation, data parallelism and checkpoint
 
 It works on a model built on the meta device as on an initialised one: on a real model each parallel layer
 takes its slice of the dense weights (so tp=N starts bit-identical to tp=1); on the meta device only the
-shards' shapes are made, and `parallel.init.materialize` then fills each rank's shards with exactly those
-slices (`models/init.py`) without the whole model ever existing in one process.
+shards' shapes are made, and `parallel.materialize.materialize` then fills each rank's shards with exactly
+those slices (`models/init.py`) without the whole model ever existing in one process.
 
 After backward, `finish_grads` completes the gradients tp ranks hold only parts of, and `grad_norm`
 counts every element of the whole model once: the two rules every gradient synchroniser uses.

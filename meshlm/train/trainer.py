@@ -2,14 +2,14 @@
 checkpoints, metrics, and a clean stop on SIGTERM/SIGINT.
 
 Launched by torchrun, every process runs this loop on its part of the layout (`meshlm.parallel`): the
-model is built on the meta device, `parallelize` cuts out this rank's part and only that is allocated
-and initialised (`parallel.build_model`). Only rank
-0 logs, writes metrics and publishes checkpoints. With pipeline parallelism (`parallel.pp` > 1) the step
-runs the pipeline schedule instead of the accumulation loop. Under data parallelism each dp rank runs
-global / (micro · dp) micro-batches of its slice of the global batch; `model.grad_sync` reduces the
-gradients (overlapped with backward), completes the tp/pp ones, clips, and under ZeRO steps the optimizer
-shards. A multi-process checkpoint is per-rank pieces of layout-free tensors (`dist_checkpoint.py`): it
-resumes under any layout, and `ckpt.load_model_state` reads it whole in one process (`meshlm generate`).
+model is built on the meta device, cut for this rank, and only that part is allocated and initialised
+(`parallel.build_model`). Only rank 0 logs, writes metrics and publishes checkpoints. With pipeline
+parallelism (`parallel.pp` > 1) the step runs the pipeline schedule instead of the accumulation loop.
+Under data parallelism each dp rank runs global / (micro · dp) micro-batches of its slice of the global
+batch; the `Parallelized.grad_sync` reduces the gradients (overlapped with backward), completes the tp/pp
+ones, clips, and under ZeRO steps the optimizer shards. A multi-process checkpoint is per-rank pieces of
+layout-free tensors (`dist_checkpoint.py`): it resumes under any layout, and `ckpt.load_model_state`
+reads it whole in one process (`meshlm generate`).
 """
 
 from __future__ import annotations
