@@ -29,10 +29,10 @@ from meshlm.config import Config, build
 from meshlm.models.gpt import GPT
 from meshlm.parallel import TPRNGTracker, parallelize
 from meshlm.parallel.mesh import ParallelDims
-from meshlm.parallel.recompute import recomputed_layers
 from meshlm.plan.activations import measure_model_activations
+from meshlm.plan.flops import model_flops, recompute_flops
+from meshlm.plan.layout import recomputed_layers
 from meshlm.plan.memory import korthikanti_bytes, layer_activation_bytes
-from meshlm.train.metrics import model_flops, recompute_flops
 
 MODES = ("none", "selective", "full")
 TOLERANCE = 0.05

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.config import load_config
-from meshlm.train.metrics import measure_peak_tflops, model_flops
+from meshlm.plan.flops import model_flops
+from meshlm.train.metrics import measure_peak_tflops
 from meshlm.train.trainer import Trainer
 
 SHAPES = {  # name: overrides on gpt-tiny

@@ -216,5 +216,4 @@ GPT_SPEC = ModelSpec(
     pipeline=PipelinePlan(first=("tok_emb", "pos_emb", "drop"), layers="layers", last=("norm", "lm_head")),
     selective_recompute=("attn.core",), init_rule=init_rule, logical_blocks=logical_blocks, loss=cross_entropy,
     fused_loss=True, flops=_flops, recompute_flops=_recompute_flops, stage_costs=_stage_costs,
-    parameter_count=_parameter_count, activation_bytes=_activation_bytes, build_datasets=_datasets,
-    hf_adapter="hf")
+    parameter_count=_parameter_count, activation_bytes=_activation_bytes, build_datasets=_datasets)

@@ -9,12 +9,14 @@ which the spec's plans refer to:
   those layers (called with this stage's ids on a pruned model), `head(x)` → the output (logits) and,
   when `fused_loss`, `head_loss(x, targets)` → the mean loss without building the logits (last stage);
 * `forward(ids)` = head(run_layers(embed(ids), all)), and `forward(ids, targets=y)` = the fused loss;
-* `init_buffers()`: recompute non-persistent buffers (RoPE tables) after a meta-device build.
+* `init_buffers(device)`: compute every buffer (GPT's RoPE tables) on `device` after a meta-device build;
+  `parallel.materialize` only allocates buffers, so a buffer this does not fill would hold garbage;
+* `init_seed`: the base seed it drew from the global generator when built (`models/init.py`).
 
 The spec then says which submodules are tensor-parallel and how (`tp_plan`), which belong to the first
 and last pipeline stage (`pipeline`), which methods of a layer selective recomputation wraps, how each
 parameter starts (`init_rule`), how fused parameters split into layout-free checkpoint tensors
-(`logical_blocks`), the loss, the dataset builder, the Hugging Face adapter, and the FLOPs and activation
+(`logical_blocks`), the loss, the dataset builder, and the FLOPs and activation
 formulas the trainer logs and the planner uses.
 """
 
@@ -56,4 +58,3 @@ class ModelSpec:
     parameter_count: Callable[[ModelConfig], int]  # exact, from the config
     activation_bytes: Callable | None  # (Config, device_type=) → per-layer saved bytes (plan/memory.py); None: none
     build_datasets: Callable  # (Config, progress=) → (tokenizer, train, valid)
-    hf_adapter: str | None = None  # module (under meshlm.interop) converting to/from Hugging Face

@@ -21,7 +21,7 @@ from meshlm.parallel.pipeline import Pipeline, build_pipeline, cut_stages, fused
 from meshlm.parallel.recompute import apply_recompute
 from meshlm.parallel.rng import TPRNGTracker
 from meshlm.parallel.tensor import LossFn, apply_tensor_parallel, clip_grad_norm_, finish_grads, full_state_dict
-from meshlm.plan.layout import microbatches_per_step
+from meshlm.plan.layout import Layout, plan_layout
 
 __all__ = ["GradSync", "ParallelDims", "Parallelized", "TPRNGTracker", "build_model", "clip_grad_norm_", "destroy",
            "finish_grads", "full_state_dict", "init_distributed", "parallelize"]
@@ -45,11 +45,7 @@ class Parallelized:
     pipeline: Pipeline | None
     grad_sync: GradSync
     rng: TPRNGTracker | None
-
-    @property
-    def stages(self) -> list[nn.Module]:
-        """The modules this rank runs forward: its pipeline stages, or the whole (tp-sharded) model."""
-        return list(self.pipeline.modules) if self.pipeline is not None else [self.model]
+    layout: Layout  # the layout's numbers: micro-batches per rank and step, layers per virtual stage
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, rng: TPRNGTracker | None = None,
@@ -74,6 +70,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, rng: TPRNGTra
     from meshlm.models.registry import spec_of
 
     spec = spec or spec_of(model)
+    # Every layout rule at once, for this world (plan/layout.py), before anything is transformed.
+    layout = plan_layout(cfg, dims.pp, dims.dp, dims.tp, spec.stage_costs(cfg.model))
     if rng is None and dims.tp > 1:  # one TP dropout stream, shared by TP and the recomputation that replays it
         rng = TPRNGTracker(torch.initial_seed(), dims.tp_rank, dims.device)
     loss_fn = apply_tensor_parallel(model, dims, sp=cfg.parallel.sp, rng=rng, spec=spec)
@@ -83,8 +81,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, rng: TPRNGTra
     pipe = build_pipeline(model, spec, dims, cfg, loss_fn, cut) if cut is not None else None
     for stage in pipe.modules if pipe is not None else [model]:
         apply_recompute(stage, cfg, rng, spec)
-    sync = apply_data_parallel(model, dims, cfg, microbatches_per_step(cfg, dims.dp), pipe)
-    return Parallelized(model, spec, dims, loss_fn, pipe, sync, rng)
+    sync = apply_data_parallel(model, dims, cfg, layout.microbatches, pipe)
+    return Parallelized(model, spec, dims, loss_fn, pipe, sync, rng, layout)
 
 
 def build_model(cfg: Config, dims: ParallelDims, rng: TPRNGTracker | None = None, spec=None) -> Parallelized:

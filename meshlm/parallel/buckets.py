@@ -19,7 +19,7 @@ from meshlm.parallel.grads import (
     shared_row_layers,
 )
 from meshlm.parallel.mesh import ParallelDims
-from meshlm.parallel.tensor import _ALL_GATHER, _REDUCE_SCATTER
+from meshlm.parallel.tensor_layers import _ALL_GATHER, _REDUCE_SCATTER
 
 
 @dataclass

@@ -33,7 +33,7 @@ ZeRO (Rajbhandari et al. 2020; Megatron's distributed optimizer), `parallel.zero
 Gradient norms under ZeRO sum the squares of each rank's shard (each element counted once across the
 whole layout) and all-reduce them over dp, tp and pp.
 
-Memory per parameter for model states (FORMULAS.md). meshlm keeps fp32 parameters, which serve as the
+Memory per parameter for model states (docs/formulas.md). meshlm keeps fp32 parameters, which serve as the
 master weights, and autocasts per op for bf16: there is no separate 16-bit weight copy, so both fp32 and
 bf16 runs hold 4 (weights) + 4 (gradients) + 8 (Adam m, v) = 16 B/param, 8 + 8/d with ZeRO-1,
 4 + 12/d with ZeRO-2 (between steps; the local gradients are whole during backward) and 16/d with
@@ -54,7 +54,7 @@ from meshlm.config import Config
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.tensor import clip_grad_norm_ as tp_clip_grad_norm_
 from meshlm.parallel.tensor import finish_grads
-from meshlm.plan.layout import check_data_parallel, microbatches_per_step  # noqa: F401 (re-exported)
+from meshlm.plan.layout import check_data_parallel
 
 ParamGroups = list[dict]  # torch.optim param groups over the model's parameters
 MakeOptimizer = Callable[[ParamGroups], torch.optim.Optimizer]

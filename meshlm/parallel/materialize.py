@@ -59,11 +59,6 @@ def materialize(model: nn.Module, spec, device: torch.device, seed: int | None =
         owner = model.get_submodule(prefix) if prefix else model
         rows, cols = owner.shard_index(attr) if isinstance(owner, _Sharded) else (None, None)
         fill_(p.data, spec.init_rule(name, full[name], cfg), seed, name, full[name], rows, cols)
-    if hasattr(model, "init_buffers"):
-        model.init_buffers(device)
+    model.init_buffers(device)  # the family's protocol (models/spec.py): every buffer, computed
     return model
 
-
-def local_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters this rank holds (each shared tensor once), meta or real."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -49,7 +49,7 @@ from torch import nn
 from meshlm.config import Config
 from meshlm.parallel.grads import local_square_sum
 from meshlm.parallel.mesh import ParallelDims
-from meshlm.parallel.tensor import LossFn
+from meshlm.parallel.tensor_layers import LossFn
 from meshlm.plan.layout import microbatches_per_step, partition_layers, stage_ids, stage_layer_ranges
 
 

@@ -46,7 +46,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 from meshlm.config import Config, ConfigError
 from meshlm.parallel.rng import TPRNGTracker
 from meshlm.plan.layout import RECOMPUTE_MODES as MODES
-from meshlm.plan.layout import full_recompute_chunks, recomputed_layers  # noqa: F401 (re-exported)
+from meshlm.plan.layout import full_recompute_chunks
 
 
 def _replay_tp_stream(rng: TPRNGTracker) -> Callable[[], tuple]:

@@ -26,25 +26,12 @@ from meshlm.parallel.grads import local_square_sum, sequence_parallel_params, sh
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.rng import TPRNGTracker
 from meshlm.parallel.styles import TPContext
-from meshlm.parallel.tensor_layers import (  # noqa: F401 (re-exported: the layers' public home is here too)
-    _ALL_GATHER,
-    _REDUCE_SCATTER,
+from meshlm.parallel.tensor_layers import (
     ColumnParallelLinear,
     LossFn,
     RowParallelLinear,
-    SequenceShardedEmbedding,
-    TPRegionDropout,
     VocabParallelEmbedding,
     _all_reduce,
-    _Sharded,
-    block_rows,
-    copy_to_tensor_region,
-    gather_from_sequence_region,
-    linear_with_sequence_gather,
-    padded_vocab,
-    qkv_rows,
-    reduce_from_tensor_region,
-    reduce_scatter_to_sequence_region,
     vocab_parallel_cross_entropy,
 )
 

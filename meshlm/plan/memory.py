@@ -1,6 +1,6 @@
 """Memory formulas, the seed of the auto-configurator: model states and activations per layer.
 
-Model states (FORMULAS.md): bytes per parameter for weights, gradients and Adam states, with and without
+Model states (docs/formulas.md): bytes per parameter for weights, gradients and Adam states, with and without
 the distributed optimizer (ZeRO-1). Activations: Korthikanti et al. 2022, Table 2 (`korthikanti_bytes`,
 verbatim) and *our* variant (`activation_terms`), derived term by term from what meshlm's code saves for
 backward, so that the measured bytes (`meshlm.plan.activations`, `meshlm bench memory`,

@@ -44,7 +44,7 @@ from torch import nn
 from meshlm.config import ModelConfig
 from meshlm.errors import CheckpointError, CheckpointWriteError, TrainingError
 from meshlm.models.registry import get_spec
-from meshlm.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from meshlm.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from meshlm.train import ckpt_files
 
 FORMAT = "meshlm-logical-v1"

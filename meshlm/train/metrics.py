@@ -11,8 +11,6 @@ from pathlib import Path
 
 import torch
 
-from meshlm.plan.flops import layer_flops_per_token, model_flops, recompute_flops  # noqa: F401 (re-exported)
-
 
 def measure_peak_tflops(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> float:
     """Achievable matmul TFLOP/s on this device and dtype, from a short square-matmul loop."""

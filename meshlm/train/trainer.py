@@ -119,7 +119,7 @@ class Trainer:
         self.fused_loss = t.fused_loss and self.spec.fused_loss and self.dims.tp == 1 and self.pipeline is None
         self.optimizer = build_optimizer(self.sync, cfg.optim)
         self.precision = Precision(t.precision, self.device)
-        self.accum = t.global_batch_size // (t.micro_batch_size * self.dims.dp)  # per dp rank
+        self.accum = self.parallel.layout.microbatches  # per dp rank (plan/layout.py)
         # Every dp rank reads the same sample order and takes its slice of each global batch.
         self.loader = BatchLoader(self.train_set, t.micro_batch_size, t.seed, dp_rank=self.dims.dp_rank,
                                   dp_size=self.dims.dp)

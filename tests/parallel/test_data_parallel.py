@@ -225,7 +225,7 @@ def test_report_max_diffs(worlds, capsys):
 
 def test_layouts_data_parallelism_cannot_serve_are_refused_with_the_reason():
     from meshlm.config import ConfigError
-    from meshlm.parallel.data import microbatches_per_step
+    from meshlm.plan.layout import microbatches_per_step
 
     with pytest.raises(ConfigError, match=r"parallel.zero=3 \(FSDP2\) with parallel.tp=2 is not supported"):
         H.config(tp=2, dp=2, zero=3)

@@ -129,7 +129,7 @@ def test_reference_orders_follow_the_papers():
             assert sorted(order) == sorted([(k, r, i) for k in "FB" for i in range(m)])
     order = expected_interleaved(2, 2, 4, 0)
     assert order[:4] == [("F", 0, 0), ("F", 0, 1), ("F", 2, 0), ("F", 2, 1)]  # (v−1)·p + 2(p−1) = 4 warm-up
-    assert max_in_flight(order) == 5  # p·v·(1 + (p−1)/(p·v)) = 5 chunks: FORMULAS.md's interleaving factor
+    assert max_in_flight(order) == 5  # p·v·(1 + (p−1)/(p·v)) = 5 chunks: docs/formulas.md's interleaving factor
 
 
 @pytest.mark.parametrize("pp,vpp,m", [(2, 1, 4), (2, 1, 8), (4, 1, 4), (4, 1, 8), (2, 2, 4), (2, 2, 8), (4, 2, 4),

@@ -17,10 +17,11 @@ from meshlm.infer.generate import generate
 from meshlm.models.gpt import GPT
 from meshlm.parallel import parallelize
 from meshlm.parallel.mesh import ParallelDims
-from meshlm.parallel.recompute import apply_recompute, full_recompute_chunks, recomputed_layers
+from meshlm.parallel.recompute import apply_recompute
 from meshlm.parallel.rng import TPRNGTracker
 from meshlm.plan.activations import measure_saved_activations
-from meshlm.train.metrics import model_flops, recompute_flops
+from meshlm.plan.flops import model_flops, recompute_flops
+from meshlm.plan.layout import full_recompute_chunks, recomputed_layers
 
 STEPS, SEED, VOCAB = 5, 1234, 101
 LLAMA = {"n_kv_heads": 2, "position": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False,

@@ -25,14 +25,12 @@ from meshlm.models.layers import Block
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.rng import TPRNGTracker
 from meshlm.parallel.styles import TPContext
-from meshlm.parallel.tensor import (
+from meshlm.parallel.tensor import apply_plan, finish_grads, full_state_dict
+from meshlm.parallel.tensor_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    apply_plan,
     block_rows,
-    finish_grads,
-    full_state_dict,
     gather_from_sequence_region,
     vocab_parallel_cross_entropy,
 )

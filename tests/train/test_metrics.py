@@ -2,11 +2,12 @@ import pytest
 import torch
 
 from meshlm.config import ModelConfig
-from meshlm.train.metrics import measure_peak_tflops, model_flops, recompute_flops
+from meshlm.plan.flops import model_flops, recompute_flops
+from meshlm.train.metrics import measure_peak_tflops
 
 
 def test_flops_match_megatron_closed_form_for_mha():
-    """FORMULAS.md: for MHA with f = 4h, F = 72·B·s·L·h²·(1 + s/(12h) + V/(12·L·h))."""
+    """docs/formulas.md: for MHA with f = 4h, F = 72·B·s·L·h²·(1 + s/(12h) + V/(12·L·h))."""
     m = ModelConfig(n_layers=24, hidden_size=2048, n_heads=16, seq_len=2048, vocab_size=51200)
     B, s, L, h, V = 512, 2048, 24, 2048, 51200
     closed = 72 * B * s * L * h ** 2 * (1 + s / (12 * h) + V / (12 * L * h))
