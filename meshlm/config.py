@@ -99,12 +99,18 @@ class ModelConfig:
     dropout: float = 0.0
     position: str = "learned"  # learned | rope
     norm: str = "layernorm"  # layernorm | rmsnorm
-    activation: str = "gelu"  # gelu | swiglu
+    activation: str = "gelu"  # gelu (tanh approximation, GPT-2) | gelu_exact (erf, BERT) | swiglu
     bias: bool = True
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    # BERT family only (models/bert.py):
+    type_vocab_size: int = 2  # token-type (segment) embeddings
+    bert_head: str = "pretrain"  # pretrain (MLM + sentence order) | mlm | classify | span | tokens | encoder
+    num_labels: int = 2  # classify / tokens heads: classes (classify with 1: regression)
+    pooling: str = "cls"  # sentence embeddings (`meshlm embed`): cls (the pooler's input token) | mean
+    normalize_embeddings: bool = False  # `meshlm embed`: unit-length vectors
 
     @property
     def kv_heads(self) -> int:
@@ -138,7 +144,10 @@ class ModelConfig:
         _check(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)")
         _choices("model.position", self.position, ("learned", "rope"))
         _choices("model.norm", self.norm, ("layernorm", "rmsnorm"))
-        _choices("model.activation", self.activation, ("gelu", "swiglu"))
+        _choices("model.activation", self.activation, ("gelu", "gelu_exact", "swiglu"))
+        _positive("model", self, "type_vocab_size", "num_labels")
+        _choices("model.bert_head", self.bert_head, ("pretrain", "mlm", "classify", "span", "tokens", "encoder"))
+        _choices("model.pooling", self.pooling, ("cls", "mean"))
         _check(self.position != "rope" or self.head_dim % 2 == 0,
                f"model.position='rope' needs an even head dim, got {self.head_dim}; change model.n_heads")
 

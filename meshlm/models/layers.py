@@ -83,14 +83,17 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        """softmax(QKᵀ/√d)·V: the memory-heavy, cheap part that selective recomputation redoes."""
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+        """softmax(QKᵀ/√d)·V: the memory-heavy, cheap part that selective recomputation redoes. `mask`
+        (bool, True = attend, broadcast to (B, nh, T, T)) is an encoder's padding mask (`causal` False)."""
         p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal,
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal,
                                               enable_gqa=self.n_kv_heads != self.n_heads)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+                cache: KVCache | None = None, start: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal (a decoder) unless `mask` is given: bidirectional over the keys it allows (an encoder)."""
         qkv = self.qkv(x)  # (B, T, (nh + 2·nkv)·hs); T from here: a sequence-parallel qkv gathers the tokens
         B, T, _ = qkv.shape
         q, k, v = qkv.split(
@@ -102,23 +105,25 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin = rope[0][start:start + T], rope[1][start:start + T]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        causal = True
+        causal = mask is None
         if cache is not None:
             k, v = cache.update(start, k, v)
             causal = T > 1  # one new token attends to every cached position
             if causal and start > 0:
                 raise ValueError("a multi-token chunk after the prompt is not supported with the KV cache")
-        y = self.core(q, k, v, causal)  # (B, nh, T, hs)
+        y = self.core(q, k, v, causal) if mask is None else self.core(q, k, v, False, mask)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh·hs)
         return self.resid_dropout(self.proj(y))
 
 
 class MLP(nn.Module):
-    """GeLU: proj(gelu(fc x)); SwiGLU: proj(silu(x W_gate) ⊙ x W_up) with fc = [W_gate; W_up]."""
+    """GeLU: proj(gelu(fc x)) (tanh approximation, or exact with `gelu_exact`); SwiGLU:
+    proj(silu(x W_gate) ⊙ x W_up) with fc = [W_gate; W_up]."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
+        self.approximate = "none" if cfg.activation == "gelu_exact" else "tanh"
         ffn = cfg.ffn_size
         self.fc = nn.Linear(cfg.hidden_size, 2 * ffn if self.swiglu else ffn, bias=cfg.bias)
         self.proj = nn.Linear(ffn, cfg.hidden_size, bias=cfg.bias)
@@ -130,7 +135,7 @@ class MLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h, approximate="tanh")
+            h = F.gelu(h, approximate=self.approximate)
         return self.dropout(self.proj(h))
 
 

@@ -21,6 +21,9 @@ and are left out of the mean.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -38,6 +41,56 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy from (B, T, V) logits and (B, T) targets, computed in fp32."""
     return F.cross_entropy(logits.to(accumulation_dtype(logits)).view(-1, logits.shape[-1]), targets.reshape(-1),
                            ignore_index=IGNORE_INDEX)
+
+
+@dataclass(frozen=True)
+class TokenOps:
+    """Per-token operations on output-layer logits, as the layout computes them: `ce(logits, targets)` the
+    mean cross-entropy and `correct(logits, targets)` the (B, T) greedy hits. Whole logits at tp = 1;
+    vocab-split ones under tensor parallelism (`parallel/tensor.py` passes the vocab-parallel pair). A
+    family whose loss has several parts builds it from these (`ModelSpec.loss_for`)."""
+
+    ce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = None  # type: ignore[assignment]
+    correct: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = None  # type: ignore[assignment]
+
+    def __post_init__(self):
+        if self.ce is None:
+            object.__setattr__(self, "ce", cross_entropy)
+        if self.correct is None:
+            object.__setattr__(self, "correct", greedy_correct)
+
+
+def greedy_correct(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: the argmax of whole logits (B, T, V) is the target."""
+    return logits.detach().argmax(-1) == targets
+
+
+class PartsLoss:
+    """A loss made of named parts (BERT: MLM loss, SOP loss, accuracies) that records them, detached and
+    on the device (no host sync), for the trainer to log: `record` adds one micro-batch's parts, `take`
+    returns (their sum, count) and starts over, `put` adds a taken (sum, count) back."""
+
+    part_names: tuple[str, ...] = ()
+
+    def __init__(self):
+        self._sum: torch.Tensor | None = None
+        self._n = 0
+
+    def record(self, *parts: torch.Tensor) -> None:
+        value = torch.stack([p.detach().to(torch.float32).reshape(()) for p in parts])
+        self._sum = value if self._sum is None else self._sum + value
+        self._n += 1
+
+    def take(self) -> tuple[torch.Tensor | None, int]:
+        out = (self._sum, self._n)
+        self._sum, self._n = None, 0
+        return out
+
+    def put(self, taken: tuple[torch.Tensor | None, int]) -> None:
+        total, n = taken
+        if total is not None:
+            self._sum = total if self._sum is None else self._sum + total
+            self._n += n
 
 
 def chunk_rows(vocab_size: int, hidden_size: int, device: torch.device, dtype: torch.dtype = torch.float32) -> int:

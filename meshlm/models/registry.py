@@ -25,6 +25,10 @@ def _builtins() -> None:
         from meshlm.models.gpt import GPT_SPEC
 
         register(GPT_SPEC)
+    if "bert" not in _FAMILIES:
+        from meshlm.models.bert import BERT_SPEC
+
+        register(BERT_SPEC)
 
 
 def get_spec(family: str) -> ModelSpec:

@@ -9,6 +9,7 @@ which the spec's plans refer to:
   those layers (called with this stage's ids on a pruned model), `head(x)` → the output (logits) and,
   when `fused_loss`, `head_loss(x, targets)` → the mean loss without building the logits (last stage);
 * `forward(ids)` = head(run_layers(embed(ids), all)), and `forward(ids, targets=y)` = the fused loss;
+  with `stage_inputs` (BERT: the padding mask every layer needs) `run_layers(x, layer_ids, inputs=ids)`;
 * `init_buffers(device)`: compute every buffer (GPT's RoPE tables) on `device` after a meta-device build;
   `parallel.materialize` only allocates buffers, so a buffer this does not fill would hold garbage;
 * `init_seed`: the base seed it drew from the global generator when built (`models/init.py`).
@@ -58,3 +59,17 @@ class ModelSpec:
     parameter_count: Callable[[ModelConfig], int]  # exact, from the config
     activation_bytes: Callable | None  # (Config, device_type=) → per-layer saved bytes (plan/memory.py); None: none
     build_datasets: Callable  # (Config, progress=) → (tokenizer, train, valid)
+    # Optional, for families whose loss is more than the token cross-entropy of `loss`:
+    loss_for: Callable | None = None  # (ModelConfig, models.loss.TokenOps) → loss fn; tp>1 gets vocab-split ops
+    stage_inputs: bool = False  # every pipeline stage's forward gets the batch's inputs too (`inputs=`)
+    eval_metrics: Callable | None = None  # ({part name: mean}, mean loss) → the evaluation's reported metrics
+
+
+def family_loss(spec: ModelSpec, cfg: ModelConfig, ops=None) -> Callable:
+    """The loss on the output of `spec`'s model with config `cfg`: `ops` are the per-token operations of
+    the layout (None: whole logits, one process; `models.loss.TokenOps`)."""
+    if spec.loss_for is not None:
+        from meshlm.models.loss import TokenOps
+
+        return spec.loss_for(cfg, ops or TokenOps())
+    return spec.loss if ops is None else ops.ce

@@ -24,6 +24,7 @@ from meshlm.parallel.rng import TPRNGTracker
 from meshlm.parallel.tensor_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    SequenceGather,
     SequenceShardedEmbedding,
     TPRegionDropout,
     VocabParallelEmbedding,
@@ -168,8 +169,19 @@ class SequenceDropout(Style):
 
 
 @dataclass(frozen=True)
+class SequenceGathered(Style):
+    """A marker module (`nn.Identity`) before modules every tp rank computes whole (BERT's pooler and
+    task heads): under SP it gathers the sequence-split stream (`tensor_layers.SequenceGather`)."""
+
+    def apply(self, model, parent, attr, path, ctx):
+        if ctx.sp and getattr(parent, attr) is not None:
+            _swap(parent, attr, path, SequenceGather(ctx.group), ctx)
+
+
+@dataclass(frozen=True)
 class SequenceShardedPositions(Style):
-    """A learned position table under SP: whole on every rank, looked up for this rank's tokens."""
+    """A small table under SP (learned positions, token types): whole on every rank, looked up for this
+    rank's tokens."""
 
     def apply(self, model, parent, attr, path, ctx):
         emb = getattr(parent, attr)

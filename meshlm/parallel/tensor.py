@@ -22,6 +22,8 @@ import functools
 import torch
 from torch import nn
 
+from meshlm.models.loss import TokenOps
+from meshlm.models.spec import family_loss
 from meshlm.parallel.grads import local_square_sum, sequence_parallel_params, shared_row_layers
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.rng import TPRNGTracker
@@ -32,6 +34,7 @@ from meshlm.parallel.tensor_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     _all_reduce,
+    vocab_parallel_correct,
     vocab_parallel_cross_entropy,
 )
 
@@ -57,15 +60,17 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, sp: bool = False
     from meshlm.models.registry import spec_of
 
     spec = spec or spec_of(model)
-    if dims.tp == 1:
-        return spec.loss
     cfg = model.cfg
+    if dims.tp == 1:
+        return family_loss(spec, cfg)
     spec.check_tensor_parallel(cfg, dims.tp, sp)
     rng = rng or TPRNGTracker(torch.initial_seed(), dims.tp_rank, dims.device)
     ctx = apply_plan(model, spec.tp_plan(cfg), TPContext(dims.tp_group, dims.tp, dims.tp_rank, sp, rng))
     if not ctx.vocab_parallel_output:
-        return spec.loss
-    return functools.partial(vocab_parallel_cross_entropy, group=dims.tp_group, vocab_size=cfg.vocab_size)
+        return family_loss(spec, cfg)
+    ops = TokenOps(functools.partial(vocab_parallel_cross_entropy, group=dims.tp_group, vocab_size=cfg.vocab_size),
+                   functools.partial(vocab_parallel_correct, group=dims.tp_group, vocab_size=cfg.vocab_size))
+    return family_loss(spec, cfg, ops)
 
 
 def apply_plan(model: nn.Module, plan: dict, ctx: TPContext) -> TPContext:

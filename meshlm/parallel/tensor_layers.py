@@ -132,6 +132,33 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
         return _reduce_scatter_seq(grad, ctx.group), None
 
 
+class _GatherForReplicated(torch.autograd.Function):
+    """The sequence-split stream gathered for modules every tp rank computes alike (BERT's pooler and
+    task heads): forward all-gather along the sequence; backward keeps this rank's chunk of the gradient,
+    which is already whole and equal on every rank (what follows is replicated), so nothing is summed."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        t, rank = ctx.group.size(), dist.get_rank(ctx.group)
+        return grad.chunk(t, dim=SEQ_DIM)[rank].contiguous(), None
+
+
+class SequenceGather(nn.Module):
+    """Under sequence parallelism: (B, T/t, h) → the whole (B, T, h) for replicated modules after it."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _GatherForReplicated.apply(x, self.group)
+
+
 class _ReduceScatterToSequenceRegion(torch.autograd.Function):
     """SP's `g`: forward reduce-scatter along the sequence, backward all-gather."""
 
@@ -459,9 +486,10 @@ class VocabParallelEmbedding(_Sharded):
 
 
 class SequenceShardedEmbedding(nn.Embedding):
-    """Learned positions under sequence parallelism: the full (replicated) table, but each rank looks up
-    only its own chunk of positions, matching its (B, T/t, h) slice of the residual stream. Each rank's
-    gradient covers only its rows, so `finish_grads` sums them over tp."""
+    """A small embedding under sequence parallelism (learned positions, BERT's token types): the full
+    (replicated) table, but each rank looks up only its own chunk of the ids along the sequence (the last
+    dim: positions (T,), token types (B, T)), matching its (B, T/t, h) slice of the residual stream. Each
+    rank's gradient covers only its tokens, so `finish_grads` sums them over tp."""
 
     def __init__(self, emb: nn.Embedding, group, t: int | None = None, rank: int | None = None):
         super().__init__(emb.num_embeddings, emb.embedding_dim, _weight=emb.weight.detach().clone())
@@ -470,7 +498,7 @@ class SequenceShardedEmbedding(nn.Embedding):
         self.weight.sequence_parallel = True
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        mine = positions.chunk(self.tp_size)[self.tp_index]  # (T/t,)
+        mine = positions.chunk(self.tp_size, dim=-1)[self.tp_index]  # (T/t,) or (B, T/t)
         return super().forward(mine)
 
 
@@ -556,3 +584,23 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     return (losses * keep).sum() / keep.sum()
 
 
+
+
+def vocab_parallel_correct(logits: torch.Tensor, targets: torch.Tensor, group, vocab_size: int) -> torch.Tensor:
+    """(B, T) bool: the target's logit is the largest of its whole (vocab-split) row, i.e. the greedy
+    prediction is right (a tie counts as right). No gradient. Padding columns (ids ≥ vocab_size) are left
+    out, as in `vocab_parallel_cross_entropy`."""
+    width = logits.shape[-1]
+    start = dist.get_rank(group) * width
+    n_valid = vocab_size - start
+    with torch.no_grad():
+        z = logits.detach()
+        if n_valid < width:
+            z = z.clone()
+            z[..., max(n_valid, 0):] = float("-inf")
+        best = _all_reduce(z.max(dim=-1).values, group, dist.ReduceOp.MAX)
+        local_t = targets - start
+        mine = (local_t >= 0) & (local_t < width)
+        picked = z.gather(-1, local_t.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
+        target = _all_reduce(torch.where(mine, picked, torch.zeros_like(picked)), group)
+        return target >= best

@@ -1,0 +1,364 @@
+"""BERT: the post-LN bidirectional encoder of Devlin et al. 2019, with Megatron's pretraining heads.
+
+Reads like `models/gpt.py`. Input is one int64 tensor `inputs` (B, 3, T): token ids, token types (segment
+A = 0, B = 1) and the attention mask (1 = a real token, 0 = padding), stacked on dim 1 (`pack_inputs`
+makes it from separate tensors; plain (B, T) ids mean one segment, no padding). Keeping the batch one
+tensor lets the trainer, data parallelism and the pipeline schedule split it along dim 0 as they split
+GPT's ids.
+
+    x = Dropout(LayerNorm(tok_emb[ids] + pos_emb[0..T) + type_emb[types]))
+    each layer:  x = LN1(x + Attention(x, padding mask));  x = LN2(x + MLP(x))      (post-LN, exact GeLU)
+
+Heads (`model.bert_head`), on the last stage:
+
+* `pretrain`: the MLM head, transform (dense + GeLU + LayerNorm) then a decoder tied to the word embeddings
+  plus its own bias, over every position, and the sentence-order head (Megatron's `bert_binary_head`: a
+  2-way linear on the pooler, tanh(W·x[CLS] + b)). Output (mlm logits (B, T, V), sop logits (B, 2)).
+  Targets (B, T + 1): the MLM labels (−100 where nothing is predicted) then the SOP label. Loss = the mean
+  MLM cross-entropy over predicted tokens + the SOP cross-entropy, as in Megatron.
+* `mlm`: the MLM head alone (Hugging Face's `BertForMaskedLM`); targets (B, T) or (B, T + 1).
+* `classify`: a linear on the pooler (`num_labels` classes; 1: regression with MSE); targets (B, 1).
+* `span`: start/end logits per token (SQuAD), output (B, T, 2); targets (B, 2) = start, end positions.
+* `tokens`: a linear per token (`num_labels`); targets (B, T), −100 ignored.
+* `encoder`: the last hidden states (B, T, h) (sentence embeddings; no loss).
+
+Under tensor parallelism the MLM decoder is vocab-parallel (its logits split, the loss and accuracy
+vocab-parallel); the pooler and task heads are small and replicated on every tp rank, fed by the whole
+sequence (`pool_gather` gathers it under sequence parallelism). Under pipeline parallelism every stage
+gets the batch's `inputs` (their padding mask) beside the stream (`ModelSpec.stage_inputs`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshlm.config import Config, ModelConfig
+from meshlm.models.init import InitRule, draw_base_seed, fill_
+from meshlm.models.layers import MLP, Attention, make_norm
+from meshlm.models.loss import IGNORE_INDEX, PartsLoss, TokenOps
+from meshlm.models.spec import ModelSpec, PipelinePlan
+
+POOLED_HEADS = ("pretrain", "classify", "encoder")  # heads with the pooler (encoder: kept for conversion)
+MLM_HEADS = ("pretrain", "mlm")
+
+
+def pack_inputs(ids: torch.Tensor, token_types: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) ids [, types, mask] → the (B, 3, T) int64 input of `BERT`."""
+    types = torch.zeros_like(ids) if token_types is None else token_types.to(ids.dtype)
+    mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(ids.dtype)
+    return torch.stack([ids, types, mask], dim=1).long()
+
+
+def as_inputs(inputs: torch.Tensor) -> torch.Tensor:
+    return pack_inputs(inputs) if inputs.dim() == 2 else inputs
+
+
+class BertLayer(nn.Module):
+    """Post-LN encoder layer: x = LN1(x + attn(x)), then x = LN2(x + mlp(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn = Attention(cfg)
+        self.norm1 = make_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.norm2 = make_norm(cfg)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.norm1(x + self.attn(x, mask=mask))
+        return self.norm2(x + self.mlp(x))
+
+
+class BERT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.init_seed = draw_base_seed()  # the one draw from the global generator (also on the meta device)
+        h, head = cfg.hidden_size, cfg.bert_head
+        with torch.random.fork_rng(devices=[]):  # the modules' own default init must not move the generator
+            self.tok_emb = nn.Embedding(cfg.vocab_size, h)
+            self.pos_emb = nn.Embedding(cfg.seq_len, h)
+            self.type_emb = nn.Embedding(cfg.type_vocab_size, h)
+            self.emb_norm = make_norm(cfg)
+            self.drop = nn.Dropout(cfg.dropout)
+            self.layers = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.n_layers))
+            self.pool_gather = nn.Identity()  # SP: gathers the sequence for the replicated heads
+            self.pooler = nn.Linear(h, h) if head in POOLED_HEADS else None
+            mlm = head in MLM_HEADS
+            self.mlm_dense = nn.Linear(h, h) if mlm else None
+            self.mlm_norm = make_norm(cfg) if mlm else None
+            self.lm_head = nn.Linear(h, cfg.vocab_size) if mlm else None
+            self.sop_head = nn.Linear(h, 2) if head == "pretrain" else None
+            self.head_drop = nn.Dropout(cfg.dropout) if head in ("classify", "tokens") else None
+            n_out = {"classify": cfg.num_labels, "tokens": cfg.num_labels, "span": 2}.get(head)
+            self.task_head = nn.Linear(h, n_out) if n_out else None
+        if mlm and cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.init_buffers()
+        if not self.tok_emb.weight.is_meta:
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for name, p in self.named_parameters():
+            fill_(p.data, init_rule(name, tuple(p.shape), self.cfg), self.init_seed, name, tuple(p.shape))
+
+    def init_buffers(self, device: torch.device | None = None) -> None:
+        """BERT has no buffers."""
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def embed(self, inputs: torch.Tensor) -> torch.Tensor:
+        inputs = as_inputs(inputs)
+        ids, types = inputs[:, 0], inputs[:, 1]
+        T = ids.shape[1]
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence of {T} tokens exceeds model.seq_len={self.cfg.seq_len}")
+        x = self.tok_emb(ids)  # (B, T, h), or (B, T/t, h) under sequence parallelism
+        x = x + self.pos_emb(torch.arange(T, device=ids.device)) + self.type_emb(types)
+        return self.drop(self.emb_norm(x))
+
+    def run_layers(self, x: torch.Tensor, layer_ids=None, inputs: torch.Tensor | None = None) -> torch.Tensor:
+        """The stream through layers `layer_ids` (default: all), keys masked by `inputs`' padding mask."""
+        mask = None if inputs is None else padding_mask(as_inputs(inputs))
+        for i in range(len(self.layers)) if layer_ids is None else layer_ids:
+            x = self.layers[i](x, mask)
+        return x
+
+    def pooled(self, x: torch.Tensor) -> torch.Tensor:
+        """tanh(W x[CLS] + b) from the (gathered) last hidden states."""
+        return torch.tanh(self.pooler(x[:, 0]))
+
+    def head(self, x: torch.Tensor):
+        kind = self.cfg.bert_head
+        if kind == "encoder":
+            return self.pool_gather(x)
+        mlm = None
+        if self.lm_head is not None:  # on the (sequence-split) stream; a vocab-parallel decoder gathers it
+            mlm = self.lm_head(self.mlm_norm(F.gelu(self.mlm_dense(x))))
+        if kind == "mlm":
+            return mlm
+        whole = self.pool_gather(x)  # (B, T, h) on every tp rank
+        if kind == "pretrain":
+            return mlm, self.sop_head(self.pooled(whole))
+        if kind == "classify":
+            return self.task_head(self.head_drop(self.pooled(whole)))
+        if kind == "tokens":
+            return self.task_head(self.head_drop(whole))
+        return self.task_head(whole)  # span: (B, T, 2)
+
+    def encode(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The last hidden states (B, T, h) (what Hugging Face's `BertModel` returns first)."""
+        inputs = as_inputs(inputs)
+        return self.run_layers(self.embed(inputs), None, inputs)
+
+    def forward(self, inputs: torch.Tensor):
+        """inputs (B, 3, T) (or (B, T) ids) → the head's output (see the module docstring)."""
+        inputs = as_inputs(inputs)
+        return self.head(self.run_layers(self.embed(inputs), None, inputs))
+
+
+def padding_mask(inputs: torch.Tensor) -> torch.Tensor:
+    """(B, 1, 1, T) bool, True where a key is a real token: broadcast over heads and queries in SDPA."""
+    return (inputs[:, 2] != 0)[:, None, None, :]
+
+
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The mean of the real tokens' hidden states (sentence-transformers' mean pooling)."""
+    m = attention_mask.to(hidden.dtype).unsqueeze(-1)
+    return (hidden * m).sum(1) / m.sum(1).clamp_min(1e-9)
+
+
+# ---- losses -------------------------------------------------------------------------------------------------
+class PretrainLoss(PartsLoss):
+    """MLM cross-entropy (over predicted tokens) + sentence-order cross-entropy; records both and the
+    accuracies (trainer metrics `mlm_loss`, `sop_loss`, `mlm_acc`, `sop_acc`)."""
+
+    part_names = ("mlm_loss", "sop_loss", "mlm_acc", "sop_acc")
+
+    def __init__(self, ops: TokenOps, sop: bool):
+        super().__init__()
+        self.ops, self.sop = ops, sop
+        if not sop:
+            self.part_names = ("mlm_loss", "mlm_acc")
+
+    def __call__(self, output, targets: torch.Tensor) -> torch.Tensor:
+        mlm_logits, sop_logits = output if self.sop else (output, None)
+        T = mlm_logits.shape[1]
+        labels = targets[:, :T]
+        mlm = self.ops.ce(mlm_logits, labels)
+        keep = labels != IGNORE_INDEX
+        mlm_acc = (self.ops.correct(mlm_logits, labels) & keep).sum() / keep.sum().clamp_min(1)
+        if not self.sop:
+            self.record(mlm, mlm_acc)
+            return mlm
+        order = targets[:, T]
+        sop = F.cross_entropy(sop_logits.float() if sop_logits.dtype != torch.float64 else sop_logits, order)
+        sop_acc = (sop_logits.detach().argmax(-1) == order).float().mean()
+        self.record(mlm, sop, mlm_acc, sop_acc)
+        return mlm + sop
+
+
+def classify_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    labels = targets.reshape(-1)
+    if output.shape[-1] == 1:  # regression
+        return F.mse_loss(output.reshape(-1).float(), labels.float())
+    return F.cross_entropy(output.float(), labels)
+
+
+def span_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    start, end = output.float().unbind(-1)  # (B, T) each
+    return (F.cross_entropy(start, targets[:, 0]) + F.cross_entropy(end, targets[:, 1])) / 2
+
+
+def tokens_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX)
+
+
+def loss_for(cfg: ModelConfig, ops: TokenOps):
+    head = cfg.bert_head
+    if head in MLM_HEADS:
+        return PretrainLoss(ops, sop=head == "pretrain")
+    if head == "encoder":
+        raise ValueError("model.bert_head='encoder' has no loss; pick pretrain, mlm, classify, span or tokens")
+    return {"classify": classify_loss, "span": span_loss, "tokens": tokens_loss}[head]
+
+
+def eval_metrics(parts: dict, loss: float) -> dict:
+    out = {f"val_{k}": v for k, v in parts.items()}
+    if "mlm_loss" in parts:
+        out["val_mlm_ppl"] = math.exp(min(parts["mlm_loss"], 50))
+    return out
+
+
+# ---- the family's spec ------------------------------------------------------------------------------------
+def init_rule(name: str, shape: tuple, cfg: ModelConfig) -> InitRule:
+    """Megatron's BERT init: N(0, std) everywhere, the layers' output projections N(0, std/√(2L)), biases 0,
+    norms 1."""
+    if len(shape) == 1:
+        return InitRule("ones") if "norm" in name and name.endswith("weight") else InitRule("zeros")
+    if name.startswith("layers.") and name.endswith("proj.weight"):
+        return InitRule("normal", cfg.init_std / math.sqrt(2 * cfg.n_layers))
+    return InitRule("normal", cfg.init_std)
+
+
+def tp_plan(cfg: ModelConfig) -> dict:
+    """GPT's split for the layers and the word embedding; the MLM decoder over the vocabulary (its
+    transform per token on the stream), positions and token types per token under SP, the pooler and
+    task heads replicated on the gathered sequence."""
+    from meshlm.parallel.styles import (
+        ColumnParallel,
+        HeadParallelAttention,
+        RowParallel,
+        SequenceDropout,
+        SequenceGathered,
+        SequenceParallel,
+        SequenceShardedPositions,
+        VocabParallel,
+    )
+
+    return {
+        "tok_emb": VocabParallel(),
+        "pos_emb": SequenceShardedPositions(),
+        "type_emb": SequenceShardedPositions(),
+        "emb_norm": SequenceParallel(),
+        "drop": SequenceDropout(),
+        "layers.*.norm[12]": SequenceParallel(),
+        "layers.*.attn": HeadParallelAttention(qkv="qkv", proj="proj", core="core"),
+        "layers.*.attn.resid_dropout": SequenceDropout(),
+        "layers.*.mlp.fc": ColumnParallel(),
+        "layers.*.mlp.proj": RowParallel(),
+        "layers.*.mlp.dropout": SequenceDropout(),
+        "mlm_dense": SequenceParallel(),
+        "mlm_norm": SequenceParallel(),
+        "lm_head": ColumnParallel(vocab_of="tok_emb"),
+        "pool_gather": SequenceGathered(),
+    }
+
+
+def logical_blocks(name: str, cfg: ModelConfig) -> list[tuple[str, int]]:
+    """Checkpoint tensors: `attn.qkv` → q, k, v (as GPT); the rest whole."""
+    prefix, attr = name.rsplit(".", 1)
+    if prefix.endswith("attn.qkv"):
+        base, hd = prefix[:-len("qkv")], cfg.head_dim
+        return [(f"{base}q.{attr}", cfg.n_heads * hd), (f"{base}k.{attr}", cfg.kv_heads * hd),
+                (f"{base}v.{attr}", cfg.kv_heads * hd)]
+    return [(name, -1)]
+
+
+def _check_tp(cfg: ModelConfig, tp: int, sp: bool) -> None:
+    from meshlm.plan.layout import check_tensor_parallel
+
+    check_tensor_parallel(cfg, tp, sp)
+
+
+def _datasets(cfg: Config, progress: bool = False):
+    from meshlm.data.bert_build import build_bert_datasets
+
+    return build_bert_datasets(cfg, progress=progress)
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Exact, from the config (each tied tensor once)."""
+    h, V, L, f, head = cfg.hidden_size, cfg.vocab_size, cfg.n_layers, cfg.ffn_size, cfg.bert_head
+    norm = 2 * h  # LayerNorm weight and bias
+    layer = (3 * h * h + 3 * h) + (h * h + h) + norm + (h * f + f) + (f * h + h) + norm
+    n = V * h + cfg.seq_len * h + cfg.type_vocab_size * h + norm + L * layer
+    if head in POOLED_HEADS:
+        n += h * h + h
+    if head in MLM_HEADS:
+        n += h * h + h + norm + V + (0 if cfg.tie_embeddings else V * h)
+    if head == "pretrain":
+        n += 2 * h + 2
+    if head in ("classify", "tokens"):
+        n += cfg.num_labels * (h + 1)
+    if head == "span":
+        n += 2 * (h + 1)
+    return n
+
+
+def _flops(cfg: ModelConfig, batch: int, seq_len: int | None = None) -> float:
+    """Model FLOPs of a training step (forward + backward = 3× forward): GPT's count (layers, output
+    layer), plus the half of the s × s scores a causal count leaves out (an encoder attends both ways:
+    QKᵀ and ·V are 2·2·b·s²·h forward), plus the MLM transform (h × h per position)."""
+    from meshlm.plan.flops import model_flops
+
+    s = seq_len or cfg.seq_len
+    h = cfg.head_dim * cfg.n_heads
+    bidirectional = 6.0 * batch * s * s * cfg.n_layers * h
+    mlm = 6.0 * batch * s * cfg.hidden_size * cfg.hidden_size if cfg.bert_head in MLM_HEADS else 0.0
+    return model_flops(cfg, batch, seq_len) + bidirectional + mlm
+
+
+def _recompute_flops(cfg: ModelConfig, batch: int, mode: str, seq_len: int | None = None, layers=None) -> float:
+    from meshlm.plan.flops import recompute_flops
+
+    return recompute_flops(cfg, batch, mode, seq_len, layers)
+
+
+def _stage_costs(cfg: ModelConfig) -> tuple[float, float]:
+    from meshlm.plan.flops import stage_costs
+
+    return stage_costs(cfg)
+
+
+def _activation_bytes(cfg: Config, **kw):
+    from meshlm.plan.memory import layer_activation_bytes
+
+    return layer_activation_bytes(cfg, **kw)
+
+
+BERT_SPEC = ModelSpec(
+    name="bert", model_class=BERT, tp_plan=tp_plan, check_tensor_parallel=_check_tp,
+    pipeline=PipelinePlan(first=("tok_emb", "pos_emb", "type_emb", "emb_norm", "drop"), layers="layers",
+                          last=("pool_gather", "pooler", "mlm_dense", "mlm_norm", "lm_head", "sop_head",
+                                "head_drop", "task_head")),
+    selective_recompute=("attn.core",), init_rule=init_rule, logical_blocks=logical_blocks,
+    loss=None, fused_loss=False, flops=_flops, recompute_flops=_recompute_flops, stage_costs=_stage_costs,
+    parameter_count=parameter_count, activation_bytes=_activation_bytes, build_datasets=_datasets,
+    loss_for=loss_for, stage_inputs=True, eval_metrics=eval_metrics)
