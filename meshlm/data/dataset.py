@@ -51,6 +51,9 @@ class BatchLoader:
         first = self.consumed + self.dp_rank * self.mbs
         rows = [np.asarray(self.samples[self.order[first + j]], dtype=np.int64) for j in range(self.mbs)]
         self.consumed += self.mbs * self.dp_size
+        collate = getattr(self.samples, "collate", None)  # a dataset's own row layout (BERT's)
+        if collate is not None:
+            return collate(np.stack(rows))
         batch = torch.from_numpy(np.stack(rows))  # (B, s + 1)
         return batch[:, :-1], batch[:, 1:]
 

@@ -236,6 +236,24 @@ def eval_metrics(parts: dict, loss: float) -> dict:
     return out
 
 
+def example_batch(cfg: ModelConfig, micro_batch: int, generator: torch.Generator):
+    """Random full-length inputs (two segments, no padding) and pretraining targets (15% of the tokens
+    predicted, a random order label), for measuring a step (`plan/activations.py`)."""
+    T = cfg.seq_len
+    ids = torch.randint(0, cfg.vocab_size, (micro_batch, T), generator=generator)
+    types = (torch.arange(T) >= T // 2).long().expand(micro_batch, T)
+    inputs = pack_inputs(ids, types)
+    picked = torch.rand(micro_batch, T, generator=generator) < 0.15
+    if cfg.bert_head in MLM_HEADS:
+        labels = torch.where(picked, ids, torch.full_like(ids, IGNORE_INDEX))
+        return inputs, torch.cat([labels, torch.randint(0, 2, (micro_batch, 1), generator=generator)], dim=1)
+    if cfg.bert_head == "span":
+        return inputs, torch.randint(0, T, (micro_batch, 2), generator=generator)
+    if cfg.bert_head == "tokens":
+        return inputs, torch.randint(0, cfg.num_labels, (micro_batch, T), generator=generator)
+    return inputs, torch.randint(0, cfg.num_labels, (micro_batch, 1), generator=generator)
+
+
 # ---- the family's spec ------------------------------------------------------------------------------------
 def init_rule(name: str, shape: tuple, cfg: ModelConfig) -> InitRule:
     """Megatron's BERT init: N(0, std) everywhere, the layers' output projections N(0, std/√(2L)), biases 0,
@@ -361,4 +379,4 @@ BERT_SPEC = ModelSpec(
     selective_recompute=("attn.core",), init_rule=init_rule, logical_blocks=logical_blocks,
     loss=None, fused_loss=False, flops=_flops, recompute_flops=_recompute_flops, stage_costs=_stage_costs,
     parameter_count=parameter_count, activation_bytes=_activation_bytes, build_datasets=_datasets,
-    loss_for=loss_for, stage_inputs=True, eval_metrics=eval_metrics)
+    loss_for=loss_for, stage_inputs=True, eval_metrics=eval_metrics, example_batch=example_batch, decoder=False)

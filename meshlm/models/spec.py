@@ -63,6 +63,8 @@ class ModelSpec:
     loss_for: Callable | None = None  # (ModelConfig, models.loss.TokenOps) → loss fn; tp>1 gets vocab-split ops
     stage_inputs: bool = False  # every pipeline stage's forward gets the batch's inputs too (`inputs=`)
     eval_metrics: Callable | None = None  # ({part name: mean}, mean loss) → the evaluation's reported metrics
+    example_batch: Callable | None = None  # (cfg, micro_batch, torch.Generator) → random (inputs, targets); None: ids
+    decoder: bool = True  # generates text (`meshlm generate`, `train.sample_tokens`)
 
 
 def family_loss(spec: ModelSpec, cfg: ModelConfig, ops=None) -> Callable:

@@ -89,10 +89,13 @@ class StageModule(nn.Module):
         # The model's methods (plain attributes: the model is not a submodule of its stage).
         self._embed, self._run_layers, self._head = model.embed, model.run_layers, model.head
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, inputs: torch.Tensor | None = None) -> torch.Tensor:
+        """`inputs`: the micro-batch's inputs, given to every stage of a family with `stage_inputs` (BERT's
+        layers need its padding mask)."""
         if self.first:  # positions from 0 (training and evaluation see whole sequences)
             x = self._embed(x)  # (B, T, h), or (B, T/t, h) under sequence parallelism
-        x = self._run_layers(x, self.layer_ids)
+        x = self._run_layers(x, self.layer_ids, inputs=inputs) if self.spec.stage_inputs else \
+            self._run_layers(x, self.layer_ids)
         if self.last:
             return x if self.fused_head else self._head(x)  # (B, T, h), or logits (B, T, V) or (B, T, V/t)
         # Sent to the next stage, whose receive buffer torch shapes after this tensor and gloo/NCCL need
@@ -208,6 +211,7 @@ class Pipeline:
     tied_weight: nn.Parameter | None = None  # this rank's copy of the tied embedding (first or last stage)
     tied_names: tuple[str, str] | None = None  # its (first-stage, last-stage) names in the plain model
     _step_kwargs: dict = field(default_factory=dict)
+    stage_inputs: bool = False  # every stage gets the micro-batch's inputs (`ModelSpec.stage_inputs`)
 
     @property
     def n_stages(self) -> int:
@@ -249,9 +253,12 @@ class Pipeline:
         """
         args = (x,) if self.has_first else ()
         losses: list[torch.Tensor] = []
+        # Every stage's forward gets its micro-batch's inputs too when the family needs them (torch splits
+        # keyword arguments into micro-batches and passes them to each stage of this rank).
+        extra = {"inputs": x} if self.stage_inputs else {}
         with self._peers("training step"):
             self.schedule.step(*args, target=y if self.has_last else None,
-                               losses=losses if self.has_last else None, **self._step_kwargs)
+                               losses=losses if self.has_last else None, **self._step_kwargs, **extra)
             total = torch.zeros((), dtype=torch.promote_types(torch.get_default_dtype(), torch.float32),
                                 device=self.dims.device)
             for loss in losses:  # the accumulation loop's order: the same float sum
@@ -300,7 +307,7 @@ class Pipeline:
                 else:
                     act = torch.empty(shape, dtype=dtype, device=d.device)
                     dist.recv(act, src=_rank_at(d, (s - 1) % pp), group=d.pp_group)
-                out = self.modules[k](act)
+                out = self.modules[k](act, inputs=x) if self.stage_inputs else self.modules[k](act)
                 if s < self.n_stages - 1:
                     dist.send(out.to(dtype).contiguous(), dst=_rank_at(d, (s + 1) % pp), group=d.pp_group)
                 else:
@@ -360,4 +367,4 @@ def build_pipeline(model: nn.Module, spec, dims: ParallelDims, cfg: Config, loss
     # Newer torch merges the last stage's outputs (all m logits) unless told not to; older has no switch.
     kwargs = {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
     return Pipeline(dims, counts, ids, modules, schedule, loss_fn, m, p.timeout_s, cfg.model.hidden_size,
-                    dims.tp if p.sp else 1, group, tied_weight, tied, kwargs)
+                    dims.tp if p.sp else 1, group, tied_weight, tied, kwargs, spec.stage_inputs)

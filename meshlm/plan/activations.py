@@ -162,8 +162,9 @@ def measure_saved_activations(model: nn.Module, run: Callable[[], torch.Tensor],
 def measure_model_activations(model: nn.Module, loss_fn: Callable, micro_batch: int, seq_len: int, vocab_size: int,
                               autocast: contextlib.AbstractContextManager | None = None,
                               tp_rng=None, fused_loss: bool = False,
-                              layers: list[nn.Module] | None = None) -> ActivationReport:
-    """One training-mode forward and loss on random tokens, counted; every random stream left as it was.
+                              layers: list[nn.Module] | None = None, example=None) -> ActivationReport:
+    """One training-mode forward and loss on random tokens (or the family's `example` batch), counted;
+    every random stream left as it was.
 
     The loss is `loss_fn(model(x), y)`, or with `fused_loss` the model's own chunked head + loss
     (`model(x, targets=y)`, which saves no logits), as the trainer computes it.
@@ -173,13 +174,16 @@ def measure_model_activations(model: nn.Module, loss_fn: Callable, micro_batch: 
     parallelism every rank must call it (the forward communicates).
     """
     device = next(model.parameters()).device
-    ids = torch.randint(0, vocab_size, (micro_batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
-    ids = ids.to(device)
+    gen = torch.Generator().manual_seed(0)
+    if example is not None:  # the family's own batch (`ModelSpec.example_batch`: BERT's inputs and targets)
+        x, y = (v.to(device) for v in example(model.cfg, micro_batch, gen))
+    else:
+        ids = torch.randint(0, vocab_size, (micro_batch, seq_len + 1), generator=gen).to(device)
+        x, y = ids[:, :-1], ids[:, 1:]
     tp_state = tp_rng.get_state() if tp_rng is not None else None
     devices = [device] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices, device_type=device.type), (autocast or contextlib.nullcontext()):
-            x, y = ids[:, :-1], ids[:, 1:]
             return measure_saved_activations(model, (lambda: model(x, targets=y)) if fused_loss
                                              else (lambda: loss_fn(model(x), y)), layers)
     finally:

@@ -73,7 +73,8 @@ def bench_memory(cfg: Config) -> str:
     model, loss_fn = par.model, par.loss_fn
     precision = Precision(t.precision, dims.device)
     report = measure_model_activations(model, loss_fn, t.micro_batch_size, m.seq_len, m.vocab_size,
-                                       precision.autocast(), rng, fused_loss=t.fused_loss and p.tp == 1)
+                                       precision.autocast(), rng, fused_loss=t.fused_loss and p.tp == 1
+                                       and spec.fused_loss, example=spec.example_batch)
     if not dims.is_main:
         return ""
     device_type = dims.device.type

@@ -43,6 +43,11 @@ from meshlm.train.optim import build_optimizer, lr_at
 from meshlm.train.precision import Precision
 
 
+def _num_tokens(dataset) -> int:
+    n = getattr(dataset, "num_tokens", None)
+    return int(n) if n is not None else len(dataset.tokens)
+
+
 def pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device='cuda' but no CUDA GPU is visible; use train.device=auto or cpu")
@@ -93,6 +98,9 @@ class Trainer:
         self.resume_from = self._find_resume()
         seed_everything(t.seed)
         self.spec = get_spec(cfg.model.family)  # the model family: its model, plans, loss, data and formulas
+        if t.sample_tokens and not self.spec.decoder:
+            raise ConfigError(f"train.sample_tokens={t.sample_tokens} needs a model that generates text; "
+                              f"model.family={cfg.model.family!r} does not: set train.sample_tokens=0")
         self.tokenizer, self.train_set, self.valid_set = self.spec.build_datasets(cfg, progress=self.progress)
         if cfg.model.vocab_size < self.tokenizer.vocab_size:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
@@ -108,6 +116,8 @@ class Trainer:
         if self.legacy_resume:  # a one-process checkpoint into one process: the plain state dicts
             self.model.load_state_dict(ckpt.load_model_state(self.resume_from, self.device))
         self.loss_fn = self.parallel.loss_fn
+        # A loss of several parts (BERT: MLM, sentence order, accuracies) records them for the log.
+        self.part_names: tuple[str, ...] = getattr(self.loss_fn, "part_names", ())
         self.pipeline = self.parallel.pipeline  # pp > 1: this rank's stages and the schedule
         self.sync = self.parallel.grad_sync  # gradient reduction over dp, tp/pp fix-ups, clipping, ZeRO
         if self.pipeline is not None and t.compile:
@@ -336,6 +346,7 @@ class Trainer:
         if len(self.valid_set) == 0:
             return {}
         self.model.eval()
+        pending = self._take_parts()  # the training window's loss parts wait for the next log line
         t = self.cfg.train
         n = min(t.eval_iters, max(1, len(self.valid_set) // t.micro_batch_size))
         loader = BatchLoader(self.valid_set, min(t.micro_batch_size, len(self.valid_set)), 0, shuffle=False)
@@ -349,9 +360,36 @@ class Trainer:
                 else:
                     losses.append(float(self.loss(x, y)))
         self.model.train()
+        parts = self._parts_means()
+        if pending is not None:
+            self.loss_fn.put(pending)
         loss = sum(losses) / len(losses)
+        if self.spec.eval_metrics is not None:
+            return {"val_loss": loss, **self.spec.eval_metrics(parts, loss)}
         bpb = loss / math.log(2) / self.valid_set.bytes_per_token
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50)), "val_bpb": bpb}
+
+    def _take_parts(self):
+        return self.loss_fn.take() if self.part_names else None
+
+    def _parts_means(self) -> dict:
+        """The loss parts' means since the last call, over this step window's micro-batches and the whole
+        layout: recorded where the loss is computed (the last pipeline stage; equal on tp ranks), summed
+        over pp and dp. One small collective, at log and evaluation steps only; every rank calls it."""
+        if not self.part_names:
+            return {}
+        total, n = self.loss_fn.take()
+        vec = torch.zeros(len(self.part_names) + 1, dtype=torch.float32, device=self.device)
+        if total is not None:
+            vec[:-1] = total
+            vec[-1] = n
+        d = self.dims
+        if d.pp > 1:
+            dist.all_reduce(vec, group=d.pp_group)
+        if d.dp > 1:
+            dist.all_reduce(vec, group=d.dp_group)
+        values = (vec[:-1] / vec[-1].clamp_min(1)).tolist()
+        return dict(zip(self.part_names, values))
 
     # ---- loop ----------------------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -400,7 +438,7 @@ class Trainer:
         m, d = cfg.model, self.dims
         self.log(f"model: {self.n_params / 1e6:.2f}M parameters, {m.n_layers} layers, h={m.hidden_size}, "
                  f"{m.n_heads} heads ({m.kv_heads} kv), seq {m.seq_len}; train {len(self.train_set)} samples "
-                 f"({len(self.train_set.tokens):,} tokens), valid {len(self.valid_set)} samples; device "
+                 f"({_num_tokens(self.train_set):,} tokens), valid {len(self.valid_set)} samples; device "
                  f"{self.device.type}, {t.precision}")
         if d.world_size > 1:
             self.log(f"layout: {d.world_size} processes = pp {d.pp} × dp {d.dp} × tp {d.tp}"
@@ -418,7 +456,9 @@ class Trainer:
         if d.pp == 1 and self.sync.zero < 3:
             acts = measure_model_activations(self.model, self.loss_fn, t.micro_batch_size, m.seq_len, m.vocab_size,
                                              self.precision.autocast(), self.tp_rng, self.fused_loss,
-                                             layers=list(getattr(self.model, self.spec.pipeline.layers)))
+                                             layers=list(getattr(self.model, self.spec.pipeline.layers)),
+                                             example=self.spec.example_batch)
+            self._take_parts()  # the measurement's loss parts are not the run's
             formula = self.spec.activation_bytes
             self.log(acts.summary(formula(cfg, device_type=self.device.type) if formula else None))
         self._truncate_metrics(self.step)
@@ -437,7 +477,8 @@ class Trainer:
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
                     # No torch.cuda.synchronize(): every step already waits for its loss (`_host_values`).
                     dt = (time.perf_counter() - window_start) / window_steps
-                    rec = {"kind": "train", "step": self.step, "loss": loss,
+                    parts = self._parts_means()  # every rank: a collective over pp and dp
+                    rec = {"kind": "train", "step": self.step, "loss": loss, **parts,
                            "lr": lr_at(self.step - 1, cfg.optim, t.max_steps), "grad_norm": grad_norm,
                            "tokens": self.tokens_seen, "skipped_steps": self.skipped_steps,
                            "tokens_per_s": t.global_batch_size * m.seq_len / dt,
@@ -445,7 +486,8 @@ class Trainer:
                            "hfu": hw_flops / dt / 1e12 / peak, "peak_mem_mb": peak_memory_mb(self.device),
                            "step_time_s": dt}
                     self._write(metrics, writer, rec)
-                    self.log(f"step {self.step:>6} | loss {loss:.4f} | lr {rec['lr']:.2e} | gnorm {grad_norm:.3f}"
+                    more = "".join(f" | {k} {v:.4f}" for k, v in parts.items())
+                    self.log(f"step {self.step:>6} | loss {loss:.4f}{more} | lr {rec['lr']:.2e} | gnorm {grad_norm:.3f}"
                              f" | {rec['tokens_per_s']:,.0f} tok/s | {rec['tflops']:.3f} TFLOP/s | "
                              f"MFU {100 * rec['mfu']:.1f}% | HFU {100 * rec['hfu']:.1f}% | mem {rec['peak_mem_mb']:,.0f} MiB")
                     window_start, window_steps = time.perf_counter(), 0
@@ -473,8 +515,11 @@ class Trainer:
         result = self.evaluate()
         if result:
             self._write(metrics, writer, {"kind": "eval", "step": self.step, "tokens": self.tokens_seen, **result})
-            self.log(f"eval step {self.step}: val loss {result['val_loss']:.4f} | ppl {result['val_ppl']:.1f} | "
-                     f"bits/byte {result['val_bpb']:.3f}")
+            if "val_bpb" in result:
+                self.log(f"eval step {self.step}: val loss {result['val_loss']:.4f} | ppl {result['val_ppl']:.1f} | "
+                         f"bits/byte {result['val_bpb']:.3f}")
+            else:
+                self.log(f"eval step {self.step}: " + " | ".join(f"{k} {v:.4f}" for k, v in result.items()))
         return result
 
     def _stop_requested(self) -> bool:

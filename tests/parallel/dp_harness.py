@@ -16,8 +16,8 @@ import torch
 
 from meshlm.config import OptimConfig, build
 from meshlm.data.dataset import BatchLoader
-from meshlm.models.gpt import GPT
-from meshlm.models.loss import cross_entropy
+from meshlm.models.registry import get_spec
+from meshlm.models.spec import family_loss
 from meshlm.parallel import build_model
 from meshlm.parallel.data import apply_data_parallel
 from meshlm.parallel.mesh import ParallelDims
@@ -49,13 +49,16 @@ MODELS = {
     "gpt": {"n_layers": 4, "hidden_size": 32, "n_heads": 4, "seq_len": 16, "vocab_size": 101},
     "llama": {"n_layers": 4, "hidden_size": 32, "n_heads": 4, "n_kv_heads": 2, "seq_len": 16, "vocab_size": 101,
               "position": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False, "tie_embeddings": False},
+    "bert": {"family": "bert", "n_layers": 4, "hidden_size": 32, "n_heads": 4, "seq_len": 16, "vocab_size": 101,
+             "activation": "gelu_exact", "norm_eps": 1e-12},
 }
 N_SAMPLES = 64
 
 
-def config(model: str = "gpt", tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0, **parallel):
+def config(model: str = "gpt", tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0, train: dict | None = None,
+           **parallel):
     return build({"model": MODELS[model],
-                  "train": {"micro_batch_size": MICRO_BATCH_SIZE, "global_batch_size": GLOBAL_BATCH},
+                  "train": {"micro_batch_size": MICRO_BATCH_SIZE, "global_batch_size": GLOBAL_BATCH, **(train or {})},
                   "parallel": {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "timeout_s": 60, "bucket_mb": 0.004,
                                **parallel}})
 
@@ -63,7 +66,33 @@ def config(model: str = "gpt", tp: int = 1, pp: int = 1, dp: int = 1, zero: int 
 def samples(cfg) -> list[np.ndarray]:
     """Random token rows: nothing to learn across samples, but 64 of them are memorised within steps."""
     g = np.random.default_rng(7)
+    if cfg.model.family == "bert":
+        return BertRows(cfg.model, g)
     return [g.integers(0, cfg.model.vocab_size, cfg.model.seq_len + 1) for _ in range(N_SAMPLES)]
+
+
+class BertRows(list):
+    """BERT pretraining rows in the data pipeline's layout (ids, types, mask, MLM labels: T each, then the
+    sentence-order label): random ids, two segments, padding of 0-6 tokens, a third of the real tokens
+    predicted."""
+
+    def __init__(self, m, g: np.random.Generator):
+        T = m.seq_len
+        rows = []
+        for _ in range(N_SAMPLES):
+            n = T - int(g.integers(0, 7))
+            ids = np.where(np.arange(T) < n, g.integers(1, m.vocab_size, T), 0)
+            types = ((np.arange(T) >= n // 2) & (np.arange(T) < n)).astype(np.int64)
+            mask = (np.arange(T) < n).astype(np.int64)
+            labels = np.where((g.random(T) < 0.33) & (mask == 1), g.integers(0, m.vocab_size, T), -100)
+            rows.append(np.concatenate([ids, types, mask, labels, [int(g.integers(0, 2))]]).astype(np.int64))
+        super().__init__(rows)
+        self.T = T
+
+    def collate(self, rows: np.ndarray):
+        batch = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+        T = self.T
+        return batch[:, :3 * T].reshape(-1, 3, T), torch.cat([batch[:, 3 * T:4 * T], batch[:, 4 * T:]], dim=1)
 
 
 @dataclass
@@ -100,8 +129,9 @@ def build_run(cfg, dims: ParallelDims | None, consumed: int = 0) -> Run:
     torch.manual_seed(SEED)
     dp = dims.dp if dims is not None else 1
     if dims is None:
-        dims, pipe, loss_fn = ParallelDims(), None, cross_entropy
-        model = GPT(cfg.model)
+        spec = get_spec(cfg.model.family)
+        dims, pipe, loss_fn = ParallelDims(), None, family_loss(spec, cfg.model)
+        model = spec.model_class(cfg.model)
         sync = apply_data_parallel(model, dims, cfg, cfg.train.global_batch_size // cfg.train.micro_batch_size)
     else:
         par = build_model(cfg, dims, rng=TPRNGTracker(SEED, dims.tp_rank) if dims.tp > 1 else None)

@@ -88,8 +88,10 @@ POSITIVE = {"model.vocab_size", "model.n_layers", "model.hidden_size", "model.n_
             "model.norm_eps", "model.rope_theta", "model.init_std", "train.max_steps", "train.micro_batch_size",
             "train.global_batch_size", "train.log_every", "train.eval_iters", "optim.lr", "optim.eps",
             "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.timeout_s", "parallel.bucket_mb",
-            "optim.wsd_decay_fraction", "model.n_kv_heads", "model.ffn_hidden_size"}
-CHOICES = {"model.family", "model.position", "model.norm", "model.activation", "train.precision", "train.device",
+            "optim.wsd_decay_fraction", "model.n_kv_heads", "model.ffn_hidden_size", "model.type_vocab_size",
+            "model.num_labels"}
+CHOICES = {"model.family", "model.position", "model.norm", "model.activation", "model.bert_head", "model.pooling",
+           "train.precision", "train.device",
            "train.recompute", "train.recompute_method", "optim.decay"}
 NON_EMPTY = {"train.out_dir", "train.resume", "data.tokenizer", "data.json_key", "data.split"}
 
