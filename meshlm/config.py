@@ -177,6 +177,7 @@ class TrainConfig:
     max_bad_steps: int = 5  # stop after this many steps in a row with a non-finite loss or gradient norm
     sample_tokens: int = 0  # >0: print a sample of this many tokens at the end
     sample_prompt: str = "\n"
+    init_from: str = ""  # a checkpoint whose matching weights start a fresh run (fine-tuning); "": the seed
 
     def validate(self) -> None:
         _positive("train", self, "max_steps", "micro_batch_size", "global_batch_size", "log_every", "eval_iters")

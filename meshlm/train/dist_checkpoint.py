@@ -438,6 +438,26 @@ def load(path: str | Path, sync, optimizer) -> None:
         source.close()
 
 
+@torch.no_grad()
+def load_matching_weights(path: str | Path, sync, source_cfg: ModelConfig) -> list[str]:
+    """Initialise this rank's part of the model from the weights of checkpoint `path` (any layout) of a
+    model `source_cfg` that may differ in its heads (a pretrained BERT → a classifier): every parameter
+    whose logical tensors the checkpoint holds with the same shapes is read, the others keep their seeded
+    initialisation. No optimizer state is read. Returns the logical tensors this model has that the
+    checkpoint lacks (on every rank alike: from the shapes, not from what this rank holds)."""
+    path = Path(path)
+    source = open_source(path, source_cfg)
+    mine = logical_shapes(sync.model.cfg)
+    usable = {n for n, shape in mine.items() if source.shapes.get(n) == shape}
+    try:
+        for owned in sync.load_weight_ranges():
+            if all(seg.name in usable for seg in _segments_for(sync, owned)):
+                _fill(source, "weight", sync, owned, owned.weight)
+    finally:
+        source.close()
+    return sorted(set(mine) - usable)
+
+
 def load_rank_state(path: str | Path, rank: int, layout: dict) -> dict | None:
     """This rank's random-stream state, if `path` was saved under exactly `layout` (else None)."""
     part = Path(path) / SHARDS / f"rank{rank:05d}.pt"

@@ -78,7 +78,9 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, progress: bool | None = None):
+    def __init__(self, cfg: Config, progress: bool | None = None, datasets: tuple | None = None):
+        """`datasets`: (tokenizer, train, valid) given by the caller (`meshlm finetune`) instead of the
+        family's `build_datasets`."""
         self.cfg = cfg
         t = cfg.train
         device = pick_device(t.device)
@@ -101,7 +103,8 @@ class Trainer:
         if t.sample_tokens and not self.spec.decoder:
             raise ConfigError(f"train.sample_tokens={t.sample_tokens} needs a model that generates text; "
                               f"model.family={cfg.model.family!r} does not: set train.sample_tokens=0")
-        self.tokenizer, self.train_set, self.valid_set = self.spec.build_datasets(cfg, progress=self.progress)
+        self.tokenizer, self.train_set, self.valid_set = datasets or self.spec.build_datasets(cfg,
+                                                                                           progress=self.progress)
         if cfg.model.vocab_size < self.tokenizer.vocab_size:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                               f"{self.tokenizer.vocab_size}; set model.vocab_size={self.tokenizer.vocab_size}")
@@ -141,6 +144,8 @@ class Trainer:
         self.stop_signal: str | None = None
         if self.resume_from is not None:
             self._load(self.resume_from)
+        elif t.init_from:
+            self._init_from(t.init_from)
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def _find_resume(self) -> Path | None:
@@ -238,6 +243,24 @@ class Trainer:
         self.precision.load_state_dict(state["scaler"])
         self.skipped_steps = state.get("skipped_steps", 0)
         self.log(f"resumed from {path} at step {self.step}")
+
+    def _init_from(self, path: str) -> None:
+        """A fresh run's weights from checkpoint `path` (any layout), where its tensors match this model's;
+        the rest (a new task head) keep their seeded init. The optimizer starts fresh."""
+        from meshlm.config import config_from_dict
+
+        source = ckpt.resolve_checkpoint(path, log=self.log)
+        source_cfg = config_from_dict(ckpt.load_config_dict(source)).model
+        if source_cfg.family != self.cfg.model.family:
+            raise ConfigError(f"train.init_from={path!r} holds a model.family={source_cfg.family!r} model, not "
+                              f"{self.cfg.model.family!r}; pick a checkpoint of the same family")
+        new = dist_checkpoint.load_matching_weights(source, self.sync, source_cfg)
+        total = len(dist_checkpoint.logical_shapes(self.cfg.model))
+        if len(new) == total:
+            raise ConfigError(f"train.init_from={path!r}: none of its tensors fits this model (another shape); set "
+                              "the model.* keys as in its config.json")
+        self.log(f"initialised from {source}: {total - len(new)} of {total} tensors"
+                 + (f"; new: {', '.join(new)}" if new else ""))
 
     def _truncate_metrics(self, step: int) -> None:
         """Drop metric lines past the resumed step (a killed run may have logged beyond its checkpoint; a
