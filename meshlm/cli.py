@@ -109,6 +109,11 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = checkpoint_config(args.checkpoint)
+    from meshlm.models.registry import get_spec
+
+    if not get_spec(cfg.model.family).decoder:
+        raise ConfigError(f"{args.checkpoint} holds a model.family={cfg.model.family!r} model, which does not "
+                          "generate text; use meshlm embed or meshlm finetune with it, or a GPT checkpoint here")
     tokenizer = get_tokenizer(cfg.data.tokenizer)
     ids = tokenizer.encode(args.prompt) or [tokenizer.eod_id]
     max_new_tokens = _check_lengths(cfg, len(ids), args.max_new_tokens)
