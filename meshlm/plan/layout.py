@@ -143,6 +143,14 @@ def check_data_parallel(cfg: Config, tp: int) -> None:
                           "parallelism completes and measures gradients by rows of whole local tensors "
                           "(replicated KV heads, sequence-parallel norms, the norm's row masks), which FSDP2 "
                           "has sharded over dp; use parallel.zero=1 or 2 with tensor parallelism")
+    check_optimizer_sharding(cfg.optim.name, cfg.parallel.zero)
+
+
+def check_optimizer_sharding(optim_name: str, zero: int) -> None:
+    """LAMB's trust ratio is a norm of each whole parameter; ZeRO steps flat shards that cut across them."""
+    if optim_name == "lamb" and zero > 0:
+        raise ConfigError(f"optim.name=lamb needs whole parameters; parallel.zero={zero} shards them; "
+                          "use parallel.zero=0 or optim.name=adamw")
 
 
 # ---- the rules that need no world size (Config.validate) ----------------------------------------------------

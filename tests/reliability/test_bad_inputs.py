@@ -90,7 +90,7 @@ POSITIVE = {"model.vocab_size", "model.n_layers", "model.hidden_size", "model.n_
             "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.timeout_s", "parallel.bucket_mb",
             "optim.wsd_decay_fraction", "model.n_kv_heads", "model.ffn_hidden_size"}
 CHOICES = {"model.family", "model.position", "model.norm", "model.activation", "train.precision", "train.device",
-           "train.recompute", "train.recompute_method", "optim.decay"}
+           "train.recompute", "train.recompute_method", "optim.decay", "optim.name"}
 NON_EMPTY = {"train.out_dir", "train.resume", "data.tokenizer", "data.json_key", "data.split"}
 
 

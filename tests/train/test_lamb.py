@@ -1,12 +1,18 @@
 """LAMB (train/lamb.py) against the paper's formulas written out plainly, in float64."""
 
 import copy
+import itertools
 import math
 
 import pytest
 import torch
 
+from meshlm.config import Config, ConfigError, ModelConfig, OptimConfig, ParallelConfig
+from meshlm.models.gpt import GPT
+from meshlm.parallel.data import GradSync
+from meshlm.parallel.mesh import ParallelDims
 from meshlm.train.lamb import Lamb
+from meshlm.train.optim import build_optimizer
 
 F64 = torch.float64
 SHAPES = [(4, 3), (5,), (2, 3, 2), (1,)]
@@ -182,3 +188,56 @@ def test_float32_and_mixed_precision_parameters():
     assert torch.isfinite(w32).all() and not torch.equal(w32.detach(), before)
     # a step moves w by lr·‖w‖ in norm (r·‖u‖ = ‖w‖)
     assert (w32.detach() - before).norm().item() == pytest.approx(0.01 * before.norm().item(), rel=1e-5)
+
+
+def tiny_gpt():
+    torch.manual_seed(0)
+    return GPT(ModelConfig(vocab_size=64, n_layers=2, hidden_size=32, n_heads=2, seq_len=16))
+
+
+def test_build_optimizer_picks_lamb_with_the_weight_decay_groups():
+    model = tiny_gpt()
+    opt = build_optimizer(model, OptimConfig(name="lamb", lr=3e-3, beta1=0.8, beta2=0.9, eps=1e-7,
+                                             weight_decay=0.05))
+    assert type(opt) is Lamb
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
+    assert opt.param_groups[0]["betas"] == (0.8, 0.9) and opt.param_groups[0]["eps"] == 1e-7
+    assert opt.param_groups[0]["lr"] == 3e-3
+    assert type(build_optimizer(model, OptimConfig())) is torch.optim.AdamW
+    sync = GradSync(model, ParallelDims())
+    assert type(build_optimizer(sync, OptimConfig(name="lamb"))) is Lamb
+
+
+def test_lamb_refuses_zero_sharded_optimizers():
+    sync = GradSync(tiny_gpt(), ParallelDims())
+    sync.zero = 1  # what BucketedDataParallel / FSDP2 say of themselves
+    with pytest.raises(ConfigError, match="optim.name=lamb needs whole parameters; parallel.zero=1"):
+        build_optimizer(sync, OptimConfig(name="lamb"))
+    assert type(build_optimizer(sync, OptimConfig())) is torch.optim.AdamW
+    for zero in (1, 2, 3):
+        with pytest.raises(ConfigError, match="use parallel.zero=0 or optim.name=adamw"):
+            Config(optim=OptimConfig(name="lamb"), parallel=ParallelConfig(zero=zero)).validate()
+    Config(optim=OptimConfig(name="lamb")).validate()
+
+
+def test_unknown_optimizer_name_is_a_config_error():
+    with pytest.raises(ConfigError, match="optim.name='sgd' is not one of adamw, lamb"):
+        OptimConfig(name="sgd").validate()
+
+
+def test_tiny_gpt_trains_with_lamb():
+    model = tiny_gpt()
+    opt = build_optimizer(model, OptimConfig(name="lamb", lr=5e-2, weight_decay=0.01))
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 64, (4, 16), generator=gen)
+    targets = torch.roll(idx, -1, dims=1)
+    losses = []
+    for _ in range(20):
+        loss = model(idx, targets=targets)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(x) for x in losses)
+    assert all(later < earlier for earlier, later in itertools.pairwise(losses)), losses
+    assert losses[-1] < 0.75 * losses[0], losses
