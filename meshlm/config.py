@@ -208,6 +208,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    name: str = "adamw"  # adamw | lamb (LAMB: layer-wise trust ratios for large batches; docs/optim.md)
     lr: float = 1e-3
     min_lr: float = 1e-4
     weight_decay: float = 0.1
@@ -221,6 +222,7 @@ class OptimConfig:
     wsd_decay_fraction: float = 0.2  # WSD: share of the steps spent in the final decay
 
     def validate(self) -> None:
+        _choices("optim.name", self.name, ("adamw", "lamb"))
         _positive("optim", self, "lr", "eps")
         _check(0 <= self.min_lr <= self.lr, f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
         _non_negative("optim", self, "weight_decay", zero="0 disables")

@@ -143,6 +143,19 @@ def check_data_parallel(cfg: Config, tp: int) -> None:
                           "parallelism completes and measures gradients by rows of whole local tensors "
                           "(replicated KV heads, sequence-parallel norms, the norm's row masks), which FSDP2 "
                           "has sharded over dp; use parallel.zero=1 or 2 with tensor parallelism")
+    check_optimizer_sharding(cfg.optim.name, cfg.parallel.zero, tp, cfg.model.kv_heads)
+
+
+def check_optimizer_sharding(optim_name: str, zero: int, tp: int = 1, kv_heads: int | None = None) -> None:
+    """LAMB's trust ratio is a norm of each whole parameter; ZeRO steps flat shards that cut across them.
+    Under tensor parallelism each shard's squares are summed over tp (`train.optim.tp_square_sums`), which
+    counts a KV row held by several tp ranks (tp > n_kv_heads) several times: refused too."""
+    if optim_name == "lamb" and zero > 0:
+        raise ConfigError(f"optim.name=lamb needs whole parameters; parallel.zero={zero} shards them; "
+                          "use parallel.zero=0 or optim.name=adamw")
+    if optim_name == "lamb" and kv_heads is not None and tp > kv_heads:
+        raise ConfigError(f"optim.name=lamb with parallel.tp={tp} > model.n_kv_heads={kv_heads} (KV heads held by "
+                          "several ranks) is not supported; use parallel.tp <= n_kv_heads or optim.name=adamw")
 
 
 # ---- the rules that need no world size (Config.validate) ----------------------------------------------------

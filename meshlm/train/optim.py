@@ -1,4 +1,4 @@
-"""AdamW with Megatron's weight-decay groups and the learning-rate schedules.
+"""AdamW (or LAMB, `optim.name`) with Megatron's weight-decay groups and the learning-rate schedules.
 
 No weight decay on norms, biases and embeddings (token and position): decaying them hurts and is not
 what the regularisation is for. Schedules: linear warmup, then cosine, linear or constant decay to
@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from meshlm.config import OptimConfig
+from meshlm.plan.layout import check_optimizer_sharding
+from meshlm.train.lamb import Lamb
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -35,17 +37,43 @@ def adamw_kernel(groups: list[dict]) -> dict[str, bool]:
 
 
 def build_optimizer(target, cfg: OptimConfig, fused: bool | None = None) -> torch.optim.Optimizer:
-    """AdamW with the weight-decay groups, over a plain model's parameters or, given a gradient
-    synchroniser (`parallel.GradSync`), over what it says this rank steps (under ZeRO: its shards).
-    `fused`: None picks from the parameters' device (`adamw_kernel`); True / False force fused / foreach."""
+    """AdamW, or LAMB for `optim.name=lamb` (`train.lamb.Lamb`), with the weight-decay groups, over a plain
+    model's parameters or, given a gradient synchroniser (`parallel.GradSync`), over what it says this rank
+    steps (under ZeRO: its shards, which LAMB refuses: its trust ratio is a norm of whole parameters).
+    `fused` (AdamW only): None picks from the parameters' device (`adamw_kernel`); True / False force fused /
+    foreach. LAMB always runs its foreach step."""
 
     def make(groups: list[dict]) -> torch.optim.Optimizer:
+        if cfg.name == "lamb":
+            reduce = tp_square_sums(target.model, target.dims) if getattr(target, "dims", None) is not None \
+                and target.dims.tp > 1 else None
+            return Lamb(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, reduce_squares=reduce)
         kernel = adamw_kernel(groups) if fused is None else ({"fused": True} if fused else {"foreach": True})
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel)
 
     if isinstance(target, nn.Module):
         return make(param_groups(target, cfg.weight_decay))
+    check_optimizer_sharding(cfg.name, getattr(target, "zero", 0))
     return target.build_optimizer(param_groups(target.model, cfg.weight_decay), make)
+
+
+def tp_square_sums(model: nn.Module, dims):
+    """LAMB's `reduce_squares` under tensor parallelism: the squared norms of tp-sharded parameters (and of
+    their updates) summed over the tp group, so each trust ratio is that of the whole parameter; replicated
+    parameters are whole on every rank already. One all-reduce per step."""
+    import torch.distributed as dist
+
+    from meshlm.parallel.grads import sharded_row_masks
+
+    sharded_ids = set(sharded_row_masks(model))
+
+    def reduce(squares: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        mine = torch.tensor([id(p) in sharded_ids for p in params], device=squares.device).repeat(2)
+        summed = torch.where(mine, squares, torch.zeros_like(squares))
+        dist.all_reduce(summed, group=dims.tp_group)
+        return torch.where(mine, summed, squares)
+
+    return reduce
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

@@ -56,8 +56,8 @@ N_SAMPLES = 64
 
 
 def config(model: str = "gpt", tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0, train: dict | None = None,
-           **parallel):
-    return build({"model": MODELS[model],
+           optim: str = "adamw", **parallel):
+    return build({"model": MODELS[model], "optim": {"name": optim},
                   "train": {"micro_batch_size": MICRO_BATCH_SIZE, "global_batch_size": GLOBAL_BATCH, **(train or {})},
                   "parallel": {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "timeout_s": 60, "bucket_mb": 0.004,
                                **parallel}})
@@ -137,7 +137,7 @@ def build_run(cfg, dims: ParallelDims | None, consumed: int = 0) -> Run:
         par = build_model(cfg, dims, rng=TPRNGTracker(SEED, dims.tp_rank) if dims.tp > 1 else None)
         model, loss_fn, pipe, sync = par.model, par.loss_fn, par.pipeline, par.grad_sync
     m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
-    opt = build_optimizer(sync, OptimConfig(lr=LR))
+    opt = build_optimizer(sync, OptimConfig(lr=LR, name=cfg.optim.name))
     loader = BatchLoader(samples(cfg), cfg.train.micro_batch_size, SEED, consumed=consumed, dp_rank=dims.dp_rank,
                          dp_size=dp)
     return Run(cfg, dims, model, loss_fn, pipe, sync, opt, loader, m)
@@ -188,9 +188,9 @@ def train(cfg, dims: ParallelDims | None, steps: int) -> Run:
     return run
 
 
-def reference(model: str, steps: int) -> dict:
+def reference(model: str, steps: int, optim: str = "adamw") -> dict:
     """The single-process run: losses and gradient norms of `steps` steps, the weights after each step."""
-    run = build_run(config(model), None)
+    run = build_run(config(model, optim=optim), None)
     states = {}
     for n in range(1, steps + 1):
         step(run)

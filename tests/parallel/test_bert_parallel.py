@@ -7,7 +7,8 @@ real tokens predicted, a random sentence-order label. Each layout's per-step los
 must be within 1e-9 (relative) of the single-process run, its final weights within 1e-9 (dp_harness.TOL).
 Covered: TP=2 and 4 with and without SP (vocab-parallel MLM decoder and loss, the pooler's sequence
 gather), PP=2 and interleaved PP=2×vpp2 (every stage gets the padding mask), DP=2 with ZeRO 1/2/3,
-tp2 × pp2 with SP, and selective and full recomputation under TP.
+tp2 × pp2 with SP, selective and full recomputation under TP, and the LAMB optimizer under tp2 and
+tp2 × pp2 (its per-parameter trust ratios from whole-parameter norms: shard squares summed over tp).
 """
 
 from __future__ import annotations
@@ -22,20 +23,22 @@ LAYOUTS = {
     2: {"tp2": (2, 1, 1, 0, {}, {}), "tp2_sp": (2, 1, 1, 0, {"sp": True}, {}), "pp2": (1, 2, 1, 0, {}, {}),
         "dp2_zero1": (1, 1, 2, 1, {}, {}), "dp2_zero3": (1, 1, 2, 3, {}, {}),
         "tp2_sp_selective": (2, 1, 1, 0, {"sp": True}, {"recompute": "selective"}),
-        "tp2_full": (2, 1, 1, 0, {}, {"recompute": "full"})},
+        "tp2_full": (2, 1, 1, 0, {}, {"recompute": "full"}), "tp2_lamb": (2, 1, 1, 0, {}, {}, "lamb")},
     4: {"tp4": (4, 1, 1, 0, {}, {}), "tp4_sp": (4, 1, 1, 0, {"sp": True}, {}),
-        "tp2_sp_pp2": (2, 2, 1, 0, {"sp": True}, {}), "pp2_vpp2_dp2_zero2": (1, 2, 2, 2, {"vpp": 2}, {})},
+        "tp2_sp_pp2": (2, 2, 1, 0, {"sp": True}, {}), "pp2_vpp2_dp2_zero2": (1, 2, 2, 2, {"vpp": 2}, {}),
+        "tp2_sp_pp2_lamb": (2, 2, 1, 0, {"sp": True}, {}, "lamb")},
 }
 
 def _world_fn(rank: int, world: int, out_dir: str) -> dict:
     with H.float64():
-        ref = H.reference("bert", STEPS)
+        refs = {optim: H.reference("bert", STEPS, optim) for optim in ("adamw", "lamb")}
         out = {}
         for name in LAYOUTS[world]:
-            tp, pp, dp, zero, parallel, train = LAYOUTS[world][name]
-            cfg = H.config("bert", tp=tp, pp=pp, dp=dp, zero=zero, train=train, **parallel)
+            tp, pp, dp, zero, parallel, train, *optim = LAYOUTS[world][name]
+            optim = optim[0] if optim else "adamw"
+            cfg = H.config("bert", tp=tp, pp=pp, dp=dp, zero=zero, train=train, optim=optim, **parallel)
             run = H.train(cfg, H.dims_for(tp, pp, dp), STEPS)
-            out[name] = H.compare(ref, run)
+            out[name] = H.compare(refs[optim], run)
         return out
 
 @pytest.mark.parametrize("world", [2, 4])

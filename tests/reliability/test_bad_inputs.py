@@ -92,7 +92,7 @@ POSITIVE = {"model.vocab_size", "model.n_layers", "model.hidden_size", "model.n_
             "model.num_labels"}
 CHOICES = {"model.family", "model.position", "model.norm", "model.activation", "model.bert_head", "model.pooling",
            "train.precision", "train.device",
-           "train.recompute", "train.recompute_method", "optim.decay"}
+           "train.recompute", "train.recompute_method", "optim.decay", "optim.name"}
 NON_EMPTY = {"train.out_dir", "train.resume", "data.tokenizer", "data.json_key", "data.split"}
 
 
