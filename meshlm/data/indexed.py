@@ -152,7 +152,10 @@ class IndexedWriter:
         with `sequences` (sequences per document, each at least 1), as sequences of `lengths` tokens
         each, grouped into documents of `sequences[d]` sequences."""
         lengths = self._valid_lengths(lengths, "document" if sequences is None else "sequence")
-        if int(lengths.sum()) != self._doc_tokens or self._doc_sequences:
+        if self._doc_sequences:
+            self.discard_document()
+            raise ValueError("end_documents after end_sequences: end the open document with end_document first")
+        if int(lengths.sum()) != self._doc_tokens:
             n = self._doc_tokens
             self.discard_document()
             raise ValueError(f"document lengths add up to {int(lengths.sum())} tokens, not {n}")
