@@ -71,22 +71,25 @@ def _file_lock(path: Path):
 
 
 def prepare_cached(inputs: list[str | Path], tokenizer: Tokenizer, cache_dir: Path, json_key: str = "text",
-                   name: str | None = None, progress: bool = True, allow_binary: bool = False) -> str:
-    """Prepare text `inputs` (with an end-of-document token per document) once into the cache; the key
-    covers the files (path, size, mtime), the tokenizer's vocabulary and the options."""
+                   name: str | None = None, progress: bool = True, allow_binary: bool = False,
+                   split_sentences: bool = False) -> str:
+    """Prepare text `inputs` once into the cache: with an end-of-document token per document, or, with
+    `split_sentences` (BERT), one sequence per sentence and no end-of-document token. The key covers the
+    files (path, size, mtime), the tokenizer's vocabulary and the options."""
     files = expand_inputs([str(p) for p in inputs], what="data.paths")
-    h = hashlib.sha256(json.dumps([tokenizer.identity["sha256"], json_key, "eod"]).encode())
+    mode = "sentences" if split_sentences else "eod"
+    h = hashlib.sha256(json.dumps([tokenizer.identity["sha256"], json_key, mode]).encode())
     for f in files:
         st = f.stat()
         h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
-    name = name or files[0].name.split(".")[0]
+    name = (name or files[0].name.split(".")[0]) + ("-sentences" if split_sentences else "")
     prefix = cache_dir / "prepared" / f"{name}-{tokenizer.name}-{h.hexdigest()[:16]}"
     if not is_prefix(prefix):
         with _file_lock(Path(f"{prefix}.lock")):
             if not is_prefix(prefix):
-                prepare([str(f) for f in files], tokenizer.spec, str(prefix), append_eod=True, json_key=json_key,
-                        progress=progress, what="data.paths", allow_binary=allow_binary,
-                        allow_flag="data.allow_binary=true")
+                prepare([str(f) for f in files], tokenizer.spec, str(prefix), append_eod=not split_sentences,
+                        json_key=json_key, progress=progress, what="data.paths", allow_binary=allow_binary,
+                        allow_flag="data.allow_binary=true", split_sentences=split_sentences)
     return str(prefix)
 
 
@@ -122,24 +125,27 @@ def _is_prefix(path: str) -> bool:
     return is_prefix(path)
 
 
-def resolve_sources(cfg: Config, tokenizer: Tokenizer, progress: bool) -> list[tuple[float | None, str]]:
-    """[(weight or None, prefix)], preparing text sources into the cache."""
+def resolve_sources(cfg: Config, tokenizer: Tokenizer, progress: bool, split_sentences: bool = False
+                    ) -> list[tuple[float | None, str]]:
+    """[(weight or None, prefix)], preparing text sources into the cache (sentence by sentence with
+    `split_sentences`)."""
     d = cfg.data
     cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
     if not d.paths:
         return [(None, prepare_cached(shakespeare_files(), tokenizer, cache, name="shakespeare",
-                                      progress=progress))]
+                                      progress=progress, split_sentences=split_sentences))]
     pairs = parse_paths(d.paths)
     if pairs[0][0] is not None:
         return [(w, strip_suffix(p) if _is_prefix(p) else prepare_cached([p], tokenizer, cache, d.json_key,
                                                                       progress=progress,
-                                                                      allow_binary=d.allow_binary))
+                                                                      allow_binary=d.allow_binary,
+                                                                      split_sentences=split_sentences))
                 for w, p in pairs]
     prefixes = [(None, strip_suffix(p)) for _, p in pairs if _is_prefix(p)]
     texts = [p for _, p in pairs if not _is_prefix(p)]
     if texts:
         prefixes.append((None, prepare_cached(texts, tokenizer, cache, d.json_key, progress=progress,
-                                              allow_binary=d.allow_binary)))
+                                              allow_binary=d.allow_binary, split_sentences=split_sentences)))
     return prefixes
 
 

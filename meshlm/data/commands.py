@@ -64,6 +64,8 @@ def add_data_commands(sub) -> None:
                    help="a .jsonl line that is not JSON (or lacks the key): report and skip it, or stop")
     p.add_argument("--split-paragraphs", action="store_true",
                    help="in .txt files, every blank-line separated paragraph is a document")
+    p.add_argument("--split-sentences", action="store_true",
+                   help="one sequence per sentence, grouped into documents in the .idx (the data BERT reads)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--allow-binary", action="store_true",
                    help="use inputs that look binary (NUL bytes or invalid UTF-8 in the first KiB, an image, "

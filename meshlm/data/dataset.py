@@ -6,7 +6,8 @@ each step's global batch (Megatron's order: micro-batch k of rank r is samples `
 onwards), so the global batch, and the position, are the same whatever dp is. Datasets that carry their
 own shuffle (`shuffled = True`: GPTDataset, BlendedDataset, whose index i already is the i-th sample to
 train on) are read in order; any other sized dataset gets a fresh permutation per epoch drawn from
-(seed, epoch).
+(seed, epoch). A batch is (inputs, targets) = rows shifted by one token (GPT), unless the samples have a
+`collate(rows)` method, which then makes the pair (BertDataset).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ class BatchLoader:
         first = self.consumed + self.dp_rank * self.mbs
         rows = [np.asarray(self.samples[self.order[first + j]], dtype=np.int64) for j in range(self.mbs)]
         self.consumed += self.mbs * self.dp_size
-        collate = getattr(self.samples, "collate", None)  # a dataset's own row layout (BERT's)
-        if collate is not None:
+        collate = getattr(self.samples, "collate", None)
+        if collate is not None:  # samples that know their batch layout (BertDataset)
             return collate(np.stack(rows))
         batch = torch.from_numpy(np.stack(rows))  # (B, s + 1)
         return batch[:, :-1], batch[:, 1:]

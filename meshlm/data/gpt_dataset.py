@@ -99,6 +99,29 @@ def index_cache_dir(prefix: str, cache_dir: str | Path | None) -> Path:
     return default_cache_dir() / "index-cache"
 
 
+def cached_arrays(prefix: str, cache_dir: str | Path | None, name: str, desc: dict, names: tuple[str, ...],
+                  build) -> tuple[np.ndarray, ...]:
+    """The arrays `names` described by `desc` (a JSON-able dict that determines them): memory-mapped from
+    `index_cache_dir(prefix, cache_dir)` if built before, else `build()` and saved there. Each array is
+    written to a temporary file and renamed; the description file, written last, marks them complete."""
+    key = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+    folder = index_cache_dir(prefix, cache_dir)
+    stem = folder / f"{Path(prefix).name}-{name}-{key}"
+    done = Path(f"{stem}-description.json")
+    if done.exists():
+        return tuple(np.load(f"{stem}-{n}.npy", mmap_mode="r") for n in names)
+    arrays = build()
+    folder.mkdir(parents=True, exist_ok=True)
+    for n, array in zip(names, arrays):
+        tmp = f"{stem}-{n}.{os.getpid()}.tmp.npy"
+        np.save(tmp, array)
+        os.replace(tmp, f"{stem}-{n}.npy")
+    tmp = f"{done}.{os.getpid()}.tmp"
+    Path(tmp).write_text(json.dumps(desc, indent=1))
+    os.replace(tmp, done)
+    return tuple(arrays)
+
+
 class GPTDataset:
     """Shuffled samples of seq_len+1 tokens over `documents` of an indexed dataset, `num_epochs` epochs.
 
@@ -124,25 +147,11 @@ class GPTDataset:
                 "seed": self.seed, "num_epochs": self.num_epochs}
 
     def _load_or_build(self, cache_dir) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        desc = self._description()
-        key = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
-        folder = index_cache_dir(self.indexed.prefix, cache_dir)
-        stem = folder / f"{Path(self.indexed.prefix).name}-{self.name}-{key}"
-        names = ("document_index", "sample_index", "shuffle_index")
-        done = Path(f"{stem}-description.json")
-        if done.exists():
-            return tuple(np.load(f"{stem}-{n}.npy", mmap_mode="r") for n in names)
-        arrays = build_indices(self.doc_lengths, np.arange(self.documents.start, self.documents.stop),
-                               self.seq_len, self.seed, self.num_epochs)
-        folder.mkdir(parents=True, exist_ok=True)
-        for name, array in zip(names, arrays):  # temp + rename each; the description marks completion
-            tmp = f"{stem}-{name}.{os.getpid()}.tmp.npy"
-            np.save(tmp, array)
-            os.replace(tmp, f"{stem}-{name}.npy")
-        tmp = f"{done}.{os.getpid()}.tmp"
-        Path(tmp).write_text(json.dumps(desc, indent=1))
-        os.replace(tmp, done)
-        return arrays
+        return cached_arrays(
+            self.indexed.prefix, cache_dir, self.name, self._description(),
+            ("document_index", "sample_index", "shuffle_index"),
+            lambda: build_indices(self.doc_lengths, np.arange(self.documents.start, self.documents.stop),
+                                  self.seq_len, self.seed, self.num_epochs))
 
     def __len__(self) -> int:
         return len(self.shuffle_index)

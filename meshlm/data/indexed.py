@@ -14,7 +14,8 @@
 
 This is the layout of Megatron-LM's `megatron/core/datasets/indexed_dataset.py`, so data prepared by
 either tool trains in the other. meshlm writes one sequence per document (Megatron's GPT data without
-`--split-sentences`); the reader accepts several sequences per document.
+`--split-sentences`), or with `--split-sentences` one per sentence (what Megatron's BERT data reads);
+the reader accepts both.
 
 `PREFIX.json` is meshlm's own sidecar (Megatron ignores it): the tokenizer's identity and the text's
 byte count (for bits per byte). A writer renames `.bin`, then the sidecar, then `.idx` into place, and
@@ -83,12 +84,15 @@ def write_index(fh, dtype: np.dtype, sequence_lengths: np.ndarray, document_indi
 class IndexedWriter:
     """Streams documents into `PREFIX.bin`; `finish()` writes `.idx` and the sidecar, atomically.
 
-    Memory is bounded: tokens go straight to a temporary `.bin`, document lengths to a temporary
-    lengths file, and `finish()` builds the index from that file in blocks.
+    Memory is bounded: tokens go straight to a temporary `.bin`, sequence lengths and document ends to
+    temporary files, and `finish()` builds the index from them in blocks.
 
         with IndexedWriter("data/corpus", vocab_size=50257) as w:
             w.add_document(ids)
             w.finish({"tokenizer": ...})
+
+    A document is one sequence unless `end_sequences` closes some of its tokens as sequences first
+    (sentences): the tokens added are "open" until a sequence or the document closes them.
     """
 
     BLOCK = 1 << 20  # documents per block when building the index
@@ -103,12 +107,18 @@ class IndexedWriter:
         pid = os.getpid()  # several writers (e.g. ranks preparing one cache) never share a temporary
         self._bin_tmp = self.bin_path.with_name(f".{self.bin_path.name}.{pid}.tmp")
         self._len_tmp = self.bin_path.with_name(f".{self.bin_path.name}.{pid}.lengths.tmp")
+        self._docs_tmp = self.bin_path.with_name(f".{self.bin_path.name}.{pid}.documents.tmp")
         self._idx_tmp = self.idx_path.with_name(f".{self.idx_path.name}.{pid}.tmp")
         self._bin = open(self._bin_tmp, "wb")  # noqa: SIM115 (open until finish/abort)
         self._lengths = open(self._len_tmp, "wb")  # noqa: SIM115
+        self._docs = open(self._docs_tmp, "wb")  # noqa: SIM115 (int64 sequence count at each document's end)
         self._doc_tokens = 0  # tokens of the document being written
+        self._open_tokens = 0  # its last tokens, not yet closed into a sequence
+        self._doc_sequences = 0  # sequences it has closed
+        self._last_length = 0  # tokens of the last of them
         self._doc_start = 0  # .bin byte offset where it began
         self.n_documents = 0
+        self.n_sequences = 0
         self.n_tokens = 0
         self.finished = False
 
@@ -117,6 +127,7 @@ class IndexedWriter:
         arr = self._checked(tokens)
         self._bin.write(memoryview(arr).cast("B"))
         self._doc_tokens += arr.size
+        self._open_tokens += arr.size
 
     def copy_tokens(self, fd: int, offset: int, count: int) -> None:
         """Append to the current document `count` tokens of this writer's dtype that sit at byte `offset`
@@ -134,22 +145,63 @@ class IndexedWriter:
             done += step
         self._bin.seek(start + n_bytes)
         self._doc_tokens += count
+        self._open_tokens += count
 
-    def end_documents(self, lengths) -> None:
-        """Close the tokens added since the last document ended as documents of `lengths` tokens each."""
-        lengths = np.asarray(lengths, dtype=np.int64)
-        if lengths.size and (lengths.min() <= 0 or lengths.max() > np.iinfo(np.int32).max):
+    def end_documents(self, lengths, sequences=None) -> None:
+        """Close the tokens added since the last document ended as documents of `lengths` tokens each; or,
+        with `sequences` (sequences per document, each at least 1), as sequences of `lengths` tokens
+        each, grouped into documents of `sequences[d]` sequences."""
+        lengths = self._valid_lengths(lengths, "document" if sequences is None else "sequence")
+        if self._doc_sequences:
             self.discard_document()
-            raise ValueError(f"document lengths must be 1..{np.iinfo(np.int32).max} tokens")
+            raise ValueError("end_documents after end_sequences: end the open document with end_document first")
         if int(lengths.sum()) != self._doc_tokens:
             n = self._doc_tokens
             self.discard_document()
             raise ValueError(f"document lengths add up to {int(lengths.sum())} tokens, not {n}")
+        if sequences is None:
+            ends = self.n_sequences + np.arange(1, lengths.size + 1, dtype=np.int64)
+        else:
+            sequences = np.asarray(sequences, dtype=np.int64)
+            if int(sequences.sum()) != lengths.size or (sequences.size and sequences.min() < 1):
+                self.discard_document()
+                raise ValueError(f"sequences per document {sequences.tolist()[:8]} must be >= 1 and add up to "
+                                 f"the {lengths.size} sequence lengths")
+            ends = self.n_sequences + np.cumsum(sequences)
         self._lengths.write(lengths.astype("<i4").tobytes())
-        self.n_documents += lengths.size
+        self._docs.write(ends.astype("<i8").tobytes())
+        self.n_sequences += lengths.size
+        self.n_documents += ends.size
         self.n_tokens += self._doc_tokens
         self._doc_start = self._bin.tell()
-        self._doc_tokens = 0
+        self._doc_tokens = self._open_tokens = 0
+
+    def _valid_lengths(self, lengths, what: str) -> np.ndarray:
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if lengths.size and (lengths.min() <= 0 or lengths.max() > np.iinfo(np.int32).max):
+            self.discard_document()
+            raise ValueError(f"{what} lengths must be 1..{np.iinfo(np.int32).max} tokens")
+        return lengths
+
+    @property
+    def open_tokens(self) -> int:
+        """Tokens of the current document not yet closed into a sequence."""
+        return self._open_tokens
+
+    def end_sequences(self, lengths) -> None:
+        """Close the first of the current document's open tokens as sequences of `lengths` tokens each
+        (e.g. sentences); the document stays open, and so do its tokens beyond them."""
+        lengths = self._valid_lengths(lengths, "sequence")
+        if int(lengths.sum()) > self._open_tokens:
+            n = self._open_tokens
+            self.discard_document()
+            raise ValueError(f"sequence lengths add up to {int(lengths.sum())} tokens, more than the {n} open")
+        self._lengths.write(lengths.astype("<i4").tobytes())
+        if lengths.size:
+            self._last_length = int(lengths[-1])
+        self._open_tokens -= int(lengths.sum())
+        self._doc_sequences += lengths.size
+        self.n_sequences += lengths.size
 
     def _checked(self, tokens) -> np.ndarray:
         """`tokens` as a contiguous array of the writer's dtype; an id the dtype cannot hold is an error."""
@@ -158,32 +210,54 @@ class IndexedWriter:
             raise ValueError(f"token id out of range for {self.dtype} (ids {arr.min()}..{arr.max()})")
         return np.ascontiguousarray(arr, dtype=self.dtype)
 
-    def end_document(self) -> None:
-        """Close the current document; an empty one is dropped (a zero-length sequence helps nobody)."""
-        if self._doc_tokens:
-            if self._doc_tokens > np.iinfo(np.int32).max:
-                raise ValueError(f"a document of {self._doc_tokens} tokens exceeds the int32 sequence length")
-            self._lengths.write(struct.pack("<i", self._doc_tokens))
+    def end_document(self, join: bool = False) -> bool:
+        """Close the current document: its open tokens become its last sequence or, with `join`, are
+        added to its last sequence (if it has one). A document without tokens is dropped (a zero-length
+        sequence helps nobody). Returns whether a document was written."""
+        if self._open_tokens:
+            if join and self._doc_sequences:
+                self._lengths.flush()
+                length = self._last_length + self._open_tokens
+                self._check_sequence(length)
+                os.pwrite(self._lengths.fileno(), struct.pack("<i", length), self._lengths.tell() - 4)
+            else:
+                self._check_sequence(self._open_tokens)
+                self._lengths.write(struct.pack("<i", self._open_tokens))
+                self._doc_sequences += 1
+                self.n_sequences += 1
+        written = self._doc_sequences > 0
+        if written:
+            self._docs.write(struct.pack("<q", self.n_sequences))
             self.n_documents += 1
             self.n_tokens += self._doc_tokens
         self._doc_start = self._bin.tell()
-        self._doc_tokens = 0
+        self._doc_tokens = self._open_tokens = self._doc_sequences = 0
+        return written
+
+    @staticmethod
+    def _check_sequence(n_tokens: int) -> None:
+        if n_tokens > np.iinfo(np.int32).max:
+            raise ValueError(f"a sequence of {n_tokens} tokens exceeds the int32 sequence length")
 
     def discard_document(self) -> None:
-        """Forget the tokens written for the current document."""
+        """Forget the tokens (and sequences) written for the current document."""
         self._bin.seek(self._doc_start)
         self._bin.truncate()
-        self._doc_tokens = 0
+        if self._doc_sequences:
+            self._lengths.seek(-4 * self._doc_sequences, os.SEEK_END)
+            self._lengths.truncate()
+            self.n_sequences -= self._doc_sequences
+        self._doc_tokens = self._open_tokens = self._doc_sequences = 0
 
     def add_document(self, tokens) -> None:
         self.add_tokens(tokens)
         self.end_document()
 
     def _write_index(self, path: Path) -> None:
-        n = self.n_documents
+        n, n_docs = self.n_sequences, self.n_documents
         with open(path, "wb") as fh:
             fh.write(MAGIC + struct.pack("<Q", VERSION) + struct.pack("<B", CODE_OF_DTYPE[self.dtype]))
-            fh.write(struct.pack("<Q", n) + struct.pack("<Q", n + 1))
+            fh.write(struct.pack("<Q", n) + struct.pack("<Q", n_docs + 1))
             lengths = np.memmap(self._len_tmp, dtype="<i4", mode="r") if n else np.zeros(0, "<i4")
             fh.writelines(np.asarray(lengths[s:s + self.BLOCK]).tobytes() for s in range(0, n, self.BLOCK))
             pointer = 0
@@ -192,9 +266,10 @@ class IndexedWriter:
                 ends = np.cumsum(block) + pointer
                 fh.write((ends - block).astype("<i8").tobytes())
                 pointer = int(ends[-1])
-            for start in range(0, n + 1, self.BLOCK):
-                fh.write(np.arange(start, min(n + 1, start + self.BLOCK), dtype="<i8").tobytes())
-            del lengths
+            fh.write(struct.pack("<q", 0))
+            ends = np.memmap(self._docs_tmp, dtype="<i8", mode="r") if n_docs else np.zeros(0, "<i8")
+            fh.writelines(np.asarray(ends[s:s + self.BLOCK]).tobytes() for s in range(0, n_docs, self.BLOCK))
+            del lengths, ends
             fh.flush()
             os.fsync(fh.fileno())
 
@@ -206,11 +281,12 @@ class IndexedWriter:
         os.fsync(self._bin.fileno())
         self._bin.close()
         self._lengths.close()
+        self._docs.close()
         self._write_index(self._idx_tmp)
         meta_tmp = None
         if metadata is not None:
-            meta = {"format": "meshlm-indexed/1", "documents": self.n_documents, "tokens": self.n_tokens,
-                    "dtype": self.dtype.name, **metadata}
+            meta = {"format": "meshlm-indexed/1", "documents": self.n_documents, "sequences": self.n_sequences,
+                    "tokens": self.n_tokens, "dtype": self.dtype.name, **metadata}
             fd, name = tempfile.mkstemp(dir=self.meta_path.parent, prefix=f".{self.meta_path.name}.")
             with os.fdopen(fd, "w") as fh:
                 json.dump(meta, fh, indent=1)
@@ -224,13 +300,14 @@ class IndexedWriter:
             self.meta_path.unlink(missing_ok=True)
         os.replace(self._idx_tmp, self.idx_path)
         self._len_tmp.unlink(missing_ok=True)
+        self._docs_tmp.unlink(missing_ok=True)
         self.finished = True
 
     def abort(self) -> None:
         """Remove the temporary files; nothing at PREFIX changes."""
-        for fh in (self._bin, self._lengths):
+        for fh in (self._bin, self._lengths, self._docs):
             fh.close()
-        for path in (self._bin_tmp, self._len_tmp, self._idx_tmp):
+        for path in (self._bin_tmp, self._len_tmp, self._docs_tmp, self._idx_tmp):
             path.unlink(missing_ok=True)
 
     def __enter__(self):

@@ -8,6 +8,12 @@ of tasks is in flight, so memory stays flat however large the corpus, and the ma
 reads the text nor unpickles tokens (with two workers on two cores it would otherwise take a sixth of a
 core from them; with sixteen workers it would be the bottleneck).
 
+With `split_sentences`, every sentence is a sequence of its own and the `.idx` document index groups
+them into documents (Megatron's `--split-sentences`, the data BERT reads). The workers split the text
+(`meshlm.data.sentences`) and tokenize each sentence; a piece of a long text document reports where its
+sentences end and how many tokens its unfinished last sentence has, and the main process joins that to
+the next piece's first sentence. A sentence without tokens is dropped.
+
 Empty documents (nothing but whitespace) are skipped and counted; invalid UTF-8 is replaced with
 U+FFFD and counted; a `.jsonl` line that is not a JSON object with the key is reported as file:line and
 skipped, or stops the run with `on_error="fatal"`. Nothing is written at PREFIX unless the run completes.
@@ -50,6 +56,7 @@ from meshlm.data.items import (
     read_item,
     refuse_binary,
 )
+from meshlm.data.sentences import sentences_of, split_sentences
 from meshlm.data.tokenizers import get_tokenizer
 
 __all__ = ["DataError", "PrepareStats", "expand_inputs", "iter_texts", "prepare"]
@@ -72,6 +79,12 @@ class Part:
     empty: int = 0  # documents skipped as empty
     errors: list[tuple[int, str]] = field(default_factory=list)  # (line within the Item, reason)
     lines: int = 0  # newlines in a JSON Item's bytes (the main process numbers bad lines across Items)
+    # split_sentences only. Whole documents: tokens per sentence (all > 0) and sentences per document.
+    # A text piece: tokens per sentence that ends in it (0 for one without tokens; the first also ends the
+    # sentence left open by the previous piece); its tokens beyond them are its open last sentence.
+    sentences: np.ndarray | None = None
+    doc_sentences: np.ndarray | None = None
+    eod_only: bool = False  # a text's last piece whose only token is the end of document: it joins the last sentence
 
 
 @dataclass
@@ -84,12 +97,15 @@ class PrepareStats:
     empty_documents: int = 0
     invalid_utf8_documents: int = 0
     bad_lines: int = 0
+    sentences: int = 0  # sequences written: one per document, or per sentence with split_sentences
+    split_sentences: bool = False
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)  # the first MAX_REPORTED bad lines
 
     def summary(self, prefix: str) -> str:
         mb, s = self.input_bytes / 1e6, max(self.seconds, 1e-9)
-        return (f"prepared {prefix}.bin/.idx: {self.documents:,} documents, {self.tokens:,} tokens from "
+        sentences = f" ({self.sentences:,} sentences)" if self.split_sentences else ""
+        return (f"prepared {prefix}.bin/.idx: {self.documents:,} documents{sentences}, {self.tokens:,} tokens from "
                 f"{self.files} files ({mb:.2f} MB) in {self.seconds:.1f}s ({mb / s:.2f} MB/s, "
                 f"{self.tokens / s:,.0f} tokens/s); skipped {self.empty_documents} empty documents and "
                 f"{self.bad_lines} bad lines; {self.invalid_utf8_documents} documents had invalid UTF-8 "
@@ -101,7 +117,7 @@ _STATE: dict = {}
 
 
 def _init_worker(spec: str, json_key: str, dtype: str, eod: int | None, piece_bytes: int,
-                 parts_dir: str | None = None, parent: int | None = None) -> None:
+                 split: bool = False, parts_dir: str | None = None, parent: int | None = None) -> None:
     if parts_dir is not None:  # a pool worker
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C ...
         if hasattr(signal, "pthread_sigmask"):  # ... and blocked it while forking us (see start_pool)
@@ -109,7 +125,7 @@ def _init_worker(spec: str, json_key: str, dtype: str, eod: int | None, piece_by
         _die_with_parent(parent)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
     _STATE.update(tokenizer=get_tokenizer(spec), json_key=json_key, dtype=np.dtype(dtype), eod=eod,
-                  piece_bytes=piece_bytes, parts_dir=parts_dir)
+                  piece_bytes=piece_bytes, split=split, parts_dir=parts_dir)
 
 
 def _die_with_parent(parent: int | None) -> None:
@@ -129,7 +145,12 @@ def encode_item(item: Item) -> Part:
     tokenizer, dtype, eod = _STATE["tokenizer"], _STATE["dtype"], _STATE["eod"]
     data = read_item(item, _STATE["piece_bytes"])
     part = Part(None, lines=data.count(b"\n") if item.kind == "json" else 0)  # numbers bad JSON lines
-    if item.kind == "text":  # a piece of one document: the main process decides when it ends
+    if item.kind == "text" and _STATE["split"]:
+        text, bad = decode(data)
+        _encode_sentences(part, text, item.last)
+        part.has_text, part.bad_utf8 = text != "" and not text.isspace(), int(bad)
+        part.text_bytes = len(text.encode("utf-8")) if bad else len(data)
+    elif item.kind == "text":  # a piece of one document: the main process decides when it ends
         text, bad = decode(data)
         encode = getattr(tokenizer, "encode_array", None)  # one long text: no list of Python ints
         tokens = encode(text) if encode else np.asarray(tokenizer.encode(text))
@@ -140,6 +161,7 @@ def encode_item(item: Item) -> Part:
         part.text_bytes = len(text.encode("utf-8")) if bad else len(data)
     else:  # whole documents, usually short: parsed first, then tokenized in one tight loop
         texts: list[str] = []
+        bads: list[bool] = []
         for line, text, bad, error in documents(item.kind, data, _STATE["json_key"]):
             if error is not None:
                 part.errors.append((line, error))
@@ -147,7 +169,12 @@ def encode_item(item: Item) -> Part:
                 part.empty += 1
             else:
                 texts.append(text)
+                bads.append(bad)
                 part.bad_utf8 += bad
+        if _STATE["split"]:
+            _encode_sentence_documents(part, texts, bads)
+            part.n_tokens = part.tokens.size
+            return part
         encode = tokenizer.encode
         docs = [list(encode(text)) for text in texts]
         if eod is not None:
@@ -158,6 +185,63 @@ def encode_item(item: Item) -> Part:
         part.text_bytes = sum(len(text) if text.isascii() else len(text.encode("utf-8")) for text in texts)
     part.n_tokens = part.tokens.size
     return part
+
+
+def _encode_spans(spans: list[str]) -> tuple[list[list[int]], np.ndarray]:
+    ids = _STATE["tokenizer"].encode_batch(spans) if spans else []
+    return ids, np.fromiter(map(len, ids), np.int64, count=len(ids))
+
+
+def _encode_sentences(part: Part, text: str, last: bool) -> None:
+    """A piece of a text document, sentence by sentence: `part.sentences` for those that end in it; the
+    rest of its tokens are its unfinished last sentence (none in a text's last piece)."""
+    closed, rest = split_sentences(text)
+    if last and rest:
+        closed, rest = [*closed, rest], ""
+    ids, counts = _encode_spans(closed + ([rest] if rest else []))
+    sentences = counts[:len(closed)].copy()
+    flat = itertools.chain.from_iterable(ids)
+    tokens = np.fromiter(flat, _STATE["dtype"], count=int(counts.sum()))
+    if _STATE["eod"] is not None and last:
+        tokens = np.append(tokens, np.asarray(_STATE["eod"], _STATE["dtype"]))
+        nonzero = np.flatnonzero(sentences)
+        if nonzero.size:  # the end of document ends the last sentence with tokens (they come last)
+            sentences[nonzero[-1]] += 1
+        else:
+            part.eod_only = True
+    part.tokens, part.sentences = tokens, sentences
+
+
+def _encode_sentence_documents(part: Part, texts: list[str], bads: list[bool]) -> None:
+    """Whole documents, sentence by sentence; a document without tokens is counted empty."""
+    eod, dtype = _STATE["eod"], _STATE["dtype"]
+    spans = [sentences_of(text) for text in texts]
+    ids, counts = _encode_spans(list(itertools.chain.from_iterable(spans)))
+    per_doc = np.fromiter(map(len, spans), np.int64, count=len(spans))
+    starts = np.concatenate([[0], np.cumsum(per_doc)])
+    kept_lengths, doc_sentences, chunks, kept = [], [], [], []
+    part.bad_utf8 = 0
+    for d, text in enumerate(texts):
+        doc_counts = counts[starts[d]:starts[d + 1]]
+        doc_counts = doc_counts[doc_counts > 0]
+        if doc_counts.size == 0:
+            part.empty += 1
+            continue
+        chunks.extend(ids[starts[d]:starts[d + 1]])
+        if eod is not None:
+            doc_counts = doc_counts.copy()
+            doc_counts[-1] += 1
+            chunks.append([eod])
+        kept_lengths.append(doc_counts)
+        doc_sentences.append(doc_counts.size)
+        kept.append(text)
+        part.bad_utf8 += bads[d]
+    part.sentences = np.concatenate(kept_lengths) if kept_lengths else np.zeros(0, np.int64)
+    part.doc_sentences = np.asarray(doc_sentences, np.int64)
+    part.lengths = np.add.reduceat(part.sentences, np.concatenate([[0], np.cumsum(part.doc_sentences)[:-1]])
+                                   ) if kept else np.zeros(0, np.int64)
+    part.tokens = np.fromiter(itertools.chain.from_iterable(chunks), dtype, count=int(part.sentences.sum()))
+    part.text_bytes = sum(len(text) if text.isascii() else len(text.encode("utf-8")) for text in kept)
 
 
 def encode_task(items: list[Item]) -> list[Part]:
@@ -257,9 +341,11 @@ def prepare(inputs: list[str], tokenizer: str, output: str, workers: int = 1, ap
             json_key: str = "text", on_error: str = "skip", split_paragraphs: bool = False,
             progress: bool = True, chunk_bytes: int | None = None, piece_bytes: int = PIECE_BYTES,
             log: Callable[[str], None] = print, what: str = "--input", allow_binary: bool = False,
-            allow_flag: str = "--allow-binary") -> PrepareStats:
+            allow_flag: str = "--allow-binary", split_sentences: bool = False) -> PrepareStats:
     """Tokenize `inputs` into OUTPUT.bin/.idx (+ OUTPUT.json sidecar); returns the statistics. An input
-    that looks binary is refused unless `allow_binary` (`allow_flag` is how the user says so)."""
+    that looks binary is refused unless `allow_binary` (`allow_flag` is how the user says so). With
+    `split_sentences`, one sequence per sentence, grouped into documents by the `.idx` document index
+    (the end-of-document token, if appended, ends a document's last sentence)."""
     if on_error not in ("skip", "fatal"):
         raise DataError(f"--on-error {on_error!r} is not skip or fatal")
     most = max(8, 4 * (os.cpu_count() or 1))
@@ -272,7 +358,7 @@ def prepare(inputs: list[str], tokenizer: str, output: str, workers: int = 1, ap
     prefix = strip_suffix(str(output))
     if prefix.endswith(os.sep) or Path(prefix).is_dir():
         raise DataError(f"--output {output!r} is a directory; give a prefix inside it, e.g. {Path(prefix) / 'corpus'}")
-    stats = PrepareStats(files=len(files))
+    stats = PrepareStats(files=len(files), split_sentences=split_sentences)
     total = None if any(file_format(f)[1] for f in files) else sum(f.stat().st_size for f in files)
     start = time.perf_counter()
     try:
@@ -290,7 +376,8 @@ def prepare(inputs: list[str], tokenizer: str, output: str, workers: int = 1, ap
         if workers > 1:  # hidden beside the output (same file system: the kernel copies without moving data)
             parts_dir = tempfile.mkdtemp(prefix=f".{Path(prefix).name}.parts.", dir=writer.bin_path.parent)
             stack.callback(shutil.rmtree, parts_dir, ignore_errors=True)
-        init = (tokenizer, json_key, writer.dtype.str, tok.eod_id if append_eod else None, piece_bytes)
+        init = (tokenizer, json_key, writer.dtype.str, tok.eod_id if append_eod else None, piece_bytes,
+                split_sentences)
         pool = start_pool(workers, init, parts_dir, stack)  # before tqdm starts a thread
         bar = stack.enter_context(tqdm(total=total, unit="B", unit_scale=True, desc="prepare", dynamic_ncols=True,
                                        disable=None if progress else True))
@@ -303,13 +390,14 @@ def prepare(inputs: list[str], tokenizer: str, output: str, workers: int = 1, ap
             bar.update(size)
             bar.set_postfix_str(f"{writer.n_tokens / max(time.perf_counter() - start, 1e-9):,.0f} tok/s",
                                 refresh=False)
-        stats.tokens, stats.seconds = writer.n_tokens, time.perf_counter() - start
+        stats.tokens, stats.sentences, stats.seconds = writer.n_tokens, writer.n_sequences, time.perf_counter() - start
         if stats.documents == 0:
             raise DataError(f"no documents in {len(files)} input file(s): {stats.empty_documents} empty, "
                             f"{stats.bad_lines} bad lines; nothing written to {prefix}")
         writer.finish({"tokenizer": tok.identity, "vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
                        "append_eod": append_eod, "text_bytes": stats.text_bytes, "json_key": json_key,
-                       "split_paragraphs": split_paragraphs, "inputs": [str(f) for f in files[:MAX_LISTED]],
+                       "split_paragraphs": split_paragraphs, "split_sentences": split_sentences,
+                       "inputs": [str(f) for f in files[:MAX_LISTED]],
                        "stats": {k: v for k, v in asdict(stats).items() if k != "errors"}})
     log(stats.summary(prefix))
     return stats
@@ -324,6 +412,7 @@ class _Output:
         self.lines: dict[str, int] = {}  # newlines seen so far per file
         self.doc_has_text = self.doc_bad_utf8 = False  # of the text document being written
         self.doc_text_bytes = 0
+        self.join_eod = False  # its end-of-document token joins its last sentence (split_sentences)
 
     def add(self, index: int, task: list[Item], parts: list[Part]) -> None:
         if self.parts_dir is None:
@@ -341,13 +430,15 @@ class _Output:
             self.lines[item.source] = first_line + part.lines
             for line, error in part.errors:
                 self._bad_line(f"{item.source}:{first_line + line}: {error}")
+            carry = writer.open_tokens  # a sentence left open by the previous piece of a text document
             if fd is None:
                 writer.add_tokens(part.tokens)
             else:
                 writer.copy_tokens(fd, offset, part.n_tokens)
                 offset += part.n_tokens * writer.dtype.itemsize
             if part.lengths is not None:  # whole documents
-                writer.end_documents(part.lengths)
+                writer.end_documents(*((part.lengths,) if part.sentences is None
+                                       else (part.sentences, part.doc_sentences)))
                 stats.documents += len(part.lengths)
                 stats.empty_documents += part.empty
                 stats.text_bytes += part.text_bytes
@@ -356,19 +447,24 @@ class _Output:
             self.doc_has_text |= part.has_text  # a piece of a text document
             self.doc_bad_utf8 |= bool(part.bad_utf8)
             self.doc_text_bytes += part.text_bytes
+            if part.sentences is not None:
+                lengths = part.sentences.copy()
+                if lengths.size:
+                    lengths[0] += carry
+                writer.end_sequences(lengths[lengths > 0])
+                self.join_eod = part.eod_only and writer.open_tokens == 1  # no open sentence to end
             if item.last:
                 self._end_text_document()
 
     def _end_text_document(self) -> None:
-        if self.doc_has_text:
-            self.writer.end_document()
+        if self.doc_has_text and self.writer.end_document(join=self.join_eod):
             self.stats.documents += 1
             self.stats.text_bytes += self.doc_text_bytes
             self.stats.invalid_utf8_documents += self.doc_bad_utf8
         else:
             self.writer.discard_document()
             self.stats.empty_documents += 1
-        self.doc_has_text = self.doc_bad_utf8 = False
+        self.doc_has_text = self.doc_bad_utf8 = self.join_eod = False
         self.doc_text_bytes = 0
 
     def _bad_line(self, message: str) -> None:
@@ -390,7 +486,7 @@ def main(args) -> int:
     try:
         prepare(args.input, args.tokenizer, args.output, workers=args.workers, append_eod=args.append_eod,
                 json_key=args.json_key, on_error=args.on_error, split_paragraphs=args.split_paragraphs,
-                progress=not args.no_progress, allow_binary=args.allow_binary)
+                progress=not args.no_progress, allow_binary=args.allow_binary, split_sentences=args.split_sentences)
     except KeyboardInterrupt:
         print("interrupted; nothing was written", file=sys.stderr)
         return 130

@@ -151,8 +151,15 @@ class HFTokenizer(_Base):
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(map(int, ids)), skip_special_tokens=False)
+
+    def id_to_token(self, i: int) -> str | None:
+        """The vocabulary entry of id `i` (e.g. `##ing` for a WordPiece continuation), None if unused."""
+        return self._tok.id_to_token(int(i))
 
     def normalized_words(self, text: str) -> list[str]:
         """The words the tokenizer sees: its normalizer, then its pre-tokenizer (e.g. BERT lower-cases,

