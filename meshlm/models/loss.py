@@ -73,24 +73,30 @@ class PartsLoss:
     part_names: tuple[str, ...] = ()
 
     def __init__(self):
-        self._sum: torch.Tensor | None = None
-        self._n = 0
+        self._records: list[tuple[torch.Tensor, int]] = []
 
     def record(self, *parts: torch.Tensor) -> None:
-        value = torch.stack([p.detach().to(torch.float32).reshape(()) for p in parts])
-        self._sum = value if self._sum is None else self._sum + value
-        self._n += 1
+        self._records.append((torch.stack([p.detach().to(torch.float32).reshape(()) for p in parts]), 1))
 
     def take(self) -> tuple[torch.Tensor | None, int]:
-        out = (self._sum, self._n)
-        self._sum, self._n = None, 0
-        return out
+        records, self._records = self._records, []
+        if not records:
+            return None, 0
+        return torch.stack([r for r, _ in records]).sum(0), sum(n for _, n in records)
 
     def put(self, taken: tuple[torch.Tensor | None, int]) -> None:
         total, n = taken
         if total is not None:
-            self._sum = total if self._sum is None else self._sum + total
-            self._n += n
+            self._records.append((total, n))
+
+    @property
+    def recorded(self) -> int:
+        """Records held (calls since the last `take`, plus what was `put` back)."""
+        return len(self._records)
+
+    def drop(self, start: int, count: int) -> None:
+        """Forget `count` records from position `start` (calls that were not real micro-batches)."""
+        del self._records[start:start + count]
 
 
 def chunk_rows(vocab_size: int, hidden_size: int, device: torch.device, dtype: torch.dtype = torch.float32) -> int:

@@ -256,9 +256,13 @@ class Pipeline:
         # Every stage's forward gets its micro-batch's inputs too when the family needs them (torch splits
         # keyword arguments into micro-batches and passes them to each stage of this rank).
         extra = {"inputs": x} if self.stage_inputs else {}
+        parts = self.loss_fn if self.has_last and hasattr(self.loss_fn, "recorded") else None
+        held = parts.recorded if parts is not None else 0
         with self._peers("training step"):
             self.schedule.step(*args, target=y if self.has_last else None,
                                losses=losses if self.has_last else None, **self._step_kwargs, **extra)
+            if parts is not None:  # newer torch calls the loss once more on placeholder tensors, first, at the
+                parts.drop(held, parts.recorded - held - self.n_microbatches)  # first step to infer shapes
             total = torch.zeros((), dtype=torch.promote_types(torch.get_default_dtype(), torch.float32),
                                 device=self.dims.device)
             for loss in losses:  # the accumulation loop's order: the same float sum
@@ -298,7 +302,7 @@ class Pipeline:
         (no schedule: evaluation is rare and needs no pipelining). Returned on every rank of the pipeline."""
         d, pp = self.dims, self.dims.pp
         dtype = next(p for m in self.modules for p in m.parameters()).dtype
-        shape = (x.shape[0], x.shape[1] // self.seq_shard, self.hidden_size)  # the stream between stages
+        shape = (x.shape[0], x.shape[-1] // self.seq_shard, self.hidden_size)  # the stream (ids: (B, T) or (B, k, T))
         loss = torch.zeros((), dtype=torch.promote_types(torch.get_default_dtype(), torch.float32), device=d.device)
         with self._peers("evaluation forward"):
             for k, s in enumerate(self.stage_ids):
