@@ -261,10 +261,14 @@ class BertDataset:
 
     def collate(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows (B, 4T+1) → inputs (B, 3, T) int64 (token ids, token types, attention mask) and targets
-        (B, T+1) int64 (masked-LM labels, −100 where not predicted, then the sentence-order label)."""
+        (B, T+1) int64 (masked-LM labels, −100 where not predicted, then the sentence-order label). The
+        attention mask is 2 (not 1) at the predicted tokens, so the model's MLM head runs on those alone
+        (`models/bert.py`)."""
         batch = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
         T = self.seq_len
-        return batch[:, :3 * T].reshape(-1, 3, T), batch[:, 3 * T:]
+        inputs, targets = batch[:, :3 * T].reshape(-1, 3, T).clone(), batch[:, 3 * T:]
+        inputs[:, 2] += targets[:, :T] != IGNORE_INDEX
+        return inputs, targets
 
 
 def _array_digest(array: np.ndarray) -> str:

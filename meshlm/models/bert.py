@@ -42,6 +42,8 @@ from meshlm.models.layers import MLP, Attention, make_norm
 from meshlm.models.loss import IGNORE_INDEX, PartsLoss, TokenOps
 from meshlm.models.spec import ModelSpec, PipelinePlan
 
+PREDICTED = 2  # attention-mask value of a real token the MLM head predicts (1: real, 0: padding)
+MASKED_FRACTION = 0.15  # tokens predicted by MLM pretraining (Megatron's default; the FLOPs count)
 POOLED_HEADS = ("pretrain", "classify", "encoder")  # heads with the pooler (encoder: kept for conversion)
 MLM_HEADS = ("pretrain", "mlm")
 
@@ -133,16 +135,22 @@ class BERT(nn.Module):
         """tanh(W x[CLS] + b) from the (gathered) last hidden states."""
         return torch.tanh(self.pooler(x[:, 0]))
 
-    def head(self, x: torch.Tensor):
+    def head(self, x: torch.Tensor, inputs: torch.Tensor | None = None):
+        """The head's output from the last hidden states. With `inputs` whose attention mask flags the
+        predicted tokens (value 2, as the pretraining data does), the MLM head runs on those tokens only:
+        its logits are (N, V) for the N flagged tokens in order, instead of (B, T, V) (a sixth of the
+        output layer's work at the 15% masking rate)."""
         kind = self.cfg.bert_head
+        whole = self.pool_gather(x)  # (B, T, h) on every tp rank (gathered under sequence parallelism)
         if kind == "encoder":
-            return self.pool_gather(x)
+            return whole
         mlm = None
-        if self.lm_head is not None:  # on the (sequence-split) stream; a vocab-parallel decoder gathers it
-            mlm = self.lm_head(self.mlm_norm(F.gelu(self.mlm_dense(x))))
+        if self.lm_head is not None:
+            picked = None if inputs is None else as_inputs(inputs)[:, 2] == PREDICTED
+            h = whole[picked] if picked is not None and bool(picked.any()) else whole
+            mlm = self.lm_head(self.mlm_norm(F.gelu(self.mlm_dense(h))))
         if kind == "mlm":
             return mlm
-        whole = self.pool_gather(x)  # (B, T, h) on every tp rank
         if kind == "pretrain":
             return mlm, self.sop_head(self.pooled(whole))
         if kind == "classify":
@@ -159,7 +167,7 @@ class BERT(nn.Module):
     def forward(self, inputs: torch.Tensor):
         """inputs (B, 3, T) (or (B, T) ids) → the head's output (see the module docstring)."""
         inputs = as_inputs(inputs)
-        return self.head(self.run_layers(self.embed(inputs), None, inputs))
+        return self.head(self.run_layers(self.embed(inputs), None, inputs), inputs)
 
 
 def padding_mask(inputs: torch.Tensor) -> torch.Tensor:
@@ -188,8 +196,13 @@ class PretrainLoss(PartsLoss):
 
     def __call__(self, output, targets: torch.Tensor) -> torch.Tensor:
         mlm_logits, sop_logits = output if self.sop else (output, None)
-        T = mlm_logits.shape[1]
-        labels = targets[:, :T]
+        if mlm_logits.dim() == 2:  # the head ran on the predicted tokens only (`BERT.head`): the data's
+            T = targets.shape[1] - 1  # (B, T + 1) targets, whose labels flag exactly those tokens
+            labels = targets[:, :T]
+            labels = labels[labels != IGNORE_INDEX]
+        else:
+            T = mlm_logits.shape[1]
+            labels = targets[:, :T]
         mlm = self.ops.ce(mlm_logits, labels)
         keep = labels != IGNORE_INDEX
         mlm_acc = (self.ops.correct(mlm_logits, labels) & keep).sum() / keep.sum().clamp_min(1)
@@ -243,9 +256,10 @@ def example_batch(cfg: ModelConfig, micro_batch: int, generator: torch.Generator
     ids = torch.randint(0, cfg.vocab_size, (micro_batch, T), generator=generator)
     types = (torch.arange(T) >= T // 2).long().expand(micro_batch, T)
     inputs = pack_inputs(ids, types)
-    picked = torch.rand(micro_batch, T, generator=generator) < 0.15
+    picked = torch.rand(micro_batch, T, generator=generator) < MASKED_FRACTION
     if cfg.bert_head in MLM_HEADS:
         labels = torch.where(picked, ids, torch.full_like(ids, IGNORE_INDEX))
+        inputs[:, 2] += picked  # flagged as the data pipeline does: the MLM head runs on them alone
         return inputs, torch.cat([labels, torch.randint(0, 2, (micro_batch, 1), generator=generator)], dim=1)
     if cfg.bert_head == "span":
         return inputs, torch.randint(0, T, (micro_batch, 2), generator=generator)
@@ -266,9 +280,9 @@ def init_rule(name: str, shape: tuple, cfg: ModelConfig) -> InitRule:
 
 
 def tp_plan(cfg: ModelConfig) -> dict:
-    """GPT's split for the layers and the word embedding; the MLM decoder over the vocabulary (its
-    transform per token on the stream), positions and token types per token under SP, the pooler and
-    task heads replicated on the gathered sequence."""
+    """GPT's split for the layers and the word embedding; positions and token types per token under SP;
+    the heads on the gathered sequence (`pool_gather`): the MLM transform, pooler and task heads
+    replicated, the MLM decoder over the vocabulary (its input already whole: no sequence gather)."""
     from meshlm.parallel.styles import (
         ColumnParallel,
         HeadParallelAttention,
@@ -292,10 +306,8 @@ def tp_plan(cfg: ModelConfig) -> dict:
         "layers.*.mlp.fc": ColumnParallel(),
         "layers.*.mlp.proj": RowParallel(),
         "layers.*.mlp.dropout": SequenceDropout(),
-        "mlm_dense": SequenceParallel(),
-        "mlm_norm": SequenceParallel(),
-        "lm_head": ColumnParallel(vocab_of="tok_emb"),
         "pool_gather": SequenceGathered(),
+        "lm_head": ColumnParallel(vocab_of="tok_emb", gather_sequence=False),
     }
 
 
@@ -341,16 +353,19 @@ def parameter_count(cfg: ModelConfig) -> int:
 
 
 def _flops(cfg: ModelConfig, batch: int, seq_len: int | None = None) -> float:
-    """Model FLOPs of a training step (forward + backward = 3× forward): GPT's count (layers, output
-    layer), plus the half of the s × s scores a causal count leaves out (an encoder attends both ways:
-    QKᵀ and ·V are 2·2·b·s²·h forward), plus the MLM transform (h × h per position)."""
+    """Model FLOPs of a training step (forward + backward = 3× forward): GPT's count of the layers, plus
+    the half of the s × s scores a causal count leaves out (an encoder attends both ways: QKᵀ and ·V are
+    2·2·b·s²·h forward), plus the MLM head (transform h × h and decoder h × V) on the predicted tokens
+    (`MASKED_FRACTION` of them: the head runs on those alone), where GPT counts its output layer on every
+    token."""
     from meshlm.plan.flops import model_flops
 
     s = seq_len or cfg.seq_len
-    h = cfg.head_dim * cfg.n_heads
+    h, d, V = cfg.head_dim * cfg.n_heads, cfg.hidden_size, cfg.vocab_size
+    gpt_output_layer = 6.0 * batch * s * d * V
     bidirectional = 6.0 * batch * s * s * cfg.n_layers * h
-    mlm = 6.0 * batch * s * cfg.hidden_size * cfg.hidden_size if cfg.bert_head in MLM_HEADS else 0.0
-    return model_flops(cfg, batch, seq_len) + bidirectional + mlm
+    mlm = 6.0 * batch * s * MASKED_FRACTION * (d * d + d * V) if cfg.bert_head in MLM_HEADS else 0.0
+    return model_flops(cfg, batch, seq_len) - gpt_output_layer + bidirectional + mlm
 
 
 def _recompute_flops(cfg: ModelConfig, batch: int, mode: str, seq_len: int | None = None, layers=None) -> float:

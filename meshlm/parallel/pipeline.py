@@ -97,7 +97,10 @@ class StageModule(nn.Module):
         x = self._run_layers(x, self.layer_ids, inputs=inputs) if self.spec.stage_inputs else \
             self._run_layers(x, self.layer_ids)
         if self.last:
-            return x if self.fused_head else self._head(x)  # (B, T, h), or logits (B, T, V) or (B, T, V/t)
+            if self.fused_head:
+                return x  # (B, T, h): the loss is the model's head_loss
+            # logits (B, T, V) or (B, T, V/t) (BERT's head also reads the inputs: its predicted tokens)
+            return self._head(x, inputs=inputs) if self.spec.stage_inputs else self._head(x)
         # Sent to the next stage, whose receive buffer torch shapes after this tensor and gloo/NCCL need
         # contiguous (the residual stream can inherit a permuted layout from SP's reduce-scatter).
         return x.contiguous()

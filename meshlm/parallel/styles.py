@@ -78,6 +78,7 @@ class ColumnParallel(Style):
 
     blocks: tuple[int, ...] | None = None
     vocab_of: str | None = None
+    gather_sequence: bool = True  # under SP, all-gather the sequence-split input (False: it is whole already)
 
     def apply(self, model, parent, attr, path, ctx):
         dense: nn.Linear = getattr(parent, attr)
@@ -90,7 +91,8 @@ class ColumnParallel(Style):
             ctx.vocab_parallel_output = True
         else:
             rows = block_rows(list(self.blocks or (dense.out_features,)), ctx.t)
-        new = ColumnParallelLinear.from_dense(dense, ctx.group, rows, ctx.sp, weight=weight, rank=ctx.rank)
+        new = ColumnParallelLinear.from_dense(dense, ctx.group, rows, ctx.sp and self.gather_sequence, weight=weight,
+                                              rank=ctx.rank)
         _swap(parent, attr, path, new, ctx)
 
 

@@ -262,7 +262,9 @@ def test_collate_and_the_batch_loader(built, rows):
     assert inputs.shape == (4, 3, T) and targets.shape == (4, T + 1)
     assert inputs.dtype == targets.dtype == torch.int64
     ids, types, attention, labels, sop = (torch.from_numpy(x) for x in parts(rows[:4]))
-    assert torch.equal(inputs[:, 0], ids) and torch.equal(inputs[:, 1], types) and torch.equal(inputs[:, 2], attention)
+    assert torch.equal(inputs[:, 0], ids) and torch.equal(inputs[:, 1], types)
+    # the attention mask, with the predicted tokens flagged 2 for the MLM head
+    assert torch.equal(inputs[:, 2], attention + (labels != -100)) and 2 in set(inputs[:, 2].unique().tolist())
     assert torch.equal(targets[:, :T], labels) and torch.equal(targets[:, T], sop)
     loader = BatchLoader(train, micro_batch_size=2, seed=0)
     for step in range(2):  # shuffled = True: read in order

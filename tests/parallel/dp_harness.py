@@ -92,7 +92,9 @@ class BertRows(list):
     def collate(self, rows: np.ndarray):
         batch = torch.from_numpy(np.asarray(rows, dtype=np.int64))
         T = self.T
-        return batch[:, :3 * T].reshape(-1, 3, T), torch.cat([batch[:, 3 * T:4 * T], batch[:, 4 * T:]], dim=1)
+        inputs, targets = batch[:, :3 * T].reshape(-1, 3, T).clone(), batch[:, 3 * T:]
+        inputs[:, 2] += targets[:, :T] != -100  # predicted tokens flagged, as the data pipeline does
+        return inputs, targets
 
 
 @dataclass
