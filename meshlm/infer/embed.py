@@ -156,9 +156,11 @@ def _embed(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
     _check_output(args.output)
-    from meshlm.cli import checkpoint_config, load_model_from_checkpoint
+    from meshlm.cli import checkpoint_config
     from meshlm.data.tokenizers import get_tokenizer
+    from meshlm.interop.convert import load_checkpoint_model
     from meshlm.interop.hf_files import max_seq_length
+    from meshlm.train.checkpoint import resolve_checkpoint
 
     cfg = checkpoint_config(args.checkpoint)
     m = cfg.model
@@ -176,7 +178,7 @@ def _embed(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, _, _ = load_model_from_checkpoint(args.checkpoint, device, cfg)
+    model = load_checkpoint_model(resolve_checkpoint(args.checkpoint, log=None), m, device)
     vectors = embed_ids(model, ids, tokenizer.special_ids["pad"], args.batch_size, m.pooling, m.normalize_embeddings)
     path = write_embeddings(vectors, args.output)
     print(f"wrote {len(texts)} embeddings of {vectors.shape[1]} dims ({m.pooling} pooling"

@@ -61,6 +61,23 @@ def convert_to_single(checkpoint: str | Path, out_dir: str | Path) -> Path:
     return out / WEIGHTS
 
 
+def load_checkpoint_model(source: Path, cfg, device: str = "cpu"):
+    """The plain model (eval mode) of the resolved checkpoint `source` with ModelConfig `cfg`, any layout.
+    Built on the meta device and given the loaded tensors, so no time goes into an initialisation the
+    checkpoint overwrites."""
+    import torch
+
+    from meshlm.models.registry import get_spec
+    from meshlm.train import checkpoint as ckpt
+
+    state = ckpt.load_model_state(source, device)  # any format: one process, a parallel run's pieces
+    with torch.device("meta"):
+        model = get_spec(cfg.family).model_class(cfg)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.init_buffers(torch.device(device))
+    return model.eval()
+
+
 # ---- writing a directory in one piece -----------------------------------------------------------------------
 def _check_new_dir(flag: str, path: str | Path) -> Path:
     check_output_dir(flag, str(path))
@@ -164,7 +181,6 @@ def export_hf(checkpoint: str | Path, hf_dir: str | Path, log: Callable[[str], N
     from meshlm.interop.hf import save_hf
     from meshlm.interop.hf_config import hf_config_dict
     from meshlm.interop.hf_files import carried_labels, max_seq_length, write_sentence_modules, write_tokenizer_files
-    from meshlm.models.registry import get_spec
     from meshlm.train import checkpoint as ckpt
 
     target = _check_new_dir("--to-hf", hf_dir)
@@ -172,8 +188,7 @@ def export_hf(checkpoint: str | Path, hf_dir: str | Path, log: Callable[[str], N
     config = config_from_dict(ckpt.load_config_dict(source))
     cfg = config.model
     hf_config_dict(cfg)  # refuses, naming the keys, what Hugging Face cannot hold, before loading weights
-    model = get_spec(cfg.family).model_class(cfg)
-    model.load_state_dict(ckpt.load_model_state(source))  # any format: one process, a parallel run's pieces
+    model = load_checkpoint_model(source, cfg)
     spec = config.data.tokenizer
 
     def write(tmp: Path) -> None:

@@ -188,10 +188,8 @@ def save_hf(model: nn.Module, directory: str | Path) -> Path:
         from meshlm.interop.hf_bert import to_hf_bert_state
 
         state = to_hf_bert_state(model)
-        if "cls.predictions.decoder.bias" in state:
-            del state["cls.predictions.decoder.bias"]
-            if model.cfg.tie_embeddings:
-                del state["cls.predictions.decoder.weight"]
+        if "cls.predictions.decoder.bias" in state and model.cfg.tie_embeddings:
+            del state["cls.predictions.decoder.bias"], state["cls.predictions.decoder.weight"]
     else:
         state = _to_hf_state(model, arch)
         if model.cfg.tie_embeddings:

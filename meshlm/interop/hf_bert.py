@@ -94,19 +94,23 @@ def _canonical(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             continue
         key = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", key))
         out[key] = value
-    bias = out.pop("cls.predictions.decoder.bias", None)  # HF ties it to cls.predictions.bias
-    if bias is not None:
-        if "cls.predictions.bias" in out and not torch.equal(out["cls.predictions.bias"], bias):
-            raise ConfigError("cls.predictions.decoder.bias differs from cls.predictions.bias; Hugging Face ties "
-                              "them, so the checkpoint is inconsistent")
-        out.setdefault("cls.predictions.bias", bias)
     return out
+
+
+def _decoder_bias(state: dict[str, torch.Tensor], tied: bool) -> None:
+    """Leave one MLM decoder bias, as `cls.predictions.bias`: the one Hugging Face computes with. Tied
+    (tie_word_embeddings), HF ties `decoder.bias` to `cls.predictions.bias` on load; untied (transformers
+    >= 5), `decoder.bias` is its own parameter and the one the decoder adds."""
+    decoder, head = state.pop("cls.predictions.decoder.bias", None), state.get("cls.predictions.bias")
+    if decoder is not None and (head is None or not tied):
+        state["cls.predictions.bias"] = decoder
 
 
 def to_hf_bert(model: BERT) -> tuple[Any, dict[str, torch.Tensor]]:
     """(transformers.BertConfig, state dict of the Bert* class of `model.cfg.bert_head`) equal to `model`.
     When tied, the decoder weight is the embedding tensor and the decoder bias the head's bias, as in HF's
-    own state dicts (`save_hf` drops both: safetensors keeps no shared tensors, HF ties them on load)."""
+    own state dicts (`save_hf` drops both: safetensors keeps no shared tensors, HF ties them on load);
+    untied, both biases are written, equal."""
     return hf_config_from_model_config(model.cfg, "bert"), to_hf_bert_state(model)
 
 
@@ -123,9 +127,10 @@ def to_hf_bert_state(model: BERT) -> dict[str, torch.Tensor]:
             full = key if key.startswith(_TOP_LEVEL) else prefix + key
             out[full] = part.contiguous().clone()
     if cfg.bert_head in MLM_HEADS:
+        bias = out["cls.predictions.bias"]
         if cfg.tie_embeddings:
             out["cls.predictions.decoder.weight"] = out[f"{prefix}embeddings.word_embeddings.weight"]
-        out["cls.predictions.decoder.bias"] = out["cls.predictions.bias"]
+        out["cls.predictions.decoder.bias"] = bias if cfg.tie_embeddings else bias.clone()
     return out
 
 
@@ -140,6 +145,7 @@ def from_hf_bert(hf_config: Any, state_dict: dict[str, torch.Tensor],
 def bert_from_state(cfg: ModelConfig, state_dict: dict[str, torch.Tensor],
                     log: Callable[[str], None] | None = None) -> BERT:
     state = _canonical(state_dict)
+    _decoder_bias(state, cfg.tie_embeddings)
     table = bert_table(cfg)
     embedding = state.get("embeddings.word_embeddings.weight")
     if cfg.bert_head in MLM_HEADS and cfg.tie_embeddings:
