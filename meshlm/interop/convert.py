@@ -103,17 +103,17 @@ def _publish(target: Path, write: Callable[[Path], None]) -> None:
 
 
 # ---- Hugging Face → meshlm --------------------------------------------------------------------------------
-def _pick_tokenizer(cfg, carried: Path, final: Path, tokenizer: str | None, log) -> tuple[str, str]:
-    """(data.tokenizer for the config, the spec to check it with now): --tokenizer, else the carried
-    files, else the family's bundled tokenizer."""
+def _pick_tokenizer(cfg, carried: Path, final: Path, tokenizer: str | None) -> tuple[str, str, str | None]:
+    """(data.tokenizer for the config, the spec to check it with now, a note for the user): --tokenizer,
+    else the carried files, else the family's bundled tokenizer."""
     if tokenizer is not None:
-        return tokenizer, tokenizer
+        return tokenizer, tokenizer, None
     if (carried / "tokenizer.json").exists() or (carried / "tokenizer.model").exists():
-        return str(final), str(carried)
+        return str(final), str(carried), None
     bundled = "bert" if cfg.family == "bert" else "gpt2"
-    log(f"note: no tokenizer files (tokenizer.json, tokenizer.model, vocab.txt, vocab.json + merges.txt) in the "
-        f"directory; data.tokenizer={bundled!r}, meshlm's bundled one (--tokenizer chooses another)")
-    return bundled, bundled
+    return bundled, bundled, (f"note: no tokenizer files (tokenizer.json, tokenizer.model, vocab.txt, vocab.json + "
+                              f"merges.txt) in the directory; data.tokenizer={bundled!r}, meshlm's bundled one "
+                              "(--tokenizer chooses another)")
 
 
 def _check_tokenizer(cfg, spec: str, shown: str):
@@ -146,7 +146,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, tokenizer: str | None = N
 
     source = Path(hf_dir).expanduser()
     target = _check_new_dir("--out", out_dir)
-    model = load_hf(source, log)  # every check of the config and the weights, before anything is written
+    notes: list[str] = []  # told once the run is written (an error is the one line the user sees)
+    model = load_hf(source, notes.append)  # every check of the config and the weights, before anything is written
     cfg = model.cfg
     modules = read_sentence_modules(source) if cfg.family == "bert" else None
     if modules is not None:
@@ -158,8 +159,10 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, tokenizer: str | None = N
 
     def write(tmp: Path) -> None:
         carry_files(source, tmp / CARRIED, modules)
-        spec, check = _pick_tokenizer(cfg, tmp / CARRIED, target / CARRIED, tokenizer, log)
+        spec, check, note = _pick_tokenizer(cfg, tmp / CARRIED, target / CARRIED, tokenizer)
         tok = _check_tokenizer(cfg, check, spec)
+        if note:
+            notes.append(note)
         config = Config(model=cfg, data=DataConfig(tokenizer=spec), train=TrainConfig(out_dir=str(target)))
         config.validate()
         seed_everything(config.train.seed)
@@ -170,6 +173,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, tokenizer: str | None = N
         written.append(target / path.relative_to(tmp))
 
     _publish(target, write)
+    for note in notes:
+        log(note)
     return written[0]
 
 
