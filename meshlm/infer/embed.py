@@ -159,15 +159,17 @@ def _embed(args: argparse.Namespace, overrides: list[str]) -> int:
     from meshlm.cli import checkpoint_config
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.interop.convert import load_checkpoint_model
-    from meshlm.interop.hf_files import max_seq_length
+    from meshlm.interop.hf_files import checkpoint_files, max_seq_length
     from meshlm.train.checkpoint import resolve_checkpoint
 
-    cfg = checkpoint_config(args.checkpoint)
+    source = resolve_checkpoint(args.checkpoint)
+    cfg = checkpoint_config(str(source))
     m = cfg.model
     if m.family != "bert":
         raise ConfigError(f"meshlm embed needs a BERT checkpoint (model.family='bert'); {args.checkpoint} is "
                           f"model.family={m.family!r}")
-    max_length = args.max_length or min(max_seq_length(cfg.data.tokenizer) or m.seq_len, m.seq_len)
+    carried = max_seq_length(checkpoint_files(source, cfg.data.tokenizer))
+    max_length = args.max_length or min(carried or m.seq_len, m.seq_len)
     if not 3 <= max_length <= m.seq_len:
         raise ConfigError(f"--max-length {max_length} must be in 3..{m.seq_len} (model.seq_len: [CLS], at least one "
                           "token, [SEP])")
@@ -178,7 +180,7 @@ def _embed(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_checkpoint_model(resolve_checkpoint(args.checkpoint, log=None), m, device)
+    model = load_checkpoint_model(source, m, device)
     vectors = embed_ids(model, ids, tokenizer.special_ids["pad"], args.batch_size, m.pooling, m.normalize_embeddings)
     path = write_embeddings(vectors, args.output)
     print(f"wrote {len(texts)} embeddings of {vectors.shape[1]} dims ({m.pooling} pooling"

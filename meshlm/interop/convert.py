@@ -185,7 +185,13 @@ def export_hf(checkpoint: str | Path, hf_dir: str | Path, log: Callable[[str], N
     from meshlm.config import config_from_dict
     from meshlm.interop.hf import save_hf
     from meshlm.interop.hf_config import hf_config_dict
-    from meshlm.interop.hf_files import carried_labels, max_seq_length, write_sentence_modules, write_tokenizer_files
+    from meshlm.interop.hf_files import (
+        carried_labels,
+        checkpoint_files,
+        max_seq_length,
+        write_sentence_modules,
+        write_tokenizer_files,
+    )
     from meshlm.train import checkpoint as ckpt
 
     target = _check_new_dir("--to-hf", hf_dir)
@@ -194,17 +200,17 @@ def export_hf(checkpoint: str | Path, hf_dir: str | Path, log: Callable[[str], N
     cfg = config.model
     hf_config_dict(cfg)  # refuses, naming the keys, what Hugging Face cannot hold, before loading weights
     model = load_checkpoint_model(source, cfg)
-    spec = config.data.tokenizer
+    spec, carried = config.data.tokenizer, checkpoint_files(source, config.data.tokenizer)
 
     def write(tmp: Path) -> None:
         save_hf(model, tmp)
-        labels = carried_labels(spec, cfg.num_labels) if cfg.bert_head in ("classify", "tokens") else None
+        labels = carried_labels(carried, cfg.num_labels) if cfg.bert_head in ("classify", "tokens") else None
         if cfg.family == "bert" and labels is not None:
             hf_config = json.loads((tmp / "config.json").read_text())
             (tmp / "config.json").write_text(json.dumps({**hf_config, **labels}, indent=2, sort_keys=True) + "\n")
         write_tokenizer_files(spec, tmp, cfg.seq_len, log)
         if cfg.family == "bert" and cfg.bert_head == "encoder":
-            write_sentence_modules(cfg, tmp, max_seq_length(spec))
+            write_sentence_modules(cfg, tmp, max_seq_length(carried))
 
     _publish(target, write)
     return target

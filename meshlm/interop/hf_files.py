@@ -106,12 +106,28 @@ def _tokenizer_lowercases(directory: Path) -> bool:
                for p in parts)
 
 
-def max_seq_length(tokenizer_spec: str) -> int | None:
-    """sentence-transformers' max_seq_length carried beside a checkpoint's tokenizer (its hf/ folder)."""
+def carried_folder(tokenizer_spec: str) -> Path | None:
+    """The folder of a checkpoint's tokenizer files (its hf/ folder after an import), or None for the
+    bundled tokenizers and a path that is gone."""
+    if tokenizer_spec in ("gpt2", "bert"):
+        return None
     path = Path(tokenizer_spec).expanduser()
-    folder = path if path.is_dir() else path.parent
-    config = folder / "sentence_bert_config.json"
-    if not config.exists():
+    return path if path.is_dir() else path.parent if path.is_file() else None
+
+
+def checkpoint_files(checkpoint: Path, tokenizer_spec: str) -> Path | None:
+    """The folder of the files carried with a resolved checkpoint: its run's hf/ folder (`meshlm convert
+    --from-hf`), else the folder of its tokenizer files, else None."""
+    checkpoint = Path(checkpoint)
+    if checkpoint.parent.name == "checkpoints" and (checkpoint.parent.parent / CARRIED).is_dir():
+        return checkpoint.parent.parent / CARRIED
+    return carried_folder(tokenizer_spec)
+
+
+def max_seq_length(folder: Path | None) -> int | None:
+    """sentence-transformers' max_seq_length in the carried files' `folder` (`checkpoint_files`)."""
+    config = folder / "sentence_bert_config.json" if folder is not None else None
+    if config is None or not config.exists():
         return None
     value = _read_json(config).get("max_seq_length")
     return int(value) if value else None
@@ -284,12 +300,11 @@ def write_gpt2_tokenizer(target: Path, seq_len: int) -> list[str]:
     return ["vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json"]
 
 
-def carried_labels(spec: str, num_labels: int) -> dict[str, Any] | None:
-    """id2label / label2id of the imported config.json carried beside the tokenizer, when its classes
-    are as many as the model's (so a round trip keeps the label names)."""
-    path = Path(spec).expanduser()
-    config = (path if path.is_dir() else path.parent) / "config.json"
-    if not config.is_file():
+def carried_labels(folder: Path | None, num_labels: int) -> dict[str, Any] | None:
+    """id2label / label2id of the imported config.json in the carried files' `folder` (`checkpoint_files`),
+    when its classes are as many as the model's (so a round trip keeps the label names)."""
+    config = folder / "config.json" if folder is not None else None
+    if config is None or not config.is_file():
         return None
     try:
         d = json.loads(config.read_text())

@@ -208,3 +208,17 @@ def test_embed_errors_as_a_user_sees_them(tmp_path, gpt_run):
                    str(tmp_path / "v.jsonl"), timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: "), proc.stderr
     _nothing_written(tmp_path, "t.txt")
+
+
+def test_files_in_the_working_directory_are_not_taken_for_carried_ones(tmp_path, monkeypatch):
+    """A checkpoint on the bundled `bert` tokenizer, outside a run's checkpoints/, reads no
+    sentence_bert_config.json / config.json from wherever the command runs."""
+    from meshlm.interop.hf_files import carried_labels, checkpoint_files, max_seq_length
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 7}))
+    (tmp_path / "config.json").write_text(json.dumps({"id2label": {"0": "a", "1": "b"}}))
+    assert checkpoint_files(tmp_path / "step", "bert") is None
+    assert max_seq_length(None) is None and carried_labels(None, 2) is None
+    assert checkpoint_files(tmp_path / "step", str(tmp_path / "config.json")) == tmp_path
+    assert max_seq_length(tmp_path) == 7 and carried_labels(tmp_path, 2)["id2label"] == {"0": "a", "1": "b"}

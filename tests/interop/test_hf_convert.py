@@ -113,6 +113,8 @@ def _bert(cls: str, **overrides):
                                   attention_probs_dropout_prob=0.0, layer_norm_eps=1e-12,
                                   num_labels={"BertForSequenceClassification": 3,
                                               "BertForTokenClassification": 5}.get(cls, 2), **overrides)
+    if cls == "BertForSequenceClassification":  # named classes: the export keeps the names
+        cfg.id2label, cfg.label2id = {0: "neg", 1: "neutral", 2: "pos"}, {"neg": 0, "neutral": 1, "pos": 2}
     return perturbed(getattr(transformers, cls)(cfg))
 
 
@@ -166,7 +168,7 @@ def test_bert_converts_both_ways(cls, tmp_path):
         assert_same_state(back.state_dict(), hf.state_dict())
         assert all(torch.equal(x, y) for x, y in zip(_hf_outputs(back, batch), want))
         auto = transformers.AutoConfig.from_pretrained(str(out))
-        assert auto.architectures == [cls] and auto.num_labels == hf.config.num_labels
+        assert auto.architectures == [cls] and auto.id2label == hf.config.id2label
 
 
 def test_untied_mlm_head_converts_both_ways(tmp_path):
