@@ -1,4 +1,4 @@
-"""meshlm command line: `meshlm train | generate | plot | prepare | tokenizer train | bench memory | convert`.
+"""meshlm command line: `meshlm train | generate | embed | plot | prepare | tokenizer train | bench memory | convert`.
 
 User errors (bad config or argument, missing or corrupt checkpoint or asset, bad data, a full disk, a
 run too large for this machine, a run whose losses stay non-finite) print one line starting with
@@ -16,6 +16,7 @@ from typing import NoReturn
 
 from meshlm.config import DEFAULT_CONFIG, ConfigError, bundled_configs
 from meshlm.data.commands import add_data_commands
+from meshlm.infer.embed import add_embed_command
 from meshlm.interop.convert import add_convert_command
 from meshlm.plan.commands import add_bench_commands
 
@@ -167,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     plot.set_defaults(func=_plot)
     add_data_commands(sub)  # meshlm prepare, meshlm tokenizer train
     add_bench_commands(sub)  # meshlm bench memory
-    add_convert_command(sub)  # meshlm convert --to-single
+    add_convert_command(sub)  # meshlm convert --to-single | --to-hf | --from-hf
+    add_embed_command(sub)  # meshlm embed
     return parser
 
 

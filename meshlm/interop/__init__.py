@@ -1,4 +1,4 @@
-"""Conversions between meshlm models and other frameworks' checkpoints (Hugging Face GPT-2 and Llama).
+"""Conversions between meshlm models and other frameworks' checkpoints (Hugging Face GPT-2, Llama, BERT).
 
 The names below are loaded on first use (PEP 562), so importing `meshlm.interop.convert` for the CLI's
 argument parser does not import torch: `meshlm prepare` and `meshlm tokenizer` start without it.
@@ -10,13 +10,15 @@ import importlib
 
 _HOME = {
     "from_hf_gpt2": "hf", "from_hf_llama": "hf", "load_hf": "hf", "save_hf": "hf", "to_hf_gpt2": "hf",
-    "to_hf_llama": "hf", "check_representable": "hf_config", "hf_architecture": "hf_config",
-    "hf_config_dict": "hf_config", "hf_config_from_model_config": "hf_config", "model_config_from_hf": "hf_config",
+    "to_hf_llama": "hf", "read_hf_weights": "hf", "from_hf_bert": "hf_bert", "to_hf_bert": "hf_bert",
+    "check_representable": "hf_config", "hf_architecture": "hf_config", "hf_config_dict": "hf_config",
+    "hf_config_from_model_config": "hf_config", "model_config_from_hf": "hf_config",
+    "export_hf": "convert", "import_hf": "convert",
 }
 
-__all__ = ["check_representable", "from_hf_gpt2", "from_hf_llama", "hf_architecture", "hf_config_dict",
-           "hf_config_from_model_config", "load_hf", "model_config_from_hf", "save_hf", "to_hf_gpt2",
-           "to_hf_llama"]
+__all__ = ["check_representable", "export_hf", "from_hf_bert", "from_hf_gpt2", "from_hf_llama", "hf_architecture",
+           "hf_config_dict", "hf_config_from_model_config", "import_hf", "load_hf", "model_config_from_hf",
+           "read_hf_weights", "save_hf", "to_hf_bert", "to_hf_gpt2", "to_hf_llama"]
 
 
 def __dir__() -> list[str]:

@@ -1,22 +1,46 @@
-"""`meshlm convert --checkpoint RUN --to-single OUT_DIR`: any checkpoint → one plain safetensors file.
+"""`meshlm convert`: a checkpoint to one plain file, to a Hugging Face directory, or from one.
 
-A checkpoint of any layout (the single-process `model.pt`, or the per-rank pieces of a parallel run) is
-assembled in one process, without torch.distributed, into the plain `GPT` state dict (fused `attn.qkv` and
-`mlp.fc`, the vocabulary unpadded), and written as `OUT_DIR/model.safetensors` with the run's
-`OUT_DIR/config.json`. Load it with `safetensors.torch.load_file` and `GPT.load_state_dict` (or
-`checkpoint.load_model_state(OUT_DIR)`); `meshlm generate --checkpoint OUT_DIR` reads it too. A tied LM head is stored as its own
-copy of the embedding (safetensors keeps no shared tensors).
+    meshlm convert --checkpoint RUN --to-single OUT_DIR     any layout → OUT_DIR/model.safetensors + config.json
+    meshlm convert --checkpoint RUN --to-hf HF_DIR           any layout → a directory `from_pretrained` loads
+    meshlm convert --from-hf HF_DIR --out RUN                GPT-2, Llama or BERT directory → a meshlm run
+
+`--to-single`: a checkpoint of any layout (the single-process `model.pt`, or the per-rank pieces of a
+parallel run) is assembled in one process, without torch.distributed, into the plain state dict (fused
+`attn.qkv` and `mlp.fc`, the vocabulary unpadded), and written as `OUT_DIR/model.safetensors` with the
+run's `OUT_DIR/config.json`. Load it with `safetensors.torch.load_file` and `load_state_dict` (or
+`checkpoint.load_model_state(OUT_DIR)`); `meshlm generate --checkpoint OUT_DIR` reads it too. A tied LM
+head is stored as its own copy of the embedding (safetensors keeps no shared tensors).
+
+`--to-hf`: the same assembled model as config.json + model.safetensors of GPT2LMHeadModel, LlamaForCausalLM
+or the Bert* class of the head, with the tokenizer files (`hf_files.py`).
+
+`--from-hf`: a run directory holding one checkpoint (step 0) that `meshlm generate --checkpoint`,
+`meshlm embed --checkpoint` and `train.resume` take: the weights, a fresh optimizer, the config (the
+model's, meshlm's defaults for the rest, `data.tokenizer` on the tokenizer files carried into RUN/hf).
+
+Both directions write into a temporary directory beside the target and rename it into place, so a
+failure leaves nothing half-written; the target must be new or empty.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from meshlm.config import ConfigError, check_output_dir
 
 WEIGHTS = "model.safetensors"
+
+
+def _note(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def convert_to_single(checkpoint: str | Path, out_dir: str | Path) -> Path:
@@ -37,9 +61,181 @@ def convert_to_single(checkpoint: str | Path, out_dir: str | Path) -> Path:
     return out / WEIGHTS
 
 
+def load_checkpoint_model(source: Path, cfg, device: str = "cpu"):
+    """The plain model (eval mode) of the resolved checkpoint `source` with ModelConfig `cfg`, any layout.
+    Built on the meta device and given the loaded tensors, so no time goes into an initialisation the
+    checkpoint overwrites."""
+    import torch
+
+    from meshlm.models.registry import get_spec
+    from meshlm.train import checkpoint as ckpt
+
+    state = ckpt.load_model_state(source, device)  # any format: one process, a parallel run's pieces
+    with torch.device("meta"):
+        model = get_spec(cfg.family).model_class(cfg)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.init_buffers(torch.device(device))
+    return model.eval()
+
+
+# ---- writing a directory in one piece -----------------------------------------------------------------------
+def _check_new_dir(flag: str, path: str | Path) -> Path:
+    check_output_dir(flag, str(path))
+    target = Path(path).expanduser().absolute()
+    if target.exists() and any(target.iterdir()):
+        raise ConfigError(f"{flag} {str(path)!r} is not empty; choose a new directory (nothing is overwritten)")
+    return target
+
+
+def _publish(target: Path, write: Callable[[Path], None]) -> None:
+    """Run `write(tmp)` on a temporary directory beside `target`, then rename it to `target`; on any error
+    the temporary directory is removed and `target` left as it was."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+    try:
+        write(tmp)
+        if target.exists():
+            target.rmdir()  # checked empty
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ---- Hugging Face → meshlm --------------------------------------------------------------------------------
+def _pick_tokenizer(cfg, carried: Path, final: Path, tokenizer: str | None) -> tuple[str, str, str | None]:
+    """(data.tokenizer for the config, the spec to check it with now, a note for the user): --tokenizer,
+    else the carried files, else the family's bundled tokenizer."""
+    if tokenizer is not None:
+        return tokenizer, tokenizer, None
+    if (carried / "tokenizer.json").exists() or (carried / "tokenizer.model").exists():
+        return str(final), str(carried), None
+    bundled = "bert" if cfg.family == "bert" else "gpt2"
+    return bundled, bundled, (f"note: no tokenizer files (tokenizer.json, tokenizer.model, vocab.txt, vocab.json + "
+                              f"merges.txt) in the directory; data.tokenizer={bundled!r}, meshlm's bundled one "
+                              "(--tokenizer chooses another)")
+
+
+def _check_tokenizer(cfg, spec: str, shown: str):
+    from meshlm.data.tokenizers import get_tokenizer
+
+    tok = get_tokenizer(spec)
+    if tok.vocab_size > cfg.vocab_size:
+        raise ConfigError(f"tokenizer {shown!r} has {tok.vocab_size} tokens, more than the model's vocab_size="
+                          f"{cfg.vocab_size}; pass --tokenizer with the model's own tokenizer")
+    if cfg.family == "bert":
+        need = ["cls", "sep", "pad"] + (["mask"] if cfg.bert_head in ("pretrain", "mlm") else [])
+        absent = [n for n in need if n not in tok.special_ids]
+        if absent:
+            raise ConfigError(f"tokenizer {shown!r} has no {', '.join(f'[{n.upper()}]' for n in absent)} token, "
+                              "which a BERT needs; pass --tokenizer with the model's own tokenizer")
+    return tok
+
+
+def import_hf(hf_dir: str | Path, out_dir: str | Path, tokenizer: str | None = None,
+              log: Callable[[str], None] = _note) -> Path:
+    """Convert the Hugging Face directory `hf_dir` into the meshlm run directory `out_dir` (new or empty):
+    checkpoints/step_0000000 with the model, a fresh optimizer and the config; the tokenizer and
+    sentence-transformers files in out_dir/hf. Returns the checkpoint directory."""
+    from meshlm.config import Config, DataConfig, TrainConfig
+    from meshlm.interop.hf import load_hf
+    from meshlm.interop.hf_files import CARRIED, carry_files, read_sentence_modules
+    from meshlm.train import checkpoint as ckpt
+    from meshlm.train.optim import build_optimizer
+    from meshlm.train.trainer import rng_state, seed_everything
+
+    source = Path(hf_dir).expanduser()
+    target = _check_new_dir("--out", out_dir)
+    notes: list[str] = []  # told once the run is written (an error is the one line the user sees)
+    model = load_hf(source, notes.append)  # every check of the config and the weights, before anything is written
+    cfg = model.cfg
+    modules = read_sentence_modules(source) if cfg.family == "bert" else None
+    if modules is not None:
+        cfg = replace(cfg, pooling=modules.pooling, normalize_embeddings=modules.normalize)
+        if modules.max_seq_length and modules.max_seq_length > cfg.seq_len:
+            raise ConfigError(f"sentence_bert_config.json: max_seq_length={modules.max_seq_length} exceeds the "
+                              f"model's max_position_embeddings={cfg.seq_len}")
+    written: list[Path] = []
+
+    def write(tmp: Path) -> None:
+        carry_files(source, tmp / CARRIED, modules)
+        spec, check, note = _pick_tokenizer(cfg, tmp / CARRIED, target / CARRIED, tokenizer)
+        tok = _check_tokenizer(cfg, check, spec)
+        if note:
+            notes.append(note)
+        config = Config(model=cfg, data=DataConfig(tokenizer=spec), train=TrainConfig(out_dir=str(target)))
+        config.validate()
+        seed_everything(config.train.seed)
+        parts = {"model": model.state_dict(), "optim": build_optimizer(model, config.optim).state_dict(),
+                 "state": {"step": 0, "tokens_seen": 0, "rng": rng_state(), "loader": {"consumed": 0},
+                           "scaler": {}, "tokenizer": tok.name, "skipped_steps": 0}}
+        path = ckpt.save_checkpoint(tmp, 0, parts, config.to_dict())
+        written.append(target / path.relative_to(tmp))
+
+    _publish(target, write)
+    for note in notes:
+        log(note)
+    return written[0]
+
+
+# ---- meshlm → Hugging Face --------------------------------------------------------------------------------
+def export_hf(checkpoint: str | Path, hf_dir: str | Path, log: Callable[[str], None] = _note) -> Path:
+    """Write the model of `checkpoint` (any layout) as a Hugging Face directory `hf_dir` (new or empty):
+    config.json, model.safetensors, the tokenizer files and, for a BERT encoder, sentence-transformers'."""
+    from meshlm.config import config_from_dict
+    from meshlm.interop.hf import save_hf
+    from meshlm.interop.hf_config import hf_config_dict
+    from meshlm.interop.hf_files import (
+        carried_labels,
+        checkpoint_files,
+        max_seq_length,
+        write_sentence_modules,
+        write_tokenizer_files,
+    )
+    from meshlm.train import checkpoint as ckpt
+
+    target = _check_new_dir("--to-hf", hf_dir)
+    source = ckpt.resolve_checkpoint(checkpoint)
+    config = config_from_dict(ckpt.load_config_dict(source))
+    cfg = config.model
+    hf_config_dict(cfg)  # refuses, naming the keys, what Hugging Face cannot hold, before loading weights
+    model = load_checkpoint_model(source, cfg)
+    spec, carried = config.data.tokenizer, checkpoint_files(source, config.data.tokenizer)
+
+    def write(tmp: Path) -> None:
+        save_hf(model, tmp)
+        labels = carried_labels(carried, cfg.num_labels) if cfg.bert_head in ("classify", "tokens") else None
+        if cfg.family == "bert" and labels is not None:
+            hf_config = json.loads((tmp / "config.json").read_text())
+            (tmp / "config.json").write_text(json.dumps({**hf_config, **labels}, indent=2, sort_keys=True) + "\n")
+        write_tokenizer_files(spec, tmp, cfg.seq_len, log)
+        if cfg.family == "bert" and cfg.bert_head == "encoder":
+            write_sentence_modules(cfg, tmp, max_seq_length(carried))
+
+    _publish(target, write)
+    return target
+
+
+# ---- the command ------------------------------------------------------------------------------------------
 def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides:
         raise ConfigError(f"convert takes no config overrides (got {overrides[0]!r}); see meshlm convert -h")
+    modes = {"--to-single": args.to_single, "--to-hf": args.to_hf, "--from-hf": args.from_hf}
+    given = [flag for flag, value in modes.items() if value is not None]
+    if len(given) != 1:
+        raise ConfigError(f"meshlm convert takes one of --to-single, --to-hf, --from-hf (got "
+                          f"{', '.join(given) or 'none'}); see meshlm convert -h")
+    if args.from_hf is not None:
+        if args.out is None or args.checkpoint is not None:
+            raise ConfigError("--from-hf HF_DIR takes --out RUN_DIR (the new run directory), not --checkpoint")
+        path = import_hf(args.from_hf, args.out, args.tokenizer)
+        print(f"wrote {path}")
+        return 0
+    if args.checkpoint is None or args.out is not None or args.tokenizer is not None:
+        raise ConfigError(f"{given[0]} takes --checkpoint RUN (not --out or --tokenizer); see meshlm convert -h")
+    if args.to_hf is not None:
+        print(f"wrote {export_hf(args.checkpoint, args.to_hf)}")
+        return 0
     check_output_dir("--to-single", args.to_single)
     path = convert_to_single(args.checkpoint, args.to_single)
     print(f"wrote {path} and {path.parent / 'config.json'}")
@@ -48,8 +244,16 @@ def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def add_convert_command(sub) -> None:
     """Register `meshlm convert` on the CLI's subparsers."""
-    p = sub.add_parser("convert", help="write a checkpoint of any parallel layout as one plain safetensors file")
-    p.add_argument("--checkpoint", required=True, help="run directory (its latest checkpoint) or a step directory")
-    p.add_argument("--to-single", required=True, metavar="OUT_DIR",
-                   help=f"directory for {WEIGHTS} (the plain GPT state dict) and config.json")
+    p = sub.add_parser("convert", help="a checkpoint to one safetensors file or a Hugging Face directory, or "
+                                       "a Hugging Face directory to a checkpoint")
+    p.add_argument("--checkpoint", help="run directory (its latest checkpoint) or a step directory")
+    p.add_argument("--to-single", metavar="OUT_DIR",
+                   help=f"directory for {WEIGHTS} (the plain state dict) and config.json")
+    p.add_argument("--to-hf", metavar="HF_DIR", help="new directory for config.json, model.safetensors and the "
+                                                     "tokenizer files, which transformers' from_pretrained loads")
+    p.add_argument("--from-hf", metavar="HF_DIR", help="a local Hugging Face GPT-2, Llama or BERT directory "
+                                                       "(config.json, model.safetensors or pytorch_model.bin)")
+    p.add_argument("--out", metavar="RUN_DIR", help="with --from-hf: the new run directory")
+    p.add_argument("--tokenizer", help="with --from-hf: data.tokenizer to record (default: the directory's "
+                                       "tokenizer files, else the bundled gpt2 or bert)")
     p.set_defaults(func=_convert)

@@ -1,4 +1,4 @@
-"""Hugging Face interop: GPT-2 and Llama checkpoints to and from meshlm's `GPT`.
+"""Hugging Face interop: GPT-2 and Llama checkpoints to and from meshlm's `GPT` (BERT: `hf_bert.py`).
 
 Both directions go through one table per architecture of (meshlm key, HF keys, Conv1D-transposed). A meshlm
 tensor is the HF tensors concatenated along dim 0 (the output dim), transposed for GPT-2's Conv1D, which
@@ -19,17 +19,20 @@ stores weights as (in, out) where `nn.Linear` stores (out, in). Per layer i:
 HF's Llama q/k rows are already in the rotate-half RoPE layout (pairs i, i + hd/2) that meshlm uses, so they
 are copied without the permutation Meta's original checkpoints need. `transformers` is imported only inside
 the functions that return its config objects; converting dicts, `save_hf` and `load_hf` run without it.
+`load_hf` and `save_hf` handle every family: GPT-2, Llama and BERT directories.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from meshlm.config import ConfigError, ModelConfig
 from meshlm.interop.hf_config import (
@@ -140,7 +143,7 @@ def _from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], arch: str) 
         ours[entry.ours] = tensor.t() if entry.transposed else tensor
     unexpected = sorted(set(state) - used)
     if missing or unexpected:
-        raise ValueError(f"Hugging Face {arch} state dict does not match its config: missing {missing[:8]}, "
+        raise ConfigError(f"Hugging Face {arch} state dict does not match its config: missing {missing[:8]}, "
                          f"unexpected {unexpected[:8]}; check n_layers, bias and tie_word_embeddings")
     model = GPT(cfg)
     model.load_state_dict(ours, strict=True)  # copies into the fp32 model, checking every shape
@@ -169,37 +172,91 @@ def from_hf_llama(hf_config: Any, state_dict: dict[str, torch.Tensor]) -> GPT:
 
 # ---------------------------------------------------------------------------------------------- files
 
-def save_hf(model: GPT, directory: str | Path) -> Path:
-    """Write config.json + model.safetensors that `AutoModelForCausalLM.from_pretrained` loads."""
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def save_hf(model: nn.Module, directory: str | Path) -> Path:
+    """Write config.json + model.safetensors that `transformers` loads with `from_pretrained`: a GPT as
+    GPT2LMHeadModel or LlamaForCausalLM, a BERT as the Bert* class of its head. Tied tensors are written
+    once (safetensors keeps no shared tensors; HF re-ties them on load)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     arch = hf_architecture(model.cfg)
     config = hf_config_dict(model.cfg, arch)
-    config["dtype"] = str(model.tok_emb.weight.dtype).removeprefix("torch.")
-    state = _to_hf_state(model, arch)
-    if model.cfg.tie_embeddings:
-        del state["lm_head.weight"]  # safetensors refuses shared tensors; HF re-ties on load
+    config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if arch == "bert":
+        from meshlm.interop.hf_bert import to_hf_bert_state
+
+        state = to_hf_bert_state(model)
+        if "cls.predictions.decoder.bias" in state and model.cfg.tie_embeddings:
+            del state["cls.predictions.decoder.bias"], state["cls.predictions.decoder.weight"]
+    else:
+        state = _to_hf_state(model, arch)
+        if model.cfg.tie_embeddings:
+            del state["lm_head.weight"]
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
 
 
-def load_hf(directory: str | Path) -> GPT:
-    """A meshlm GPT from an HF GPT-2 or Llama directory (config.json + model.safetensors, or shards with
-    model.safetensors.index.json). Like `from_hf_*`, the weights are copied into a freshly built fp32
-    model; cast it afterwards for bf16."""
+def read_hf_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The state dict of an HF directory: model.safetensors, shards listed by model.safetensors.index.json,
+    or (read with `torch.load(weights_only=True)`, which runs no pickled code) pytorch_model.bin or its
+    shards."""
     directory = Path(directory)
-    config = json.loads((directory / "config.json").read_text())
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (directory / "model.safetensors").exists():
-        files = ["model.safetensors"]
+    for index, binary in (("model.safetensors.index.json", False), ("pytorch_model.bin.index.json", True)):
+        if (directory / index).exists():
+            try:
+                files = sorted(set(json.loads((directory / index).read_text())["weight_map"].values()))
+            except (ValueError, KeyError, AttributeError) as err:
+                raise ConfigError(f"{directory / index} is not a shard index ({err}); re-save the model") from None
+            break
     else:
-        raise FileNotFoundError(f"no model.safetensors in {directory}; convert .bin checkpoints to safetensors "
-                                "first (meshlm reads safetensors only)")
+        found = [name for name in ("model.safetensors", "pytorch_model.bin") if (directory / name).exists()]
+        if not found:
+            raise ConfigError(f"{directory} holds none of {', '.join(WEIGHT_FILES)}; save the model there with "
+                              "save_pretrained")
+        files, binary = found[:1], found[0].endswith(".bin")
     state = {}
     for name in files:
-        state.update(load_file(str(directory / name)))
+        path = directory / name
+        try:
+            part = torch.load(path, map_location="cpu", weights_only=True) if binary else load_file(str(path))
+        except Exception as err:  # noqa: BLE001 (safetensors and torch raise many kinds)
+            raise ConfigError(f"{path} cannot be read as {'PyTorch' if binary else 'safetensors'} weights "
+                              f"({type(err).__name__}: {err}); the file is missing or corrupt") from None
+        state.update(part)
+    return state
+
+
+def read_hf_config(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / "config.json"
+    if not Path(directory).is_dir():
+        raise ConfigError(f"{str(directory)!r} is not a directory; give a Hugging Face model directory "
+                          "(config.json and model.safetensors)")
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path} is missing; a Hugging Face model directory holds config.json") from None
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{path} cannot be read as JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} holds {type(config).__name__}, not a JSON object")
+    return config
+
+
+def load_hf(directory: str | Path, log: Callable[[str], None] | None = None) -> nn.Module:
+    """A meshlm model from an HF GPT-2, Llama or BERT directory (config.json + model.safetensors, its
+    shards, or pytorch_model.bin). Like `from_hf_*`, the weights are copied into a freshly built fp32
+    model; cast it afterwards for bf16. `log` gets notes on what was left out (BERT: another head's
+    tensors)."""
+    directory = Path(directory)
+    config = read_hf_config(directory)
     cfg = model_config_from_hf(config)
-    return _from_hf_state(cfg, state, hf_architecture(cfg))
+    state = read_hf_weights(directory)
+    arch = hf_architecture(cfg)
+    if arch == "bert":
+        from meshlm.interop.hf_bert import bert_from_state
+
+        return bert_from_state(cfg, state, log)
+    return _from_hf_state(cfg, state, arch)

@@ -1,4 +1,4 @@
-"""Hugging Face config.json <-> `ModelConfig` for GPT-2 and Llama.
+"""Hugging Face config.json <-> `ModelConfig` for GPT-2, Llama and BERT.
 
 `model_config_from_hf` reads a `transformers` config object or a plain config.json dict (missing keys take
 the HF defaults), so loading needs no `transformers`; only `hf_config_from_model_config` imports it. Every
@@ -23,7 +23,23 @@ _LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size"
                    "max_position_embeddings": 2048, "initializer_range": 0.02, "rms_norm_eps": 1e-6,
                    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
                    "attention_dropout": 0.0, "rope_theta": 10000.0}
+_BERT_DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+                  "intermediate_size": 3072, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
+                  "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 512, "type_vocab_size": 2,
+                  "initializer_range": 0.02, "layer_norm_eps": 1e-12, "position_embedding_type": "absolute",
+                  "is_decoder": False, "add_cross_attention": False, "tie_word_embeddings": True,
+                  "problem_type": None}
 _ENDOFTEXT = 50256  # GPT-2 BPE's <|endoftext|>, meshlm's default tokenizer
+
+# The Hugging Face classes each family converts to and from; a BERT class fixes `model.bert_head`.
+GPT2_ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
+LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "LlamaModel")
+BERT_HEADS = {"BertModel": "encoder", "BertForMaskedLM": "mlm", "BertForPreTraining": "pretrain",
+              "BertForSequenceClassification": "classify", "BertForTokenClassification": "tokens",
+              "BertForQuestionAnswering": "span"}
+BERT_ARCHITECTURES = {head: arch for arch, head in BERT_HEADS.items()}
+_EXACT_GELU = ("gelu", "gelu_python")  # erf GeLU in transformers' ACT2FN
+_TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 
 
 def _fail(problems: list[str], what: str) -> None:
@@ -48,12 +64,29 @@ def model_config_from_hf(hf_config: Any, expect: str | None = None) -> ModelConf
     kind = d.get("model_type") or expect
     if expect is not None and kind != expect:
         raise ConfigError(f"expected a Hugging Face {expect!r} config, got model_type={kind!r}; "
-                          "use from_hf_gpt2 for 'gpt2' and from_hf_llama for 'llama'")
-    if kind == "gpt2":
-        return _model_config_from_gpt2(d)
-    if kind == "llama":
-        return _model_config_from_llama(d)
-    raise ConfigError(f"Hugging Face model_type={kind!r} is not supported; meshlm converts 'gpt2' and 'llama'")
+                          "use from_hf_gpt2 for 'gpt2', from_hf_llama for 'llama' and from_hf_bert for 'bert'")
+    readers = {"gpt2": (_model_config_from_gpt2, GPT2_ARCHITECTURES),
+               "llama": (_model_config_from_llama, LLAMA_ARCHITECTURES),
+               "bert": (_model_config_from_bert, tuple(BERT_HEADS))}
+    if kind not in readers:
+        raise ConfigError(f"Hugging Face model_type={kind!r} is not supported; meshlm converts 'gpt2', 'llama' "
+                          "and 'bert'")
+    read, known = readers[kind]
+    architecture = hf_architecture_name(d)
+    if architecture is not None and architecture not in known:
+        raise ConfigError(f"architectures={d['architectures']!r}: meshlm converts {kind} models of the classes "
+                          f"{', '.join(known)}")
+    return read(d)
+
+
+def hf_architecture_name(d: dict[str, Any]) -> str | None:
+    """The one class named by a config.json's `architectures` (None when it names none); several are
+    refused, as meshlm converts one model."""
+    names = d.get("architectures") or []
+    if len(names) > 1:
+        raise ConfigError(f"architectures={names!r} names several classes; meshlm converts a directory of one "
+                          "model class")
+    return names[0] if names else None
 
 
 def _model_config_from_gpt2(d: dict[str, Any]) -> ModelConfig:
@@ -111,12 +144,52 @@ def _model_config_from_llama(d: dict[str, Any]) -> ModelConfig:
     return cfg
 
 
+def _model_config_from_bert(d: dict[str, Any]) -> ModelConfig:
+    g = _with_defaults(_BERT_DEFAULTS, d)
+    head = BERT_HEADS[hf_architecture_name(d) or "BertModel"]  # no architectures: AutoModel's BertModel
+    problems = []
+    act = g["hidden_act"]
+    if act in _TANH_GELU and head in ("pretrain", "mlm"):
+        problems.append(f"hidden_act={act!r}: meshlm's BERT MLM transform uses the exact GeLU; only "
+                        "hidden_act='gelu' converts with an MLM head")
+    elif act not in _EXACT_GELU + _TANH_GELU:
+        problems.append(f"hidden_act={act!r}: meshlm's BERT uses GeLU; use 'gelu' (exact) or 'gelu_new' (tanh)")
+    for key, ok in (("position_embedding_type", "absolute"), ("is_decoder", False), ("add_cross_attention", False)):
+        if g[key] != ok:
+            problems.append(f"{key}={g[key]!r}: meshlm's BERT needs {key}={ok!r} (learned absolute positions, "
+                            "a bidirectional encoder without cross-attention)")
+    if g["problem_type"] == "multi_label_classification":
+        problems.append("problem_type='multi_label_classification': meshlm's classify head trains with "
+                        "cross-entropy over exclusive classes (or MSE with one label); drop problem_type")
+    _fail(problems, "Hugging Face BERT config")
+    labels = d.get("id2label")
+    num_labels = len(labels) if labels else int(d.get("num_labels") or 2)
+    cfg = ModelConfig(family="bert", vocab_size=g["vocab_size"], n_layers=g["num_hidden_layers"],
+                      hidden_size=g["hidden_size"], n_heads=g["num_attention_heads"],
+                      seq_len=g["max_position_embeddings"], dropout=float(g["hidden_dropout_prob"]),
+                      position="learned", norm="layernorm", activation="gelu_exact" if act in _EXACT_GELU else "gelu",
+                      bias=True, tie_embeddings=bool(g["tie_word_embeddings"]), norm_eps=g["layer_norm_eps"],
+                      init_std=g["initializer_range"], type_vocab_size=g["type_vocab_size"], bert_head=head,
+                      num_labels=num_labels if head in ("classify", "tokens") else 2)
+    cfg = replace(cfg, ffn_hidden_size=_default_ffn(cfg, g["intermediate_size"]))
+    cfg.validate()
+    return cfg
+
+
 def hf_architecture(cfg: ModelConfig) -> str:
-    """'gpt2' for learned positions, 'llama' for RoPE; `hf_config_dict` checks the other switches."""
+    """'bert' for the BERT family; else 'gpt2' for learned positions, 'llama' for RoPE
+    (`hf_config_dict` checks the other switches)."""
+    if cfg.family == "bert":
+        return "bert"
     return "llama" if cfg.position == "rope" else "gpt2"
 
 
 def check_representable(cfg: ModelConfig, arch: str) -> None:
+    if (arch == "bert") != (cfg.family == "bert"):
+        raise ConfigError(f"a meshlm model.family={cfg.family!r} model cannot be written as Hugging Face {arch}; "
+                          f"use {hf_architecture(cfg)!r}")
+    if arch == "bert":
+        return _check_bert(cfg)
     need = {"gpt2": {"position": "learned", "norm": "layernorm", "activation": "gelu", "bias": True},
             "llama": {"position": "rope", "norm": "rmsnorm", "activation": "swiglu"}}[arch]
     problems = [f"model.{k}={getattr(cfg, k)!r} (set model.{k}={v!r})" for k, v in need.items()
@@ -128,13 +201,44 @@ def check_representable(cfg: ModelConfig, arch: str) -> None:
     _fail(problems and problems + [other], f"meshlm model as Hugging Face {arch}")
 
 
+def _check_bert(cfg: ModelConfig) -> None:
+    problems = [f"model.{k}={getattr(cfg, k)!r} (set model.{k}={v!r})"
+                for k, v in (("norm", "layernorm"), ("bias", True)) if getattr(cfg, k) != v]
+    if cfg.activation not in ("gelu_exact", "gelu"):
+        problems.append(f"model.activation={cfg.activation!r} (Hugging Face BERT needs 'gelu_exact')")
+    elif cfg.activation == "gelu" and cfg.bert_head in ("pretrain", "mlm"):
+        problems.append("model.activation='gelu' with an MLM head (Hugging Face applies hidden_act in the MLM "
+                        "transform too, meshlm the exact GeLU; set model.activation='gelu_exact')")
+    if cfg.kv_heads != cfg.n_heads:
+        problems.append(f"model.n_kv_heads={cfg.n_kv_heads} (BERT has no grouped-query attention; unset it)")
+    _fail(problems, "meshlm model as Hugging Face BERT")
+
+
+def _bert_config_dict(cfg: ModelConfig) -> dict[str, Any]:
+    d = {"model_type": "bert", "architectures": [BERT_ARCHITECTURES[cfg.bert_head]], "vocab_size": cfg.vocab_size,
+         "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+         "intermediate_size": cfg.ffn_size, "hidden_act": "gelu" if cfg.activation == "gelu_exact" else "gelu_new",
+         "hidden_dropout_prob": cfg.dropout, "attention_probs_dropout_prob": cfg.dropout,
+         "max_position_embeddings": cfg.seq_len, "type_vocab_size": cfg.type_vocab_size,
+         "initializer_range": cfg.init_std, "layer_norm_eps": cfg.norm_eps, "position_embedding_type": "absolute",
+         "tie_word_embeddings": cfg.tie_embeddings, "pad_token_id": 0}
+    if cfg.bert_head in ("classify", "tokens"):
+        d["id2label"] = {str(i): f"LABEL_{i}" for i in range(cfg.num_labels)}
+        d["label2id"] = {f"LABEL_{i}": i for i in range(cfg.num_labels)}
+        if cfg.bert_head == "classify" and cfg.num_labels == 1:
+            d["problem_type"] = "regression"
+    return d
+
+
 def hf_config_dict(cfg: ModelConfig, arch: str | None = None) -> dict[str, Any]:
-    """The config.json dict of the HF model equal to `cfg` (arch 'gpt2' or 'llama'; default from the
-    position switch). bos/eos are GPT-2's <|endoftext|> when the vocabulary holds it, else unset.
+    """The config.json dict of the HF model equal to `cfg` (arch 'gpt2', 'llama' or 'bert'; default from
+    the family and the position switch). A BERT's class follows `model.bert_head`. bos/eos are GPT-2's <|endoftext|> when the vocabulary holds it, else unset.
     HF Llama has attention dropout only, so meshlm's embedding/residual dropout does not carry over to
     HF training (inference is unaffected)."""
     arch = arch or hf_architecture(cfg)
     check_representable(cfg, arch)
+    if arch == "bert":
+        return _bert_config_dict(cfg)
     special = _ENDOFTEXT if cfg.vocab_size > _ENDOFTEXT else None
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
               "initializer_range": cfg.init_std, "bos_token_id": special, "eos_token_id": special}
@@ -153,7 +257,7 @@ def hf_config_dict(cfg: ModelConfig, arch: str | None = None) -> dict[str, Any]:
 
 
 def hf_config_from_model_config(cfg: ModelConfig, arch: str | None = None) -> Any:
-    """A `transformers` GPT2Config or LlamaConfig equal to `cfg` (needs transformers)."""
+    """A `transformers` GPT2Config, LlamaConfig or BertConfig equal to `cfg` (needs transformers)."""
     from transformers import AutoConfig
 
     d = hf_config_dict(cfg, arch)

@@ -1,0 +1,129 @@
+"""Shared by the tests of meshlm/interop and `meshlm embed`: the CLI in this process, one-line errors."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import torch
+
+from meshlm.cli import main
+
+SENTENCES = [
+    "A man is eating food.",
+    "A man is riding a white horse on an enclosed ground.",
+    "Two men pushed carts through the woods.",
+    "Héllo, naïve café — ümlauts and punctuation!",
+    "The quick brown fox jumps over the lazy dog; the dog, unimpressed, goes back to sleep in the sun.",
+    "",
+]
+
+
+def run_main(argv: list[str]) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `meshlm.cli.main(argv)` in this process."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def ok(argv: list[str]) -> str:
+    code, out, err = run_main(argv)
+    assert code == 0, err
+    return out
+
+
+def one_error_line(argv: list[str], *words: str) -> str:
+    """Run `argv`, which must fail as the CLI promises: exit 2, one line `error: ...` naming `words`."""
+    code, _, err = run_main(argv)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, (code, err)
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]
+
+
+def perturbed(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter moved by noise, so biases are non-zero and norms differ from one: a mapping that
+    drops, swaps or mis-stacks a tensor shows in the outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for key, value in a.items():
+        assert value.dtype == b[key].dtype and torch.equal(value, b[key]), key
+
+
+# ---- a checkpoint of a parallel layout ----------------------------------------------------------------------
+SHARDED_SEED = 1234
+SHARDED_MODELS = {
+    "gpt": {"vocab_size": 50257, "n_layers": 2, "hidden_size": 32, "n_heads": 4, "seq_len": 16},
+    "bert": {"family": "bert", "vocab_size": 30522, "n_layers": 2, "hidden_size": 32, "n_heads": 4, "seq_len": 16,
+             "activation": "gelu_exact", "bert_head": "mlm", "norm_eps": 1e-12},
+}
+
+
+def sharded_config(family: str, tp: int = 2):
+    from meshlm.config import build
+
+    return build({"model": SHARDED_MODELS[family], "parallel": {"tp": tp, "timeout_s": 60},
+                  "data": {"tokenizer": "bert" if family == "bert" else "gpt2"},
+                  "train": {"micro_batch_size": 1, "global_batch_size": 1}})
+
+
+def _save_sharded(rank: int, world: int, out_dir: str, family: str) -> None:
+    """Rank `rank` of a tp = `world` layout saves its shards of the model built from SHARDED_SEED (equal to
+    the slices of the whole model built from that seed in one process)."""
+    from datetime import timedelta
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from meshlm.parallel import build_model
+    from meshlm.parallel.mesh import ParallelDims
+    from meshlm.parallel.rng import TPRNGTracker
+    from meshlm.train import dist_checkpoint
+    from meshlm.train.optim import build_optimizer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        cfg = sharded_config(family, world)
+        dims = ParallelDims.build(tp=world, pp=1, dp=1, timeout_s=60)
+        torch.manual_seed(SHARDED_SEED)
+        par = build_model(cfg, dims, rng=TPRNGTracker(SHARDED_SEED, dims.tp_rank))
+        opt = build_optimizer(par.grad_sync, cfg.optim)
+        layout = {"world_size": world, "tp": world, "pp": 1, "dp": 1, "sp": False, "zero": 0}
+        dist_checkpoint.save(Path(out_dir) / "run", 0, par.grad_sync, opt, {"step": 0, "layout": layout},
+                             cfg.to_dict(), {})
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def save_sharded_checkpoint(family: str, out_dir, world: int = 2, deadline_s: float = 120) -> None:
+    """OUT_DIR/run: a checkpoint of `family`'s small model saved by a spawned gloo world of tp = `world`."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(_save_sharded, args=(world, str(out_dir), family), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + deadline_s
+    try:
+        while not ctx.join(timeout=1.0):
+            assert time.monotonic() < deadline, f"the tp={world} world did not finish in {deadline_s} s"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
