@@ -1,6 +1,7 @@
 """The README's user-facing commands, run as a user would (with a few steps instead of hundreds)."""
 
 import json
+from pathlib import Path
 
 from tests.conftest import run_cli
 
@@ -42,3 +43,46 @@ def test_llama_tiny_config_trains(tmp_path):
     proc = run_cli("train", "--config", "llama-tiny", *SMALL, "--model.n_heads=4", "--model.n_kv_heads=2",
                    "--train.max_steps=2", "--train.sample_tokens=0", f"--train.out_dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr
+
+
+def _section_commands(title: str) -> list[str]:
+    from tests.conftest import ROOT
+
+    section = (ROOT / "README.md").read_text().split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+    blocks = section.split("```bash\n")[1:]
+    return [line for block in blocks for line in block.split("```", 1)[0].splitlines() if line.strip()]
+
+
+def test_readme_bert_commands(tmp_path):
+    """Every command of the README's BERT section, as typed (outputs moved under tmp_path; the training
+    runs narrowed to a few steps)."""
+    import shlex
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from tests.conftest import ROOT
+
+    bin_dir = str(Path(sys.executable).parent)
+    texts = tmp_path / "texts.txt"
+    texts.write_text("To be, or not to be: that is the question.\nNow is the winter of our discontent.\n"
+                     "A horse! a horse! my kingdom for a horse!\n")
+    commands = _section_commands("BERT: pretraining, embeddings, Hugging Face")
+    assert len(commands) == 5, commands
+    for line in commands:
+        line = line.replace(".venv/bin/", bin_dir + "/").replace("runs/", f"{tmp_path}/runs/")
+        line = line.replace("texts.txt", str(texts)).replace("vectors.npy", str(tmp_path / "vectors.npy"))
+        if line.startswith("torchrun"):
+            line = line.replace("torchrun", f"{shlex.quote(sys.executable)} -m torch.distributed.run", 1)
+        if " train " in line:
+            out = f" --train.out_dir={tmp_path}/runs/bert-tiny" if "out_dir" not in line else ""
+            line += out + " " + " ".join(SMALL) + " --train.max_steps=2 --model.seq_len=32 --parallel.timeout_s=60"
+        proc = subprocess.run(["bash", "-c", line], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              check=False)
+        assert proc.returncode == 0, (line, proc.stderr[-2000:])
+    vectors = np.load(tmp_path / "vectors.npy")
+    assert vectors.shape == (3, 384) and np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5)
+    assert (tmp_path / "runs" / "minilm-hf" / "config.json").exists()
+    assert (tmp_path / "runs" / "bert-tiny" / "metrics.jsonl").exists()
+    assert (tmp_path / "runs" / "bert-tiny-tp2" / "metrics.jsonl").exists()
