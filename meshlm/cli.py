@@ -18,6 +18,7 @@ from meshlm.config import DEFAULT_CONFIG, ConfigError, bundled_configs
 from meshlm.data.commands import add_data_commands
 from meshlm.interop.convert import add_convert_command
 from meshlm.plan.commands import add_bench_commands
+from meshlm.train.finetune import add_finetune_command
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -163,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_commands(sub)  # meshlm prepare, meshlm tokenizer train
     add_bench_commands(sub)  # meshlm bench memory
     add_convert_command(sub)  # meshlm convert --to-single
+    add_finetune_command(sub)  # meshlm finetune
     return parser
 
 
