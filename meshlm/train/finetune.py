@@ -1,11 +1,11 @@
 """`meshlm finetune`: a BERT checkpoint fine-tuned on a labelled task, with the task's metrics.
 
     meshlm finetune --checkpoint BASE --task classify|span|tokens --train T.jsonl --valid V.jsonl --out DIR
-                    [--epochs 3] [--truncate] [--section.key=value ...]
+                    [--epochs 3] [--max-length N] [--truncate] [--section.key=value ...]
 
 The run's config is the base checkpoint's, with the task's head (`model.bert_head`), `model.num_labels`
 found from the labels, `train.init_from=BASE` (the encoder and pooler come from it, a new head keeps its
-seeded init) and fine-tuning defaults (`finetune_config`), then any `--section.key=value` the user gives.
+seeded init) and fine-tuning defaults (`finetune_values`, `with_schedule`), then any `--section.key=value` the user gives.
 Then the ordinary `Trainer` runs with the datasets built here: resuming, checkpoints, parallel layouts,
 metrics.jsonl and the log are those of pretraining. Running the same command again resumes DIR.
 
@@ -20,7 +20,8 @@ Data, one JSON object per line:
   label, the others are ignored (−100).
 
 Inputs are `[CLS] a [SEP] (b [SEP])`, a = text / question, b = text_pair / context, with token types and
-padding to model.seq_len. Everything is read, checked and encoded before DIR is created: a bad line is
+padding to model.seq_len, or to `--max-length` (shorter: a base with 512 positions need not pay for them
+on short texts; the trainer's tokens/s and MFU then count model.seq_len tokens per row). Everything is read, checked and encoded before DIR is created: a bad line is
 one error naming the file and line (a text longer than the model too, unless `--truncate`; with it, span
 examples whose answer is cut off are dropped and counted).
 
@@ -470,6 +471,21 @@ def _given_num_labels(overrides: list[str]) -> int | None:
     return given
 
 
+def _max_length(args: argparse.Namespace, cfg) -> int:
+    """Tokens per example: --max-length, at most model.seq_len (its default); under sequence parallelism a
+    multiple of parallel.tp."""
+    seq_len, wanted = cfg.model.seq_len, getattr(args, "max_length", None)
+    if wanted is None:
+        return seq_len
+    if not 2 <= wanted <= seq_len:
+        raise ConfigError(f"--max-length {wanted} must be in 2..{seq_len} (model.seq_len, the positions the base "
+                          "checkpoint has)")
+    if cfg.parallel.sp and wanted % cfg.parallel.tp:
+        raise ConfigError(f"--max-length {wanted} must be a multiple of parallel.tp={cfg.parallel.tp} under sequence "
+                          "parallelism")
+    return wanted
+
+
 def _class_counts(data: Encoded, labels: Labels) -> str:
     if labels.regression:
         y = data.targets[:, 0]
@@ -506,7 +522,8 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
     values = finetune_values(base.to_dict(), args.task, labels.num_labels, args.out, args.checkpoint, overrides)
     first = build(values)  # the model's length, the tokenizer and the micro-batch size
     tokenizer = get_tokenizer(first.data.tokenizer)
-    enc = Encoder(tokenizer, first.model.seq_len, args.truncate)
+    length = _max_length(args, first)
+    enc = Encoder(tokenizer, length, args.truncate)
     sets = []
     for lines, flag, path in ((train_lines, "--train", args.train), (valid_lines, "--valid", args.valid)):
         if args.task == "classify":
@@ -524,7 +541,8 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
     valid = valid.padded(first.train.micro_batch_size, enc)
     cfg = with_schedule(values, overrides, len(train), len(valid), args.epochs)
     info = {"task": args.task, "checkpoint": args.checkpoint, "train": args.train, "valid": args.valid,
-            "train_examples": len(train), "valid_examples": len(sets[1].ids), **labels.to_dict()}
+            "train_examples": len(train), "valid_examples": len(sets[1].ids), "max_length": length,
+            **labels.to_dict()}
     return cfg, tokenizer, train, valid, info
 
 
@@ -588,6 +606,8 @@ def add_finetune_command(sub) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="the run directory (the same DIR again resumes)")
     p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS,
                    help=f"passes over the training set (default {DEFAULT_EPOCHS}; --train.max_steps overrides)")
+    p.add_argument("--max-length", type=int, default=None, metavar="N",
+                   help="tokens per example, padding included (default model.seq_len; shorter runs faster)")
     p.add_argument("--truncate", action="store_true",
                    help="cut examples longer than model.seq_len instead of refusing them")
     p.set_defaults(func=run_finetune)

@@ -296,3 +296,16 @@ def test_genre_passages_drop_speakers_and_directions():
             "PUCK\nI go, I go.\n")
     assert mg.scenes(text) == [["To be, or not to be,", "that is the question.", "My lord?", "My lord, 'tis begun."],
                                ["I go, I go."]]
+
+
+def test_max_length_pads_shorter_than_the_model(tmp_path):
+    base = save_base(tmp_path / "base")  # model.seq_len 16
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "a b c", "label": i % 2} for i in range(4)])
+    args = Namespace(checkpoint=str(base), task="classify", train=str(data), valid=str(data),
+                     out=str(tmp_path / "out"), epochs=1, truncate=False, max_length=8)
+    cfg, _, train_set, _, info = ft.prepare(args, [])
+    inputs, _ = train_set.collate(np.stack([train_set[0]]))
+    assert inputs.shape == (1, 3, 8) and cfg.model.seq_len == 16 and info["max_length"] == 8
+    for bad in (17, 1):
+        with pytest.raises(ConfigError, match=f"--max-length {bad} must be in 2..16"):
+            ft.prepare(Namespace(**{**vars(args), "max_length": bad}), [])
