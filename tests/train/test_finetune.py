@@ -8,13 +8,17 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
+import shlex
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
 
 from meshlm.cli import main
-from tests.conftest import run_cli
+from tests.conftest import ROOT, run_cli
 from tests.train.finetune_helpers import (
     QUIET,
     classify_rows,
@@ -27,13 +31,17 @@ from tests.train.finetune_helpers import (
 )
 
 
-def finetune(base, task, train, valid, out, *extra) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of `meshlm finetune` in this process."""
+def finetune_argv(argv: list[str]) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `meshlm ARGV` in this process."""
     o, e = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):
-        code = main(["finetune", "--checkpoint", str(base), "--task", task, "--train", str(train), "--valid",
-                     str(valid), "--out", str(out), *QUIET, *extra])
+        code = main(argv)
     return code, o.getvalue(), e.getvalue()
+
+
+def finetune(base, task, train, valid, out, *extra) -> tuple[int, str, str]:
+    return finetune_argv(["finetune", "--checkpoint", str(base), "--task", task, "--train", str(train), "--valid",
+                          str(valid), "--out", str(out), *QUIET, *extra])
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +170,29 @@ def test_the_installed_command_refuses_in_one_line(base, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr == f"error: {train}:2: no 'text' field; every line of a classify file needs one\n"
     assert not (tmp_path / "run").exists()
+
+
+def test_the_documented_genre_commands_run(tmp_path):
+    """docs/finetune.md's `$ ` commands in a fresh directory, with a tiny BERT of 64 positions standing in
+    for runs/bert-tiny and 2 steps; the printed data and plan lines are the documented ones."""
+    doc = (ROOT / "docs" / "finetune.md").read_text()
+    commands = [shlex.split(line[2:]) for line in doc.splitlines() if line.startswith("$ ")]
+    assert [c[:2] for c in commands] == [["python", "scripts/make_genre_task.py"], ["meshlm", "finetune"]]
+    save_base(tmp_path / "runs" / "bert-tiny", seq_len=64)
+    script = commands[0][1]
+    gen = subprocess.run([sys.executable, str(ROOT / script), *commands[0][2:]], cwd=tmp_path, capture_output=True,
+                         text=True, check=False, timeout=120)
+    assert gen.returncode == 0, gen.stderr
+    code, stdout, stderr = 0, "", ""
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        code, stdout, stderr = finetune_argv([*commands[1][1:], *QUIET, "--train.max_steps=2"])
+    finally:
+        os.chdir(cwd)
+    assert code == 0, stderr
+    shown = [line for line in doc.splitlines() if line.startswith(("--train ", "--valid ", "fine-tuning "))]
+    printed = stdout.splitlines()
+    assert shown[:2] == printed[:2]
+    assert shown[2].replace("57 steps", "2 steps") == printed[2]
+    assert eval_rows(tmp_path / "runs" / "genre")[-1]["step"] == 2
