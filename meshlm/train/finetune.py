@@ -79,7 +79,7 @@ def read_jsonl(path: str, flag: str) -> list[Line]:
         raise DataError(f"{flag} {path!r} is not a file; give a .jsonl file")
     out = []
     try:
-        with open(p, encoding="utf-8") as fh:
+        with open(p, encoding="utf-8-sig") as fh:  # a byte-order mark is not part of the first line
             for n, text in enumerate(fh, 1):
                 if not text.strip():
                     continue
