@@ -54,25 +54,25 @@ def test_classify_beats_the_majority_class(base, tmp_path):
     valid_rows = classify_rows(45, seed=2)
     valid = write_jsonl(tmp_path / "valid.jsonl", valid_rows)
     out = tmp_path / "run"
-    code, stdout, stderr = finetune(base, "classify", train, valid, out, "--optim.lr=2e-3", "--epochs=6",
+    code, stdout, stderr = finetune(base, "classify", train, valid, out, "--optim.lr=2e-3", "--epochs=4",
                                     "--train.global_batch_size=16")
     assert code == 0, stderr
     rows = eval_rows(out)
-    assert [r["step"] for r in rows] == [15, 30, 45, 60, 75, 90]  # one evaluation per epoch of 240 / 16 steps
+    assert [r["step"] for r in rows] == [15, 30, 45, 60]  # one evaluation per epoch of 240 / 16 steps
     majority = max(Counter(r["label"] for r in valid_rows).values()) / len(valid_rows)
     last = rows[-1]
     # From a random base this tiny model sometimes stalls a while with two classes merged (0.6-0.7 here);
-    # over seeds it always ended at least 0.2 above the majority class, this seed at 1.0.
+    # over seeds it ended at least 0.2 above the majority class after 6 epochs, this seed at 1.0 after 3.
     assert last["val_accuracy"] > majority + 0.15, (majority, rows)
     assert last["val_f1"] > 0.4 and last["val_loss"] < rows[0]["val_loss"]
-    assert "eval step 90: val_loss" in stdout and "| val_accuracy " in stdout and "| val_f1 " in stdout
+    assert "eval step 60: val_loss" in stdout and "| val_accuracy " in stdout and "| val_f1 " in stdout
     info = json.loads((out / "finetune.json").read_text())
     assert info["names"] == ["animal", "colour", "number"] and info["num_labels"] == 3
     assert "classes animal" in stdout
 
 
 def test_span_head_learns_and_reports_exact_match(base, tmp_path):
-    train = write_jsonl(tmp_path / "train.jsonl", span_rows(160, seed=3))
+    train = write_jsonl(tmp_path / "train.jsonl", span_rows(112, seed=3))
     valid = write_jsonl(tmp_path / "valid.jsonl", span_rows(37, seed=4))
     out = tmp_path / "run"
     code, _, stderr = finetune(base, "span", train, valid, out, "--optim.lr=1e-2", "--epochs=3",
@@ -85,7 +85,7 @@ def test_span_head_learns_and_reports_exact_match(base, tmp_path):
 
 
 def test_tokens_head_learns_and_reports_accuracy(base, tmp_path):
-    train = write_jsonl(tmp_path / "train.jsonl", tokens_rows(160, seed=5))
+    train = write_jsonl(tmp_path / "train.jsonl", tokens_rows(112, seed=5))
     valid = write_jsonl(tmp_path / "valid.jsonl", tokens_rows(37, seed=6))
     out = tmp_path / "run"
     code, _, stderr = finetune(base, "tokens", train, valid, out, "--optim.lr=1e-2", "--epochs=3",
