@@ -1,4 +1,5 @@
-"""meshlm command line: `meshlm train | generate | embed | plot | prepare | tokenizer train | bench memory | convert`.
+"""meshlm command line: `meshlm train | generate | embed | finetune | plot | prepare | tokenizer train | bench
+memory | convert`.
 
 User errors (bad config or argument, missing or corrupt checkpoint or asset, bad data, a full disk, a
 run too large for this machine, a run whose losses stay non-finite) print one line starting with
@@ -19,6 +20,7 @@ from meshlm.data.commands import add_data_commands
 from meshlm.infer.embed import add_embed_command
 from meshlm.interop.convert import add_convert_command
 from meshlm.plan.commands import add_bench_commands
+from meshlm.train.finetune import add_finetune_command
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -170,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_commands(sub)  # meshlm bench memory
     add_convert_command(sub)  # meshlm convert --to-single | --to-hf | --from-hf
     add_embed_command(sub)  # meshlm embed
+    add_finetune_command(sub)  # meshlm finetune
     return parser
 
 

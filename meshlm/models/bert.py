@@ -39,7 +39,7 @@ from torch import nn
 from meshlm.config import Config, ModelConfig
 from meshlm.models.init import InitRule, draw_base_seed, fill_
 from meshlm.models.layers import MLP, Attention, make_norm
-from meshlm.models.loss import IGNORE_INDEX, PartsLoss, TokenOps
+from meshlm.models.loss import IGNORE_INDEX, PartsLoss, TokenOps, accumulation_dtype
 from meshlm.models.spec import ModelSpec, PipelinePlan
 
 PREDICTED = 2  # attention-mask value of a real token the MLM head predicts (1: real, 0: padding)
@@ -216,21 +216,144 @@ class PretrainLoss(PartsLoss):
         return mlm + sop
 
 
+# ---- fine-tuning losses and their evaluation metrics ------------------------------------------------------
+# Each loss records, per micro-batch and on the device, the counts its metrics are made of (examples,
+# correct predictions, per-class true/false positives and false negatives, summed exact-match and F1
+# scores). The trainer averages the parts over micro-batches and the layout; a ratio of two such means is
+# the ratio of the sums, so `eval_metrics` turns them into the metrics of the whole validation set. Rows
+# whose label is IGNORE_INDEX (-100; NaN for regression) add nothing: `meshlm finetune` pads the validation
+# set with them to whole micro-batches. An all-ignored micro-batch has loss 0, not NaN.
+
+def class_counts(pred: torch.Tensor, gold: torch.Tensor, num_labels: int) -> tuple[torch.Tensor, ...]:
+    """(examples, correct, tp (C,), fp (C,), fn (C,)) over the entries of `gold` that are not ignored."""
+    keep = gold != IGNORE_INDEX
+    p = F.one_hot(pred.clamp(0, num_labels - 1), num_labels).float() * keep.unsqueeze(-1)  # exact to 2^24
+    g = F.one_hot(gold.clamp(0, num_labels - 1), num_labels).float() * keep.unsqueeze(-1)
+    p, g = p.reshape(-1, num_labels), g.reshape(-1, num_labels)
+    tp = (p * g).sum(0)
+    return keep.sum(), ((pred == gold) & keep).sum(), tp, p.sum(0) - tp, g.sum(0) - tp
+
+
+def class_part_names(count: str, num_labels: int) -> tuple[str, ...]:
+    return (count, "correct", *(f"{kind}{c}" for kind in ("tp", "fp", "fn") for c in range(num_labels)))
+
+
+def macro_f1(tp, fp, fn) -> float:
+    """The mean over classes of 2·TP / (2·TP + FP + FN), over the classes that occur among the gold labels
+    or the predictions (as scikit-learn's f1_score(average="macro")); 0 when none does."""
+    scores = [2 * t / (2 * t + p + n) for t, p, n in zip(tp, fp, fn) if 2 * t + p + n > 0]
+    return sum(scores) / len(scores) if scores else 0.0
+
+
+def _sum_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.to(accumulation_dtype(logits)), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 def classify_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    labels = targets.reshape(-1)
-    if output.shape[-1] == 1:  # regression
-        return F.mse_loss(output.reshape(-1).float(), labels.float())
-    return F.cross_entropy(output.float(), labels)
+    """Mean cross-entropy of (B, C) logits against the labels `targets[:, 0]` (−100 ignored); with one
+    output, regression: the mean squared error against float labels (NaN ignored)."""
+    labels = targets.reshape(targets.shape[0], -1)[:, 0]
+    if output.shape[-1] == 1:
+        pred = output.reshape(-1).to(accumulation_dtype(output))
+        gold = labels.to(pred.dtype)
+        keep = ~torch.isnan(gold)
+        return torch.where(keep, pred - gold, 0.0).square().sum() / keep.sum().clamp_min(1)
+    return _sum_ce(output, labels) / (labels != IGNORE_INDEX).sum().clamp_min(1)
 
 
 def span_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    start, end = output.float().unbind(-1)  # (B, T) each
-    return (F.cross_entropy(start, targets[:, 0]) + F.cross_entropy(end, targets[:, 1])) / 2
+    """The mean of the start and end cross-entropies of (B, T, 2) logits against `targets[:, 0]` (start)
+    and `targets[:, 1]` (end); further columns (other gold answers) are for the metrics only."""
+    start, end = output.unbind(-1)  # (B, T) each
+    n = (targets[:, 0] != IGNORE_INDEX).sum().clamp_min(1)
+    return (_sum_ce(start, targets[:, 0]) + _sum_ce(end, targets[:, 1])) / (2 * n)
 
 
 def tokens_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), targets.reshape(-1),
-                           ignore_index=IGNORE_INDEX)
+    """Mean cross-entropy over the tokens whose label (B, T) is not −100."""
+    labels = targets.reshape(-1)
+    return _sum_ce(output.reshape(-1, output.shape[-1]), labels) / (labels != IGNORE_INDEX).sum().clamp_min(1)
+
+
+def best_spans(start: torch.Tensor, end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (start, end) pair with end ≥ start of highest start + end logit, per row of (B, T) logits."""
+    T = start.shape[-1]
+    scores = start.unsqueeze(-1) + end.unsqueeze(-2)  # (B, T start, T end)
+    valid = torch.ones(T, T, dtype=torch.bool, device=start.device).triu()
+    best = scores.masked_fill(~valid, float("-inf")).reshape(start.shape[0], -1).argmax(-1)
+    return best // T, best % T
+
+
+def span_scores(pred_start, pred_end, gold_start, gold_end) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact match and SQuAD's token-overlap F1 of predicted spans (B,) against gold spans (B, K) (inclusive
+    token positions; −100: no such answer), the best over the K gold answers as in SQuAD's evaluation.
+    F1 = 2·P·R / (P + R) with P = overlap / predicted length, R = overlap / gold length."""
+    ps, pe = pred_start.unsqueeze(-1), pred_end.unsqueeze(-1)
+    present = gold_start != IGNORE_INDEX
+    exact = ((ps == gold_start) & (pe == gold_end) & present).any(-1)
+    overlap = (torch.minimum(pe, gold_end) - torch.maximum(ps, gold_start) + 1).clamp_min(0).float()
+    precision = overlap / (pe - ps + 1).float()
+    recall = overlap / (gold_end - gold_start + 1).clamp_min(1).float()
+    f1 = torch.where(overlap > 0, 2 * precision * recall / (precision + recall).clamp_min(1e-12), 0.0)
+    return exact, torch.where(present, f1, 0.0).amax(-1)
+
+
+class ClassifyLoss(PartsLoss):
+    """`classify_loss`, recording the counts for accuracy and macro F1 (examples, correct, and per class
+    tp/fp/fn), or for regression the sums for the MSE and Pearson's r."""
+
+    REGRESSION = ("examples", "sq_error", "sum_pred", "sum_gold", "sum_pred2", "sum_gold2", "sum_pred_gold")
+
+    def __init__(self, num_labels: int):
+        super().__init__()
+        self.num_labels = num_labels
+        self.part_names = self.REGRESSION if num_labels == 1 else class_part_names("examples", num_labels)
+
+    def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = classify_loss(output, targets)
+        labels = targets.reshape(targets.shape[0], -1)[:, 0]
+        if self.num_labels == 1:
+            pred = output.detach().reshape(-1).to(accumulation_dtype(output))
+            gold = labels.to(pred.dtype)
+            keep = ~torch.isnan(gold)
+            x, y = torch.where(keep, pred, 0.0), torch.where(keep, gold, 0.0)
+            self.record(keep.sum(), (x - y).square().sum(), x.sum(), y.sum(), x.square().sum(), y.square().sum(),
+                        (x * y).sum())
+        else:
+            n, correct, tp, fp, fn = class_counts(output.detach().argmax(-1), labels, self.num_labels)
+            self.record(n, correct, *tp, *fp, *fn)
+        return loss
+
+
+class SpanLoss(PartsLoss):
+    """`span_loss`, recording per micro-batch the examples and the sums of exact match and token-overlap F1
+    of the best valid span (end ≥ start) against the gold answers."""
+
+    part_names = ("examples", "exact_match", "f1_sum")
+
+    def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = span_loss(output, targets)
+        start, end = output.detach().unbind(-1)
+        ps, pe = best_spans(start.float(), end.float())
+        exact, f1 = span_scores(ps, pe, targets[:, 0::2], targets[:, 1::2])
+        keep = targets[:, 0] != IGNORE_INDEX
+        self.record(keep.sum(), (exact & keep).sum(), torch.where(keep, f1, 0.0).sum())
+        return loss
+
+
+class TokensLoss(PartsLoss):
+    """`tokens_loss`, recording the counts for token accuracy and macro F1 over labelled tokens."""
+
+    def __init__(self, num_labels: int):
+        super().__init__()
+        self.num_labels = num_labels
+        self.part_names = class_part_names("tokens", num_labels)
+
+    def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = tokens_loss(output, targets)
+        n, correct, tp, fp, fn = class_counts(output.detach().argmax(-1), targets, self.num_labels)
+        self.record(n, correct, *tp, *fp, *fn)
+        return loss
 
 
 def loss_for(cfg: ModelConfig, ops: TokenOps):
@@ -239,10 +362,32 @@ def loss_for(cfg: ModelConfig, ops: TokenOps):
         return PretrainLoss(ops, sop=head == "pretrain")
     if head == "encoder":
         raise ValueError("model.bert_head='encoder' has no loss; pick pretrain, mlm, classify, span or tokens")
-    return {"classify": classify_loss, "span": span_loss, "tokens": tokens_loss}[head]
+    if head == "classify":
+        return ClassifyLoss(cfg.num_labels)
+    if head == "tokens":
+        return TokensLoss(cfg.num_labels)
+    return SpanLoss()
 
 
 def eval_metrics(parts: dict, loss: float) -> dict:
+    """The reported evaluation metrics from the loss parts' means: MLM/SOP values (and perplexity) for
+    pretraining; accuracy and macro F1 for classify and tokens; exact match and F1 for span; MSE and
+    Pearson's r for regression."""
+    count = parts.get("examples", parts.get("tokens"))
+    if "correct" in parts:
+        C = sum(1 for k in parts if k.startswith("tp"))
+        tp, fp, fn = ([parts[f"{kind}{c}"] for c in range(C)] for kind in ("tp", "fp", "fn"))
+        return {"val_accuracy": parts["correct"] / max(count, 1e-12), "val_f1": macro_f1(tp, fp, fn)}
+    if "exact_match" in parts:
+        n = max(count, 1e-12)
+        return {"val_exact_match": parts["exact_match"] / n, "val_f1": parts["f1_sum"] / n}
+    if "sq_error" in parts:
+        n = max(count, 1e-12)
+        mx, my = parts["sum_pred"] / n, parts["sum_gold"] / n
+        cov = parts["sum_pred_gold"] / n - mx * my
+        vx, vy = parts["sum_pred2"] / n - mx * mx, parts["sum_gold2"] / n - my * my
+        r = cov / math.sqrt(vx * vy) if vx > 0 and vy > 0 else 0.0
+        return {"val_mse": parts["sq_error"] / n, "val_pearson": r}
     out = {f"val_{k}": v for k, v in parts.items()}
     if "mlm_loss" in parts:
         out["val_mlm_ppl"] = math.exp(min(parts["mlm_loss"], 50))
