@@ -25,7 +25,7 @@ import math
 
 from meshlm.config import Config, ConfigError
 from meshlm.data.bert_dataset import SPECIALS, BertDataset, BlendedBertDataset, wordpiece_continuations
-from meshlm.data.build import _open_prefix, resolve_sources
+from meshlm.data.build import _open_prefix, blend_splits, resolve_sources
 from meshlm.data.indexed import IndexedDataset
 from meshlm.data.tokenizers import Tokenizer, get_tokenizer
 
@@ -93,12 +93,4 @@ def build_bert_datasets(cfg: Config, progress: bool = False) -> tuple[Tokenizer,
         single = len(opened) == 1
         trains.append(samples(data, train_docs, num_train if single else math.ceil(num_train * w) + 2, "train", bpt))
         valids.append(samples(data, valid_docs, num_valid if single else math.ceil(num_valid * w) + 2, "valid", bpt))
-    if len(trains) == 1:
-        return tokenizer, trains[0], valids[0]
-    train = BlendedBertDataset(trains, weights, num_train)
-    usable = [(v, w) for v, w in zip(valids, weights) if len(v) and w > 0]
-    if not usable:
-        return tokenizer, train, valids[0]
-    total = sum(w for _, w in usable)
-    n_valid = int(min(len(v) * total / w for v, w in usable))  # no validation component repeats a sample
-    return tokenizer, train, BlendedBertDataset([v for v, _ in usable], [w for _, w in usable], n_valid)
+    return (tokenizer, *blend_splits(trains, valids, weights, num_train, BlendedBertDataset))

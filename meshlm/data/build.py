@@ -185,12 +185,20 @@ def build_datasets(cfg: Config, progress: bool = True) -> tuple[Tokenizer, GPTDa
                               "share of data.split")
         trains.append(GPTDataset(data, train_docs, seq, seed, wanted, d.cache_dir or None, "train", bpt))
         valids.append(GPTDataset(data, valid_docs, seq, seed, 0, d.cache_dir or None, "valid", bpt))
+    return (tokenizer, *blend_splits(trains, valids, weights, num_train, BlendedDataset))
+
+
+def blend_splits(trains: list, valids: list, weights: list[float], num_train: int, blend=None) -> tuple:
+    """(train, valid) from one dataset per source: the source's own when there is one, else `blend`s
+    (BlendedDataset or a subclass) of them by weight; the validation blend is as long as its sources allow
+    without repeating a sample."""
     if len(trains) == 1:
-        return tokenizer, trains[0], valids[0]
-    train = BlendedDataset(trains, weights, num_train)
+        return trains[0], valids[0]
+    blend = blend or BlendedDataset
+    train = blend(trains, weights, num_train)
     usable = [(v, w) for v, w in zip(valids, weights) if len(v) and w > 0]
     if not usable:
-        return tokenizer, train, valids[0]
+        return train, valids[0]
     total = sum(w for _, w in usable)
     n_valid = int(min(len(v) * total / w for v, w in usable))  # no validation component repeats a sample
-    return tokenizer, train, BlendedDataset([v for v, _ in usable], [w for _, w in usable], n_valid)
+    return train, blend([v for v, _ in usable], [w for _, w in usable], n_valid)

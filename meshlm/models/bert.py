@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.config import Config, ModelConfig
-from meshlm.models.init import InitRule, draw_base_seed, fill_
+from meshlm.models.init import InitRule, draw_base_seed, init_parameters
 from meshlm.models.layers import MLP, Attention, make_norm
 from meshlm.models.loss import IGNORE_INDEX, PartsLoss, TokenOps, accumulation_dtype
 from meshlm.models.spec import ModelSpec, PipelinePlan
@@ -105,8 +105,8 @@ class BERT(nn.Module):
             self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        for name, p in self.named_parameters():
-            fill_(p.data, init_rule(name, tuple(p.shape), self.cfg), self.init_seed, name, tuple(p.shape))
+        """Every parameter from `init_seed` by `init_rule` (the same values any shard of it would get)."""
+        init_parameters(self, init_rule)
 
     def init_buffers(self, device: torch.device | None = None) -> None:
         """BERT has no buffers."""

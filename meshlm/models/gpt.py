@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from meshlm.config import Config, ModelConfig
-from meshlm.models.init import InitRule, draw_base_seed, fill_
+from meshlm.models.init import InitRule, draw_base_seed, init_parameters
 from meshlm.models.layers import Block, KVCache, make_norm, rope_tables
 from meshlm.models.loss import cross_entropy, linear_cross_entropy
 from meshlm.models.spec import ModelSpec, PipelinePlan
@@ -47,8 +47,7 @@ class GPT(nn.Module):
 
     def reset_parameters(self) -> None:
         """Every parameter from `init_seed` by `init_rule` (the same values any shard of it would get)."""
-        for name, p in self.named_parameters():
-            fill_(p.data, init_rule(name, tuple(p.shape), self.cfg), self.init_seed, name, tuple(p.shape))
+        init_parameters(self, init_rule)
 
     def init_buffers(self, device: torch.device | None = None) -> None:
         """The RoPE tables (not saved in checkpoints), on `device` (default: the parameters')."""

@@ -103,3 +103,10 @@ def fill_(out: torch.Tensor, rule: InitRule, base: int, name: str, full_shape: t
         else:
             flat[d.to(out.device)] = values[r].to(out.dtype).to(out.device)
     return out
+
+
+def init_parameters(model, rule) -> None:
+    """Every parameter of a plain `model` from its `init_seed` by `rule(name, shape, cfg)` (a family's
+    `init_rule`): the same values any shard of it gets when materialised alone."""
+    for name, p in model.named_parameters():
+        fill_(p.data, rule(name, tuple(p.shape), model.cfg), model.init_seed, name, tuple(p.shape))

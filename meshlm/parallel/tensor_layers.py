@@ -132,15 +132,10 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
         return _reduce_scatter_seq(grad, ctx.group), None
 
 
-class _GatherForReplicated(torch.autograd.Function):
-    """The sequence-split stream gathered for modules every tp rank computes alike (BERT's pooler and
-    task heads): forward all-gather along the sequence; backward keeps this rank's chunk of the gradient,
-    which is already whole and equal on every rank (what follows is replicated), so nothing is summed."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_seq(x, group)
+class _GatherForReplicated(_GatherFromSequenceRegion):
+    """The sequence-split stream gathered for modules every tp rank computes alike (BERT's heads): forward
+    all-gather along the sequence (as SP's `f`); backward keeps this rank's chunk of the gradient, which is
+    already whole and equal on every rank (what follows is replicated), so nothing is summed."""
 
     @staticmethod
     def backward(ctx, grad):
