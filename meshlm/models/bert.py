@@ -18,7 +18,8 @@ Heads (`model.bert_head`), on the last stage:
   MLM cross-entropy over predicted tokens + the SOP cross-entropy, as in Megatron.
 * `mlm`: the MLM head alone (Hugging Face's `BertForMaskedLM`); targets (B, T) or (B, T + 1).
 * `classify`: a linear on the pooler (`num_labels` classes; 1: regression with MSE); targets (B, 1).
-* `span`: start/end logits per token (SQuAD), output (B, T, 2); targets (B, 2) = start, end positions.
+* `span`: start/end logits per token (SQuAD), output (B, T, 2); targets (B, 2) = start, end positions
+  (or (B, 2K) with K gold answers: the first pair trains, the best one scores).
 * `tokens`: a linear per token (`num_labels`); targets (B, T), −100 ignored.
 * `encoder`: the last hidden states (B, T, h) (sentence embeddings; no loss).
 
