@@ -72,3 +72,17 @@ def test_bert_pipeline_torchrun_equals_one_process(tmp_path):
         for key in ("loss", "mlm_loss", "sop_loss", "mlm_acc", "sop_acc", "val_loss", "val_mlm_acc", "val_sop_acc"):
             if key in ra:
                 assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-6), (key, ra, rb)
+
+
+def test_bert_mixed_precision_follows_fp32(tmp_path):
+    """bf16 autocast and fp16 with dynamic loss scaling train BERT as fp32 does, to their rounding."""
+    losses = {}
+    for precision in ("fp32", "bf16", "fp16"):
+        out = tmp_path / precision
+        proc = run_cli("train", "--config", "bert-tiny", *SMALL, "--train.max_steps=3",
+                       f"--train.precision={precision}", f"--train.out_dir={out}")
+        assert proc.returncode == 0, proc.stderr
+        losses[precision] = [r["loss"] for r in _records(out) if r["kind"] == "train"]
+    for precision in ("bf16", "fp16"):
+        assert losses[precision] == pytest.approx(losses["fp32"], rel=2e-2), (precision, losses)
+        assert losses[precision] != losses["fp32"]  # the low precision was in use
