@@ -86,3 +86,14 @@ def test_bert_mixed_precision_follows_fp32(tmp_path):
     for precision in ("bf16", "fp16"):
         assert losses[precision] == pytest.approx(losses["fp32"], rel=2e-2), (precision, losses)
         assert losses[precision] != losses["fp32"]  # the low precision was in use
+
+
+def test_bench_memory_command_of_docs_bert(tmp_path):
+    """docs/bert.md's `meshlm bench memory` line, as typed: BERT's layers save what the formula says."""
+    doc = (ROOT / "docs" / "bert.md").read_text()
+    line = next(ln.strip() for ln in doc.splitlines() if ln.strip().startswith(".venv/bin/meshlm bench memory"))
+    args = line.split()[1:]
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    total = next(ln for ln in proc.stdout.splitlines() if ln.startswith("| all |"))
+    assert total.rstrip(" |").endswith("1.000"), total
