@@ -66,9 +66,13 @@ def tp_square_sums(model: nn.Module, dims):
     from meshlm.parallel.grads import sharded_row_masks
 
     sharded_ids = set(sharded_row_masks(model))
+    masks: dict[tuple[int, ...], torch.Tensor] = {}  # per list of stepped parameters: built once, not per step
 
     def reduce(squares: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
-        mine = torch.tensor([id(p) in sharded_ids for p in params], device=squares.device).repeat(2)
+        key = tuple(id(p) for p in params)
+        if key not in masks:
+            masks[key] = torch.tensor([id(p) in sharded_ids for p in params], device=squares.device).repeat(2)
+        mine = masks[key]
         summed = torch.where(mine, squares, torch.zeros_like(squares))
         dist.all_reduce(summed, group=dims.tp_group)
         return torch.where(mine, summed, squares)
