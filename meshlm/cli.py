@@ -21,6 +21,7 @@ from meshlm.infer.embed import add_embed_command
 from meshlm.interop.convert import add_convert_command
 from meshlm.plan.commands import add_bench_commands
 from meshlm.train.finetune import add_finetune_command
+from meshlm.tune.command import add_tune_command
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -173,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert_command(sub)  # meshlm convert --to-single | --to-hf | --from-hf
     add_embed_command(sub)  # meshlm embed
     add_finetune_command(sub)  # meshlm finetune
+    add_tune_command(sub)  # meshlm tune
     return parser
 
 

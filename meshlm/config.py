@@ -296,6 +296,49 @@ class ParallelConfig:
         _check(self.bucket_mb > 0, f"parallel.bucket_mb={self.bucket_mb} must be positive (MiB per gradient bucket)")
 
 
+LORA_TARGETS = ("q", "k", "v", "qkv", "o", "up", "gate", "fc", "down")
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """Adapting a frozen model (`meshlm tune`, docs/tune.md): the base's weights stay as they are; only the
+    adapter (virtual-token embeddings, a prompt encoder, or LoRA matrices) and new task heads train."""
+
+    method: str = "none"  # none | prompt (Lester et al.) | ptuning (prompt encoder, Liu et al.) | lora (Hu et al.)
+    base: str = ""  # the frozen base checkpoint (a run dir or a step dir); required unless method=none
+    virtual_tokens: int = 10  # prompt / ptuning: learned tokens before each input
+    tasks: list[str] = field(default_factory=list)  # prompt / ptuning: one virtual prompt per task; []: one
+    prompt_init: str = "vocab"  # prompt: vocab (embeddings of random vocabulary tokens) | text | random
+    prompt_init_text: str = ""  # prompt_init=text: its tokens' embeddings, repeated to virtual_tokens
+    encoder: str = "mlp"  # ptuning: mlp | lstm (bidirectional, then an MLP)
+    encoder_hidden: int = 0  # ptuning: the encoder's hidden width; 0: model.hidden_size
+    lora_rank: int = 8
+    lora_alpha: float = 16.0  # the update is scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0  # dropout on the input of A
+    lora_targets: list[str] = field(default_factory=lambda: ["q", "v"])  # q k v qkv o up gate fc down
+
+    def validate(self) -> None:
+        _choices("tune.method", self.method, ("none", "prompt", "ptuning", "lora"))
+        _choices("tune.prompt_init", self.prompt_init, ("vocab", "text", "random"))
+        _choices("tune.encoder", self.encoder, ("mlp", "lstm"))
+        _positive("tune", self, "virtual_tokens", "lora_rank", "lora_alpha")
+        _check(self.encoder_hidden >= 0, f"tune.encoder_hidden={self.encoder_hidden} must be >= 0 (0: model.hidden_size)")
+        _check(0.0 <= self.lora_dropout < 1.0, f"tune.lora_dropout={self.lora_dropout} must be in [0, 1)")
+        _check(self.method == "none" or self.base.strip() != "",
+               f"tune.method={self.method!r} needs tune.base, the frozen base checkpoint; e.g. tune.base=runs/gpt-tiny")
+        _check(self.prompt_init != "text" or self.prompt_init_text.strip() != "",
+               "tune.prompt_init='text' needs tune.prompt_init_text (the words whose embeddings start the prompt)")
+        _check(bool(self.lora_targets), f"tune.lora_targets is empty; name some of {', '.join(LORA_TARGETS)}")
+        for name in self.lora_targets:
+            _check(name in LORA_TARGETS, f"tune.lora_targets holds {name!r}, not a LoRA target; choose from "
+                   f"{', '.join(LORA_TARGETS)} (q/k/v: rows of the fused attention input, qkv: all of it, o: the "
+                   "attention output, up/gate: the MLP input (SwiGLU's halves), fc: the whole MLP input, down: its output)")
+        _check(len(set(self.lora_targets)) == len(self.lora_targets), f"tune.lora_targets={self.lora_targets} names a target twice")
+        for name in self.tasks:
+            _check(name.strip() != "", f"tune.tasks={self.tasks!r} holds an empty task name")
+        _check(len(set(self.tasks)) == len(self.tasks), f"tune.tasks={self.tasks} names a task twice")
+
+
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -303,6 +346,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
 
     def validate(self) -> Config:
         for f in fields(self):
@@ -325,7 +369,7 @@ class Config:
 
 
 _SECTION_TYPES = {"model": ModelConfig, "train": TrainConfig, "optim": OptimConfig, "data": DataConfig,
-                  "parallel": ParallelConfig}
+                  "parallel": ParallelConfig, "tune": TuneConfig}
 
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:

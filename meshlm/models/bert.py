@@ -39,7 +39,7 @@ from torch import nn
 
 from meshlm.config import Config, ModelConfig
 from meshlm.models.init import InitRule, draw_base_seed, init_parameters
-from meshlm.models.layers import MLP, Attention, make_norm
+from meshlm.models.layers import MLP, Attention, lora_targets, make_norm
 from meshlm.models.loss import IGNORE_INDEX, PartsLoss, TokenOps, accumulation_dtype
 from meshlm.models.spec import ModelSpec, PipelinePlan
 
@@ -540,4 +540,5 @@ BERT_SPEC = ModelSpec(
     selective_recompute=("attn.core",), init_rule=init_rule, logical_blocks=logical_blocks,
     loss=None, fused_loss=False, flops=_flops, recompute_flops=_recompute_flops, stage_costs=_stage_costs,
     parameter_count=parameter_count, activation_bytes=_activation_bytes, build_datasets=_datasets,
-    loss_for=loss_for, stage_inputs=True, eval_metrics=eval_metrics, example_batch=example_batch, decoder=False)
+    loss_for=loss_for, stage_inputs=True, eval_metrics=eval_metrics, example_batch=example_batch, decoder=False,
+    lora_targets=lora_targets)

@@ -21,7 +21,7 @@ from torch import nn
 
 from meshlm.config import Config, ModelConfig
 from meshlm.models.init import InitRule, draw_base_seed, init_parameters
-from meshlm.models.layers import Block, KVCache, make_norm, rope_tables
+from meshlm.models.layers import Block, KVCache, lora_targets, make_norm, rope_tables
 from meshlm.models.loss import cross_entropy, linear_cross_entropy
 from meshlm.models.spec import ModelSpec, PipelinePlan
 
@@ -215,4 +215,5 @@ GPT_SPEC = ModelSpec(
     pipeline=PipelinePlan(first=("tok_emb", "pos_emb", "drop"), layers="layers", last=("norm", "lm_head")),
     selective_recompute=("attn.core",), init_rule=init_rule, logical_blocks=logical_blocks, loss=cross_entropy,
     fused_loss=True, flops=_flops, recompute_flops=_recompute_flops, stage_costs=_stage_costs,
-    parameter_count=_parameter_count, activation_bytes=_activation_bytes, build_datasets=_datasets)
+    parameter_count=_parameter_count, activation_bytes=_activation_bytes, build_datasets=_datasets,
+    lora_targets=lora_targets, virtual_tokens=True)

@@ -152,3 +152,18 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, rope=None, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), rope, cache, start)
         return x + self.mlp(self.norm2(x))
+
+
+def lora_targets(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, int] | None]]:
+    """LoRA targets of these layers (`tune/lora.py`): name → (the linears' path pattern, the rows of their
+    whole weight it updates; None: every row). `q`/`k`/`v` are row blocks of the fused `attn.qkv`;
+    `gate`/`up` SwiGLU's halves of `mlp.fc` (with GeLU, `up` is the whole `mlp.fc`)."""
+    q, kv, ffn = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn_size
+    out = {"q": ("layers.*.attn.qkv", (0, q)), "k": ("layers.*.attn.qkv", (q, q + kv)),
+           "v": ("layers.*.attn.qkv", (q + kv, q + 2 * kv)), "qkv": ("layers.*.attn.qkv", None),
+           "o": ("layers.*.attn.proj", None), "fc": ("layers.*.mlp.fc", None), "down": ("layers.*.mlp.proj", None)}
+    if cfg.activation == "swiglu":
+        out.update(gate=("layers.*.mlp.fc", (0, ffn)), up=("layers.*.mlp.fc", (ffn, 2 * ffn)))
+    else:
+        out["up"] = ("layers.*.mlp.fc", None)
+    return out

@@ -65,6 +65,10 @@ class ModelSpec:
     eval_metrics: Callable | None = None  # ({part name: mean}, mean loss) → the evaluation's reported metrics
     example_batch: Callable | None = None  # (cfg, micro_batch, torch.Generator) → random (inputs, targets); None: ids
     decoder: bool = True  # generates text (`meshlm generate`, `train.sample_tokens`)
+    # Adapters (`meshlm tune`, tune/): LoRA targets, name → (linear path pattern, rows of its weight or None),
+    # and whether virtual tokens (prompt tuning, p-tuning) can go before the input (the model's `embed(ids, start)`).
+    lora_targets: Callable | None = None  # (ModelConfig) → {target: (pattern, (lo, hi) | None)}
+    virtual_tokens: bool = False
 
 
 def family_loss(spec: ModelSpec, cfg: ModelConfig, ops=None) -> Callable:

@@ -59,6 +59,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, rng: TPRNGTra
        prunes the rest. Before recomputation, whose chunks and `block` counts are per stage, as in Megatron.
     3. materialisation of a meta-built model: only now is it known what this rank holds, so only that is
        allocated and initialised (to its slices of the single-process initialisation).
+       Then adapters (`tune.method`: LoRA on the parallel linears, virtual tokens on the first stage's
+       embedding) and the base frozen: every later transform sees the adapter and only it trains.
     4. the pipeline schedule and the tied-embedding group, over the real parameters.
     5. activation recomputation (`train.recompute`): it wraps the parallel layers' forwards (full) or
        attention core (selective), so a recomputed region replays the sharded computation, its collectives
@@ -78,6 +80,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, rng: TPRNGTra
     cut = cut_stages(model, spec, cfg, dims.pp_rank, fused_head(cfg, dims, spec)) if dims.pp > 1 else None
     if any(p.is_meta for p in model.parameters()):
         materialize(model, spec, dims.device)
+    if cfg.tune.method != "none":  # adapters on the (parallel) linears or the embedding; the base frozen
+        from meshlm.tune.adapters import apply_adapters
+
+        apply_adapters(model, spec, cfg, dims, rng)
     pipe = build_pipeline(model, spec, dims, cfg, loss_fn, cut) if cut is not None else None
     for stage in pipe.modules if pipe is not None else [model]:
         apply_recompute(stage, cfg, rng, spec)

@@ -139,13 +139,17 @@ class GradSync:
     def _whole(self, p: torch.Tensor) -> Owned:
         return Owned(self.names[id(p)], tuple(p.shape), 0, p.numel(), p.detach().view(-1), p, _flat)
 
+    def _base_parameters(self) -> list[nn.Parameter]:
+        """The model's own parameters: adapters (`tune/`) are saved by `tune/state.py` instead."""
+        return [p for p in self.model.parameters() if not getattr(p, "adapter", False)]
+
     def save_ranges(self) -> list[Owned]:
         """The ranges whose weights and optimizer states this rank writes (each dp replica once)."""
-        return [self._whole(p) for p in self.model.parameters()] if self.dims.dp_rank == 0 else []
+        return [self._whole(p) for p in self._base_parameters()] if self.dims.dp_rank == 0 else []
 
     def load_weight_ranges(self) -> list[Owned]:
         """The ranges of parameters this rank must read back."""
-        return [self._whole(p) for p in self.model.parameters()]
+        return [self._whole(p) for p in self._base_parameters()]
 
     def load_state_ranges(self) -> list[Owned]:
         """The ranges of optimizer state this rank's optimizer holds."""

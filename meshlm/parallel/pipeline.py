@@ -278,6 +278,8 @@ class Pipeline:
         if self.tied_group is None or self.tied_weight is None:
             return
         w = self.tied_weight
+        if not w.requires_grad:  # frozen (an adapter trains instead): no gradient to share
+            return
         if w.grad is None:
             w.grad = torch.zeros_like(w)
         with self._peers("tied-embedding gradient all-reduce"):

@@ -166,6 +166,9 @@ def check_config(cfg: Config) -> None:
     if p.tp > 1:
         check_tensor_parallel(m, p.tp, p.sp)
     check_data_parallel(cfg, p.tp)
+    if cfg.tune.method != "none" and p.zero:
+        raise ConfigError(f"parallel.zero={p.zero} with tune.method={cfg.tune.method!r}: an adapter's optimizer state is "
+                          "tiny and is kept whole on every rank; set parallel.zero=0")
     counts = partition_layers(m.n_layers, p.pp, p.vpp, p.pp_layers or None) if m.n_layers <= 10 ** 5 else \
         [m.n_layers // (p.pp * p.vpp)]  # (a size this large is refused before allocation anyway: plan/fit.py)
     if t.recompute_num_layers > min(counts):

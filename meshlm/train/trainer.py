@@ -41,6 +41,8 @@ from meshlm.train import ckpt_files, dist_checkpoint
 from meshlm.train.metrics import measure_peak_tflops, peak_memory_mb, truncate_metrics
 from meshlm.train.optim import build_optimizer, lr_at
 from meshlm.train.precision import Precision
+from meshlm.tune import state as tune_state
+from meshlm.tune.adapters import describe_adapter, init_virtual_tokens
 
 
 def _num_tokens(dataset) -> int:
@@ -114,7 +116,8 @@ class Trainer:
         # of the whole model built from the seed), then the pipeline schedule, recomputation and DP wrap it.
         self.parallel = build_model(cfg, self.dims, rng=self.tp_rng, spec=self.spec)
         self.model = self.parallel.model  # this rank's part, plain parameter names
-        self.legacy_resume = (self.resume_from is not None and self.dims.world_size == 1
+        self.tuning = cfg.tune.method != "none"  # an adapter on a frozen base (tune/): its own checkpoints
+        self.legacy_resume = (self.resume_from is not None and self.dims.world_size == 1 and not self.tuning
                               and not dist_checkpoint.is_sharded(self.resume_from))
         if self.legacy_resume:  # a one-process checkpoint into one process: the plain state dicts
             self.model.load_state_dict(ckpt.load_model_state(self.resume_from, self.device))
@@ -142,7 +145,15 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.stop_signal: str | None = None
-        if self.resume_from is not None:
+        if self.tuning:  # the frozen base's weights, every time; then the adapter's state, or its first values
+            self._init_from(cfg.tune.base)
+            if self.resume_from is not None:
+                tune_state.load(self, self.resume_from)
+                self.log(f"resumed from {self.resume_from} at step {self.step}")
+            else:
+                init_virtual_tokens(self)
+            self.log(describe_adapter(self))
+        elif self.resume_from is not None:
             self._load(self.resume_from)
         elif t.init_from:
             self._init_from(t.init_from)
@@ -192,7 +203,9 @@ class Trainer:
     def save(self) -> Path:
         """Publish this step's checkpoint (never one with non-finite weights), then keep the newest
         `train.keep_last` valid ones."""
-        if self.dims.world_size == 1:
+        if self.tuning:
+            path = tune_state.save(self)
+        elif self.dims.world_size == 1:
             parts = self.state_parts()
             parts["state"]["skipped_steps"] = self.skipped_steps
             path = ckpt.save_checkpoint(self.out_dir, self.step, parts, self.cfg.to_dict())
@@ -389,8 +402,10 @@ class Trainer:
         loss = sum(losses) / len(losses)
         if self.spec.eval_metrics is not None:
             return {"val_loss": loss, **self.spec.eval_metrics(parts, loss)}
-        bpb = loss / math.log(2) / self.valid_set.bytes_per_token
-        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50)), "val_bpb": bpb}
+        out = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50))}
+        if hasattr(self.valid_set, "bytes_per_token"):  # text of the corpus (a tune set scores its outputs only)
+            out["val_bpb"] = loss / math.log(2) / self.valid_set.bytes_per_token
+        return out
 
     def _take_parts(self):
         return self.loss_fn.take() if self.part_names else None

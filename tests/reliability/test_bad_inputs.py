@@ -78,7 +78,7 @@ def assert_one_error_line(code: int, stderr: str, *words: str) -> str:
 
 # ---- generated bad values, key by key ----------------------------------------------------------
 SECTIONS = {name: type(getattr(load_config("gpt-tiny"), name)) for name in ("model", "train", "optim", "data",
-                                                                                 "parallel")}
+                                                                                 "parallel", "tune")}
 WRONG_TYPES = {"int": ["'abc'", "1.5", "true", "[1]", "{a = 1}"], "float": ["'abc'", "true", "[1.0]"],
                "str": ["1", "true", "[1]", "2.5"], "bool": ["1", "'yes'", "2.5", "[true]"],
                "list": ["1", "'a'", "true", "[[1]]", "[true]"]}
@@ -89,10 +89,11 @@ POSITIVE = {"model.vocab_size", "model.n_layers", "model.hidden_size", "model.n_
             "train.global_batch_size", "train.log_every", "train.eval_iters", "optim.lr", "optim.eps",
             "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.timeout_s", "parallel.bucket_mb",
             "optim.wsd_decay_fraction", "model.n_kv_heads", "model.ffn_hidden_size", "model.type_vocab_size",
-            "model.num_labels"}
+            "model.num_labels", "tune.virtual_tokens", "tune.lora_rank", "tune.lora_alpha"}
 CHOICES = {"model.family", "model.position", "model.norm", "model.activation", "model.bert_head", "model.pooling",
            "train.precision", "train.device",
-           "train.recompute", "train.recompute_method", "optim.decay", "optim.name"}
+           "train.recompute", "train.recompute_method", "optim.decay", "optim.name", "tune.method", "tune.prompt_init",
+           "tune.encoder"}
 NON_EMPTY = {"train.out_dir", "train.resume", "data.tokenizer", "data.json_key", "data.split"}
 
 

@@ -1,0 +1,7 @@
+"""Adapting a frozen model: prompt tuning, p-tuning and LoRA (`meshlm tune`, docs/tune.md).
+
+`adapters.py` applies an adapter to a (parallel) model as one more transform and freezes the base;
+`lora.py` and `prompt.py` are the two kinds; `state.py` the tune run's checkpoints (trainable tensors only,
+whole); `data.py` the tuning data; `export.py` the adapter's files (meshlm's and Hugging Face PEFT's) and
+putting an adapter back onto a model; `command.py` the command.
+"""

@@ -1,0 +1,196 @@
+"""`meshlm tune`: an adapter trained on a frozen checkpoint (prompt tuning, p-tuning or LoRA).
+
+    meshlm tune --checkpoint BASE --method prompt|ptuning|lora --train T.jsonl --valid V.jsonl --out DIR
+                [--template [TASK=]TEXT ...] [--epochs 3] [--max-length N] [--truncate]
+                [--task classify|span|tokens]   (BERT checkpoints: `meshlm finetune`'s tasks)
+                [--section.key=value ...]       (tune.lora_rank, tune.virtual_tokens, optim.lr, parallel.tp, ...)
+
+The run's config is the base checkpoint's with `tune.method`, `tune.base=BASE` and tuning defaults
+(`tune_values`), then the user's overrides. The ordinary `Trainer` runs it: resuming (the same command
+again), parallel layouts under torchrun, metrics.jsonl and the log are those of pretraining. At the end DIR
+holds the adapter for `meshlm generate --adapter DIR` and for Hugging Face PEFT (`tune/export.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from meshlm.config import ConfigError, apply_overrides, build, check_output_dir
+from meshlm.data.items import DataError
+from meshlm.train.finetune import DEFAULT_EPOCHS, TASKS, _is_main, read_jsonl, say, with_schedule
+
+METHODS = ("prompt", "ptuning", "lora")
+INFO_FILE = "tune.json"
+# Learning rates that work for each method on small models (docs/tune.md): prompt tables move slowly.
+DEFAULT_LR = {"prompt": 3e-2, "ptuning": 1e-3, "lora": 1e-3}
+
+
+def tune_values(base: dict, method: str, checkpoint: str, out_dir: str, tasks: list[str],
+                overrides: list[str]) -> dict:
+    """The base's config values with the adapter and tuning defaults, then the user's overrides: AdamW at
+    `DEFAULT_LR[method]` (no weight decay: an adapter is small and starts at the base's function), linear
+    decay to 0, batches of 16 (micro-batches of 8), one process unless parallel.* says otherwise."""
+    values = {k: dict(v) for k, v in base.items()}
+    values["tune"] = {"method": method, "base": checkpoint, "tasks": tasks}
+    values["train"].update(out_dir=out_dir, init_from="", resume="auto", micro_batch_size=8, global_batch_size=16,
+                           sample_tokens=0, compile=False, recompute="none", recompute_method="uniform",
+                           recompute_num_layers=0, device="auto")
+    values["optim"].update(lr=DEFAULT_LR[method], min_lr=0.0, weight_decay=0.0, beta1=0.9, beta2=0.999, eps=1e-8,
+                           grad_clip=1.0, decay="linear", decay_steps=0)
+    values["parallel"] = {}
+    values["model"]["dropout"] = 0.0
+    return apply_overrides(values, overrides)
+
+
+def _tasks(items: list[tuple[str, str, str]], valid: list[tuple[str, str, str]], wheres: list[str]) -> list[str]:
+    """The task names in order of first appearance in the training file ([] when every line has none)."""
+    names: list[str] = []
+    for task, _, _ in items:
+        if task not in names:
+            names.append(task)
+    for (task, _, _), where in zip(valid, wheres):
+        if task not in names:
+            raise DataError(f"{where}: task {task!r} does not occur in --train; every validation task needs training "
+                            "examples (its own virtual prompt)")
+    return [] if names == [""] else names
+
+
+def _max_length(args: argparse.Namespace, seq_len: int) -> int:
+    wanted = args.max_length
+    if wanted is None:
+        return seq_len
+    if not 2 <= wanted <= seq_len:
+        raise ConfigError(f"--max-length {wanted} must be in 2..{seq_len} (model.seq_len of the base checkpoint)")
+    return wanted
+
+
+def prepare(args: argparse.Namespace, overrides: list[str]):
+    """Everything before training, writing nothing: (config, tokenizer, train set, valid set, info)."""
+    from meshlm.cli import checkpoint_config
+    from meshlm.data.tokenizers import get_tokenizer
+    from meshlm.tune.data import encode, examples, parse_templates
+    from meshlm.tune.export import base_fingerprint
+
+    if args.epochs < 1:
+        raise ConfigError(f"--epochs {args.epochs} must be >= 1")
+    check_output_dir("--out", args.out)
+    base = checkpoint_config(args.checkpoint)
+    if not base.model.family == "gpt":
+        raise ConfigError(f"--checkpoint {args.checkpoint!r} holds a model.family={base.model.family!r} model; for it "
+                          "give --task classify|span|tokens (meshlm finetune's data) with --method lora")
+    if args.task is not None:
+        raise ConfigError(f"--task {args.task} is for BERT checkpoints; a GPT checkpoint learns --train's outputs")
+    templates = parse_templates(args.template or [])
+    train_lines = read_jsonl(args.train, "--train")
+    valid_lines = read_jsonl(args.valid, "--valid")
+    train_items = examples(train_lines, templates, "--train")
+    valid_items = examples(valid_lines, templates, "--valid")
+    tasks = _tasks(train_items, valid_items, [x.where for x in valid_lines])
+    if tasks and args.method == "lora":
+        raise ConfigError(f"--method lora with several tasks ({', '.join(tasks[:3])}): LoRA has no per-task prompt; "
+                          "train one adapter per task, or use --method prompt|ptuning")
+    values = tune_values(base.to_dict(), args.method, args.checkpoint, args.out, tasks, overrides)
+    first = build(values)
+    tokenizer = get_tokenizer(first.data.tokenizer)
+    length = _max_length(args, first.model.seq_len)
+    n_virtual = first.tune.virtual_tokens if args.method != "lora" else 0
+    sets = []
+    for items, lines, flag, path in ((train_items, train_lines, "--train", args.train),
+                                     (valid_items, valid_lines, "--valid", args.valid)):
+        data, cut = encode(items, [x.where for x in lines], tokenizer, length, n_virtual, tasks, args.truncate)
+        sets.append(data)
+        say(f"{flag} {path}: {len(data)} examples, {data.num_tokens:,} output tokens"
+            + (f"; {cut} inputs cut to fit" if cut else ""))
+    train, valid = sets
+    n_valid = len(valid)
+    valid = valid.padded(first.train.micro_batch_size, tokenizer.eod_id)
+    cfg = with_schedule(values, overrides, len(train), len(valid), args.epochs)
+    info = {"method": args.method, "checkpoint": args.checkpoint, "base_fingerprint": base_fingerprint(args.checkpoint),
+            "train": args.train, "valid": args.valid, "train_examples": len(train), "valid_examples": n_valid,
+            "max_length": length, "tasks": tasks, "templates": {k: t.text for k, t in templates.items()}}
+    return cfg, tokenizer, train, valid, info
+
+
+def _write_info(out: Path, info: dict) -> None:
+    path = out / INFO_FILE
+    if path.exists():
+        old = json.loads(path.read_text())
+        for key in ("method", "tasks", "base_fingerprint"):
+            if old.get(key) != info[key]:
+                raise ConfigError(f"{out} holds a tune run with {key}={old.get(key)!r}, not {info[key]!r}; use another "
+                                  "--out to start a new run")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(info, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def run_tune(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.task is not None:  # BERT: meshlm finetune's data and heads, with the adapter on the frozen encoder
+        from meshlm.train.finetune import run_finetune
+
+        extra = [f"--tune.method={args.method}", f"--tune.base={args.checkpoint}", "--train.init_from=",
+                 f"--optim.lr={DEFAULT_LR[args.method]}"]
+        code = run_finetune(args, extra + overrides)
+        if code == 0 and _is_main():
+            from meshlm.tune.export import export_run
+
+            export_run(Path(args.out))
+        return code
+    from meshlm.parallel import destroy
+    from meshlm.plan.fit import check_training_fits
+    from meshlm.train import trainer as trainer_module
+    from meshlm.tune.export import export_run
+
+    cfg, tokenizer, train, valid, info = prepare(args, overrides)
+    check_training_fits(cfg)
+    out = Path(args.out)
+    created = not out.exists()
+    t = cfg.train
+    say(f"tuning ({args.method}) {args.checkpoint}: {t.max_steps} steps of {t.global_batch_size} examples, lr "
+        f"{cfg.optim.lr:g}, evaluation every {t.eval_every} steps over {info['valid_examples']} examples")
+    try:
+        if _is_main():
+            out.mkdir(parents=True, exist_ok=True)
+            _write_info(out, info)
+        trainer = trainer_module.Trainer(cfg, datasets=(tokenizer, train, valid))
+    except BaseException:
+        if created and _is_main():
+            shutil.rmtree(out, ignore_errors=True)
+        destroy()
+        raise
+    try:
+        result = trainer.run()
+    except BaseException:
+        destroy()
+        raise
+    destroy(wait_for_all=True)
+    if _is_main() and trainer.stop_signal is None:
+        written = export_run(out)
+        say(f"tune: step {result['step']}: val loss {result.get('val_loss', float('nan')):.4f}; adapter in "
+            f"{', '.join(str(p.name) for p in written)} of {out}")
+    return trainer.exit_code
+
+
+def add_tune_command(sub) -> None:
+    """Register `meshlm tune` on the CLI's subparsers."""
+    p = sub.add_parser("tune", help="train an adapter (prompt tuning, p-tuning, LoRA) on a frozen checkpoint",
+                       description="Prompt tuning, p-tuning or LoRA of a frozen checkpoint on .jsonl data "
+                                   "(docs/tune.md); extra --section.key=value override the config.")
+    p.add_argument("--checkpoint", required=True, help="the frozen base: a run directory (its latest checkpoint) or "
+                                                       "a step dir")
+    p.add_argument("--method", required=True, choices=METHODS)
+    p.add_argument("--train", required=True, metavar="FILE.jsonl")
+    p.add_argument("--valid", required=True, metavar="FILE.jsonl")
+    p.add_argument("--out", required=True, metavar="DIR", help="the run directory (the same DIR again resumes)")
+    p.add_argument("--template", action="append", metavar="[TASK=]TEXT",
+                   help="a prompt template ending in {answer}, per task; lines then hold taskname, fields and answer")
+    p.add_argument("--task", choices=TASKS, default=None, help="BERT checkpoints: the task of meshlm finetune")
+    p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS,
+                   help=f"passes over the training set (default {DEFAULT_EPOCHS}; --train.max_steps overrides)")
+    p.add_argument("--max-length", type=int, default=None, metavar="N",
+                   help="tokens per example row (default model.seq_len)")
+    p.add_argument("--truncate", action="store_true", help="cut the start of inputs too long for a row")
+    p.set_defaults(func=run_tune)
