@@ -1,5 +1,5 @@
-"""meshlm command line: `meshlm train | generate | embed | finetune | plot | prepare | tokenizer train | bench
-memory | convert`.
+"""meshlm command line: `meshlm train | generate | embed | finetune | tune | plot | prepare | tokenizer train |
+bench memory | convert`.
 
 User errors (bad config or argument, missing or corrupt checkpoint or asset, bad data, a full disk, a
 run too large for this machine, a run whose losses stay non-finite) print one line starting with
@@ -120,12 +120,24 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
                           "generate text; use meshlm embed or meshlm finetune with it, or a GPT checkpoint here")
     tokenizer = get_tokenizer(cfg.data.tokenizer)
     ids = tokenizer.encode(args.prompt) or [tokenizer.eod_id]
-    max_new_tokens = _check_lengths(cfg, len(ids), args.max_new_tokens)
+    adapter, head = None, []
+    if args.adapter is not None:  # checked against this base before anything is loaded
+        from meshlm.tune.export import apply_adapter, read_adapter
+
+        adapter = read_adapter(args.adapter, cfg, args.checkpoint)
+        # As the tuning data lays an example out (tune/data.py): the task's virtual-token placeholders, or
+        # a document start.
+        head = [adapter.task_index(args.task)] * adapter.virtual_tokens or [tokenizer.eod_id]
+    elif args.task is not None:
+        raise ConfigError("--task chooses the virtual prompt of an --adapter; give --adapter DIR")
+    max_new_tokens = _check_lengths(cfg, len(head) + len(ids), args.max_new_tokens)
     model, _, _ = load_model_from_checkpoint(args.checkpoint, device, cfg)
-    prompt = torch.tensor([ids], device=device)
+    if adapter is not None:
+        apply_adapter(model, cfg, adapter)  # LoRA merged into the weights: no extra work per token
+    prompt = torch.tensor([head + ids], device=device)
     out = generate(model, prompt, max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, use_cache=not args.no_cache)
-    print(tokenizer.decode(out[0].tolist()))
+    print(tokenizer.decode(out[0, len(head):].tolist()))
     return 0
 
 
@@ -165,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each step")
+    gen.add_argument("--adapter", default=None, metavar="DIR", help="an adapter of meshlm tune (or a PEFT "
+                     "directory) tuned on --checkpoint")
+    gen.add_argument("--task", default=None, help="with a several-task prompt adapter: the task's prompt")
     gen.set_defaults(func=_generate)
     plot = sub.add_parser("plot", help="write OUT_DIR/loss.png from OUT_DIR/metrics.jsonl")
     plot.add_argument("out_dir")
