@@ -88,8 +88,8 @@ class VirtualPrompt(nn.Module):
         local = out.shape[1]
         offset = self.tp_rank * local if self.sp else 0
         lo, hi = max(0, offset), min(n, offset + local)
-        if lo >= hi:
-            return out
+        if lo >= hi:  # none of this rank's tokens (SP): still on the graph, so backward's collectives match
+            return out + 0.0 * self.embeddings().sum().to(out.dtype)
         task = ids[:, 0].clamp(0, self.tasks - 1)
         virtual = self.embeddings()[task][:, lo:hi].to(out.dtype)  # (B, hi − lo, h)
         return torch.cat([out[:, :lo - offset], virtual, out[:, hi - offset:]], dim=1)
