@@ -92,3 +92,40 @@ def test_readme_bert_commands(tmp_path):
     evals = [json.loads(line) for line in (tmp_path / "runs" / "genre" / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["kind"] == "eval"]
     assert evals and {"val_accuracy", "val_f1"} <= set(evals[-1])
+
+
+def test_readme_tune_commands(tmp_path):
+    """Every command of the README's tuning section, as typed, on a narrowed `make demo` base (outputs moved
+    under tmp_path; each tuning run two steps)."""
+    import shlex
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    bin_dir = str(Path(sys.executable).parent)
+    base = ["--model.n_layers=2", "--model.hidden_size=32", "--train.micro_batch_size=2", "--train.global_batch_size=2",
+            "--train.eval_iters=1", "--train.peak_tflops=1", "--train.max_steps=2", "--train.progress=false",
+            "--train.sample_tokens=0", f"--train.out_dir={tmp_path}/runs/gpt-tiny"]
+    subprocess.run([sys.executable, "-m", "meshlm", "train", "--config", "gpt-tiny", *base], cwd=ROOT, check=True,
+                   capture_output=True, timeout=300)
+    commands = _section_commands("Tuning: prompt tuning, p-tuning, LoRA")
+    assert len(commands) == 6, commands
+    outputs = {}
+    for line in commands:
+        line = line.replace(".venv/bin/", bin_dir + "/").replace("runs/", f"{tmp_path}/runs/")
+        line = line.replace("data/plays", f"{tmp_path}/data/plays")
+        if line.startswith("torchrun"):
+            line = line.replace("torchrun", f"{shlex.quote(sys.executable)} -m torch.distributed.run", 1)
+        if " tune " in line:
+            line += " --train.max_steps=2 --train.progress=false --train.eval_iters=1 --train.peak_tflops=1"
+            line += " --parallel.timeout_s=60"
+        proc = subprocess.run(["bash", "-c", line], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              check=False)
+        assert proc.returncode == 0, (line, proc.stderr[-2000:])
+        outputs[line] = proc.stdout
+    for name in ("plays-lora", "plays-prompt", "plays-ptuning", "plays-lora-tp2"):
+        run = tmp_path / "runs" / name
+        assert (run / "adapter.json").exists() and (run / "adapter_config.json").exists(), name
+    generated = next(v for k, v in outputs.items() if " generate " in k)
+    assert generated.startswith("Something is rotten in the state of Denmark.\nPlay:")

@@ -1,6 +1,7 @@
-"""`meshlm tune`: an adapter trained on a frozen checkpoint (prompt tuning, p-tuning or LoRA).
+"""`meshlm tune`: an adapter trained on a frozen checkpoint (prompt tuning, p-tuning or LoRA), or the
+whole model fine-tuned on the same data (`--method full`).
 
-    meshlm tune --checkpoint BASE --method prompt|ptuning|lora --train T.jsonl --valid V.jsonl --out DIR
+    meshlm tune --checkpoint BASE --method prompt|ptuning|lora|full --train T.jsonl --valid V.jsonl --out DIR
                 [--template [TASK=]TEXT ...] [--epochs 3] [--max-length N] [--truncate]
                 [--task classify|span|tokens]   (BERT checkpoints: `meshlm finetune`'s tasks)
                 [--section.key=value ...]       (tune.lora_rank, tune.virtual_tokens, optim.lr, parallel.tp, ...)
@@ -22,10 +23,10 @@ from meshlm.config import ConfigError, apply_overrides, build, check_output_dir
 from meshlm.data.items import DataError
 from meshlm.train.finetune import DEFAULT_EPOCHS, TASKS, _is_main, read_jsonl, say, with_schedule
 
-METHODS = ("prompt", "ptuning", "lora")
+METHODS = ("prompt", "ptuning", "lora", "full")  # full: every weight trains (supervised fine-tuning), no adapter
 INFO_FILE = "tune.json"
 # Learning rates that work for each method on small models (docs/tune.md): prompt tables move slowly.
-DEFAULT_LR = {"prompt": 3e-2, "ptuning": 1e-3, "lora": 1e-3}
+DEFAULT_LR = {"prompt": 3e-2, "ptuning": 1e-3, "lora": 1e-3, "full": 3e-4}
 
 
 def tune_values(base: dict, method: str, checkpoint: str, out_dir: str, tasks: list[str],
@@ -34,8 +35,9 @@ def tune_values(base: dict, method: str, checkpoint: str, out_dir: str, tasks: l
     `DEFAULT_LR[method]` (no weight decay: an adapter is small and starts at the base's function), linear
     decay to 0, batches of 16 (micro-batches of 8), one process unless parallel.* says otherwise."""
     values = {k: dict(v) for k, v in base.items()}
-    values["tune"] = {"method": method, "base": checkpoint, "tasks": tasks}
-    values["train"].update(out_dir=out_dir, init_from="", resume="auto", micro_batch_size=8, global_batch_size=16,
+    full = method == "full"  # the whole model from the base's weights (`train.init_from`), no adapter
+    values["tune"] = {"method": "none"} if full else {"method": method, "base": checkpoint, "tasks": tasks}
+    values["train"].update(out_dir=out_dir, init_from=checkpoint if full else "", resume="auto", micro_batch_size=8, global_batch_size=16,
                            sample_tokens=0, compile=False, recompute="none", recompute_method="uniform",
                            recompute_num_layers=0, device="auto")
     values["optim"].update(lr=DEFAULT_LR[method], min_lr=0.0, weight_decay=0.0, beta1=0.9, beta2=0.999, eps=1e-8,
@@ -89,14 +91,14 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
     train_items = examples(train_lines, templates, "--train")
     valid_items = examples(valid_lines, templates, "--valid")
     tasks = _tasks(train_items, valid_items, [x.where for x in valid_lines])
-    if tasks and args.method == "lora":
-        raise ConfigError(f"--method lora with several tasks ({', '.join(tasks[:3])}): LoRA has no per-task prompt; "
-                          "train one adapter per task, or use --method prompt|ptuning")
+    if tasks and args.method in ("lora", "full"):
+        raise ConfigError(f"--method {args.method} with several tasks ({', '.join(tasks[:3])}): only prompt tuning has a "
+                          "prompt per task; train one run per task, or use --method prompt|ptuning")
     values = tune_values(base.to_dict(), args.method, args.checkpoint, args.out, tasks, overrides)
     first = build(values)
     tokenizer = get_tokenizer(first.data.tokenizer)
     length = _max_length(args, first.model.seq_len)
-    n_virtual = first.tune.virtual_tokens if args.method != "lora" else 0
+    n_virtual = first.tune.virtual_tokens if args.method in ("prompt", "ptuning") else 0
     sets = []
     for items, lines, flag, path in ((train_items, train_lines, "--train", args.train),
                                      (valid_items, valid_lines, "--valid", args.valid)):
@@ -131,6 +133,8 @@ def run_tune(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.task is not None:  # BERT: meshlm finetune's data and heads, with the adapter on the frozen encoder
         from meshlm.train.finetune import run_finetune
 
+        if args.method == "full":  # that is meshlm finetune itself
+            return run_finetune(args, overrides)
         extra = [f"--tune.method={args.method}", f"--tune.base={args.checkpoint}", "--train.init_from=",
                  f"--optim.lr={DEFAULT_LR[args.method]}"]
         code = run_finetune(args, extra + overrides)
@@ -168,9 +172,12 @@ def run_tune(args: argparse.Namespace, overrides: list[str]) -> int:
         raise
     destroy(wait_for_all=True)
     if _is_main() and trainer.stop_signal is None:
-        written = export_run(out)
-        say(f"tune: step {result['step']}: val loss {result.get('val_loss', float('nan')):.4f}; adapter in "
-            f"{', '.join(str(p.name) for p in written)} of {out}")
+        done = f"tune: step {result['step']}: val loss {result.get('val_loss', float('nan')):.4f}"
+        if args.method == "full":
+            say(f"{done}; the fine-tuned model is {out}'s checkpoint")
+        else:
+            written = export_run(out)
+            say(f"{done}; adapter in {', '.join(str(p.name) for p in written)} of {out}")
     return trainer.exit_code
 
 

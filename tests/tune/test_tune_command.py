@@ -198,3 +198,35 @@ def test_tune_metrics_and_eval(data, tmp_path):
     assert all("val_loss" in e and "val_bpb" not in e for e in evals)
     assert "adapter parameters" in stdout and "trainable" in stdout
     assert "adapter in adapter.json" in stdout
+
+
+def test_bert_lora_with_a_new_head(tmp_path):
+    """A BERT checkpoint with `--task classify`: LoRA on the frozen encoder, the new head trains too, and the
+    checkpoint holds those alone; PEFT's files are not written (they would lack the head), and say so."""
+    from tests.train.finetune_helpers import classify_rows
+    from tests.train.finetune_helpers import save_base as save_bert
+
+    base = save_bert(tmp_path / "bert", dropout=0.0)
+    train = write_jsonl(tmp_path / "train.jsonl", classify_rows(32, 1))
+    valid = write_jsonl(tmp_path / "valid.jsonl", classify_rows(8, 2))
+    out = tmp_path / "run"
+    code, _, err = run("tune", "--checkpoint", str(base), "--method", "lora", "--task", "classify", "--train",
+                       str(train), "--valid", str(valid), "--out", str(out), *QUIET, "--train.max_steps=3",
+                       "--tune.lora_targets=['qkv','down']")
+    assert code == 0, err
+    saved = ckpt_files.load_torch(ckpt.resolve_checkpoint(out, log=None) / "model.pt")
+    assert {k for k in saved if ".lora." not in k} == {"task_head.weight", "task_head.bias"}
+    assert sum(".lora." in k for k in saved) == 2 * 2 * 2  # A and B, two targets, two layers
+    meta = json.loads((out / "adapter.json").read_text())
+    assert meta["heads"] == ["task_head.bias", "task_head.weight"] and meta["peft"].startswith("not written")
+    assert "val_accuracy" in metrics(out, "eval")[-1]
+
+
+def test_full_fine_tuning_trains_every_weight(data, tmp_path):
+    out = tmp_path / "full"
+    code, stdout, err = run(*tune_args(data, "full", out))
+    assert code == 0, err
+    assert "the fine-tuned model is" in stdout and not (out / "adapter.json").exists()
+    base = ckpt.load_model_state(ckpt.resolve_checkpoint(data["base"], log=None))
+    tuned = ckpt.load_model_state(ckpt.resolve_checkpoint(out, log=None))
+    assert set(base) == set(tuned) and all(not torch.equal(base[k], tuned[k]) for k in base if "norm" not in k)

@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""Zero-shot vs prompt tuning vs p-tuning vs LoRA vs full fine-tuning of the default GPT checkpoint on a task
+from the bundled corpus: which of eight plays is a passage from? (`scripts/make_play_task.py`.)
+
+    .venv/bin/python benchmarks/tune_task.py [--checkpoint runs/gpt-tiny] [--work runs/tune-task] [--epochs 3]
+
+The base is `make demo`'s run (`meshlm train --config gpt-tiny`; trained here first if it is missing).
+Each method is one `meshlm tune` command (printed), with its defaults but the epochs. Accuracy: the
+validation passage's answer is the title with the highest log-likelihood (summed over the title's tokens
+and the end-of-document token after it, as the tuning loss counts them) among the eight, scored with the
+base plus the adapter (or the fine-tuned model); zero-shot scores the base on the same rows, laid out as
+LoRA's and full fine-tuning's are (a document start, the passage, "Play:"). Also: greedy exact match (the
+title generated token by token), trainable parameters, optimizer state (from the run's log), median
+step time. Prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from make_play_task import TITLES, make_task
+
+from meshlm.cli import load_model_from_checkpoint
+from meshlm.data.tokenizers import get_tokenizer
+from meshlm.tune.export import apply_adapter, read_adapter
+
+METHODS = ("prompt", "ptuning", "lora", "full")
+
+
+def run(cmd: list[str], log: Path) -> str:
+    print("$ " + " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as fh:
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, check=False)
+    text = log.read_text()
+    if proc.returncode != 0:
+        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{text[-3000:]}")
+    print(f"  done in {time.perf_counter() - t0:.0f} s", flush=True)
+    return text
+
+
+@torch.no_grad()
+def score(model, tok, rows: list[dict], head: list[int], batch: int = 64) -> tuple[float, float]:
+    """(accuracy by the highest-likelihood title, greedy exact match of the title)."""
+    titles = [tok.encode(" " + t) + [tok.eod_id] for t in TITLES.values()]
+    names = list(TITLES)
+    seqs, owners = [], []
+    for i, row in enumerate(rows):
+        prompt = head + tok.encode(row["input"])
+        for j, title in enumerate(titles):
+            seqs.append((prompt, title))
+            owners.append((i, j))
+    scores = torch.empty(len(seqs))
+    for s in range(0, len(seqs), batch):
+        chunk = seqs[s:s + batch]
+        T = max(len(p) + len(t) for p, t in chunk)
+        ids = torch.full((len(chunk), T), tok.eod_id)
+        for k, (p, t) in enumerate(chunk):
+            ids[k, :len(p) + len(t)] = torch.tensor(p + t)
+        logp = torch.log_softmax(model(ids).float(), -1)
+        for k, (p, t) in enumerate(chunk):
+            pos = torch.arange(len(p) - 1, len(p) + len(t) - 1)
+            scores[s + k] = logp[k, pos, torch.tensor(t)].sum()
+    table = scores.view(len(rows), len(titles))
+    picked = table.argmax(1)
+    accuracy = sum(names[int(picked[i])] == row["play"] for i, row in enumerate(rows)) / len(rows)
+    # greedy: every title token (and the end) is the argmax given the passage and the title so far
+    exact = 0
+    for i, row in enumerate(rows):
+        j = names.index(row["play"])
+        p, t = seqs[i * len(titles) + j]
+        ids = torch.tensor([p + t])
+        pred = model(ids)[0, len(p) - 1:len(p) + len(t) - 1].argmax(-1)
+        exact += bool((pred == torch.tensor(t)).all())
+    return accuracy, exact / len(rows)
+
+
+def run_stats(out: Path, log: str) -> dict:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step_time_s"] for r in rows if r["kind"] == "train"][1:]  # the first window holds the warm-up
+    mem = re.search(r"optimizer ([\d.]+) = ", log)
+    trainable = re.search(r"tune: .*?: ([\d,]+) adapter parameters", log)
+    return {"step_s": statistics.median(steps) if steps else float("nan"),
+            "optim_mib": float(mem.group(1)) if mem else float("nan"),
+            "trainable": int(trainable.group(1).replace(",", "")) if trainable else None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", default="runs/gpt-tiny")
+    ap.add_argument("--work", default="runs/tune-task")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    args = ap.parse_args()
+    py = sys.executable
+    work = ROOT / args.work
+    work.mkdir(parents=True, exist_ok=True)
+    base = ROOT / args.checkpoint
+    if not (base / "checkpoints").exists():
+        run([py, "-m", "meshlm", "train", "--config", "gpt-tiny", f"--train.out_dir={base}", "--train.progress=false",
+             "--train.sample_tokens=0"], work / "base.log")
+    data = work / "data"
+    make_task(data)
+    rows = [json.loads(x) for x in (data / "valid.jsonl").read_text().splitlines()]
+    model, _, cfg = load_model_from_checkpoint(str(base))
+    tok = get_tokenizer(cfg.data.tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    results = {"zero-shot": {"trainable": 0, "optim_mib": 0.0, "step_s": float("nan")}}
+    results["zero-shot"]["accuracy"], results["zero-shot"]["exact"] = score(model.eval(), tok, rows, [tok.eod_id])
+    print(f"zero-shot: accuracy {results['zero-shot']['accuracy']:.3f}", flush=True)
+    for method in args.methods.split(","):
+        out = work / method
+        cmd = [py, "-m", "meshlm", "tune", "--checkpoint", str(base), "--method", method, "--train",
+               str(data / "train.jsonl"), "--valid", str(data / "valid.jsonl"), "--out", str(out), "--epochs",
+               str(args.epochs), "--train.progress=false", "--train.resume=never"]
+        log = run(cmd, work / f"{method}.log")
+        stats = run_stats(out, log)
+        if method == "full":
+            tuned, _, _ = load_model_from_checkpoint(str(out))
+            stats["trainable"] = n_params
+            head = [tok.eod_id]
+        else:
+            adapter = read_adapter(out, cfg, str(base))
+            tuned = apply_adapter(load_model_from_checkpoint(str(base))[0], cfg, adapter)
+            head = [0] * adapter.virtual_tokens or [tok.eod_id]
+        stats["accuracy"], stats["exact"] = score(tuned.eval(), tok, rows, head)
+        results[method] = stats
+        print(f"{method}: accuracy {stats['accuracy']:.3f}", flush=True)
+    print(f"\nbase {args.checkpoint}: {n_params:,} parameters; task: {len(rows)} validation passages of 8 plays "
+          "(chance 0.125)")
+    print("| method | accuracy (best of 8 titles) | greedy exact match | trainable parameters | optimizer state "
+          "| step time (median) |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        share = f"{r['trainable']:,} ({100 * r['trainable'] / n_params:.2f}%)" if r["trainable"] is not None else "?"
+        step = f"{r['step_s'] * 1000:.0f} ms" if r["step_s"] == r["step_s"] else "-"
+        print(f"| {name} | {r['accuracy']:.3f} | {r['exact']:.3f} | {share} | {r['optim_mib']:.2f} MiB | {step} |")
+    (work / "results.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

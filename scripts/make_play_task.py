@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Build a generation task from the bundled Shakespeare plays: which play is a passage from?
+
+    python scripts/make_play_task.py --out data/plays     # writes data/plays/train.jsonl and valid.jsonl
+
+Eight plays whose titles share no word: Hamlet, Macbeth, Othello, King Lear, Romeo and Juliet, Julius
+Caesar, The Tempest, Twelfth Night. A passage is `--lines` consecutive spoken lines of one scene, with
+speaker names, stage directions and headings removed (the same reading of the texts as
+`make_genre_task.py`), so a model must tell the play from what is said. Each line is
+`{"input": PASSAGE + "\\nPlay:", "output": " TITLE", "play": NAME}` (`meshlm tune`'s format): the model
+learns to answer with the title. Train and validation passages are drawn without overlap from every play,
+`--train-per-play` and `--valid-per-play` of each, so both files are balanced (chance: 1 in 8). The
+default GPT config trains on 95% of the corpus's works: its held-out works are other plays, so the base
+has read these plays' text, but never with a title after a passage. The output is a function of the
+arguments and the corpus only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_genre_task import passages, play_files
+
+TITLES = {"hamlet": "Hamlet", "macbeth": "Macbeth", "othello": "Othello", "lear": "King Lear",
+          "romeo_and_juliet": "Romeo and Juliet", "julius_caesar": "Julius Caesar", "tempest": "The Tempest",
+          "twelfth_night": "Twelfth Night"}
+PROMPT = "\nPlay:"
+
+
+def make_task(out_dir: str | Path, train_per_play: int = 200, valid_per_play: int = 50, n_lines: int = 4,
+              seed: int = 0) -> dict:
+    files = play_files()
+    rng = random.Random(seed)
+    splits: dict[str, list[dict]] = {"train": [], "valid": []}
+    for play, title in TITLES.items():
+        pool = passages(files[play].read_text(encoding="utf-8"), n_lines, min_words=8)
+        if len(pool) < train_per_play + valid_per_play:
+            raise SystemExit(f"error: {play} has {len(pool)} passages, fewer than the "
+                             f"{train_per_play + valid_per_play} asked for")
+        picked = rng.sample(pool, train_per_play + valid_per_play)
+        for split, part in (("train", picked[:train_per_play]), ("valid", picked[train_per_play:])):
+            splits[split] += [{"input": text + PROMPT, "output": " " + title, "play": play} for text in part]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for split, rows in splits.items():
+        rng.shuffle(rows)
+        with open(out / f"{split}.jsonl", "w", encoding="utf-8") as fh:
+            fh.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    return {"train": len(splits["train"]), "valid": len(splits["valid"])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="directory for train.jsonl and valid.jsonl")
+    ap.add_argument("--train-per-play", type=int, default=200)
+    ap.add_argument("--valid-per-play", type=int, default=50)
+    ap.add_argument("--lines", type=int, default=4, help="spoken lines per passage")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    summary = make_task(args.out, args.train_per_play, args.valid_per_play, args.lines, args.seed)
+    print(f"wrote {args.out}/train.jsonl ({summary['train']} passages) and {args.out}/valid.jsonl "
+          f"({summary['valid']}), {len(TITLES)} plays: {', '.join(TITLES.values())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
