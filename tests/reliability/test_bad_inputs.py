@@ -161,7 +161,8 @@ GARBAGE = st.text(alphabet=st.characters(blacklist_categories=["Cs"]), max_size=
 @given(argv=st.one_of(
     st.tuples(st.just("generate"), st.just("--checkpoint"), st.just("/nonexistent"),
               st.sampled_from(["--max-new-tokens", "--top-k", "--top-p", "--temperature", "--seed"]), GARBAGE),
-    st.tuples(st.sampled_from(["prepare", "convert", "bench", "tokenizer", "plot", "train", "embed", "finetune", "nope"]),
+    st.tuples(st.sampled_from(["prepare", "convert", "bench", "tokenizer", "plot", "train", "embed", "finetune", "tune",
+                              "nope"]),
               GARBAGE),
     st.tuples(st.just("prepare"), st.just("--input"), st.just("/nonexistent/x.txt"), st.just("--output"),
               st.just("/tmp/never/out"), st.sampled_from(["--workers", "--on-error", "--tokenizer"]), GARBAGE),
