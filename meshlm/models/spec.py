@@ -53,8 +53,8 @@ class ModelSpec:
     logical_blocks: Callable[[str, ModelConfig], list[tuple[str, int]]]  # checkpoint tensors stacked in a param
     loss: Callable  # (output, targets) → mean loss, at tp = 1
     fused_loss: bool  # forward(ids, targets=y) / head_loss exist
-    flops: Callable[[ModelConfig, int], float]  # model FLOPs of a step on `batch` sequences
-    recompute_flops: Callable  # (cfg, batch, mode, layers=) → extra forward FLOPs of recomputation
+    flops: Callable  # (cfg, batch, seq_len=None) → model FLOPs of a step on `batch` rows (default: model.seq_len)
+    recompute_flops: Callable  # (cfg, batch, mode, seq_len=None, layers=) → extra forward FLOPs of recomputation
     stage_costs: Callable[[ModelConfig], tuple[float, float]]  # first/last stage extra work, in layers
     parameter_count: Callable[[ModelConfig], int]  # exact, from the config
     activation_bytes: Callable | None  # (Config, device_type=) → per-layer saved bytes (plan/memory.py); None: none

@@ -21,7 +21,7 @@ Data, one JSON object per line:
 
 Inputs are `[CLS] a [SEP] (b [SEP])`, a = text / question, b = text_pair / context, with token types and
 padding to model.seq_len, or to `--max-length` (shorter: a base with 512 positions need not pay for them
-on short texts; the trainer's tokens/s and MFU then count model.seq_len tokens per row). Everything is read, checked and encoded before DIR is created: a bad line is
+on short texts; the trainer's tokens/s and MFU count the rows' tokens). Everything is read, checked and encoded before DIR is created: a bad line is
 one error naming the file and line (a text longer than the model too, unless `--truncate`; with it, span
 examples whose answer is cut off are dropped and counted).
 

@@ -111,6 +111,8 @@ class Trainer:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                               f"{self.tokenizer.vocab_size}; set model.vocab_size={self.tokenizer.vocab_size}")
         self.n_params = self.spec.parameter_count(cfg.model)  # the whole model's
+        # Tokens per row: model.seq_len, or a fine-tuning set's shorter rows (`--max-length`), for tokens/s and MFU.
+        self.row_tokens = int(getattr(self.train_set, "T", cfg.model.seq_len))
         self.tp_rng = TPRNGTracker(t.seed, self.dims.tp_rank, self.device)
         # Built on the meta device; this rank allocates and initialises only its shards (equal to the slices
         # of the whole model built from the seed), then the pipeline schedule, recomputation and DP wrap it.
@@ -325,7 +327,7 @@ class Trainer:
             self._memory_logged = True
         self.sync.zero_grad(self.optimizer)
         self.step += 1
-        self.tokens_seen += cfg.train.global_batch_size * cfg.model.seq_len
+        self.tokens_seen += cfg.train.global_batch_size * self.row_tokens
         return loss, norm
 
     def _host_values(self, total: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
@@ -487,8 +489,9 @@ class Trainer:
                      f"{pipe.layer_counts}, {pipe.n_microbatches} micro-batches per step, "
                      f"{type(pipe.schedule).__name__}")
         peak = self._peak_tflops() * d.world_size  # MFU against the peak of every device in the job
-        flops = self.spec.flops(m, t.global_batch_size)
-        hw_flops = flops + self.spec.recompute_flops(m, t.global_batch_size, t.recompute, layers=recomputed_layers(cfg))
+        flops = self.spec.flops(m, t.global_batch_size, self.row_tokens)
+        hw_flops = flops + self.spec.recompute_flops(m, t.global_batch_size, t.recompute, self.row_tokens,
+                                                     layers=recomputed_layers(cfg))
         # Bytes saved for backward, measured on one micro-batch (random streams untouched); not under ZeRO-3,
         # whose sharded (DTensor) parameters the counter cannot tell apart from activations.
         if d.pp == 1 and self.sync.zero < 3:
@@ -519,7 +522,7 @@ class Trainer:
                     rec = {"kind": "train", "step": self.step, "loss": loss, **parts,
                            "lr": lr_at(self.step - 1, cfg.optim, t.max_steps), "grad_norm": grad_norm,
                            "tokens": self.tokens_seen, "skipped_steps": self.skipped_steps,
-                           "tokens_per_s": t.global_batch_size * m.seq_len / dt,
+                           "tokens_per_s": t.global_batch_size * self.row_tokens / dt,
                            "tflops": flops / dt / 1e12, "mfu": flops / dt / 1e12 / peak,
                            "hfu": hw_flops / dt / 1e12 / peak, "peak_mem_mb": peak_memory_mb(self.device),
                            "step_time_s": dt}
