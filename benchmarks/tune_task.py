@@ -3,6 +3,7 @@
 from the bundled corpus: which of eight plays is a passage from? (`scripts/make_play_task.py`.)
 
     .venv/bin/python benchmarks/tune_task.py [--checkpoint runs/gpt-tiny] [--work runs/tune-task] [--epochs 3]
+                                             [--max-length 96] [--methods prompt,ptuning,lora,full]
 
 The base is `make demo`'s run (`meshlm train --config gpt-tiny`; trained here first if it is missing).
 Each method is one `meshlm tune` command (printed), with its defaults but the epochs. Accuracy: the
@@ -103,6 +104,7 @@ def main() -> int:
     ap.add_argument("--checkpoint", default="runs/gpt-tiny")
     ap.add_argument("--work", default="runs/tune-task")
     ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--max-length", type=int, default=96, help="tokens per row (the longest example + 10 virtual)")
     ap.add_argument("--methods", default=",".join(METHODS))
     args = ap.parse_args()
     py = sys.executable
@@ -125,7 +127,7 @@ def main() -> int:
         out = work / method
         cmd = [py, "-m", "meshlm", "tune", "--checkpoint", str(base), "--method", method, "--train",
                str(data / "train.jsonl"), "--valid", str(data / "valid.jsonl"), "--out", str(out), "--epochs",
-               str(args.epochs), "--train.progress=false", "--train.resume=never"]
+               str(args.epochs), "--max-length", str(args.max_length), "--train.progress=false", "--train.resume=never"]
         log = run(cmd, work / f"{method}.log")
         stats = run_stats(out, log)
         if method == "full":

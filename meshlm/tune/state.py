@@ -145,8 +145,9 @@ def load(trainer, path: Path) -> None:
             for key, value in states[name].items():
                 if torch.is_tensor(value) and value.dim() > 0:
                     st[key] = local_part(model, name, value, p).clone()
-                elif torch.is_tensor(value):
-                    st[key] = value.clone()
+                elif torch.is_tensor(value):  # Adam's step: on the device for the fused (CUDA) kernel
+                    on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+                    st[key] = value.clone().to(p.device if on_device else "cpu")
                 else:
                     st[key] = value
             optimizer.state[p] = st
