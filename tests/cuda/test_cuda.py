@@ -275,3 +275,28 @@ def test_the_host_waits_for_the_gpu_only_at_the_end_of_a_step(tmp_path, data, mo
     steps = 3
     seen = syncs_in(lambda: [trainer.train_step() for _ in range(steps)])
     assert len(seen) <= STEP_READS * steps, seen
+
+
+def test_lora_tune_on_cuda_in_bf16_resumes_with_fused_adamw(tmp_path, data):
+    """An adapter on a frozen base on the GPU: LoRA under bf16 autocast with the fused AdamW, the base's
+    weights unchanged, and a resume from the middle continues with the straight run's losses (the tune
+    checkpoint's Adam step goes back onto the device, where the fused kernel wants it)."""
+    base = tmp_path / "base"
+    Trainer(tiny_config(base, model=SMALL, train={"max_steps": 2}, data=data)).run()
+    tune = {"method": "lora", "base": str(base), "lora_targets": ["q", "v", "down"]}
+
+    def trainer(out, resume="auto"):
+        cfg = tiny_config(out, model=SMALL, train={"max_steps": 8, "save_every": 4, "precision": "bf16",
+                                                   "resume": resume}, optim={"lr": 1e-2}, data=data, tune=tune)
+        return Trainer(cfg)
+
+    straight = trainer(tmp_path / "straight")
+    assert straight.optimizer.defaults["fused"] is True
+    before = {n: p.detach().clone() for n, p in straight.model.named_parameters() if not p.requires_grad}
+    straight.run()
+    assert all(torch.equal(p, dict(straight.model.named_parameters())[n]) for n, p in before.items())
+    step4 = ckpt.checkpoints_dir(tmp_path / "straight") / ckpt.step_name(4)
+    trainer(tmp_path / "resumed", resume=str(step4)).run()
+    a = [r["loss"] for r in _train_rows(tmp_path / "straight")][4:]
+    b = [r["loss"] for r in _train_rows(tmp_path / "resumed")]
+    np.testing.assert_allclose(b, a, rtol=1e-3)
