@@ -42,25 +42,16 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def load_model_from_checkpoint(path: str, device: str = "cpu", cfg=None):
-    """(model, tokenizer, config) from a run directory or checkpoint directory."""
-    import torch
+    """(model, tokenizer, config) from a run directory or checkpoint directory (`meshlm.infer.load`)."""
+    from meshlm.infer.load import load_model_from_checkpoint as load
 
-    from meshlm.data.tokenizers import get_tokenizer
-    from meshlm.models.registry import get_spec
-    from meshlm.train import checkpoint as ckpt
-
-    target = ckpt.resolve_checkpoint(path)
-    cfg = cfg or checkpoint_config(path)
-    model = get_spec(cfg.model.family).model_class(cfg.model)
-    model.load_state_dict(ckpt.load_model_state(target))
-    return model.to(torch.device(device)).eval(), get_tokenizer(cfg.data.tokenizer), cfg
+    return load(path, device, cfg)
 
 
 def checkpoint_config(path: str):
-    from meshlm.config import config_from_dict
-    from meshlm.train import checkpoint as ckpt
+    from meshlm.infer.load import checkpoint_config as load_config
 
-    return config_from_dict(ckpt.load_config_dict(ckpt.resolve_checkpoint(path)))
+    return load_config(path)
 
 
 def _check_sampling(args: argparse.Namespace) -> None:
