@@ -1,5 +1,5 @@
-"""meshlm command line: `meshlm train | generate | embed | finetune | plot | prepare | tokenizer train | bench
-memory | convert`.
+"""meshlm command line: `meshlm train | generate | embed | finetune | serve | plot | prepare | tokenizer train |
+bench memory | convert`.
 
 User errors (bad config or argument, missing or corrupt checkpoint or asset, bad data, a full disk, a
 run too large for this machine, a run whose losses stay non-finite) print one line starting with
@@ -18,6 +18,7 @@ from typing import NoReturn
 from meshlm.config import DEFAULT_CONFIG, ConfigError, bundled_configs
 from meshlm.data.commands import add_data_commands
 from meshlm.infer.embed import add_embed_command
+from meshlm.infer.server import add_serve_command
 from meshlm.interop.convert import add_convert_command
 from meshlm.plan.commands import add_bench_commands
 from meshlm.train.finetune import add_finetune_command
@@ -164,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert_command(sub)  # meshlm convert --to-single | --to-hf | --from-hf
     add_embed_command(sub)  # meshlm embed
     add_finetune_command(sub)  # meshlm finetune
+    add_serve_command(sub)  # meshlm serve (OpenAI-compatible HTTP server; needs meshlm[serve])
     return parser
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -127,6 +128,29 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class Histogram:
+    """Cumulative bucket counts (Prometheus' histogram), bounded memory whatever the number of requests."""
+
+    BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, math.inf)
+
+    def __init__(self):
+        self.counts = [0] * len(self.BOUNDS)
+        self.count, self.total = 0, 0.0
+        self.lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        with self.lock:
+            for i, bound in enumerate(self.BOUNDS):
+                if value <= bound:
+                    self.counts[i] += 1
+            self.count += 1
+            self.total += value
+
+    def snapshot(self) -> tuple[list[tuple[float, int]], int, float]:
+        with self.lock:
+            return list(zip(self.BOUNDS, self.counts)), self.count, self.total
 
 
 # ---- running the model --------------------------------------------------------------------------------------
@@ -286,8 +310,8 @@ class Engine:
         self.stopping = False
         self.dead: str | None = None  # the error that stopped the loop
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0, "steps": 0}
-        self.ttft: list[float] = []  # seconds, of finished requests (the server turns them into a summary)
-        self.tpot: list[float] = []
+        self.ttft = Histogram()  # seconds from arrival to the first token, of finished requests
+        self.tpot = Histogram()  # seconds per output token after the first
 
     # ---- requests ----
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -347,9 +371,9 @@ class Engine:
         req.finished_at = time.monotonic()
         req.emitted = len(req.text)
         if req.first_token_at is not None:
-            self.ttft.append(req.first_token_at - req.arrival)
+            self.ttft.observe(req.first_token_at - req.arrival)
             if len(req.output_ids) > 1:
-                self.tpot.append((req.finished_at - req.first_token_at) / (len(req.output_ids) - 1))
+                self.tpot.observe((req.finished_at - req.first_token_at) / (len(req.output_ids) - 1))
         self.stats["requests_finished"] += 1
 
     def _notify(self, req: Request) -> None:
@@ -489,14 +513,14 @@ class Engine:
                     if self.stopping and not self.waiting and not self.active:
                         break
                 self.step()
-        except BaseException as err:  # the loop is dead: fail every request so no client waits forever
+        except BaseException as err:  # noqa: BLE001 -- the loop is dead: fail every request so no client waits forever
             self.dead = f"{type(err).__name__}: {err}"
             for req in list(self.active) + list(self.waiting):
                 if not req.finished:
                     req.error = self.dead
                     req.finish_reason = "error"
                     self._notify(req)
-            raise
+            traceback.print_exc()  # the server's log; /health now fails
         finally:
             if isinstance(self.runner, DistributedRunner):
                 self.runner.shutdown()
