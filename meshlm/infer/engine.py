@@ -206,6 +206,9 @@ class Runner:
         start = torch.tensor(positions, dtype=torch.long, device=self.device)
         return self._logits(self.model(x, caches=caches, start=start))[:, -1]
 
+    def idle(self) -> None:
+        """Called about once a second while there is nothing to do."""
+
     def move(self, src: int, dst: int, length: int) -> None:
         for k, v in self.buffers:
             k[dst, :, :length] = k[src, :, :length]
@@ -213,12 +216,21 @@ class Runner:
 
 
 class DistributedRunner(Runner):
-    """Rank 0's runner under tensor parallelism: each operation is broadcast to the other ranks first."""
+    """Rank 0's runner under tensor parallelism: each operation is broadcast to the other ranks first (and
+    a ping every few idle seconds, so that their wait for the next operation never reaches the timeout)."""
+
+    PING_S = 5.0
+    last_sent = 0.0
 
     def _send(self, op: tuple) -> None:
         import torch.distributed as dist
 
         dist.broadcast_object_list([op], src=0)
+        self.last_sent = time.monotonic()
+
+    def idle(self):
+        if time.monotonic() - self.last_sent > self.PING_S:
+            self._send(("idle",))
 
     def prefill(self, row, ids):
         self._send(("prefill", row, ids))
@@ -508,10 +520,14 @@ class Engine:
         try:
             while True:
                 with self.lock:
-                    while not self.waiting and not self.active and not self.stopping:
+                    if not self.waiting and not self.active and not self.stopping:
                         self.wake.wait(timeout=1.0)
-                    if self.stopping and not self.waiting and not self.active:
+                    idle = not self.waiting and not self.active
+                    if self.stopping and idle:
                         break
+                if idle:
+                    self.runner.idle()
+                    continue
                 self.step()
         except BaseException as err:  # noqa: BLE001 -- the loop is dead: fail every request so no client waits forever
             self.dead = f"{type(err).__name__}: {err}"

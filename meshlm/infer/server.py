@@ -692,6 +692,7 @@ def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
     from meshlm.parallel import destroy
 
     _DrainingServer = _draining_server_class()
+    server = None
     try:
         server = build_server(args.checkpoint, args.max_seqs, args.max_len, args.max_queue, args.api_key,
                               args.served_model_name, tp)
@@ -703,6 +704,11 @@ def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
                                     timeout_graceful_shutdown=args.drain_timeout)
             _DrainingServer(config).run()
     finally:
+        if server is not None and server.engine is not None and server.engine.thread is None:
+            from meshlm.infer.engine import DistributedRunner
+
+            if isinstance(server.engine.runner, DistributedRunner):  # never started: release the other ranks
+                server.engine.runner.shutdown()
         destroy()
     return 0
 
