@@ -203,7 +203,10 @@ class Runner:
         n = len(tokens)
         caches = [_Rows(k[:n], v[:n]) for k, v in self.buffers]
         x = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
-        start = torch.tensor(positions, dtype=torch.long, device=self.device)
+        if min(positions) == max(positions):  # one position for all (one row, or prompts of one length):
+            start = positions[0]  # the plain cache path, without a mask
+        else:
+            start = torch.tensor(positions, dtype=torch.long, device=self.device)
         return self._logits(self.model(x, caches=caches, start=start))[:, -1]
 
     def idle(self) -> None:
@@ -395,7 +398,7 @@ class Engine:
             req.on_update(req)
 
     def _token_info(self, logprobs: torch.Tensor | None, token: int, n: int | None) -> TokenInfo:
-        info = TokenInfo(token, self.tokenizer.decode([token]))
+        info = TokenInfo(token, self.tokenizer.decode([token]) if n is not None else "")  # text: for logprobs
         if logprobs is not None and n is not None:
             info.logprob = float(logprobs[token])
             if n > 0:
@@ -403,13 +406,15 @@ class Engine:
                 info.top = list(zip(ids.tolist(), values.tolist()))
         return info
 
-    def _accept(self, req: Request, logits: torch.Tensor) -> None:
-        """Sample the next token of `req` from its (V,) logits; update its text and finish reason."""
+    def _accept(self, req: Request, logits: torch.Tensor, argmax: int | None = None) -> None:
+        """Sample the next token of `req` from its (V,) logits (`argmax`: the greedy choice, when known);
+        update its text and finish reason."""
         p = req.params
         if p.max_tokens == 0:
             self._finish(req, "length")
             return
-        token = sample_token(logits, req)
+        plain = p.greedy and p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty
+        token = argmax if plain and argmax is not None else sample_token(logits, req)
         logprobs = F.log_softmax(logits, -1) if p.logprobs is not None else None
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
@@ -491,8 +496,9 @@ class Engine:
             tokens = [r.output_ids[-1] for r in self.active]
             positions = [len(r.prompt_ids) + len(r.output_ids) - 1 for r in self.active]
             logits = self.runner.decode(tokens, positions)
+            argmax = logits.argmax(-1).tolist()  # every row's greedy choice at once
             for i, req in enumerate(self.active):
-                self._accept(req, logits[i])
+                self._accept(req, logits[i], argmax[i])
                 self._notify(req)
             self.stats["steps"] += 1
             did = True

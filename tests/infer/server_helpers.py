@@ -76,7 +76,7 @@ class ServeProcess:
         if api_key:
             cmd += ["--api-key", api_key]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                     env={"OMP_NUM_THREADS": "1", **os.environ})
         self.stderr: list[str] = []
         threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
         deadline = time.monotonic() + deadline_s
