@@ -651,8 +651,16 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
         model = load_checkpoint_model(resolve_checkpoint(checkpoint), cfg.model, device)
         tokenizer = get_tokenizer(cfg.data.tokenizer)
         return Server(None, EmbeddingEngine(model, tokenizer, max_seqs), tokenizer, name, cfg.model.seq_len, api_key)
+    length = max_len or cfg.model.seq_len
+    if cfg.model.position == "learned" and length > cfg.model.seq_len:
+        raise ConfigError(f"--max-len {length} is more than the model's model.seq_len={cfg.model.seq_len} (learned "
+                          "positions); lower it")
+    from meshlm.plan.fit import check_fits, kv_cache_bytes, weights_bytes
+
+    check_fits({"weights": weights_bytes(cfg.model), "KV cache": kv_cache_bytes(cfg.model, max_seqs, length)},
+               f"serving {max_seqs} sequences of {length} tokens", "lower --max-seqs or --max-len", device)
     model, tokenizer, cfg = load_model_from_checkpoint(checkpoint, device, cfg)
-    engine = Engine(model, tokenizer, max_seqs, max_len, max_queue)
+    engine = Engine(model, tokenizer, max_seqs, length, max_queue)
     return Server(engine, None, tokenizer, name, engine.max_len, api_key)
 
 

@@ -80,6 +80,24 @@ def test_completion_logprobs_and_echo_equal_a_full_forward(gpt):
         assert len(top) == 3 and max(top.values()) == pytest.approx(float(full[pos].max()), abs=1e-4)
 
 
+def test_scoring_a_prompt_with_echo_and_no_new_tokens(gpt):
+    """What evaluation harnesses send for log-likelihoods: max_tokens 0, echo, logprobs 0."""
+    server, model, tokenizer = gpt
+    text = "Now is the winter of our discontent"
+    status, _, body = http("POST", server.url + "/v1/completions",
+                           {"prompt": text, "max_tokens": 0, "echo": True, "logprobs": 0})
+    assert status == 200, body
+    choice = json.loads(body)["choices"][0]
+    ids = tokenizer.encode(text)
+    assert choice["text"] == text and choice["logprobs"]["tokens"] == [tokenizer.decode([t]) for t in ids]
+    with torch.no_grad():
+        full = F.log_softmax(model(torch.tensor([ids]))[0], -1)
+    expected = full[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(choice["logprobs"]["token_logprobs"][1:]), expected, atol=1e-4,
+                               rtol=1e-4)
+    assert json.loads(body)["usage"]["completion_tokens"] == 0
+
+
 def test_streaming_completion_and_chat(gpt):
     server, model, tokenizer = gpt
     c = client(server)

@@ -178,6 +178,12 @@ def test_serve_argument_errors(tmp_path, argv, words):
     one_error_line(["serve", "--checkpoint", str(tmp_path), *argv], *words)
 
 
+def test_serve_kv_cache_bounds_are_checked(tmp_path):
+    ckpt = save_gpt_checkpoint(tmp_path / "ckpt")  # learned positions, model.seq_len 64
+    one_error_line(["serve", "--checkpoint", str(ckpt), "--max-len", "65"], "--max-len 65", "model.seq_len=64")
+    one_error_line(["serve", "--checkpoint", str(ckpt), "--max-seqs", "100000000"], "KV cache", "--max-seqs")
+
+
 def test_serve_missing_checkpoint(tmp_path):
     one_error_line(["serve", "--checkpoint", str(tmp_path / "none"), "--port", str(free_port())], "no checkpoint")
 
