@@ -15,7 +15,8 @@ on a small shared machine one thread per process is faster than two for these si
    exactly `--max-tokens` output tokens (greedy, `ignore_eos`). Reported as vLLM's serving benchmark does:
    requests/s and output tokens/s over the level's wall time, time to first token (until the first
    streamed text) and time per output token (the rest of the request over its other tokens), median and
-   p99 over requests.
+   p99 over requests. The levels run `--rounds` times, interleaved; each level's round with the most output
+   tokens/s is reported (other users of a shared machine only slow a round down).
 2. Batch-1 greedy decode: `--max-tokens` new tokens after a `--prompt-tokens` prompt, tokens/s of the
    whole call (prefill included), median of `--repeats`: meshlm's engine (one row), meshlm's
    `infer.generate` (the single-prompt path of `meshlm generate`), transformers' `generate` (greedy,
@@ -118,8 +119,13 @@ def serving(ckpt: Path, args) -> list[dict]:
     server = ServeProcess("--checkpoint", str(ckpt), "--max-seqs", "16", "--max-queue", "1024")
     try:
         asyncio.run(_level(server.url, 1, 2, prompt, args.max_tokens))  # warm-up
-        return [asyncio.run(_level(server.url, c, args.requests * max(1, c // 4) if c > 1 else args.requests,
-                                   prompt, args.max_tokens)) for c in (1, 4, 16)]
+        best = {}
+        for _ in range(args.rounds):  # 1, 4, 16, 1, 4, 16, ...: a slow spell of the shared machine hits one round
+            for c in (1, 4, 16):
+                r = asyncio.run(_level(server.url, c, args.requests * max(1, c // 4), prompt, args.max_tokens))
+                if c not in best or r["out_tok_per_s"] > best[c]["out_tok_per_s"]:
+                    best[c] = r
+        return [best[c] for c in (1, 4, 16)]
     finally:
         server.stop()
 
@@ -205,6 +211,8 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=2, help="each level this many times; the round with the most "
+                                                         "output tokens/s is reported")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)

@@ -13,6 +13,7 @@ level, so `import meshlm` stays lean.
 import argparse
 import asyncio
 import base64
+import hmac
 import json
 import math
 import os
@@ -239,6 +240,14 @@ def chat_logprobs(tokens, decode) -> dict:
                                           for i, lp in t.top]} for t in tokens]}
 
 
+def include_usage(f: dict) -> bool:
+    options = f.get("stream_options") or {}
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise bad(f"stream_options has unknown field {unknown[0]!r}", "stream_options")
+    return bool(options.get("include_usage"))
+
+
 def usage(reqs: list) -> dict:
     p = sum(len(r.prompt_ids) for r in reqs)
     c = sum(len(r.output_ids) for r in reqs)
@@ -325,7 +334,8 @@ def build_app(server: Server):
 
     @app.middleware("http")
     async def _auth_and_count(request: HTTPRequest, call_next):
-        if server.api_key is not None and request.headers.get("authorization") != f"Bearer {server.api_key}":
+        given = request.headers.get("authorization", "").encode()
+        if server.api_key is not None and not hmac.compare_digest(given, f"Bearer {server.api_key}".encode()):
             response = error_response(APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                                                "authentication_error", code="invalid_api_key"))
         else:
@@ -340,7 +350,7 @@ def build_app(server: Server):
         except ValueError as err:
             raise bad(f"the request body is not valid JSON ({err})") from None
 
-    async def run(reqs_of, stream: bool, chunks, final):
+    async def run(reqs_of, stream: bool, chunks, final, usage_chunk=None):
         """Submit (via `reqs_of(on_update)`), then either stream `chunks(reqs, sent)` as SSE or return
         `final(reqs)`; a client that goes away cancels its requests (their rows are freed)."""
         loop = asyncio.get_running_loop()
@@ -399,6 +409,8 @@ def build_app(server: Server):
                                 yield f"data: {json.dumps(chunk)}\n\n"
                         sent[i], tokens[i] = upto, tokens[i] + len(new_tokens)
                         done[i] = finished
+                if usage_chunk is not None and all(done):  # stream_options.include_usage
+                    yield f"data: {json.dumps(usage_chunk(reqs))}\n\n"
                 yield "data: [DONE]\n\n"
             finally:
                 for r in reqs:
@@ -455,7 +467,7 @@ def build_app(server: Server):
             return body(choices, usage(reqs))
 
         return await run(lambda cb: server.submit_all(prompts, [sp] * len(prompts), cb), bool(f["stream"]),
-                         chunks, final)
+                         chunks, final, (lambda reqs: body([], usage(reqs))) if include_usage(f) else None)
 
     # ---- /v1/chat/completions ----
     @app.post("/v1/chat/completions")
@@ -507,7 +519,12 @@ def build_app(server: Server):
             return {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name,
                     "choices": [c], "usage": usage(reqs)}
 
-        return await run(lambda cb: server.submit_all([ids], [sp], cb), bool(f["stream"]), chunks, final)
+        def usage_chunk(reqs):
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.model_name,
+                    "choices": [], "usage": usage(reqs)}
+
+        return await run(lambda cb: server.submit_all([ids], [sp], cb), bool(f["stream"]), chunks, final,
+                         usage_chunk if include_usage(f) else None)
 
     # ---- /v1/embeddings ----
     @app.post("/v1/embeddings")

@@ -104,7 +104,11 @@ def test_streaming_completion_and_chat(gpt):
     whole = c.completions.create(model="tiny-gpt", prompt="Hello", max_tokens=10, temperature=0).choices[0].text
     chunks = list(c.completions.create(model="tiny-gpt", prompt="Hello", max_tokens=10, temperature=0, stream=True))
     assert "".join(ch.choices[0].text for ch in chunks) == whole
-    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None
+    counted = list(c.completions.create(model="tiny-gpt", prompt="Hello", max_tokens=10, temperature=0, stream=True,
+                                        stream_options={"include_usage": True}))
+    assert counted[-1].choices == [] and counted[-1].usage.completion_tokens == 10
+    assert "".join(ch.choices[0].text for ch in counted[:-1]) == whole
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who are you?"}]
     reply = c.chat.completions.create(model="tiny-gpt", messages=messages, max_tokens=8, temperature=0)
