@@ -382,9 +382,9 @@ class Engine:
 
     # ---- one step ----
     def _finish(self, req: Request, reason: str) -> None:
-        req.finish_reason = reason
+        req.emitted = len(req.text)  # before the reason: a reader that sees it finished sees all its text
         req.finished_at = time.monotonic()
-        req.emitted = len(req.text)
+        req.finish_reason = reason
         if req.first_token_at is not None:
             self.ttft.observe(req.first_token_at - req.arrival)
             if len(req.output_ids) > 1:
@@ -536,8 +536,10 @@ class Engine:
                     continue
                 self.step()
         except BaseException as err:  # noqa: BLE001 -- the loop is dead: fail every request so no client waits forever
-            self.dead = f"{type(err).__name__}: {err}"
-            for req in list(self.active) + list(self.waiting):
+            with self.lock:  # no request joins the queue unseen from here on
+                self.dead = f"{type(err).__name__}: {err}"
+                stranded = list(self.active) + list(self.waiting)
+            for req in stranded:
                 if not req.finished:
                     req.error = self.dead
                     req.finish_reason = "error"
@@ -545,7 +547,10 @@ class Engine:
             traceback.print_exc()  # the server's log; /health now fails
         finally:
             if isinstance(self.runner, DistributedRunner):
-                self.runner.shutdown()
+                try:
+                    self.runner.shutdown()  # release the other ranks' loops
+                except Exception:  # noqa: BLE001 -- they may be gone already (the error above)
+                    traceback.print_exc()
 
     def stop(self, timeout: float | None = None) -> None:
         """Take no new requests; finish the waiting and active ones; end the loop (drain)."""
