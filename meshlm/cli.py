@@ -1,5 +1,5 @@
-"""meshlm command line: `meshlm train | generate | embed | finetune | tune | plot | prepare | tokenizer train |
-bench memory | convert`.
+"""meshlm command line: `meshlm train | generate | embed | finetune | tune | serve | plot | prepare | tokenizer
+train | bench memory | convert`.
 
 User errors (bad config or argument, missing or corrupt checkpoint or asset, bad data, a full disk, a
 run too large for this machine, a run whose losses stay non-finite) print one line starting with
@@ -18,6 +18,7 @@ from typing import NoReturn
 from meshlm.config import DEFAULT_CONFIG, ConfigError, bundled_configs
 from meshlm.data.commands import add_data_commands
 from meshlm.infer.embed import add_embed_command
+from meshlm.infer.server import add_serve_command
 from meshlm.interop.convert import add_convert_command
 from meshlm.plan.commands import add_bench_commands
 from meshlm.train.finetune import add_finetune_command
@@ -43,25 +44,16 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def load_model_from_checkpoint(path: str, device: str = "cpu", cfg=None):
-    """(model, tokenizer, config) from a run directory or checkpoint directory."""
-    import torch
+    """(model, tokenizer, config) from a run directory or checkpoint directory (`meshlm.infer.load`)."""
+    from meshlm.infer.load import load_model_from_checkpoint as load
 
-    from meshlm.data.tokenizers import get_tokenizer
-    from meshlm.models.registry import get_spec
-    from meshlm.train import checkpoint as ckpt
-
-    target = ckpt.resolve_checkpoint(path)
-    cfg = cfg or checkpoint_config(path)
-    model = get_spec(cfg.model.family).model_class(cfg.model)
-    model.load_state_dict(ckpt.load_model_state(target))
-    return model.to(torch.device(device)).eval(), get_tokenizer(cfg.data.tokenizer), cfg
+    return load(path, device, cfg)
 
 
 def checkpoint_config(path: str):
-    from meshlm.config import config_from_dict
-    from meshlm.train import checkpoint as ckpt
+    from meshlm.infer.load import checkpoint_config as load_config
 
-    return config_from_dict(ckpt.load_config_dict(ckpt.resolve_checkpoint(path)))
+    return load_config(path)
 
 
 def _check_sampling(args: argparse.Namespace) -> None:
@@ -190,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_embed_command(sub)  # meshlm embed
     add_finetune_command(sub)  # meshlm finetune
     add_tune_command(sub)  # meshlm tune
+    add_serve_command(sub)  # meshlm serve (OpenAI-compatible HTTP server; needs meshlm[serve])
     return parser
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from meshlm.config import Config, ModelConfig
 from meshlm.models.init import InitRule, draw_base_seed, init_parameters
-from meshlm.models.layers import Block, KVCache, lora_targets, make_norm, rope_tables
+from meshlm.models.layers import Block, KVCache, lora_targets, make_norm, positions_of, rope_tables
 from meshlm.models.loss import cross_entropy, linear_cross_entropy
 from meshlm.models.spec import ModelSpec, PipelinePlan
 
@@ -70,8 +70,7 @@ class GPT(nn.Module):
     def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
         x = self.tok_emb(idx)  # (B, T, h), or (B, T/t, h) under sequence parallelism
         if self.pos_emb is not None:
-            pos = torch.arange(start, start + idx.shape[1], device=idx.device)
-            x = x + self.pos_emb(pos)
+            x = x + self.pos_emb(positions_of(start, idx.shape[1], idx.device))  # start: int, or (B,) per row
         return self.drop(x)
 
     def rope(self, needed: int):
@@ -102,11 +101,12 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, caches: list[KVCache] | None = None, start: int = 0,
                 targets: torch.Tensor | None = None) -> torch.Tensor:
         """idx: (B, T) token ids → logits (B, T, V); with targets (B, T), the mean cross-entropy instead.
-        With `caches`, positions start at `start`."""
+        With `caches`, positions start at `start`: an int, or a (B,) tensor of per-row positions (serving)."""
         T = idx.shape[1]
-        if self.pos_emb is not None and start + T > self.cfg.seq_len:
-            raise ValueError(f"sequence of {start + T} tokens exceeds model.seq_len={self.cfg.seq_len}")
-        x = self.run_layers(self.embed(idx, start), None, caches, start, self.rope(start + T))
+        end = (int(start.max()) if isinstance(start, torch.Tensor) else start) + T
+        if self.pos_emb is not None and end > self.cfg.seq_len:
+            raise ValueError(f"sequence of {end} tokens exceeds model.seq_len={self.cfg.seq_len}")
+        x = self.run_layers(self.embed(idx, start), None, caches, start, self.rope(end))
         return self.head(x) if targets is None else self.head_loss(x, targets)
 
     def new_caches(self, batch: int, max_len: int) -> list[KVCache]:

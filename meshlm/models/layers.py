@@ -61,11 +61,35 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, start, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new keys/values at positions `start`..; return the cached ones up to the last written.
+        `start` is an int (every row alike) or a (B,) tensor of per-row positions (the first B rows)."""
+        if isinstance(start, torch.Tensor):
+            return write_rows(self.k, self.v, start, k, v)
         end = start + k.shape[2]
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
+
+
+def write_rows(cache_k: torch.Tensor, cache_v: torch.Tensor, start: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row positions: row b's T new keys/values go to positions start[b]..start[b]+T-1 of cache row b
+    (rows 0..B-1 of (S, nkv, L, hs) buffers); returns rows 0..B-1 up to the furthest position written."""
+    B, _, T, _ = k.shape
+    pos = start[:, None] + torch.arange(T, device=start.device)  # (B, T)
+    rows = torch.arange(B, device=start.device)[:, None].expand(B, T)
+    cache_k[rows, :, pos] = k.transpose(1, 2).to(cache_k.dtype)  # indexed (B, T, nkv, hs)
+    cache_v[rows, :, pos] = v.transpose(1, 2).to(cache_v.dtype)
+    end = int(pos.max()) + 1
+    return cache_k[:B, :, :end], cache_v[:B, :, :end]
+
+
+def positions_of(start, T: int, device) -> torch.Tensor:
+    """(B, T) per-row positions for a tensor `start` (B,), or (T,) for an int."""
+    if isinstance(start, torch.Tensor):
+        return start[:, None] + torch.arange(T, device=device)
+    return torch.arange(start, start + T, device=device)
 
 
 class Attention(nn.Module):
@@ -102,10 +126,24 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        per_row = isinstance(start, torch.Tensor)  # per-row positions (batched serving): (B,) tensor
         if rope is not None:
-            cos, sin = rope[0][start:start + T], rope[1][start:start + T]
+            if per_row:
+                pos = positions_of(start, T, x.device)
+                cos, sin = rope[0][pos].unsqueeze(1), rope[1][pos].unsqueeze(1)  # (B, 1, T, hs)
+            else:
+                cos, sin = rope[0][start:start + T], rope[1][start:start + T]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         causal = mask is None
+        if per_row:
+            if cache is None:
+                raise ValueError("per-row positions need a KV cache")
+            k, v = cache.update(start, k, v)
+            pos = positions_of(start, T, x.device)  # key j is visible to query (b, t) when j <= pos[b, t]
+            keys = torch.arange(k.shape[2], device=x.device)
+            y = self.core(q, k, v, False, (keys <= pos[..., None]).unsqueeze(1))  # mask (B, 1, T, K)
+            y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+            return self.resid_dropout(self.proj(y))
         if cache is not None:
             k, v = cache.update(start, k, v)
             causal = T > 1  # one new token attends to every cached position
