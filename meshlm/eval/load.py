@@ -53,7 +53,7 @@ def load(checkpoint: str, overrides: list[str] | None = None, batch_size: int = 
     cfg = checkpoint_config(checkpoint)
     decoder = get_spec(cfg.model.family).decoder
     if world_size() == 1:
-        layout = build(apply_overrides(cfg.to_dict(), overrides)).parallel
+        layout = build(apply_overrides(_without_layout(cfg), overrides)).parallel
         if layout.tp * layout.pp > 1:
             raise ConfigError(f"{overrides[0]} needs several processes: launch with torchrun --nproc_per_node=N "
                               "-m meshlm eval ...")
@@ -68,13 +68,20 @@ def load(checkpoint: str, overrides: list[str] | None = None, batch_size: int = 
     return _load_parallel(checkpoint, cfg, overrides, batch_size, progress, device)
 
 
+def _without_layout(cfg) -> dict:
+    """The checkpoint's config with the layout it was trained under dropped: evaluation takes its own."""
+    values = cfg.to_dict()
+    values["parallel"] = {}
+    return values
+
+
 def _load_parallel(checkpoint, cfg, overrides, batch_size, progress, device) -> Loaded:
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.parallel import build_model, init_distributed
     from meshlm.train import checkpoint as ckpt
     from meshlm.train import dist_checkpoint
 
-    values = apply_overrides(cfg.to_dict(), overrides)
+    values = apply_overrides(_without_layout(cfg), overrides)
     dp = max(1, world_size() // (values["parallel"].get("tp", 1) * values["parallel"].get("pp", 1)))
     # Forward only: logits from the last stage (no fused head), no recomputation or compile, one
     # micro-batch per data-parallel rank (the layout rules need a batch; evaluation brings its own).

@@ -86,8 +86,8 @@ def plain_forward(model: torch.nn.Module, vocab_size: int) -> Forward:
 
 
 def parallel_forward(parallelized, vocab_size: int) -> Forward:
-    """The forward of this rank's part of a parallel model (`meshlm.parallel.build_model`, built with
-    `train.fused_loss=false` so that the last stage returns logits); results on every rank."""
+    """The forward of this rank's part of a parallel model (`meshlm.parallel.build_model`); results on every
+    rank. A last stage that fuses its head into the loss (`train.fused_loss`) gets its logits from the head."""
     from meshlm.parallel.pipeline import _rank_at
 
     dims, pipe, model = parallelized.dims, parallelized.pipeline, parallelized.model
@@ -114,6 +114,8 @@ def parallel_forward(parallelized, vocab_size: int) -> Forward:
                     act = torch.empty(shape, dtype=dtype, device=dims.device)
                     dist.recv(act, src=_rank_at(dims, (s - 1) % pp), group=dims.pp_group)
                 out = pipe.modules[k](act)
+                if s == pipe.n_stages - 1 and pipe.modules[k].fused_head:  # (a training run's pipeline)
+                    out = pipe.modules[k]._head(out)  # the hidden states → logits
                 if s < pipe.n_stages - 1:
                     dist.send(out.to(dtype).contiguous(), dst=_rank_at(dims, (s + 1) % pp), group=dims.pp_group)
                 else:
