@@ -67,12 +67,19 @@ def evaluate(loaded, checkpoint: str, kind: str, data: str, batch_size: int, str
     return tasks.run_choice(loaded.scorer, tasks.read_choice(data))
 
 
-def write_json_atomic(path: str, obj: dict) -> None:
+def check_out(path: str) -> Path:
+    """--out names a file in an existing directory (checked before any work is done)."""
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"--out {path!r} is a directory; give a file name such as results.json")
     if not p.parent.exists():
         raise ConfigError(f"--out {path!r}: directory {str(p.parent)!r} does not exist; create it first")
+    return p
+
+
+def write_json_atomic(path: str, obj: dict) -> None:
+    """`obj` as JSON at `path`, through a temporary file renamed into place: never half-written."""
+    p = check_out(path)
     tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(json.dumps(obj, indent=1) + "\n")
@@ -91,9 +98,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.stride is not None and args.stride < 1:
         raise ConfigError(f"--stride {args.stride} must be >= 1")
     if args.out is not None:
-        p = Path(args.out)
-        if p.is_dir() or not p.parent.exists():
-            write_json_atomic(args.out, {})  # raises the error; never reached for a good path
+        check_out(args.out)
     kind, data = resolve_task(args.task, args.data)
     progress = args.progress or sys.stderr.isatty()
     start = time.perf_counter()
