@@ -209,7 +209,6 @@ class TrainConfig:
                f"train.recompute_method={self.recompute_method!r} only applies to train.recompute='full' "
                f"(got {self.recompute!r}); drop it or set train.recompute=full")
 
-
     def _check_eval_tasks(self) -> None:
         from meshlm.eval.sets import SETS  # (no import cycle: meshlm.eval.sets imports config lazily)
 
