@@ -1,5 +1,5 @@
-"""meshlm command line: `meshlm train | generate | embed | finetune | tune | serve | plot | prepare | tokenizer
-train | bench memory | convert`.
+"""meshlm command line: `meshlm train | generate | embed | finetune | tune | serve | eval | harness | plot | prepare |
+tokenizer train | bench memory | convert`.
 
 User errors (bad config or argument, missing or corrupt checkpoint or asset, bad data, a full disk, a
 run too large for this machine, a run whose losses stay non-finite) print one line starting with
@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from meshlm.config import DEFAULT_CONFIG, ConfigError, bundled_configs
 from meshlm.data.commands import add_data_commands
+from meshlm.eval.commands import add_eval_command
 from meshlm.infer.embed import add_embed_command
 from meshlm.infer.server import add_serve_command
 from meshlm.interop.convert import add_convert_command
@@ -183,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_finetune_command(sub)  # meshlm finetune
     add_tune_command(sub)  # meshlm tune
     add_serve_command(sub)  # meshlm serve (OpenAI-compatible HTTP server; needs meshlm[serve])
+    add_eval_command(sub)  # meshlm eval, meshlm harness
     return parser
 
 

@@ -178,6 +178,9 @@ class TrainConfig:
     sample_tokens: int = 0  # >0: print a sample of this many tokens at the end
     sample_prompt: str = "\n"
     init_from: str = ""  # a checkpoint whose matching weights start a fresh run (fine-tuning); "": the seed
+    # Evaluation tasks run at each evaluation (meshlm/eval, docs/eval.md): shipped sets (shakespeare-cloze,
+    # shakespeare-choice) or KIND:FILE with KIND perplexity, cloze or choice; logged as val_<name>_<metric>.
+    eval_tasks: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         _positive("train", self, "max_steps", "micro_batch_size", "global_batch_size", "log_every", "eval_iters")
@@ -191,6 +194,7 @@ class TrainConfig:
         _check(self.keep_last >= 0, f"train.keep_last={self.keep_last} must be >= 0 (0 keeps every checkpoint)")
         _check(self.max_bad_steps > 0, f"train.max_bad_steps={self.max_bad_steps} must be positive (the number of "
                "non-finite steps in a row that stops the run); set it to 5")
+        self._check_eval_tasks()
         _choices("train.precision", self.precision, ("fp32", "bf16", "fp16"))
         _choices("train.device", self.device, ("auto", "cpu", "cuda"))
         _non_negative("train", self, "peak_tflops", zero="0 measures it at start")
@@ -204,6 +208,16 @@ class TrainConfig:
         _check(self.recompute == "full" or self.recompute_method == "uniform",
                f"train.recompute_method={self.recompute_method!r} only applies to train.recompute='full' "
                f"(got {self.recompute!r}); drop it or set train.recompute=full")
+
+    def _check_eval_tasks(self) -> None:
+        from meshlm.eval.sets import SETS  # (no import cycle: meshlm.eval.sets imports config lazily)
+
+        kinds = ("perplexity", "cloze", "choice")
+        for task in self.eval_tasks:
+            kind, _, path = task.partition(":")
+            _check(task in SETS or (kind in kinds and path.strip() != ""),
+                   f"train.eval_tasks entry {task!r} is neither a shipped set ({', '.join(SETS)}) nor KIND:FILE with "
+                   f"KIND one of {', '.join(kinds)}; e.g. train.eval_tasks=['shakespeare-cloze', 'choice:my.jsonl']")
 
 
 @dataclass(frozen=True)
@@ -360,6 +374,10 @@ class Config:
         """The directories a training run writes can be written (checked by `meshlm train`, not by
         `validate`: a checkpoint's config is read again where its out_dir may not exist)."""
         check_output_dir("train.out_dir", self.train.out_dir)
+        for task in self.train.eval_tasks:  # KIND:FILE entries name a file to read at each evaluation
+            path = task.partition(":")[2]
+            _check(not path or Path(path).is_file(), f"train.eval_tasks entry {task!r}: {path!r} does not exist or "
+                   "is not a file; give the task's .jsonl (or text) file")
         if self.data.cache_dir:
             check_output_dir("data.cache_dir", self.data.cache_dir)
         return self

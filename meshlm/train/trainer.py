@@ -554,6 +554,10 @@ class Trainer:
 
     def _eval_and_log(self, metrics, writer) -> dict:
         result = self.evaluate()
+        if self.cfg.train.eval_tasks:  # train.eval_tasks: val_<task>_<metric> (meshlm/eval/during_training.py)
+            from meshlm.eval.during_training import run_eval_tasks
+
+            result.update(run_eval_tasks(self))
         if result:
             self._write(metrics, writer, {"kind": "eval", "step": self.step, "tokens": self.tokens_seen, **result})
             if "val_bpb" in result:

@@ -95,6 +95,8 @@ CHOICES = {"model.family", "model.position", "model.norm", "model.activation", "
            "train.recompute", "train.recompute_method", "optim.decay", "optim.name", "tune.method", "tune.prompt_init",
            "tune.encoder"}
 NON_EMPTY = {"train.out_dir", "train.resume", "data.tokenizer", "data.json_key", "data.split"}
+# lists whose entries are names or KIND:FILE specs: entries that are neither
+BAD_ENTRIES = {"train.eval_tasks": ["['bogus']", "['cloze:']", "['']", "['shakespeare-cloze', 'nope:x.jsonl']"]}
 
 
 def _kind(section: type, name: str) -> str:
@@ -110,6 +112,7 @@ def bad_values(key: str, kind: str) -> list[str]:
         values += ["'bogus'", "''"]
     if key in NON_EMPTY:
         values += ["''", "'   '"]
+    values += BAD_ENTRIES.get(key, [])
     return values
 
 

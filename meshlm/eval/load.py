@@ -1,0 +1,104 @@
+"""A checkpoint as a `Scorer`: whole in one process, or this rank's part of a parallel layout under torchrun
+(`--parallel.tp=2`-style overrides; weights read from a checkpoint of any layout)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from meshlm.config import ConfigError, apply_overrides, build
+from meshlm.eval.scorer import Scorer, parallel_forward, plain_forward, world_size
+
+
+@dataclass
+class Loaded:
+    scorer: Scorer | None  # None for an encoder (BERT) checkpoint
+    cfg: object  # meshlm.config.Config
+    tokenizer: object
+    model: torch.nn.Module | None  # the whole model (one process), for heads other than a language model
+    dims: object | None = None  # ParallelDims under torchrun
+
+    @property
+    def is_main(self) -> bool:
+        return self.dims is None or self.dims.is_main
+
+
+def check_overrides(overrides: list[str], flag_hint: str = "meshlm eval") -> list[str]:
+    """Only the layout (`--parallel.*`) may be overridden: the model is the checkpoint's."""
+    for item in overrides:
+        key = item.removeprefix("--").split("=", 1)[0]
+        if not key.startswith("parallel."):
+            raise ConfigError(f"{flag_hint} takes only --parallel.* overrides (the layout), not {item!r}; the "
+                              "model and tokenizer come from the checkpoint")
+    return overrides
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} asked for but no CUDA GPU is visible; use cpu")
+    return torch.device(name)
+
+
+def load(checkpoint: str, overrides: list[str] | None = None, batch_size: int = 8, progress: bool = False,
+         device: str | None = None) -> Loaded:
+    from meshlm.cli import checkpoint_config, load_model_from_checkpoint
+    from meshlm.models.registry import get_spec
+
+    overrides = check_overrides(overrides or [])
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size {batch_size} must be >= 1")
+    cfg = checkpoint_config(checkpoint)
+    decoder = get_spec(cfg.model.family).decoder
+    if world_size() == 1:
+        layout = build(apply_overrides(_without_layout(cfg), overrides)).parallel
+        if layout.tp * layout.pp > 1:
+            raise ConfigError(f"{overrides[0]} needs several processes: launch with torchrun --nproc_per_node=N "
+                              "-m meshlm eval ...")
+        dev = pick_device(device)
+        model, tokenizer, cfg = load_model_from_checkpoint(checkpoint, str(dev), cfg)
+        scorer = Scorer(plain_forward(model, cfg.model.vocab_size), cfg.model.seq_len, tokenizer, batch_size, dev,
+                        progress) if decoder else None
+        return Loaded(scorer, cfg, tokenizer, model)
+    if not decoder:
+        raise ConfigError(f"{checkpoint} holds a model.family={cfg.model.family!r} model; its evaluation "
+                          "(--task classify) runs in one process: drop torchrun")
+    return _load_parallel(checkpoint, cfg, overrides, batch_size, progress, device)
+
+
+def _without_layout(cfg) -> dict:
+    """The checkpoint's config with the layout it was trained under dropped: evaluation takes its own."""
+    values = cfg.to_dict()
+    values["parallel"] = {}
+    return values
+
+
+def _load_parallel(checkpoint, cfg, overrides, batch_size, progress, device) -> Loaded:
+    from meshlm.data.tokenizers import get_tokenizer
+    from meshlm.parallel import build_model, init_distributed
+    from meshlm.train import checkpoint as ckpt
+    from meshlm.train import dist_checkpoint
+
+    values = apply_overrides(_without_layout(cfg), overrides)
+    dp = max(1, world_size() // (values["parallel"].get("tp", 1) * values["parallel"].get("pp", 1)))
+    # Forward only: logits from the last stage (no fused head), no recomputation or compile, one
+    # micro-batch per data-parallel rank (the layout rules need a batch; evaluation brings its own).
+    values["train"].update(fused_loss=False, compile=False, recompute="none", micro_batch_size=1,
+                           global_batch_size=dp, precision="fp32", init_from="")
+    eval_cfg = build(values)
+    dev = pick_device(device)
+    dims = init_distributed(eval_cfg.parallel, dev if dev.type == "cpu" else None)
+    parallelized = build_model(eval_cfg, dims)
+    source = ckpt.resolve_checkpoint(checkpoint)
+    missing = dist_checkpoint.load_matching_weights(source, parallelized.grad_sync, cfg.model)
+    if missing:
+        raise ConfigError(f"{checkpoint}: the checkpoint lacks {', '.join(missing)}; it is not a whole model")
+    parallelized.model.eval()
+    for m in (parallelized.pipeline.modules if parallelized.pipeline is not None else []):
+        m.eval()
+    tokenizer = get_tokenizer(cfg.data.tokenizer)
+    scorer = Scorer(parallel_forward(parallelized, cfg.model.vocab_size), cfg.model.seq_len, tokenizer, batch_size,
+                    dims.device, progress, dims.is_main)
+    return Loaded(scorer, eval_cfg, tokenizer, None, dims)
