@@ -58,34 +58,25 @@ def score(model, tok, rows: list[dict], head: list[int], batch: int = 64) -> tup
     """(accuracy by the highest-likelihood title, greedy exact match of the title)."""
     titles = [tok.encode(" " + t) + [tok.eod_id] for t in TITLES.values()]
     names = list(TITLES)
-    seqs, owners = [], []
-    for i, row in enumerate(rows):
-        prompt = head + tok.encode(row["input"])
-        for j, title in enumerate(titles):
-            seqs.append((prompt, title))
-            owners.append((i, j))
+    seqs = [(head + tok.encode(row["input"]), title) for row in rows for title in titles]
     scores = torch.empty(len(seqs))
+    greedy = torch.zeros(len(seqs), dtype=torch.bool)  # every title token (and the end) is the argmax
     for s in range(0, len(seqs), batch):
         chunk = seqs[s:s + batch]
         T = max(len(p) + len(t) for p, t in chunk)
         ids = torch.full((len(chunk), T), tok.eod_id)
         for k, (p, t) in enumerate(chunk):
             ids[k, :len(p) + len(t)] = torch.tensor(p + t)
-        logp = torch.log_softmax(model(ids).float(), -1)
+        hidden = model.run_layers(model.embed(ids))  # the output layer only where a title token is predicted
         for k, (p, t) in enumerate(chunk):
-            pos = torch.arange(len(p) - 1, len(p) + len(t) - 1)
-            scores[s + k] = logp[k, pos, torch.tensor(t)].sum()
+            pos, want = torch.arange(len(p) - 1, len(p) + len(t) - 1), torch.tensor(t)
+            logits = model.head(hidden[k, pos]).float()
+            scores[s + k] = torch.log_softmax(logits, -1)[torch.arange(len(t)), want].sum()
+            greedy[s + k] = bool((logits.argmax(-1) == want).all())
     table = scores.view(len(rows), len(titles))
     picked = table.argmax(1)
     accuracy = sum(names[int(picked[i])] == row["play"] for i, row in enumerate(rows)) / len(rows)
-    # greedy: every title token (and the end) is the argmax given the passage and the title so far
-    exact = 0
-    for i, row in enumerate(rows):
-        j = names.index(row["play"])
-        p, t = seqs[i * len(titles) + j]
-        ids = torch.tensor([p + t])
-        pred = model(ids)[0, len(p) - 1:len(p) + len(t) - 1].argmax(-1)
-        exact += bool((pred == torch.tensor(t)).all())
+    exact = sum(bool(greedy[i * len(titles) + names.index(row["play"])]) for i, row in enumerate(rows))
     return accuracy, exact / len(rows)
 
 

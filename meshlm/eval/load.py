@@ -42,8 +42,21 @@ def pick_device(name: str | None) -> torch.device:
     return torch.device(name)
 
 
+def with_virtual_tokens(model: torch.nn.Module, head: list[int]):
+    """A forward that puts a prompt adapter's placeholders before every row and drops their outputs: the
+    logits of the ids as the tuned model sees them."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        prefix = torch.tensor(head, dtype=x.dtype, device=x.device).expand(x.shape[0], len(head))
+        return model(torch.cat([prefix, x], dim=1))[:, len(head):]
+
+    return forward
+
+
 def load(checkpoint: str, overrides: list[str] | None = None, batch_size: int = 8, progress: bool = False,
-         device: str | None = None) -> Loaded:
+         device: str | None = None, adapter: str | None = None, adapter_task: str | None = None) -> Loaded:
+    """The model of `checkpoint` for evaluation; with `adapter`, a `meshlm tune` (or PEFT) adapter on it (one
+    process): LoRA merged into the weights, virtual tokens before every row (`adapter_task` picks a task's)."""
     from meshlm.cli import checkpoint_config, load_model_from_checkpoint
     from meshlm.models.registry import get_spec
 
@@ -59,9 +72,22 @@ def load(checkpoint: str, overrides: list[str] | None = None, batch_size: int = 
                               "-m meshlm eval ...")
         dev = pick_device(device)
         model, tokenizer, cfg = load_model_from_checkpoint(checkpoint, str(dev), cfg)
-        scorer = Scorer(plain_forward(model, cfg.model.vocab_size), cfg.model.seq_len, tokenizer, batch_size, dev,
+        forward, context = model, cfg.model.seq_len
+        if adapter is not None:
+            from meshlm.tune.export import apply_adapter, read_adapter
+
+            tuned = read_adapter(adapter, cfg, checkpoint)
+            apply_adapter(model, cfg, tuned)
+            if tuned.virtual_tokens:
+                head = [tuned.task_index(adapter_task)] * tuned.virtual_tokens
+                forward, context = with_virtual_tokens(model, head), context - len(head)
+        elif adapter_task is not None:
+            raise ConfigError("--adapter-task picks the virtual prompt of an --adapter; give --adapter DIR")
+        scorer = Scorer(plain_forward(forward, cfg.model.vocab_size), context, tokenizer, batch_size, dev,
                         progress) if decoder else None
         return Loaded(scorer, cfg, tokenizer, model)
+    if adapter is not None:
+        raise ConfigError("--adapter evaluates in one process (the adapter goes onto the whole model); drop torchrun")
     if not decoder:
         raise ConfigError(f"{checkpoint} holds a model.family={cfg.model.family!r} model; its evaluation "
                           "(--task classify) runs in one process: drop torchrun")

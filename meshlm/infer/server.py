@@ -639,15 +639,28 @@ def _tp_of(overrides: list[str]) -> int:
 
 
 def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None, max_queue: int = 256,
-                 api_key: str | None = None, model_name: str | None = None, tp: int = 1) -> Server | None:
+                 api_key: str | None = None, model_name: str | None = None, tp: int = 1,
+                 adapter: str | None = None) -> Server | None:
     """The server state for a checkpoint; under torchrun with tp > 1 only rank 0 gets one (the other ranks
-    replay rank 0's engine steps here and return None when it stops)."""
+    replay rank 0's engine steps here and return None when it stops). `adapter`: a LoRA adapter of
+    `meshlm tune` (or PEFT) tuned on the checkpoint, merged into the served weights."""
     import torch
 
     from meshlm.infer.engine import DistributedRunner, EmbeddingEngine, Engine, Runner, worker_loop
     from meshlm.infer.load import checkpoint_config, load_model_from_checkpoint, load_tensor_parallel
 
-    name = model_name or os.path.basename(os.path.normpath(checkpoint))
+    name = model_name or os.path.basename(os.path.normpath(adapter or checkpoint))
+    tuned = None
+    if adapter is not None:  # checked against the base before anything is loaded
+        from meshlm.tune.export import read_adapter
+
+        if tp > 1:
+            raise ConfigError("--adapter serves in one process (merged into the whole model); drop --parallel.tp")
+        tuned = read_adapter(adapter, checkpoint_config(checkpoint), checkpoint)
+        if tuned.tune.method != "lora":
+            raise ConfigError(f"--adapter {adapter!r} holds virtual tokens ({tuned.tune.virtual_tokens} per prompt); "
+                              "meshlm serve takes LoRA adapters (merged into the weights) only so far: use meshlm "
+                              "generate --adapter for prompt-tuned adapters")
     if tp > 1:
         model, tokenizer, cfg, dims = load_tensor_parallel(checkpoint, tp)
         length = max_len or cfg.model.seq_len
@@ -677,6 +690,10 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
     check_fits({"weights": weights_bytes(cfg.model), "KV cache": kv_cache_bytes(cfg.model, max_seqs, length)},
                f"serving {max_seqs} sequences of {length} tokens", "lower --max-seqs or --max-len", device)
     model, tokenizer, cfg = load_model_from_checkpoint(checkpoint, device, cfg)
+    if tuned is not None:
+        from meshlm.tune.export import apply_adapter
+
+        apply_adapter(model, cfg, tuned)  # W + (α/r)·B·A: no extra work per token
     engine = Engine(model, tokenizer, max_seqs, length, max_queue)
     return Server(engine, None, tokenizer, name, engine.max_len, api_key)
 
@@ -720,7 +737,7 @@ def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
     server = None
     try:
         server = build_server(args.checkpoint, args.max_seqs, args.max_len, args.max_queue, args.api_key,
-                              args.served_model_name, tp)
+                              args.served_model_name, tp, args.adapter)
         if server is not None:
             print(f"meshlm serve: {server.model_name!r} on http://{args.host}:{args.port} "
                   f"({'embeddings' if server.engine is None else f'{args.max_seqs} sequences'})", file=sys.stderr,
@@ -753,4 +770,6 @@ def add_serve_command(sub) -> None:
     p.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a row; beyond: 429")
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds SIGTERM waits for open requests")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--adapter", default=None, metavar="DIR", help="a LoRA adapter of meshlm tune (or PEFT) tuned on "
+                   "--checkpoint, merged into the served weights; the model's name defaults to DIR's")
     p.set_defaults(func=_serve)

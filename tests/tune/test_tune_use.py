@@ -1,0 +1,119 @@
+"""Using an adapter beyond `meshlm generate`: `meshlm eval --adapter` scores the tuned model (LoRA merged,
+virtual tokens before every row), equal to brute force on the tuned model; `meshlm serve --adapter` serves
+a LoRA adapter merged into the weights (its greedy completion equals the tuned model's) and refuses a
+virtual-token adapter with one line."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from meshlm.cli import load_model_from_checkpoint, main
+from meshlm.tune.export import apply_adapter, read_adapter
+from tests.eval.eval_helpers import last_logprob
+from tests.tune.tune_helpers import QUIET, repeat_rows, save_base, write_jsonl
+
+CHOICES = [{"context": f"say {w}:", "choices": ["red", "blue", "green", "gold"], "label": i % 4}
+           for i, w in enumerate(["red", "blue", "green", "gold", "blue", "red"])]
+
+
+def run(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    root = tmp_path_factory.mktemp("use")
+    base = save_base(root / "base")
+    train = write_jsonl(root / "train.jsonl", repeat_rows(32, 1))
+    out = {"root": root, "base": base, "choice": write_jsonl(root / "choice.jsonl", CHOICES)}
+    for method in ("lora", "prompt"):
+        out[method] = root / method
+        code, _, err = run("tune", "--checkpoint", str(base), "--method", method, "--train", str(train), "--valid",
+                           str(train), "--out", str(out[method]), "--max-length", "16", *QUIET, "--train.max_steps=4",
+                           "--optim.lr=3e-2", "--tune.virtual_tokens=3", "--tune.lora_targets=['q','v','down']")
+        assert code == 0, err
+    return out
+
+
+def tuned_model(tuned, method: str):
+    model, tok, cfg = load_model_from_checkpoint(str(tuned["base"]))
+    adapter = read_adapter(tuned[method], cfg, str(tuned["base"]))
+    apply_adapter(model, cfg, adapter)
+    return model, tok, [0] * adapter.virtual_tokens
+
+
+@pytest.mark.parametrize("method", ["lora", "prompt"])
+def test_eval_with_adapter_equals_brute_force(tuned, method):
+    code, out, err = run("eval", "--checkpoint", str(tuned["base"]), "--adapter", str(tuned[method]), "--task",
+                         "choice", "--data", str(tuned["choice"]))
+    assert code == 0, err
+    res = json.loads(out)
+    model, tok, head = tuned_model(tuned, method)
+    hits, lls_all = [], []
+    for row in CHOICES:
+        ctx = head + tok.encode(row["context"])
+        lls = []
+        for c in row["choices"]:
+            stream = head + tok.encode(row["context"] + " " + c)
+            lls.append(sum(last_logprob(model, stream[:i], stream[i]) for i in range(len(ctx), len(stream))))
+        hits.append(int(np.argmax(lls)) == row["label"])
+        lls_all.append(lls)
+    assert res["accuracy"] == pytest.approx(np.mean(hits))
+    base = json.loads(run("eval", "--checkpoint", str(tuned["base"]), "--task", "choice", "--data",
+                          str(tuned["choice"]))[1])
+    assert res != base  # the adapter is on: the scores (hence some metric or the log-likelihoods) moved
+    # the per-choice log-likelihoods moved too (not just the same argmax)
+    plain, ptok, _ = load_model_from_checkpoint(str(tuned["base"]))
+    row = CHOICES[0]
+    stream = ptok.encode(row["context"] + " red")
+    ctx = ptok.encode(row["context"])
+    plain_ll = sum(last_logprob(plain, stream[:i], stream[i]) for i in range(len(ctx), len(stream)))
+    assert abs(plain_ll - lls_all[0][0]) > 1e-3
+
+
+def test_eval_adapter_bad_inputs(tuned):
+    code, _, err = run("eval", "--checkpoint", str(tuned["base"]), "--adapter-task", "x", "--task", "choice",
+                       "--data", str(tuned["choice"]))
+    assert code == 2 and "--adapter-task" in err
+    other = save_base(tuned["root"] / "other", seed=3)
+    code, _, err = run("eval", "--checkpoint", str(other), "--adapter", str(tuned["lora"]), "--task", "choice",
+                       "--data", str(tuned["choice"]))
+    assert code == 2 and "fingerprint" in err and len(err.strip().splitlines()) == 1
+
+
+def test_serve_with_lora_adapter(tuned):
+    from tests.infer.server_helpers import ServeProcess, http
+
+    server = ServeProcess("--checkpoint", str(tuned["base"]), "--adapter", str(tuned["lora"]), "--max-seqs", "2")
+    try:
+        status, _, body = http("GET", server.url + "/v1/models")
+        assert status == 200 and json.loads(body)["data"][0]["id"] == "lora"
+        status, _, body = http("POST", server.url + "/v1/completions",
+                               {"model": "lora", "prompt": "say gold:", "max_tokens": 4, "temperature": 0})
+        assert status == 200, body
+        text = json.loads(body)["choices"][0]["text"]
+    finally:
+        assert server.stop() == 0
+    model, tok, _ = tuned_model(tuned, "lora")
+    ids, new = tok.encode("say gold:"), []
+    with torch.no_grad():
+        while len(new) < 4:  # greedy, stopping at the end of the document as the server does
+            nxt = int(model(torch.tensor([ids + new]))[0, -1].argmax())
+            if nxt == tok.eod_id:
+                break
+            new.append(nxt)
+    assert text == tok.decode(new)
+
+
+def test_serve_refuses_a_virtual_token_adapter(tuned):
+    code, _, err = run("serve", "--checkpoint", str(tuned["base"]), "--adapter", str(tuned["prompt"]))
+    assert code == 2 and "LoRA adapters" in err and len(err.strip().splitlines()) == 1
