@@ -102,6 +102,7 @@ def test_readme_tune_commands(tmp_path):
     import sys
 
     from tests.conftest import ROOT
+    from tests.infer.server_helpers import free_port
 
     bin_dir = str(Path(sys.executable).parent)
     base = ["--model.n_layers=2", "--model.hidden_size=32", "--train.micro_batch_size=2", "--train.global_batch_size=2",
@@ -110,7 +111,14 @@ def test_readme_tune_commands(tmp_path):
     subprocess.run([sys.executable, "-m", "meshlm", "train", "--config", "gpt-tiny", *base], cwd=ROOT, check=True,
                    capture_output=True, timeout=300)
     commands = _section_commands("Tuning: prompt tuning, p-tuning, LoRA")
-    assert len(commands) == 6, commands
+    assert len(commands) == 10, commands
+    # The serving lines run as one shell script (the server a background job), waiting for it to answer.
+    first = next(i for i, c in enumerate(commands) if c.endswith("&"))
+    last = next(i for i, c in enumerate(commands) if c == "kill %1")
+    port = str(free_port())
+    wait = f"for i in $(seq 120); do curl -sf http://127.0.0.1:{port}/health >/dev/null && break; sleep 0.5; done"
+    script = "\n".join([commands[first], wait, *commands[first + 1:last + 1]]).replace("8002", port)
+    commands = [*commands[:first], script, *commands[last + 1:]]
     outputs = {}
     for line in commands:
         line = line.replace(".venv/bin/", bin_dir + "/").replace("runs/", f"{tmp_path}/runs/")
@@ -129,3 +137,7 @@ def test_readme_tune_commands(tmp_path):
         assert (run / "adapter.json").exists() and (run / "adapter_config.json").exists(), name
     generated = next(v for k, v in outputs.items() if " generate " in k)
     assert generated.startswith("Something is rotten in the state of Denmark.\nPlay:")
+    evaluated = json.loads(next(v for k, v in outputs.items() if " eval " in k))
+    assert evaluated["examples"] > 0 and 0 <= evaluated["accuracy"] <= 1
+    served = json.loads(next(v for k, v in outputs.items() if " serve " in k))
+    assert served["model"] == "plays-lora" and served["choices"][0]["finish_reason"] in ("length", "stop")
