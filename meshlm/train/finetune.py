@@ -546,37 +546,36 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
     return cfg, tokenizer, train, valid, info
 
 
-def _write_info(out: Path, info: dict) -> None:
-    path = out / INFO_FILE
+def write_info(out: Path, info: dict, name: str = INFO_FILE, keep: tuple[str, ...] = ("task", "num_labels", "names",
+               "regression")) -> None:
+    """DIR/`name` (atomically); a run directory holding another run (one of `keep` differs) is refused."""
+    path = out / name
     if path.exists():
         old = json.loads(path.read_text())
-        for key in ("task", "num_labels", "names", "regression"):
+        for key in keep:
             if old.get(key) != info[key]:
-                raise ConfigError(f"{out} holds a fine-tuning run with {key}={old.get(key)!r}, not {info[key]!r}; "
-                                  "use another --out to start a new run")
+                raise ConfigError(f"{out} holds another run ({key}={old.get(key)!r}, not {info[key]!r}); use another "
+                                  "--out to start a new run")
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(info, indent=1) + "\n")
     tmp.replace(path)
 
 
-def run_finetune(args: argparse.Namespace, overrides: list[str]) -> int:
+def train_prepared(cfg, datasets: tuple, out_dir: str, write) -> tuple[object, dict]:
+    """Run the Trainer on datasets a command prepared: DIR made and `write(DIR)` (its info file) on rank 0
+    first; a run that cannot start leaves no new DIR. Returns (trainer, its result)."""
     from meshlm.parallel import destroy
     from meshlm.plan.fit import check_training_fits
     from meshlm.train import trainer as trainer_module
 
-    cfg, tokenizer, train, valid, info = prepare(args, overrides)
     check_training_fits(cfg)
-    out = Path(args.out)
+    out = Path(out_dir)
     created = not out.exists()
-    t = cfg.train
-    say(f"fine-tuning {info['task']} (model.num_labels={cfg.model.num_labels}) from {args.checkpoint}: "
-        f"{t.max_steps} steps of {t.global_batch_size} examples, lr {cfg.optim.lr:g}, evaluation every "
-        f"{t.eval_every} steps over {info['valid_examples']} examples ({t.eval_iters} micro-batches)")
     try:
         if _is_main():
             out.mkdir(parents=True, exist_ok=True)
-            _write_info(out, info)
-        trainer = trainer_module.Trainer(cfg, datasets=(tokenizer, train, valid))
+            write(out)
+        trainer = trainer_module.Trainer(cfg, datasets=datasets)
     except BaseException:
         if created and _is_main():  # nothing half-way: a run that could not start leaves no DIR
             shutil.rmtree(out, ignore_errors=True)
@@ -588,6 +587,16 @@ def run_finetune(args: argparse.Namespace, overrides: list[str]) -> int:
         destroy()
         raise
     destroy(wait_for_all=True)
+    return trainer, result
+
+
+def run_finetune(args: argparse.Namespace, overrides: list[str]) -> int:
+    cfg, tokenizer, train, valid, info = prepare(args, overrides)
+    t = cfg.train
+    say(f"fine-tuning {info['task']} (model.num_labels={cfg.model.num_labels}) from {args.checkpoint}: "
+        f"{t.max_steps} steps of {t.global_batch_size} examples, lr {cfg.optim.lr:g}, evaluation every "
+        f"{t.eval_every} steps over {info['valid_examples']} examples ({t.eval_iters} micro-batches)")
+    trainer, result = train_prepared(cfg, (tokenizer, train, valid), args.out, lambda out: write_info(out, info))
     shown = {k: v for k, v in result.items() if k.startswith("val_")}
     if shown:
         say(f"finetune: step {result['step']}: " + " | ".join(f"{k} {v:.4f}" for k, v in shown.items()))

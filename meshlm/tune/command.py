@@ -15,8 +15,6 @@ holds the adapter for `meshlm generate --adapter DIR` and for Hugging Face PEFT 
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 from pathlib import Path
 
 from meshlm.config import ConfigError, apply_overrides, build, check_output_dir
@@ -116,19 +114,6 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
     return cfg, tokenizer, train, valid, info
 
 
-def _write_info(out: Path, info: dict) -> None:
-    path = out / INFO_FILE
-    if path.exists():
-        old = json.loads(path.read_text())
-        for key in ("method", "tasks", "base_fingerprint"):
-            if old.get(key) != info[key]:
-                raise ConfigError(f"{out} holds a tune run with {key}={old.get(key)!r}, not {info[key]!r}; use another "
-                                  "--out to start a new run")
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(info, indent=1) + "\n")
-    tmp.replace(path)
-
-
 def run_tune(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.task is not None:  # BERT: meshlm finetune's data and heads, with the adapter on the frozen encoder
         from meshlm.train.finetune import run_finetune
@@ -143,34 +128,16 @@ def run_tune(args: argparse.Namespace, overrides: list[str]) -> int:
 
             export_run(Path(args.out))
         return code
-    from meshlm.parallel import destroy
-    from meshlm.plan.fit import check_training_fits
-    from meshlm.train import trainer as trainer_module
+    from meshlm.train.finetune import train_prepared, write_info
     from meshlm.tune.export import export_run
 
     cfg, tokenizer, train, valid, info = prepare(args, overrides)
-    check_training_fits(cfg)
-    out = Path(args.out)
-    created = not out.exists()
     t = cfg.train
     say(f"tuning ({args.method}) {args.checkpoint}: {t.max_steps} steps of {t.global_batch_size} examples, lr "
         f"{cfg.optim.lr:g}, evaluation every {t.eval_every} steps over {info['valid_examples']} examples")
-    try:
-        if _is_main():
-            out.mkdir(parents=True, exist_ok=True)
-            _write_info(out, info)
-        trainer = trainer_module.Trainer(cfg, datasets=(tokenizer, train, valid))
-    except BaseException:
-        if created and _is_main():
-            shutil.rmtree(out, ignore_errors=True)
-        destroy()
-        raise
-    try:
-        result = trainer.run()
-    except BaseException:
-        destroy()
-        raise
-    destroy(wait_for_all=True)
+    out = Path(args.out)
+    trainer, result = train_prepared(cfg, (tokenizer, train, valid), args.out,
+                                     lambda d: write_info(d, info, INFO_FILE, ("method", "tasks", "base_fingerprint")))
     if _is_main() and trainer.stop_signal is None:
         done = f"tune: step {result['step']}: val loss {result.get('val_loss', float('nan')):.4f}"
         if args.method == "full":

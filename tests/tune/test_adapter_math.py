@@ -70,6 +70,25 @@ def plain_forward(model: GPT, params: dict, ids: torch.Tensor) -> torch.Tensor:
                 m._lora_hook = m.register_forward_hook(_hook)
 
 
+def check_finite_differences(loss_fn, params: dict, seed: int, per_tensor: int) -> None:
+    """Each tensor's gradient at `per_tensor` random elements equals central differences in float64
+    (rounding ~1e-16·loss/eps, truncation ~eps²)."""
+    grads = torch.autograd.grad(loss_fn(), list(params.values()))
+    gen = torch.Generator().manual_seed(seed)
+    eps = 1e-5
+    with torch.no_grad():
+        for (name, p), g in zip(params.items(), grads):
+            for _ in range(per_tensor):
+                i = int(torch.randint(0, p.numel(), (1,), generator=gen))
+                old = p.view(-1)[i].item()
+                p.view(-1)[i] = old + eps
+                up = loss_fn().item()
+                p.view(-1)[i] = old - eps
+                down = loss_fn().item()
+                p.view(-1)[i] = old
+                assert (up - down) / (2 * eps) == pytest.approx(g.reshape(-1)[i].item(), rel=1e-5, abs=1e-8), name
+
+
 @pytest.mark.parametrize("name", list(TARGETS))
 def test_lora_equals_unfused_reference(name):
     model_cfg, targets = TARGETS[name]
@@ -98,21 +117,7 @@ def test_lora_gradient_matches_finite_differences():
     def loss_fn():
         return torch.nn.functional.cross_entropy(model(ids)[0], y[0])
 
-    lora = {n: p for n, p in model.named_parameters() if ".lora." in n}
-    grads = torch.autograd.grad(loss_fn(), list(lora.values()))
-    gen = torch.Generator().manual_seed(0)
-    eps = 1e-5  # central differences in float64: rounding ~1e-16·loss/eps, truncation ~eps²
-    with torch.no_grad():
-        for (name, p), g in zip(lora.items(), grads):
-            for _ in range(2):
-                i = int(torch.randint(0, p.numel(), (1,), generator=gen))
-                old = p.view(-1)[i].item()
-                p.view(-1)[i] = old + eps
-                up = loss_fn().item()
-                p.view(-1)[i] = old - eps
-                down = loss_fn().item()
-                p.view(-1)[i] = old
-                assert (up - down) / (2 * eps) == pytest.approx(g.reshape(-1)[i].item(), rel=1e-5, abs=1e-8), name
+    check_finite_differences(loss_fn, {n: p for n, p in model.named_parameters() if ".lora." in n}, 0, 2)
 
 
 @pytest.mark.parametrize("name", list(TARGETS))
@@ -196,17 +201,4 @@ def test_virtual_token_gradient_matches_finite_differences(method, encoder):
     def loss_fn():
         return torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), y.flatten())
 
-    params = dict(model.prompt.named_parameters())
-    grads = torch.autograd.grad(loss_fn(), list(params.values()))
-    gen = torch.Generator().manual_seed(1)
-    eps = 1e-5
-    with torch.no_grad():
-        for (name, p), g in zip(params.items(), grads):
-            i = int(torch.randint(0, p.numel(), (1,), generator=gen))
-            old = p.view(-1)[i].item()
-            p.view(-1)[i] = old + eps
-            up = loss_fn().item()
-            p.view(-1)[i] = old - eps
-            down = loss_fn().item()
-            p.view(-1)[i] = old
-            assert (up - down) / (2 * eps) == pytest.approx(g.reshape(-1)[i].item(), rel=1e-5, abs=1e-8), name
+    check_finite_differences(loss_fn, dict(model.prompt.named_parameters()), 1, 1)

@@ -12,7 +12,6 @@ import json
 import pytest
 import torch
 
-from meshlm.cli import main
 from meshlm.train import checkpoint as ckpt
 from meshlm.train import ckpt_files
 from tests.tune.tune_helpers import (
@@ -20,6 +19,7 @@ from tests.tune.tune_helpers import (
     QUIET,
     metrics,
     repeat_rows,
+    run,
     save_base,
     task_rows,
     train_losses,
@@ -28,13 +28,6 @@ from tests.tune.tune_helpers import (
 
 STEPS = ["--train.max_steps=8", "--train.log_every=1", "--train.eval_every=4", "--optim.warmup_steps=1",
          "--optim.lr=2e-2"]
-
-
-def run(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -5,28 +5,19 @@ virtual-token adapter with one line."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import numpy as np
 import pytest
 import torch
 
-from meshlm.cli import load_model_from_checkpoint, main
+from meshlm.cli import load_model_from_checkpoint
 from meshlm.tune.export import apply_adapter, read_adapter
 from tests.eval.eval_helpers import last_logprob
-from tests.tune.tune_helpers import QUIET, repeat_rows, save_base, write_jsonl
+from tests.tune.tune_helpers import QUIET, repeat_rows, run, save_base, write_jsonl
 
 CHOICES = [{"context": f"say {w}:", "choices": ["red", "blue", "green", "gold"], "label": i % 4}
            for i, w in enumerate(["red", "blue", "green", "gold", "blue", "red"])]
-
-
-def run(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,8 @@ one-process checkpoints, and a small task in words that a few steps of tuning le
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import random
 from pathlib import Path
@@ -64,3 +66,13 @@ def metrics(run: Path, kind: str = "train") -> list[dict]:
 
 def train_losses(run: Path) -> list[float]:
     return [r["loss"] for r in metrics(run)]
+
+
+def run(*argv: str) -> tuple[int, str, str]:
+    """`meshlm ARGV` in this process: (exit code, stdout, stderr)."""
+    from meshlm.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
