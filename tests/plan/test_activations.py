@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from conftest import run_cli
+from tests.conftest import run_cli
 from torch import nn
 
 from meshlm.config import build
