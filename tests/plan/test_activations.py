@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from tests.conftest import run_cli
 from torch import nn
 
 from meshlm.config import build
@@ -11,6 +10,7 @@ from meshlm.models.gpt import GPT
 from meshlm.models.loss import cross_entropy
 from meshlm.parallel.rng import TPRNGTracker
 from meshlm.plan.activations import measure_model_activations, measure_saved_activations
+from tests.conftest import run_cli
 
 
 class TwoLayers(nn.Module):
