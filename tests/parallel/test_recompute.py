@@ -146,9 +146,8 @@ def test_hardware_flops_count_the_recomputed_forward():
 
 
 def test_trainer_logs_hfu_above_mfu_and_the_measured_activations(tmp_path, capsys):
-    from conftest import tiny_config
-
     from meshlm.train.trainer import Trainer
+    from tests.conftest import tiny_config
 
     cfg = tiny_config(tmp_path, train={"max_steps": 2, "recompute": "selective", "sample_tokens": 0})
     Trainer(cfg).run()
