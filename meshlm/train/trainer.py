@@ -253,11 +253,15 @@ class Trainer:
             elif saved != self._layout():
                 self.log(f"resuming a checkpoint of layout {saved} under {self._layout()}: weights, optimizer "
                          "and data position carry over; dropout masks start new streams")
+        self.restore_position(state)
+        self.log(f"resumed from {path} at step {self.step}")
+
+    def restore_position(self, state: dict) -> None:
+        """Step, tokens seen, data position, loss scale and skipped steps from a checkpoint's shared state."""
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.loader.load_state_dict(state["loader"])
         self.precision.load_state_dict(state["scaler"])
         self.skipped_steps = state.get("skipped_steps", 0)
-        self.log(f"resumed from {path} at step {self.step}")
 
     def _init_from(self, path: str) -> None:
         """A fresh run's weights from checkpoint `path` (any layout), where its tensors match this model's;

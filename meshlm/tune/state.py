@@ -160,10 +160,7 @@ def load(trainer, path: Path) -> None:
     elif saved is not None:
         trainer.log(f"resuming a tune checkpoint of layout {saved} under {trainer._layout()}: adapter, optimizer and "
                     "data position carry over; dropout masks start new streams")
-    trainer.step, trainer.tokens_seen = state["step"], state["tokens_seen"]
-    trainer.loader.load_state_dict(state["loader"])
-    trainer.precision.load_state_dict(state["scaler"])
-    trainer.skipped_steps = state.get("skipped_steps", 0)
+    trainer.restore_position(state)
 
 
 def _all_trainable_names(trainer) -> list[str]:
