@@ -16,7 +16,9 @@ too. Tensor parallelism keeps the unfused path: its vocab-parallel cross-entropy
 the logits split over ranks.
 
 Targets equal to `IGNORE_INDEX` (-100, as in `F.cross_entropy`) add nothing to the loss or the gradients
-and are left out of the mean.
+and are left out of the mean. Their rows are dropped before the head, so a fine-tuning batch (mostly prompt
+and padding, with the loss on the answer only) pays the output layer for its answer tokens alone: one
+host sync per call to count them. A frozen output layer (prompt tuning, LoRA) gets no ∂W matmul.
 """
 
 from __future__ import annotations
@@ -123,6 +125,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     sums the chunk losses.
     """
     h2, t1 = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    kept = t1 != IGNORE_INDEX
+    if not bool(kept.all()):  # only the rows with a target go through the head (index_select's backward
+        rows = kept.nonzero().squeeze(1)  # scatters their gradients back, zeros elsewhere)
+        h2, t1 = h2.index_select(0, rows), t1.index_select(0, rows)
     chunk = chunk or chunk_rows(weight.shape[0], weight.shape[1], hidden.device, _compute_dtype(hidden))
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(h2, weight, t1, chunk)
@@ -156,8 +162,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             w = weight.to(dtype)
             n = (targets != IGNORE_INDEX).sum()
             loss = torch.zeros((), dtype=acc, device=hidden.device)
-            grad_h = torch.empty(hidden.shape, dtype=acc, device=hidden.device)
-            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+            need_h, need_w = hidden.requires_grad, weight.requires_grad
+            grad_h = torch.empty(hidden.shape if need_h else (0,), dtype=acc, device=hidden.device)
+            grad_w = torch.zeros(weight.shape if need_w else (0,), dtype=acc, device=weight.device)
             rows = torch.arange(min(chunk, hidden.shape[0]), device=hidden.device)
             for s in range(0, hidden.shape[0], chunk):
                 t = targets[s:s + chunk]
@@ -168,17 +175,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 z.exp_()  # p
                 z[rows[:len(t)], t.clamp_min(0)] -= 1.0  # p − onehot: ∂loss_i/∂z_i
                 dz = z.to(dtype)
-                grad_h[s:s + chunk] = (dz @ w).to(acc) * keep
+                if need_h:
+                    grad_h[s:s + chunk] = (dz @ w).to(acc) * keep
+                if not need_w:
+                    continue
                 if dtype == acc:
                     grad_w.addmm_(dz.t(), h)
                 else:  # accumulate the chunks' bf16/fp16 products in fp32
                     grad_w += (dz.t() @ h).to(acc)
         ctx.save_for_backward(grad_h, grad_w, n)
         ctx.dtypes = (hidden.dtype, weight.dtype)
+        ctx.need = (need_h, need_w)
         return loss / n
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grad_h, grad_w, n = ctx.saved_tensors
         scale = grad_loss / n
-        return (grad_h * scale).to(ctx.dtypes[0]), (grad_w * scale).to(ctx.dtypes[1]), None, None
+        (need_h, need_w), (dtype_h, dtype_w) = ctx.need, ctx.dtypes
+        return ((grad_h * scale).to(dtype_h) if need_h else None, (grad_w * scale).to(dtype_w) if need_w else None,
+                None, None)

@@ -49,6 +49,22 @@ def test_ignored_targets_add_nothing_and_leave_the_mean():
     assert got[1][::3].abs().max() == 0  # an ignored token's hidden state gets no gradient
 
 
+def test_a_frozen_output_layer_gets_no_gradient_and_the_hidden_states_theirs():
+    """Prompt tuning and LoRA freeze the head: no ∂W is computed, ∂h is unchanged (also with a row that
+    has no target at all, and one whose every target is ignored)."""
+    hidden, weight, targets = _inputs(4)
+    targets[:30] = IGNORE_INDEX  # a fine-tuning batch: the loss on a few answer tokens only
+    ref = _grads(_reference, hidden, weight, targets)
+    weight.requires_grad_(False)
+    hidden.grad = weight.grad = None
+    loss = linear_cross_entropy(hidden, weight, targets, 4)
+    (loss * 3.0).backward()
+    assert weight.grad is None
+    torch.testing.assert_close(loss.detach(), ref[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, ref[1], rtol=1e-5, atol=1e-6)
+    assert hidden.grad[:30].abs().max() == 0
+
+
 def test_without_gradients_it_returns_the_same_loss():
     hidden, weight, targets = _inputs(2)
     with torch.no_grad():
