@@ -27,6 +27,20 @@ def model_flops(m: ModelConfig, batch: int, seq_len: int | None = None) -> float
     return dense + attention
 
 
+def finetune_flops(m: ModelConfig, batch: int, seq_len: int | None = None, loss_fraction: float = 1.0,
+                   frozen: bool = False) -> float:
+    """Model FLOPs of a fine-tuning step: the loss covers `loss_fraction` of the row tokens (the answers; the
+    prompt and the padding have no target), so the output layer is needed on that share of the tokens only;
+    with `frozen` weights (prompt tuning, p-tuning, LoRA) backward computes the activations' gradients but
+    no weight gradient, 4 of the 6 FLOPs per weight and token (the adapters' own matmuls are left out:
+    they are ~1% of a layer's). Attention scores have no weights: their 6·s²·k·a stays."""
+    s = seq_len or m.seq_len
+    tokens, per_weight = batch * s, (4.0 if frozen else 6.0) / 6.0
+    layers = tokens * m.n_layers * layer_flops_per_token(m) * per_weight
+    head = tokens * loss_fraction * 6.0 * m.hidden_size * m.vocab_size * per_weight
+    return layers + head + 6.0 * batch * s * s * m.n_layers * m.head_dim * m.n_heads
+
+
 def recompute_flops(m: ModelConfig, batch: int, recompute: str, seq_len: int | None = None,
                     layers: int | None = None) -> float:
     """Extra forward FLOPs done again by activation recomputation (for HFU), over `layers` recomputed

@@ -35,6 +35,7 @@ from meshlm.parallel import TPRNGTracker, build_model, init_distributed
 from meshlm.parallel.data import memory_report
 from meshlm.parallel.heartbeat import start_heartbeat
 from meshlm.plan.activations import measure_model_activations
+from meshlm.plan.flops import finetune_flops
 from meshlm.plan.layout import recomputed_layers
 from meshlm.train import checkpoint as ckpt
 from meshlm.train import ckpt_files, dist_checkpoint
@@ -494,6 +495,10 @@ class Trainer:
                      f"{type(pipe.schedule).__name__}")
         peak = self._peak_tflops() * d.world_size  # MFU against the peak of every device in the job
         flops = self.spec.flops(m, t.global_batch_size, self.row_tokens)
+        loss_fraction = getattr(self.train_set, "loss_fraction", None)
+        if loss_fraction is not None and self.spec.decoder:  # fine-tuning rows: the loss on the answers only
+            flops = finetune_flops(m, t.global_batch_size, self.row_tokens, loss_fraction,
+                                   frozen=cfg.tune.method != "none")
         hw_flops = flops + self.spec.recompute_flops(m, t.global_batch_size, t.recompute, self.row_tokens,
                                                      layers=recomputed_layers(cfg))
         # Bytes saved for backward, measured on one micro-batch (random streams untouched); not under ZeRO-3,

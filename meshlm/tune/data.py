@@ -104,6 +104,7 @@ class TuneDataset:
         self.ids, self.targets = ids, targets
         self.T = ids.shape[1]
         self.num_tokens = int((targets != IGNORE).sum())
+        self.loss_fraction = self.num_tokens / max(1, targets.size)  # share of row tokens with a target (FLOPs)
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -34,3 +34,37 @@ def test_recompute_flops():
 
 def test_measured_peak_is_positive():
     assert measure_peak_tflops(torch.device("cpu"), torch.float32, seconds=0.05) > 0
+
+
+def test_finetune_flops_term_by_term():
+    from meshlm.plan.flops import finetune_flops, layer_flops_per_token
+
+    m = ModelConfig(vocab_size=1000, n_layers=3, hidden_size=64, n_heads=4, seq_len=32)
+    assert finetune_flops(m, 5) == pytest.approx(model_flops(m, 5), rel=1e-12)  # pretraining: every target
+    head = 6.0 * 5 * 32 * 64 * 1000
+    assert model_flops(m, 5) - finetune_flops(m, 5, loss_fraction=0.25) == pytest.approx(0.75 * head, rel=1e-12)
+    frozen = finetune_flops(m, 5, loss_fraction=0.25, frozen=True)
+    attention = 6.0 * 5 * 32 * 32 * 3 * 16 * 4
+    layers = 5 * 32 * 3 * layer_flops_per_token(m)
+    assert frozen == pytest.approx(layers * 4 / 6 + 0.25 * head * 4 / 6 + attention, rel=1e-12)
+
+
+def test_a_frozen_output_layer_on_a_few_targets_costs_what_finetune_flops_counts():
+    """FLOPs counted by PyTorch in the fused head + loss, forward and backward: 4·h·V per kept row when the
+    weight is frozen (logits and ∂h), 6·h·V when it trains."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from meshlm.models.loss import IGNORE_INDEX, linear_cross_entropy
+
+    h, V, N = 16, 50, 40
+    targets = torch.randint(0, V, (N,))
+    targets[:30] = IGNORE_INDEX
+    for frozen, per_row in ((True, 4), (False, 6)):
+        hidden = torch.randn(N, h, requires_grad=True)
+        weight = torch.randn(V, h, requires_grad=not frozen)
+        def addmm_(self_shape, a_shape, b_shape, *args, **kwargs):  # ∂W's in-place accumulation: not in
+            return 2 * a_shape[0] * a_shape[1] * b_shape[1]  # PyTorch's table; an (m, k) @ (k, n) product
+
+        with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: addmm_}) as counter:
+            linear_cross_entropy(hidden, weight, targets, chunk=4).backward()
+        assert counter.get_total_flops() == per_row * h * V * 10
