@@ -10,6 +10,7 @@ thousands of candidate layouts in a second.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from meshlm.config import Config, ConfigError, ModelConfig, _divisors
@@ -84,13 +85,20 @@ def partition_layers(n_layers: int, pp: int, vpp: int = 1, explicit: list[int] |
     if n_layers < stages:
         raise ConfigError(f"model.n_layers={n_layers} is fewer than parallel.pp={pp} × parallel.vpp={vpp} = "
                           f"{stages} stages; every stage needs a layer: lower parallel.pp or parallel.vpp")
+    if stages == 1:
+        return [n_layers]
     counts = [1] * stages
     extra = [0.0] * stages
     extra[0] += first_cost
     extra[-1] += last_cost
+    # The cheapest stage (ties: the later one) from a heap of (cost, −stage): the planner partitions
+    # thousands of candidate layouts, so O(n log S) rather than a scan of every stage per layer.
+    heap = [(counts[s] + extra[s], -s) for s in range(stages)]
+    heapq.heapify(heap)
     for _ in range(n_layers - stages):
-        cheapest = min(range(stages), key=lambda s: (counts[s] + extra[s], -s))
-        counts[cheapest] += 1
+        _, neg = heapq.heappop(heap)
+        counts[-neg] += 1
+        heapq.heappush(heap, (counts[-neg] + extra[-neg], neg))
     return counts
 
 

@@ -1,0 +1,123 @@
+"""The accelerators the planner knows: datasheet peak rate, memory, memory bandwidth and links (torch-free).
+
+Every number is a vendor datasheet figure (dense, no sparsity; 16-bit tensor-core rate: bf16 where the chip
+has it, fp16 on V100), stated per GPU:
+
+* `tflops`: dense bf16/fp16 tensor-core peak, TFLOP/s;
+* `memory_gib`: memory as the driver reports it, GiB;
+* `hbm_gbps`: memory bandwidth, GB/s;
+* `intra_gbps`: NVLink (or PCIe) bandwidth per GPU and per direction inside a node, GB/s (the datasheet's
+  bidirectional aggregate halved);
+* `inter_gbps`: network bandwidth per GPU between nodes, GB/s (one InfiniBand adapter per GPU, as in a DGX);
+* `intra_latency_us`, `inter_latency_us`: the α of the α–β model, the fixed cost of one step of a collective
+  on that link (a few µs: the usual order of magnitude for NVLink and InfiniBand, not a datasheet figure);
+* `op_overhead_us`: host time per launched operation that is *not* hidden behind the device's work. GPUs
+  launch asynchronously (0); on a CPU every eager op costs its dispatch (measured by `--gpu this`).
+
+Any field can be overridden (`with_overrides`, the `--gpu-*` options of `meshlm plan`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from meshlm.config import ConfigError
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    tflops: float
+    memory_gib: float
+    hbm_gbps: float
+    intra_gbps: float
+    inter_gbps: float
+    intra_latency_us: float = 5.0
+    inter_latency_us: float = 10.0
+    op_overhead_us: float = 0.0
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.tflops:g} TFLOP/s, {self.memory_gib:g} GiB, HBM {self.hbm_gbps:g} GB/s, "
+                f"intra-node {self.intra_gbps:g} GB/s, inter-node {self.inter_gbps:g} GB/s")
+
+
+CATALOG: dict[str, Gpu] = {g.name: g for g in [
+    # A100 SXM: 312 TFLOP/s bf16; NVLink 3 600 GB/s both ways; HDR InfiniBand 200 Gb/s per GPU.
+    Gpu("a100-80gb", 312.0, 80.0, 2039.0, 300.0, 25.0),
+    Gpu("a100-40gb", 312.0, 40.0, 1555.0, 300.0, 25.0),
+    # H100 SXM: 989 TFLOP/s bf16 dense; NVLink 4 900 GB/s both ways; NDR 400 Gb/s per GPU.
+    Gpu("h100-80gb", 989.0, 80.0, 3350.0, 450.0, 50.0),
+    # H200 SXM: the H100's compute with 141 GB of HBM3e at 4.8 TB/s.
+    Gpu("h200", 989.0, 140.0, 4800.0, 450.0, 50.0),
+    # V100 SXM2 32 GB: 125 TFLOP/s fp16 (no bf16); NVLink 2 300 GB/s both ways; EDR 100 Gb/s.
+    Gpu("v100-32gb", 125.0, 32.0, 900.0, 150.0, 12.5),
+    # B200: 2.25 PFLOP/s bf16 dense; NVLink 5 1.8 TB/s both ways; 400 Gb/s per GPU.
+    Gpu("b200", 2250.0, 180.0, 8000.0, 900.0, 50.0),
+    # L40S (PCIe, no NVLink): 362 TFLOP/s bf16 dense; PCIe 4.0 x16 between GPUs.
+    Gpu("l40s", 362.0, 48.0, 864.0, 32.0, 25.0),
+]}
+
+OVERRIDABLE = ("tflops", "memory_gib", "hbm_gbps", "intra_gbps", "inter_gbps", "intra_latency_us",
+               "inter_latency_us", "op_overhead_us")
+
+
+def get_gpu(name: str) -> Gpu:
+    """The catalog entry, or a ConfigError that lists the catalog (`this` is measured: `measure_this`)."""
+    key = name.strip().lower()
+    if key in CATALOG:
+        return CATALOG[key]
+    raise ConfigError(f"--gpu {name!r} is not in the catalog; use one of {', '.join(CATALOG)}, or 'this' to "
+                      "measure this machine (override any field with --gpu-tflops, --gpu-memory-gb, ...)")
+
+
+def with_overrides(gpu: Gpu, **values: float | None) -> Gpu:
+    """`gpu` with the given fields replaced (None: keep); each must be a positive number (latencies,
+    overhead: >= 0)."""
+    names = {f.name for f in fields(Gpu)}
+    changes = {}
+    for key, value in values.items():
+        if value is None:
+            continue
+        if key not in names or key == "name":
+            raise ConfigError(f"unknown GPU field {key!r}; use one of {', '.join(OVERRIDABLE)}")
+        floor_ok = value >= 0 if key.endswith(("_us",)) else value > 0
+        if not floor_ok:
+            flag = "--gpu-" + key.replace("_", "-").replace("memory-gib", "memory-gb")
+            raise ConfigError(f"{flag}={value} must be {'>= 0' if key.endswith('_us') else 'positive'}")
+        changes[key] = float(value)
+    return replace(gpu, **changes) if changes else gpu
+
+
+def measure_this(threads: int | None = None) -> Gpu:
+    """This machine as a 'GPU': the matmul rate measured here (`measure_peak_tflops`, fp32 on CPU, bf16 on
+    CUDA), its memory (`fit.machine_memory`), and the per-op dispatch overhead of eager CPU code. The
+    links are gloo over loopback on one host: a rough 2 GB/s and 50 µs unless overridden (the trials
+    benchmark measures them with an all-reduce probe)."""
+    import time
+
+    import torch
+
+    from meshlm.plan.fit import machine_memory
+    from meshlm.train.metrics import measure_peak_tflops
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        peak = measure_peak_tflops(device, torch.bfloat16 if cuda else torch.float32, seconds=0.3)
+        overhead = 0.0
+        if not cuda:  # eager dispatch of a tiny op, the floor of every op a small model runs
+            x = torch.ones(8, requires_grad=True)
+            start, n = time.perf_counter(), 2000
+            for _ in range(n):
+                (x * 2.0).sum()
+            overhead = (time.perf_counter() - start) / (2 * n) * 1e6
+    finally:
+        torch.set_num_threads(old)
+    memory, _ = machine_memory(device.type)
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        return Gpu(f"this ({props.name})", peak, memory / 2 ** 30, 1000.0, 100.0, 12.5)
+    return Gpu("this (cpu)", peak, memory / 2 ** 30, 10.0, 2.0, 2.0, 50.0, 50.0, overhead)
