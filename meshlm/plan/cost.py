@@ -40,8 +40,8 @@ class Calibration:
 
     # Large 16-bit GEMMs reach about 80% of the tensor-core datasheet peak (cuBLAS on A100/H100 at
     # 8192³); a GEMM whose narrow side is w = hidden/tp runs at gemm_max · w / (w + gemm_half_width).
-    gemm_max_efficiency: float = 0.80
-    gemm_half_width: float = 96.0
+    gemm_max_efficiency: float = 0.78
+    gemm_half_width: float = 256.0
     # Attention's batched s×s GEMMs run at this fraction of the dense GEMMs' rate (small per-head K = k).
     attention_efficiency: float = 0.5
     # Collectives and sends reach this fraction of the link's datasheet bandwidth (NCCL bus bandwidth).
@@ -71,6 +71,15 @@ class Options:
     states: str = "fp32"
     grad_bytes: float = 4.0  # bytes per gradient element the data-parallel reduction moves
     fused_loss: bool = True  # tp=1: the chunked head + loss keeps no logits
+    # Sequence parallelism's backward re-gathers the shard each column-parallel linear kept (two all-gathers
+    # per layer). meshlm waits for them; Megatron overlaps them with the weight-gradient GEMM (False).
+    sp_regather: bool = True
+    # The DP gradient reduction starts during the last micro-batch's backward (meshlm's buckets, True) or
+    # after the whole backward (Megatron-LM 2021's local DDP, False).
+    dp_overlap: bool = True
+    # The backward's two TP collectives (the column-parallel linears' input gradients) run while the
+    # weight-gradient GEMMs compute (Megatron-LM's asynchronous TP communication, True) or wait (meshlm, False).
+    tp_backward_overlap: bool = False
 
 
 @dataclass(frozen=True)
@@ -261,13 +270,20 @@ def estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opt
     stored = _layer_bytes(m, b, tp, sp, "selective" if cand.recompute == "selective" else "none", opts, s)
     t_elem = cal.elementwise_passes * _layer_bytes(m, b, tp, sp, "none", opts, s) / hbm
     act_msg = b * s * m.hidden_size * c_bytes
-    n_coll = 4  # two in forward (after attention, after the MLP), two in backward (their conjugates)
+    # two in forward (after attention, after the MLP), two in backward (their conjugates), unless those
+    # hide behind the weight-gradient GEMMs (a third of the layer's GEMM time)
+    n_coll = 2 if opts.tp_backward_overlap else 4
     t_coll = all_reduce_time(act_msg, tp, tp_gbps, tp_lat, cal.link_efficiency)
+    t_regather = 2 * gather_time(act_msg, tp, tp_gbps, tp_lat, cal.link_efficiency) if sp and opts.sp_regather else 0.0
+    if opts.tp_backward_overlap:
+        t_regather = max(0.0, 2 * t_coll + t_regather - t_gemm / 3)
     t_ops = cal.layer_ops * gpu.op_overhead_us * 1e-6
     # recomputation: full replays the layer's forward (GEMMs, attention, elementwise, its two collectives);
     # selective the attention core
     full_extra = t_gemm / 3 + t_attn / 3 + t_elem / cal.elementwise_passes + 2 * t_coll + t_ops / 3
-    sel_extra = t_attn / 3
+    # selective: the attention core's GEMMs and the elementwise work on what it no longer stores (one pass)
+    sel_extra = t_attn / 3 + (_layer_bytes(m, b, tp, sp, "none", opts, s)
+                              - _layer_bytes(m, b, tp, sp, "selective", opts, s)) / hbm
 
     # -- which layers recompute, per rank
     counts = list(layout.stage_layers)
@@ -297,7 +313,7 @@ def estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opt
         rec = recomputed[r]
         extra = rec * (full_extra if cand.recompute == "full" else sel_extra)
         return {"GEMMs (layers)": n * t_gemm, "attention": n * t_attn, "elementwise (memory-bound)": n * t_elem,
-                "recompute (extra forward)": extra, "TP collectives": n * n_coll * t_coll,
+                "recompute (extra forward)": extra, "TP collectives": n * (n_coll * t_coll + t_regather),
                 "LM head + loss": t_head if r == pp - 1 else 0.0, "PP point-to-point": t_p2p,
                 "op overhead (host)": n * t_ops}
 
@@ -313,7 +329,8 @@ def estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opt
     grads = p_max * opts.grad_bytes
     if dp > 1 and cand.zero < 3:
         reduce = (gather_time if cand.zero >= 2 else all_reduce_time)(grads, dp, dp_gbps, dp_lat, cal.link_efficiency)
-        window = (2 / 3) * (per_rank[slowest]["GEMMs (layers)"] + per_rank[slowest]["attention"])
+        window = (2 / 3) * (per_rank[slowest]["GEMMs (layers)"] + per_rank[slowest]["attention"]) \
+            if opts.dp_overlap else 0.0
         tail = all_reduce_time(min(grads, cfg.parallel.bucket_mb * 2 ** 20), dp, dp_gbps, dp_lat, cal.link_efficiency)
         time["DP gradient reduction (exposed)"] = max(reduce - window, tail)
     else:

@@ -91,6 +91,19 @@ class SearchResult:
         return [(count, reason, cand) for count, reason, cand in ordered]
 
 
+def distinct(ranked: list[Estimate]) -> list[Estimate]:
+    """The best variant (virtual stages, micro-batch size, recompute depth, ZeRO stage) of each parallel
+    layout (tp, pp, dp, sp, recompute mode), in rank order: the table's rows."""
+    seen, out = set(), []
+    for est in ranked:
+        c = est.candidate
+        key = (c.tp, c.pp, c.dp, c.sp, c.recompute)
+        if key not in seen:
+            seen.add(key)
+            out.append(est)
+    return out
+
+
 def _reason_key(reason: str) -> str:
     """Group messages that differ only in the layout's numbers."""
     return "".join("#" if ch.isdigit() else ch for ch in reason)
