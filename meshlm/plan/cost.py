@@ -56,6 +56,9 @@ class Calibration:
     layer_ops: float = 60.0
     # Reserved per GPU beyond the modelled bytes: CUDA context, NCCL buffers, allocator slack.
     reserve_gib: float = 2.0
+    # Serving (plan/inference.py): a bandwidth-bound decode step streams at this fraction of the datasheet
+    # memory bandwidth (what a large device-to-device copy reaches).
+    hbm_efficiency: float = 0.8
 
 
 @dataclass(frozen=True)
