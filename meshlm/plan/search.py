@@ -35,8 +35,8 @@ def check(cfg: Config, cand: Candidate, global_batch_size: int | None = None) ->
     run = cand.apply(cfg, global_batch_size)
     # The sections a layout changes (the others are the base config's, validated once by load_config),
     # then layout.check_config, as Config.validate runs them, then parallelize's plan_layout.
+    run.train.validate()  # (in Config.validate's order: train before parallel)
     run.parallel.validate()
-    run.train.validate()
     check_config(run)
     return run, plan_layout(run, cand.pp, cand.dp, cand.tp, _stage_costs(run.model))
 
