@@ -19,6 +19,7 @@ Any field can be overridden (`with_overrides`, the `--gpu-*` options of `meshlm 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 
 from meshlm.config import ConfigError
@@ -90,7 +91,8 @@ def with_overrides(gpu: Gpu, **values: float | None) -> Gpu:
 
 def measure_this(threads: int | None = None) -> Gpu:
     """This machine as a 'GPU': the matmul rate measured here (`measure_peak_tflops`, fp32 on CPU, bf16 on
-    CUDA), its memory (`fit.machine_memory`), and the per-op dispatch overhead of eager CPU code. The
+    CUDA), its memory (`fit.machine_memory`), and on CPU the memory bandwidth of a large copy and the per-op
+    dispatch overhead of eager code. The
     links are gloo over loopback on one host: a rough 2 GB/s and 50 µs unless overridden (the trials
     benchmark measures them with an all-reduce probe)."""
     import time
@@ -107,17 +109,36 @@ def measure_this(threads: int | None = None) -> Gpu:
         torch.set_num_threads(threads)
     try:
         peak = measure_peak_tflops(device, torch.bfloat16 if cuda else torch.float32, seconds=0.3)
-        overhead = 0.0
+        overhead, bandwidth = 0.0, 0.0
         if not cuda:  # eager dispatch of a tiny op, the floor of every op a small model runs
             x = torch.ones(8, requires_grad=True)
             start, n = time.perf_counter(), 2000
             for _ in range(n):
                 (x * 2.0).sum()
             overhead = (time.perf_counter() - start) / (2 * n) * 1e6
+            # memory bandwidth: a 64 MiB copy reads and writes its bytes (the best of a few)
+            src = torch.ones(16 * 2 ** 20)
+            dst = torch.empty_like(src)
+            best = math.inf
+            for _ in range(5):
+                start = time.perf_counter()
+                dst.copy_(src)
+                best = min(best, time.perf_counter() - start)
+            bandwidth = 2 * src.numel() * 4 / best / 1e9
     finally:
         torch.set_num_threads(old)
     memory, _ = machine_memory(device.type)
     if cuda:
         props = torch.cuda.get_device_properties(0)
         return Gpu(f"this ({props.name})", peak, memory / 2 ** 30, 1000.0, 100.0, 12.5)
-    return Gpu("this (cpu)", peak, memory / 2 ** 30, 10.0, 2.0, 2.0, 50.0, 50.0, overhead)
+    return Gpu("this (cpu)", peak, memory / 2 ** 30, bandwidth, 2.0, 2.0, 50.0, 50.0, overhead)
+
+
+def share_cores(gpu: Gpu, processes: int, cores: int | None = None) -> Gpu:
+    """A one-thread CPU 'GPU' as each of `processes` processes sees it when they share `cores` cores: the
+    compute and memory rates scaled by min(1, cores/processes), the per-op host time by the inverse."""
+    import os
+
+    share = min(1.0, (cores or os.cpu_count() or 1) / processes)
+    return replace(gpu, tflops=gpu.tflops * share, hbm_gbps=gpu.hbm_gbps * share,
+                   op_overhead_us=gpu.op_overhead_us / share)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -63,15 +62,15 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
 
 # ---- inputs ------------------------------------------------------------------------------------------------
 def _gpu(args: argparse.Namespace):
-    from meshlm.plan.catalog import get_gpu, measure_this, with_overrides
+    from meshlm.plan.catalog import get_gpu, measure_this, share_cores, with_overrides
 
     if args.gpu.strip().lower() == "this":
         threads = None
         if args.gpus > 1:  # torchrun gives each process one thread (OMP_NUM_THREADS=1)
             threads = 1
         gpu = measure_this(threads)
-        if threads == 1:  # processes beyond the cores share them
-            gpu = with_overrides(gpu, tflops=gpu.tflops * min(1.0, (os.cpu_count() or 1) / args.gpus))
+        if threads == 1:
+            gpu = share_cores(gpu, args.gpus)
     else:
         gpu = get_gpu(args.gpu)
     values = {name.replace("-", "_").replace("memory_gb", "memory_gib"): getattr(args, "gpu_" + name.replace("-", "_"))
