@@ -8,15 +8,14 @@ The planner's "GPU" is this machine, measured here first: the one-thread matmul 
 and the per-op host time (`catalog.measure_this(threads=1)`: torchrun gives each process one thread), and
 gloo's all-reduce latency and bandwidth between 2 processes (a probe of 4-byte and 8 MiB all-reduces). n
 processes on c cores each get min(1, c/n) of a core (`catalog.share_cores`). Each layout then runs
-`meshlm train` under torchrun for --steps steps; its measured step time is the median of the logged step
-times without the first. The Spearman rank correlation of predicted and measured times is printed (the
+`meshlm train` under torchrun for --steps steps; its measured step time is the minimum of the logged step
+times without the first (the least disturbed by other jobs on a shared machine; --statistic median). The Spearman rank correlation of predicted and measured times is printed (the
 planner's ranking is what matters; the acceptance bar is 0.8).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -112,6 +111,8 @@ def measure_links() -> tuple[float, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--statistic", choices=("min", "median"), default="min",
+                        help="of the timed steps: min (the least disturbed by other jobs) or median")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -123,7 +124,8 @@ def main() -> int:
     gbps, latency = measure_links()
     one = with_overrides(one, intra_gbps=gbps, inter_gbps=gbps, intra_latency_us=latency, inter_latency_us=latency)
     cores = os.cpu_count() or 1
-    print(f"this machine ({cores} cores), one thread: {one.tflops * 1e3:.1f} GFLOP/s fp32 matmul, "
+    print(f"this machine ({cores} cores), one thread: {one.tflops * 1e3:.1f} GFLOP/s fp32 matmul (GEMM curve "
+          f"{one.gemm_max_efficiency:.2f}·w/(w + {one.gemm_half_width:.0f})), "
           f"{one.hbm_gbps:.1f} GB/s copy, {one.op_overhead_us:.1f} µs per op; gloo {gbps:.2f} GB/s, "
           f"{latency:.0f} µs; load average {os.getloadavg()[0]:.2f}")
     opts = Options(precision="fp32", device_type="cpu", fused_loss=cfg.train.fused_loss)
@@ -137,12 +139,12 @@ def main() -> int:
             if proc.returncode:
                 print(f"{cand.label()}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
                 return 1
-            measured = measured_step_time(tmp)
+            measured = measured_step_time(tmp, args.statistic)
         rows.append({"layout": cand.label(), "world": cand.world, "predicted_s": est.step_time_s,
                      "measured_s": measured})
         print(f"  {cand.label()}: predicted {est.step_time_s:.4f} s, measured {measured:.4f} s", flush=True)
     rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
-    print(f"\nmeshlm plan trials: {CONFIG} {' '.join(OVERRIDES)}, {args.steps} steps each, on {cores} cores "
+    print(f"\nmeshlm plan trials: {CONFIG} {' '.join(OVERRIDES)}, {args.steps} steps each ({args.statistic}), on {cores} cores "
           f"(load average after: {os.getloadavg()[0]:.2f})\n")
     print("| layout | processes | predicted s | measured s | measured / predicted |\n|---|---|---|---|---|")
     for r in rows:

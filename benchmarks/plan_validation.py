@@ -33,10 +33,11 @@ from meshlm.plan.search import distinct, evaluate, search
 TOLERANCE = 0.15
 SEQ, VOCAB = 2048, 51200
 # Megatron-LM as the 2021 paper ran it: 16-bit compute with fp32 master weights, the s×s scores stored
-# (no flash attention), the DP all-reduce after the backward, every TP collective waited for.
+# (no flash attention), the DP all-reduce after the backward, every TP collective waited for, the weight
+# gradients accumulated by the GEMMs themselves.
 MEGATRON_2021 = Options(precision="bf16", device_type="cuda", backend="math", dtypes=KORTHIKANTI_DTYPES,
                         states="mixed", grad_bytes=4.0, fused_loss=False, sp_regather=False, dp_overlap=False,
-                        tp_backward_overlap=False)
+                        tp_backward_overlap=False, fused_grad_accumulation=True)
 # ... and in 2022: the backward's TP collectives (and SP's re-gathers) overlapped with the weight-gradient GEMMs.
 MEGATRON_2022 = dataclasses.replace(MEGATRON_2021, tp_backward_overlap=True)
 

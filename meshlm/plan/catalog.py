@@ -36,6 +36,10 @@ class Gpu:
     intra_latency_us: float = 5.0
     inter_latency_us: float = 10.0
     op_overhead_us: float = 0.0
+    # A measured GEMM-efficiency curve (`--gpu this`) replacing `cost.Calibration`'s: efficiency(w) =
+    # gemm_max_efficiency · w / (w + gemm_half_width), relative to `tflops`. None: the calibrated one.
+    gemm_max_efficiency: float | None = None
+    gemm_half_width: float | None = None
 
     def describe(self) -> str:
         return (f"{self.name}: {self.tflops:g} TFLOP/s, {self.memory_gib:g} GiB, HBM {self.hbm_gbps:g} GB/s, "
@@ -109,8 +113,9 @@ def measure_this(threads: int | None = None) -> Gpu:
         torch.set_num_threads(threads)
     try:
         peak = measure_peak_tflops(device, torch.bfloat16 if cuda else torch.float32, seconds=0.3)
-        overhead, bandwidth = 0.0, 0.0
-        if not cuda:  # eager dispatch of a tiny op, the floor of every op a small model runs
+        overhead, bandwidth, curve = 0.0, 0.0, (None, None)
+        if not cuda:
+            curve = _gemm_curve(peak)  # eager dispatch of a tiny op, the floor of every op a small model runs
             x = torch.ones(8, requires_grad=True)
             start, n = time.perf_counter(), 2000
             for _ in range(n):
@@ -131,7 +136,27 @@ def measure_this(threads: int | None = None) -> Gpu:
     if cuda:
         props = torch.cuda.get_device_properties(0)
         return Gpu(f"this ({props.name})", peak, memory / 2 ** 30, 1000.0, 100.0, 12.5)
-    return Gpu("this (cpu)", peak, memory / 2 ** 30, bandwidth, 2.0, 2.0, 50.0, 50.0, overhead)
+    return Gpu("this (cpu)", peak, memory / 2 ** 30, bandwidth, 2.0, 2.0, 50.0, 50.0, overhead, *curve)
+
+
+def _gemm_curve(peak_tflops: float, width: int = 64, rows: int = 1024) -> tuple[float, float]:
+    """(gemm_max_efficiency, gemm_half_width) through two points: the peak (a 1024-wide matmul: efficiency 1)
+    and a `rows` × `width` × `width` matmul measured here: with q = its rate / peak, the curve
+    E·w/(w + W) through (1024, 1) and (width, q) has W = 1024·width·(1 − q) / (1024·q − width)."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(rows, width), torch.randn(width, width)
+    torch.matmul(a, b)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < 0.1:
+        torch.matmul(a, b)
+        count += 1
+    rate = 2.0 * rows * width * width * count / (time.perf_counter() - start) / 1e12
+    q = min(rate / peak_tflops, 0.999)
+    half = 1024 * width * (1 - q) / max(1024 * q - width, 1e-9) if 1024 * q > width else 1e6
+    return (1024 + half) / 1024, half
 
 
 def share_cores(gpu: Gpu, processes: int, cores: int | None = None) -> Gpu:

@@ -83,6 +83,10 @@ class Options:
     # The backward's two TP collectives (the column-parallel linears' input gradients) run while the
     # weight-gradient GEMMs compute (Megatron-LM's asynchronous TP communication, True) or wait (meshlm, False).
     tp_backward_overlap: bool = False
+    # Each micro-batch after the first adds its weight gradients to the accumulated ones: autograd's
+    # separate add reads both and writes one (meshlm, 3 × grad_bytes per parameter), or the weight-gradient
+    # GEMM accumulates in place (Megatron-LM's fused accumulation, True: free).
+    fused_grad_accumulation: bool = False
 
 
 @dataclass(frozen=True)
@@ -237,6 +241,13 @@ def _link(cluster: Cluster, span: int) -> tuple[float, float]:
 
 
 # ---- the model -------------------------------------------------------------------------------------------
+def for_gpu(cal: Calibration, gpu: Gpu) -> Calibration:
+    """`cal` with the GPU's measured GEMM curve, if it has one (`--gpu this`)."""
+    if gpu.gemm_max_efficiency is None or gpu.gemm_half_width is None:
+        return cal
+    return dataclasses.replace(cal, gemm_max_efficiency=gpu.gemm_max_efficiency, gemm_half_width=gpu.gemm_half_width)
+
+
 def gemm_efficiency(width: float, cal: Calibration) -> float:
     return cal.gemm_max_efficiency * width / (width + cal.gemm_half_width)
 
@@ -252,7 +263,7 @@ def _layer_bytes(m: ModelConfig, b: int, tp: int, sp: bool, recompute: str, opts
 def estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opts: Options | None = None,
              cal: Calibration | None = None) -> Estimate:
     """Memory per GPU and step time of `cand` (already checked: `layout` is `plan_layout`'s answer)."""
-    opts, cal = opts or Options(), cal or Calibration()
+    opts, cal = opts or Options(), for_gpu(cal or Calibration(), cluster.gpu)
     m, gpu = cfg.model, cluster.gpu
     s, b, tp, pp, dp, v = m.seq_len, cand.micro_batch_size, cand.tp, cand.pp, cand.dp, (cand.vpp if cand.pp > 1 else 1)
     sp = cand.sp and tp > 1
@@ -307,7 +318,10 @@ def estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opt
 
     # -- the head and loss (last rank), the sends (every rank but alone)
     head_flops = 6.0 * b * s * m.hidden_size * m.vocab_size / tp
-    t_head = head_flops / (peak * gemm_efficiency(m.hidden_size, cal)) + 3 * b * s * m.vocab_size / tp * 4 / hbm
+    # the fused head + loss (tp = 1) works chunk by chunk in cache; otherwise the fp32 logits go to memory
+    # and back like any saved tensor
+    logits_bytes = 0.0 if (tp == 1 and opts.fused_loss) else b * s * m.vocab_size / tp * 4
+    t_head = head_flops / (peak * gemm_efficiency(m.hidden_size, cal)) + cal.elementwise_passes * logits_bytes / hbm
     send = b * s * m.hidden_size * c_bytes / (tp if sp else 1)
     t_p2p = 2 * v * (pp_lat * 1e-6 + send / (pp_gbps * 1e9 * cal.link_efficiency)) if pp > 1 else 0.0
 
@@ -325,10 +339,12 @@ def estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opt
     t_mb = sum(per_rank[slowest].values())
     time = {k: mb * val for k, val in per_rank[slowest].items()}
     time["pipeline bubble"] = (pp - 1) / v * t_mb if pp > 1 else 0.0
-
-    # -- data parallelism: parameters and their traffic on the fullest rank
     params = [rank_parameters(m, rank_layers[r], r == 0, r == pp - 1, tp, pp) for r in range(pp)]
     p_max = max(params)
+    time["gradient accumulation"] = 0.0 if opts.fused_grad_accumulation else \
+        (mb - 1) * 3 * opts.grad_bytes * p_max / hbm
+
+    # -- data parallelism: the fullest rank's parameters and their traffic
     grads = p_max * opts.grad_bytes
     if dp > 1 and cand.zero < 3:
         reduce = (gather_time if cand.zero >= 2 else all_reduce_time)(grads, dp, dp_gbps, dp_lat, cal.link_efficiency)

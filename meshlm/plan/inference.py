@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshlm.config import ConfigError, ModelConfig
-from meshlm.plan.cost import GIB, Calibration, _parameter_split, all_reduce_time, gemm_efficiency
+from meshlm.plan.cost import GIB, Calibration, _parameter_split, all_reduce_time, for_gpu, gemm_efficiency
 from meshlm.plan.fit import kv_cache_bytes
 from meshlm.plan.layout import check_tensor_parallel
 
@@ -54,7 +54,7 @@ class Serving:
 def serving_estimate(m: ModelConfig, gpu, tp: int, batch: int, prompt: int, output: int, gpus_per_node: int,
                      elem_bytes: int = 2, cal: Calibration | None = None, ttft_s: float | None = None,
                      tpot_s: float | None = None) -> Serving:
-    cal = cal or Calibration()
+    cal = for_gpu(cal or Calibration(), gpu)
     per_layer, outside, word = _parameter_split(m)
     params = m.n_layers * per_layer + outside
     peak, hbm = gpu.tflops * 1e12, gpu.hbm_gbps * 1e9 * cal.hbm_efficiency
