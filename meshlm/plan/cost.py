@@ -262,7 +262,8 @@ def _layer_bytes(m: ModelConfig, b: int, tp: int, sp: bool, recompute: str, opts
 
 def estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opts: Options | None = None,
              cal: Calibration | None = None) -> Estimate:
-    """Memory per GPU and step time of `cand` (already checked: `layout` is `plan_layout`'s answer)."""
+    """Memory per GPU and step time of `cand`, whose config `cfg` is (`cand.apply`) and whose `layout` is
+    `plan_layout`'s answer (`search.evaluate` checks and calls this)."""
     opts, cal = opts or Options(), for_gpu(cal or Calibration(), cluster.gpu)
     m, gpu = cfg.model, cluster.gpu
     s, b, tp, pp, dp, v = m.seq_len, cand.micro_batch_size, cand.tp, cand.pp, cand.dp, (cand.vpp if cand.pp > 1 else 1)
@@ -334,10 +335,14 @@ def estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opt
                 "LM head + loss": t_head if r == pp - 1 else 0.0, "PP point-to-point": t_p2p,
                 "op overhead (host)": n * t_ops}
 
-    per_rank = [rank_terms(r) for r in range(pp)]
-    slowest = max(range(pp), key=lambda r: sum(per_rank[r].values()))
-    t_mb = sum(per_rank[slowest].values())
-    time = {k: mb * val for k, val in per_rank[slowest].items()}
+    # the slowest rank from scalar totals (pp can be 64), then its terms by name
+    unit = t_gemm + t_attn + t_elem + n_coll * t_coll + t_regather + t_ops
+    extra_unit = full_extra if cand.recompute == "full" else sel_extra
+    slowest = max(range(pp), key=lambda r: rank_layers[r] * unit + recomputed[r] * extra_unit
+                  + (t_head if r == pp - 1 else 0.0))
+    terms = rank_terms(slowest)
+    t_mb = sum(terms.values())
+    time = {k: mb * val for k, val in terms.items()}
     time["pipeline bubble"] = (pp - 1) / v * t_mb if pp > 1 else 0.0
     params = [rank_parameters(m, rank_layers[r], r == 0, r == pp - 1, tp, pp) for r in range(pp)]
     p_max = max(params)
@@ -348,7 +353,7 @@ def estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opt
     grads = p_max * opts.grad_bytes
     if dp > 1 and cand.zero < 3:
         reduce = (gather_time if cand.zero >= 2 else all_reduce_time)(grads, dp, dp_gbps, dp_lat, cal.link_efficiency)
-        window = (2 / 3) * (per_rank[slowest]["GEMMs (layers)"] + per_rank[slowest]["attention"]) \
+        window = (2 / 3) * (terms["GEMMs (layers)"] + terms["attention"]) \
             if opts.dp_overlap else 0.0
         tail = all_reduce_time(min(grads, cfg.parallel.bucket_mb * 2 ** 20), dp, dp_gbps, dp_lat, cal.link_efficiency)
         time["DP gradient reduction (exposed)"] = max(reduce - window, tail)
@@ -359,7 +364,7 @@ def estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opt
         if dp > 1 and cand.zero in (1, 2) else 0.0
     if dp > 1 and cand.zero == 3:  # per micro-batch: gather weights (forward, backward), reduce-scatter grads
         per_mb = 3 * gather_time(weight_bytes, dp, dp_gbps, dp_lat, cal.link_efficiency)
-        compute = per_rank[slowest]["GEMMs (layers)"] + per_rank[slowest]["attention"]
+        compute = terms["GEMMs (layers)"] + terms["attention"]
         time["ZeRO-3 gathers (exposed)"] = mb * max(per_mb - compute, 0.0) + per_mb / max(1, rank_layers[slowest])
     shard = dp if cand.zero >= 1 else 1
     time["optimizer step"] = cal.optimizer_bytes_per_param * p_max / shard / hbm
@@ -373,8 +378,7 @@ def estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opt
         per_param["weights"] /= dp
     full_bytes = _layer_bytes(m, b, tp, sp, "full", opts, s)
     factor = pipeline_activation_factor(pp, mb, v) if pp > 1 else 1.0
-    memories = []
-    for r in range(pp):
+    def rank_memory(r: int) -> dict[str, float]:
         mem = {"weights": per_param["weights"] * params[r], "gradients": per_param["grads"] * params[r],
                "optimizer states": per_param["optimizer"] * params[r]}
         if opts.precision != "fp32" and opts.states == "fp32":
@@ -389,13 +393,17 @@ def estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opt
         logits = 0.0 if (tp == 1 and opts.fused_loss) else 4.0 * b * s * m.vocab_size / tp
         mem["logits (last stage)"] = logits if r == pp - 1 else 0.0
         mem["reserved (context, buffers)"] = cal.reserve_gib * GIB
-        memories.append(mem)
-    memory = max(memories, key=lambda d: sum(d.values()))
+        return mem
+
+    # the first, the last and the fullest middle rank can be the fullest one (ranks in between hold fewer
+    # micro-batches than the first and no embedding or head)
+    middle = [r for r in range(1, pp - 1) if rank_layers[r] > rank_layers[0]][:1]
+    memory = max((rank_memory(r) for r in sorted({0, pp - 1, *middle})), key=lambda d: sum(d.values()))
     limit = gpu.memory_gib * GIB
 
     gbs = mb * b * dp
     flops = model_flops(m, gbs, s)
-    hw = flops + recompute_flops(m, gbs, cand.recompute, s, layers=recomputed_layers(cand.apply(cfg, gbs)))
+    hw = flops + recompute_flops(m, gbs, cand.recompute, s, layers=recomputed_layers(cfg))
     world = cand.world
     return Estimate(cand, memory, time, step, gbs * s / step, flops / step / world / 1e12,
                     flops / step / world / peak, hw / step / world / peak, sum(memory.values()) <= limit, limit)

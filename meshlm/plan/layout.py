@@ -10,6 +10,7 @@ thousands of candidate layouts in a second.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass
 
@@ -85,8 +86,14 @@ def partition_layers(n_layers: int, pp: int, vpp: int = 1, explicit: list[int] |
     if n_layers < stages:
         raise ConfigError(f"model.n_layers={n_layers} is fewer than parallel.pp={pp} × parallel.vpp={vpp} = "
                           f"{stages} stages; every stage needs a layer: lower parallel.pp or parallel.vpp")
+    return list(_balanced(n_layers, stages, first_cost, last_cost))
+
+
+@functools.lru_cache(maxsize=4096)
+def _balanced(n_layers: int, stages: int, first_cost: float, last_cost: float) -> tuple[int, ...]:
+    """`partition_layers`' greedy balance (cached: the planner asks for the same partitions many times)."""
     if stages == 1:
-        return [n_layers]
+        return (n_layers,)
     counts = [1] * stages
     extra = [0.0] * stages
     extra[0] += first_cost
@@ -99,7 +106,7 @@ def partition_layers(n_layers: int, pp: int, vpp: int = 1, explicit: list[int] |
         _, neg = heapq.heappop(heap)
         counts[-neg] += 1
         heapq.heappush(heap, (counts[-neg] + extra[-neg], neg))
-    return counts
+    return tuple(counts)
 
 
 def stage_layer_ranges(counts: list[int]) -> list[range]:

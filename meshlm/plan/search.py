@@ -29,16 +29,34 @@ def _stage_costs(m) -> tuple[float, float]:
     return get_spec(m.family).stage_costs(m)
 
 
-def check(cfg: Config, cand: Candidate, global_batch_size: int | None = None) -> tuple[Config, Layout]:
+def check(cfg: Config, cand: Candidate, global_batch_size: int | None = None,
+          memo: dict | None = None) -> tuple[Config, Layout]:
     """The candidate's config and layout, or the ConfigError the config validation or `parallelize`'s
-    `plan_layout` would raise for it (the same message)."""
+    `plan_layout` would raise for it (the same message). `memo` keeps the two sections' verdicts across
+    the candidates of one base config (a search)."""
     run = cand.apply(cfg, global_batch_size)
     # The sections a layout changes (the others are the base config's, validated once by load_config),
-    # then layout.check_config, as Config.validate runs them, then parallelize's plan_layout.
-    run.train.validate()  # (in Config.validate's order: train before parallel)
-    run.parallel.validate()
+    # in Config.validate's order (train before parallel), then layout.check_config, as Config.validate
+    # runs them, then parallelize's plan_layout.
+    for section in (run.train, run.parallel):
+        _validated(section, memo)
     check_config(run)
     return run, plan_layout(run, cand.pp, cand.dp, cand.tp, _stage_costs(run.model))
+
+
+def _validated(section, memo: dict | None) -> None:
+    if memo is None:
+        section.validate()
+        return
+    key = repr(section)  # the whole section: equal text, equal verdict
+    if key not in memo:
+        try:
+            section.validate()
+            memo[key] = None
+        except ConfigError as err:
+            memo[key] = str(err)
+    if memo[key] is not None:
+        raise ConfigError(memo[key])
 
 
 def candidates(cfg: Config, world: int, gpus_per_node: int, global_batch_size: int) -> list[Candidate]:
@@ -84,7 +102,7 @@ class SearchResult:
         for cand, reason in self.rejected:
             groups.setdefault(_reason_key(reason), [0, reason, cand])[0] += 1
         for est in self.too_big:
-            reason = (f"needs {est.memory_bytes / 2 ** 30:,.1f} GiB per GPU, more than the GPU's "
+            reason = (f"needs {est.memory_bytes / 2 ** 30:,.2f} GiB per GPU, more than the GPU's "
                       f"{est.memory_limit / 2 ** 30:g} GiB")
             groups.setdefault("memory", [0, reason, est.candidate])[0] += 1
         ordered = sorted(groups.values(), key=lambda g: -g[0])[:limit]
@@ -110,19 +128,20 @@ def _reason_key(reason: str) -> str:
 
 
 def evaluate(cfg: Config, cand: Candidate, cluster: Cluster, global_batch_size: int, opts: Options | None = None,
-             cal: Calibration | None = None) -> Estimate:
+             cal: Calibration | None = None, memo: dict | None = None) -> Estimate:
     """One layout: its estimate, or the ConfigError that refuses it."""
-    run, layout = check(cfg, cand, global_batch_size)
+    run, layout = check(cfg, cand, global_batch_size, memo)
     return estimate(run, layout, cand, cluster, opts, cal)
 
 
 def search(cfg: Config, cluster: Cluster, global_batch_size: int, opts: Options | None = None,
            cal: Calibration | None = None, space: list[Candidate] | None = None) -> SearchResult:
     result = SearchResult([], [])
+    memo: dict = {}
     for cand in space if space is not None else candidates(cfg, cluster.gpus, cluster.gpus_per_node,
                                                             global_batch_size):
         try:
-            est = evaluate(cfg, cand, cluster, global_batch_size, opts, cal)
+            est = evaluate(cfg, cand, cluster, global_batch_size, opts, cal, memo)
         except ConfigError as err:
             result.rejected.append((cand, str(err)))
             continue
