@@ -9,7 +9,8 @@ and the per-op host time (`catalog.measure_this(threads=1)`: torchrun gives each
 gloo's all-reduce latency and bandwidth between 2 processes (a probe of 4-byte and 8 MiB all-reduces). n
 processes on c cores each get min(1, c/n) of a core (`catalog.share_cores`). Each layout then runs
 `meshlm train` under torchrun for --steps steps; its measured step time is the minimum of the logged step
-times without the first (the least disturbed by other jobs on a shared machine; --statistic median). The Spearman rank correlation of predicted and measured times is printed (the
+times without the first (the least disturbed by other jobs on a shared machine; --statistic median), over
+--rounds runs of every layout taken in turn. The Spearman rank correlation of predicted and measured times is printed (the
 planner's ranking is what matters; the acceptance bar is 0.8).
 """
 
@@ -111,6 +112,7 @@ def measure_links() -> tuple[float, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=1, help="run every layout this many times, in turn")
     parser.add_argument("--statistic", choices=("min", "median"), default="min",
                         help="of the timed steps: min (the least disturbed by other jobs) or median")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
@@ -133,18 +135,23 @@ def main() -> int:
     for cand in LAYOUTS:
         gpu = share_cores(one, cand.world, cores)
         est = evaluate(cfg, cand, Cluster(gpu, cand.world, cand.world), cfg.train.global_batch_size, opts)
-        with tempfile.TemporaryDirectory(prefix="meshlm-trial-") as tmp:
-            cmd = trial_command(CONFIG, cand, cand.world, args.steps, tmp, OVERRIDES)
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if proc.returncode:
-                print(f"{cand.label()}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
-                return 1
-            measured = measured_step_time(tmp, args.statistic)
-        rows.append({"layout": cand.label(), "world": cand.world, "predicted_s": est.step_time_s,
-                     "measured_s": measured})
-        print(f"  {cand.label()}: predicted {est.step_time_s:.4f} s, measured {measured:.4f} s", flush=True)
+        rows.append({"layout": cand.label(), "world": cand.world, "predicted_s": est.step_time_s, "runs": []})
+    for round_ in range(args.rounds):  # rounds go through every layout in turn: a busy spell hits all alike
+        for cand, row in zip(LAYOUTS, rows):
+            with tempfile.TemporaryDirectory(prefix="meshlm-trial-") as tmp:
+                cmd = trial_command(CONFIG, cand, cand.world, args.steps, tmp, OVERRIDES)
+                proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                if proc.returncode:
+                    print(f"{cand.label()}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
+                    return 1
+                row["runs"].append(measured_step_time(tmp, args.statistic))
+            print(f"  round {round_ + 1}: {cand.label()}: predicted {row['predicted_s']:.4f} s, measured "
+                  f"{row['runs'][-1]:.4f} s (load {os.getloadavg()[0]:.1f})", flush=True)
+    for row in rows:  # the least disturbed round, or the median one
+        runs = sorted(row["runs"])
+        row["measured_s"] = runs[0] if args.statistic == "min" else runs[len(runs) // 2]
     rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
-    print(f"\nmeshlm plan trials: {CONFIG} {' '.join(OVERRIDES)}, {args.steps} steps each ({args.statistic}), on {cores} cores "
+    print(f"\nmeshlm plan trials: {CONFIG} {' '.join(OVERRIDES)}, {args.steps} steps × {args.rounds} round(s) each ({args.statistic}), on {cores} cores "
           f"(load average after: {os.getloadavg()[0]:.2f})\n")
     print("| layout | processes | predicted s | measured s | measured / predicted |\n|---|---|---|---|---|")
     for r in rows:
