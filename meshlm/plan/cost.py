@@ -15,7 +15,7 @@ docs/plan.md derives each term and says where each constant of `Calibration` com
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 from meshlm.config import Config, ModelConfig
@@ -165,7 +165,6 @@ class Estimate:
     hfu: float
     fits: bool
     memory_limit: float
-    notes: list[str] = field(default_factory=list)
     measured_step_time_s: float | None = None
 
     @property

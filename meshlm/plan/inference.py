@@ -68,7 +68,8 @@ def serving_estimate(m: ModelConfig, gpu, tp: int, batch: int, prompt: int, outp
     flops = 2.0 * (params - word) * tokens + 2.0 * tokens * m.hidden_size * m.vocab_size \
         + 2.0 * batch * prompt * prompt * m.head_dim * m.n_heads * m.n_layers
     comm = 2 * m.n_layers * all_reduce_time(tokens * m.hidden_size * elem_bytes, tp, gbps, lat, cal.link_efficiency)
-    ttft = flops / tp / (peak * eff) + comm + 2 * m.n_layers * cal.layer_ops / 2 * gpu.op_overhead_us * 1e-6
+    forward_ops = m.n_layers * cal.layer_ops / 3 * gpu.op_overhead_us * 1e-6  # a forward launches ~⅓ of the ops
+    ttft = flops / tp / (peak * eff) + comm + forward_ops
     # -- decode: one token for each request, reading the weights and the cache at the mean context length
     context = prompt + output / 2
     kv_read = batch * kv_cache_bytes(m, 1, int(context)) * elem_bytes / 4 / kv_split
@@ -76,7 +77,7 @@ def serving_estimate(m: ModelConfig, gpu, tp: int, batch: int, prompt: int, outp
     compute = step_flops / (peak * gemm_efficiency(min(batch, m.hidden_size / tp), cal))
     tpot = max((weights + kv_read) / hbm, compute) \
         + 2 * m.n_layers * all_reduce_time(batch * m.hidden_size * elem_bytes, tp, gbps, lat, cal.link_efficiency) \
-        + m.n_layers * cal.layer_ops / 3 * gpu.op_overhead_us * 1e-6
+        + forward_ops
     activations = tokens * (2 * m.hidden_size + 2 * m.ffn_size / tp + m.vocab_size / tp) * elem_bytes
     memory = weights + batch * kv_request / kv_split + activations + cal.reserve_gib * GIB
     tput = batch * output / (ttft + output * tpot)
