@@ -4,6 +4,7 @@ benchmarks/plan_validation.py hold (pure arithmetic: a regression of the cost mo
 from __future__ import annotations
 
 import importlib
+import json
 
 import pytest
 
@@ -91,3 +92,18 @@ def test_published_checks_of_the_validation_benchmark(monkeypatch):
     assert not bad, bad
     best, ref, rank, _ = pv.gpt3_check()
     assert best.tokens_per_s >= ref.tokens_per_s and rank <= 5
+
+
+def test_spearman_and_the_measured_step_time_of_a_trial(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spearman = importlib.import_module("plan_trials").spearman
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3, 4, 5], [2, 1, 4, 3, 5]) == pytest.approx(0.8)  # 1 − 6·4/(5·24)
+    assert spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(0.8660254)  # ties take their mean rank
+    from meshlm.plan.command import measured_step_time
+
+    lines = [json.dumps({"kind": "train", "step": i, "step_time_s": t}) for i, t in enumerate([9.0, 3.0, 1.0, 2.0])]
+    (tmp_path / "metrics.jsonl").write_text("\n".join([*lines, json.dumps({"kind": "eval", "step": 4})]) + "\n")
+    assert measured_step_time(str(tmp_path)) == 2.0  # the first step is not timed; the median of 3, 1, 2
+    assert measured_step_time(str(tmp_path), "min") == 1.0
