@@ -16,7 +16,6 @@ import math
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from meshlm.config import DEFAULT_CONFIG, Config, ConfigError, bundled_configs
@@ -249,9 +248,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
         if args.write_config:
             print(f"wrote {write_config(cand.apply(cfg, gbs), args.write_config)}", file=sys.stderr)
         return 0
-    start = time.perf_counter()
     result = search(cfg, cluster, gbs, opts)
-    elapsed = time.perf_counter() - start
     if not result.ranked:
         raise ConfigError(_nothing_fits(cfg, cluster, opts, result))
     ranked = result.ranked if args.all else distinct(result.ranked)
@@ -264,7 +261,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     else:
         n_checked = len(result.ranked) + len(result.too_big) + len(result.rejected)
         print(f"{_describe(cfg)} on {args.gpus} × {gpu.name} ({args.gpus_per_node} per node), global batch {gbs}, "
-              f"{opts.precision}: {n_checked:,} layouts in {elapsed:.2f} s: {len(result.ranked):,} fit, "
+              f"{opts.precision}: {n_checked:,} layouts: {len(result.ranked):,} fit, "
               f"{len(result.too_big):,} too big, {len(result.rejected):,} invalid")
         print()
         print("\n".join(TABLE_HEAD + [_row(i, e) for i, e in enumerate(ranked[:args.top], 1)]))
