@@ -125,8 +125,9 @@ def measure_links() -> tuple[float, float]:
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         __file__, "--probe", str(out)], check=True, capture_output=True)
         probe = json.loads(out.read_text())
+    idle = probe["small"] / 2
+    gbps = 8 * 2 ** 20 / max(probe["large"] - 2 * idle, probe["large"] / 2) / 1e9  # the wire: idle processes
     alpha = max(probe["small"], probe["busy_sync"]) / 2
-    gbps = 8 * 2 ** 20 / max(probe["large"] - 2 * alpha, 1e-9) / 1e9
     return gbps, alpha * 1e6
 
 

@@ -108,6 +108,7 @@ def _check_cluster(args: argparse.Namespace) -> None:
 def parse_layout(text: str, gpus: int, cfg: Config):
     """'tp=8,pp=8,dp=16,sp=true,mbs=1,recompute=selective,zero=1' → Candidate (dp defaults to fill --gpus)."""
     from meshlm.plan.cost import Candidate
+    from meshlm.plan.layout import factor_world
 
     values: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -127,10 +128,10 @@ def parse_layout(text: str, gpus: int, cfg: Config):
         return int(raw)
 
     tp, pp = integer("tp", 1), integer("pp", 1)
-    dp = integer("dp", max(1, gpus // (tp * pp)))
-    if tp * pp * dp != gpus:
-        raise ConfigError(f"--layout tp={tp} × pp={pp} × dp={dp} = {tp * pp * dp} GPUs but --gpus is {gpus}; "
-                          f"make the product {gpus}" + (f" (dp={gpus // (tp * pp)})" if gpus % (tp * pp) == 0 else ""))
+    try:  # the world's rule (plan.layout.factor_world), for the --gpus of the cluster; dp defaults to fill it
+        pp, dp, tp = factor_world(gpus, tp, pp, integer("dp", 0) if "dp" in values else 0)
+    except ConfigError as err:
+        raise ConfigError(f"--layout {text!r} on --gpus {gpus}: {err}") from None
     sp_raw = values.get("sp", "false").lower()
     if sp_raw not in ("true", "false", "1", "0"):
         raise ConfigError(f"--layout sp={sp_raw!r} must be true or false")

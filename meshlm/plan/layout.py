@@ -17,6 +17,21 @@ from dataclasses import dataclass
 from meshlm.config import Config, ConfigError, ModelConfig, _divisors
 
 
+# ---- the world --------------------------------------------------------------------------------------------
+def factor_world(world_size: int, tp: int, pp: int, dp: int = 0) -> tuple[int, int, int]:
+    """(pp, dp, tp) with pp·dp·tp = world_size; dp = 0 means "fill the world". ConfigError otherwise."""
+    if world_size % (tp * pp) != 0:
+        raise ConfigError(f"the world of {world_size} processes is not divisible by parallel.tp={tp} × "
+                          f"parallel.pp={pp} = {tp * pp}; launch a multiple of {tp * pp} processes or change "
+                          "parallel.tp / parallel.pp")
+    if dp == 0:
+        dp = world_size // (tp * pp)
+    if pp * dp * tp != world_size:
+        raise ConfigError(f"parallel.pp={pp} × parallel.dp={dp} × parallel.tp={tp} = {pp * dp * tp} but the world "
+                          f"has {world_size} processes; set parallel.dp={world_size // (tp * pp)} or 0 (auto)")
+    return pp, dp, tp
+
+
 # ---- tensor parallelism -----------------------------------------------------------------------------------
 def check_tensor_parallel(cfg: ModelConfig, tp: int, sp: bool) -> None:
     """The shapes Megatron's tensor parallelism needs of a transformer: heads, KV heads, MLP width and (under
@@ -150,6 +165,16 @@ def recomputed_layers(cfg: Config) -> int:
     return n
 
 
+def check_compiled_recompute(cfg: Config, tp_dropout_stream: bool) -> None:
+    """Recomputation that replays the tensor-parallel dropout stream (tp > 1 with dropout) cannot be traced
+    by torch.compile."""
+    t = cfg.train
+    if t.recompute != "none" and t.compile and tp_dropout_stream:
+        raise ConfigError("train.compile=true cannot trace the replay of the tensor-parallel dropout stream that "
+                          f"train.recompute={t.recompute!r} needs with model.dropout={cfg.model.dropout} under tensor "
+                          "parallelism; set model.dropout=0, train.recompute=none or train.compile=false")
+
+
 # ---- data parallelism -------------------------------------------------------------------------------------
 def check_data_parallel(cfg: Config, tp: int) -> None:
     """Layouts the data-parallel transforms cannot serve, as errors that say why and what to do."""
@@ -213,6 +238,7 @@ def plan_layout(cfg: Config, pp: int, dp: int, tp: int, stage_cost: tuple[float,
     `stage_cost`: the (first, last) stage's extra work in layers (`ModelSpec.stage_costs`)."""
     check_tensor_parallel(cfg.model, tp, cfg.parallel.sp and tp > 1)
     check_data_parallel(cfg, tp)
+    check_compiled_recompute(cfg, tp > 1 and cfg.model.dropout > 0)
     m = microbatches_per_step(cfg, dp)
     p = cfg.parallel
     vpp = p.vpp if pp > 1 else 1

@@ -99,7 +99,7 @@ def test_inference_meets_the_latency_target(capsys):
      "--gpus 4 or 6 would factor"),
     (["--gpus", "8", "--gpu", "v100-32gb", "--model.n_layers=400", "--model.hidden_size=8192", "--model.n_heads=64"],
      "GPUs of this type would fit it"),
-    (["--layout", "tp=2,pp=2,dp=3"], "--gpus is 8"),
+    (["--layout", "tp=2,pp=2,dp=3"], "the world has 8 processes; set parallel.dp=2"),
     (["--layout", "tp=2,banana=1"], "is not key=value"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):

@@ -110,3 +110,16 @@ def test_predicted_memory_of_small_layouts_is_within_10_percent_of_bench_memory(
         # one micro-batch's activations in the layers (pp = 1: one in flight), and the weights (fp32: 4 B each)
         assert est.memory["activations"] == pytest.approx(measured, rel=0.10), (cand.label(), text)
         assert est.memory["weights"] / 4 == pytest.approx(params, rel=0.10), (cand.label(), text)
+
+
+def test_compiled_recompute_of_the_tp_dropout_stream_is_refused_by_the_search_as_by_parallelize():
+    from meshlm.parallel.recompute import apply_recompute  # noqa: F401 (it asks plan.layout the same question)
+    from meshlm.plan.layout import check_compiled_recompute
+
+    cfg = build({"model": {**MODEL, "dropout": 0.1}, "train": {"micro_batch_size": 1, "global_batch_size": 4, "compile": True}})
+    with pytest.raises(ConfigError) as search_err:
+        check(cfg, Candidate(2, 1, 2, recompute="selective"))
+    with pytest.raises(ConfigError) as rule_err:
+        check_compiled_recompute(Candidate(2, 1, 2, recompute="selective").apply(cfg), True)
+    assert str(search_err.value) == str(rule_err.value) and "train.compile=true" in str(search_err.value)
+    check(cfg, Candidate(1, 1, 4, recompute="selective"))  # tp = 1: no TP stream to replay
