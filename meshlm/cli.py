@@ -21,6 +21,7 @@ from meshlm.eval.commands import add_eval_command
 from meshlm.infer.embed import add_embed_command
 from meshlm.infer.server import add_serve_command
 from meshlm.interop.convert import add_convert_command
+from meshlm.plan.command import add_plan_command
 from meshlm.plan.commands import add_bench_commands
 from meshlm.train.finetune import add_finetune_command
 from meshlm.tune.command import add_tune_command
@@ -179,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.set_defaults(func=_plot)
     add_data_commands(sub)  # meshlm prepare, meshlm tokenizer train
     add_bench_commands(sub)  # meshlm bench memory
+    add_plan_command(sub)  # meshlm plan (the auto-configurator)
     add_convert_command(sub)  # meshlm convert --to-single | --to-hf | --from-hf
     add_embed_command(sub)  # meshlm embed
     add_finetune_command(sub)  # meshlm finetune

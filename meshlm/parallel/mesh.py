@@ -20,23 +20,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshlm.config import ConfigError, ParallelConfig
+from meshlm.config import ParallelConfig
+from meshlm.plan.layout import factor_world  # the world's factorisation is a layout rule (torch-free)
 
 DIM_NAMES = ("pp", "dp", "tp")
-
-
-def factor_world(world_size: int, tp: int, pp: int, dp: int = 0) -> tuple[int, int, int]:
-    """(pp, dp, tp) with pp·dp·tp = world_size; dp = 0 means "fill the world". ConfigError otherwise."""
-    if world_size % (tp * pp) != 0:
-        raise ConfigError(f"the world of {world_size} processes is not divisible by parallel.tp={tp} × "
-                          f"parallel.pp={pp} = {tp * pp}; launch a multiple of {tp * pp} processes or change "
-                          "parallel.tp / parallel.pp")
-    if dp == 0:
-        dp = world_size // (tp * pp)
-    if pp * dp * tp != world_size:
-        raise ConfigError(f"parallel.pp={pp} × parallel.dp={dp} × parallel.tp={tp} = {pp * dp * tp} but the world "
-                          f"has {world_size} processes; set parallel.dp={world_size // (tp * pp)} or 0 (auto)")
-    return pp, dp, tp
 
 
 def pick_backend(device: torch.device) -> str:

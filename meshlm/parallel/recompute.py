@@ -46,7 +46,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 from meshlm.config import Config, ConfigError
 from meshlm.parallel.rng import TPRNGTracker
 from meshlm.plan.layout import RECOMPUTE_MODES as MODES
-from meshlm.plan.layout import full_recompute_chunks
+from meshlm.plan.layout import check_compiled_recompute, full_recompute_chunks
 
 
 def _replay_tp_stream(rng: TPRNGTracker) -> Callable[[], tuple]:
@@ -165,10 +165,7 @@ def apply_recompute(model: nn.Module, cfg: Config, rng: TPRNGTracker | None = No
     layers = [m for m in container if m is not None]
     # No TP stream, or no dropout to draw from it: the plain checkpoint (which torch.compile also takes).
     context_fn = _replay_tp_stream(rng) if rng is not None and cfg.model.dropout > 0 else noop_context_fn
-    if context_fn is not noop_context_fn and t.compile:
-        raise ConfigError("train.compile=true cannot trace the replay of the tensor-parallel dropout stream that "
-                          f"train.recompute={t.recompute!r} needs with model.dropout={cfg.model.dropout} under tensor "
-                          "parallelism; set model.dropout=0, train.recompute=none or train.compile=false")
+    check_compiled_recompute(cfg, context_fn is not noop_context_fn)  # (plan/layout.py: plan_layout asks it too)
     if t.recompute == "selective":
         _recompute_methods(layers, spec.selective_recompute, context_fn)
     else:

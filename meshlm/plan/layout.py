@@ -10,9 +10,26 @@ thousands of candidate layouts in a second.
 
 from __future__ import annotations
 
+import functools
+import heapq
 from dataclasses import dataclass
 
 from meshlm.config import Config, ConfigError, ModelConfig, _divisors
+
+
+# ---- the world --------------------------------------------------------------------------------------------
+def factor_world(world_size: int, tp: int, pp: int, dp: int = 0) -> tuple[int, int, int]:
+    """(pp, dp, tp) with pp·dp·tp = world_size; dp = 0 means "fill the world". ConfigError otherwise."""
+    if world_size % (tp * pp) != 0:
+        raise ConfigError(f"the world of {world_size} processes is not divisible by parallel.tp={tp} × "
+                          f"parallel.pp={pp} = {tp * pp}; launch a multiple of {tp * pp} processes or change "
+                          "parallel.tp / parallel.pp")
+    if dp == 0:
+        dp = world_size // (tp * pp)
+    if pp * dp * tp != world_size:
+        raise ConfigError(f"parallel.pp={pp} × parallel.dp={dp} × parallel.tp={tp} = {pp * dp * tp} but the world "
+                          f"has {world_size} processes; set parallel.dp={world_size // (tp * pp)} or 0 (auto)")
+    return pp, dp, tp
 
 
 # ---- tensor parallelism -----------------------------------------------------------------------------------
@@ -84,14 +101,27 @@ def partition_layers(n_layers: int, pp: int, vpp: int = 1, explicit: list[int] |
     if n_layers < stages:
         raise ConfigError(f"model.n_layers={n_layers} is fewer than parallel.pp={pp} × parallel.vpp={vpp} = "
                           f"{stages} stages; every stage needs a layer: lower parallel.pp or parallel.vpp")
+    return list(_balanced(n_layers, stages, first_cost, last_cost))
+
+
+@functools.lru_cache(maxsize=4096)
+def _balanced(n_layers: int, stages: int, first_cost: float, last_cost: float) -> tuple[int, ...]:
+    """`partition_layers`' greedy balance (cached: the planner asks for the same partitions many times)."""
+    if stages == 1:
+        return (n_layers,)
     counts = [1] * stages
     extra = [0.0] * stages
     extra[0] += first_cost
     extra[-1] += last_cost
+    # The cheapest stage (ties: the later one) from a heap of (cost, −stage): the planner partitions
+    # thousands of candidate layouts, so O(n log S) rather than a scan of every stage per layer.
+    heap = [(counts[s] + extra[s], -s) for s in range(stages)]
+    heapq.heapify(heap)
     for _ in range(n_layers - stages):
-        cheapest = min(range(stages), key=lambda s: (counts[s] + extra[s], -s))
-        counts[cheapest] += 1
-    return counts
+        _, neg = heapq.heappop(heap)
+        counts[-neg] += 1
+        heapq.heappush(heap, (counts[-neg] + extra[-neg], neg))
+    return tuple(counts)
 
 
 def stage_layer_ranges(counts: list[int]) -> list[range]:
@@ -133,6 +163,16 @@ def recomputed_layers(cfg: Config) -> int:
     if t.recompute == "full" and t.recompute_method == "block" and t.recompute_num_layers:
         return min(n, t.recompute_num_layers * p.pp * p.vpp)
     return n
+
+
+def check_compiled_recompute(cfg: Config, tp_dropout_stream: bool) -> None:
+    """Recomputation that replays the tensor-parallel dropout stream (tp > 1 with dropout) cannot be traced
+    by torch.compile."""
+    t = cfg.train
+    if t.recompute != "none" and t.compile and tp_dropout_stream:
+        raise ConfigError("train.compile=true cannot trace the replay of the tensor-parallel dropout stream that "
+                          f"train.recompute={t.recompute!r} needs with model.dropout={cfg.model.dropout} under tensor "
+                          "parallelism; set model.dropout=0, train.recompute=none or train.compile=false")
 
 
 # ---- data parallelism -------------------------------------------------------------------------------------
@@ -198,6 +238,7 @@ def plan_layout(cfg: Config, pp: int, dp: int, tp: int, stage_cost: tuple[float,
     `stage_cost`: the (first, last) stage's extra work in layers (`ModelSpec.stage_costs`)."""
     check_tensor_parallel(cfg.model, tp, cfg.parallel.sp and tp > 1)
     check_data_parallel(cfg, tp)
+    check_compiled_recompute(cfg, tp > 1 and cfg.model.dropout > 0)
     m = microbatches_per_step(cfg, dp)
     p = cfg.parallel
     vpp = p.vpp if pp > 1 else 1

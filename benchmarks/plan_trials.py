@@ -1,0 +1,190 @@
+"""Predicted against measured step times of small layouts on this machine (CPU, gloo), and their rank
+correlation.
+
+    python benchmarks/plan_trials.py                 # 10 layouts of a small GPT on 2 and 4 processes
+    python benchmarks/plan_trials.py --steps 8 --json trials.json
+
+The planner's "GPU" is this machine, measured here first: the one-thread matmul rate, the memory bandwidth
+and the per-op host time (`catalog.measure_this(threads=1)`: torchrun gives each process one thread), and
+gloo's all-reduce latency and bandwidth between 2 processes (a probe of 4-byte and 8 MiB all-reduces). n
+processes on c cores each get min(1, c/n) of a core (`catalog.share_cores`). Each layout then runs
+`meshlm train` under torchrun for --steps steps; its measured step time is the minimum of the logged step
+times without the first (the least disturbed by other jobs on a shared machine; --statistic median), over
+--rounds runs of every layout taken in turn. The Spearman rank correlation of predicted and measured times is printed (the
+planner's ranking is what matters; the acceptance bar is 0.8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from meshlm.config import load_config
+from meshlm.plan.catalog import measure_this, share_cores, with_overrides
+from meshlm.plan.command import measured_step_time, trial_command
+from meshlm.plan.cost import Candidate, Cluster, Options
+from meshlm.plan.search import evaluate
+
+CONFIG = "gpt-tiny"
+OVERRIDES = ["--model.n_layers=4", "--model.seq_len=128", "--train.global_batch_size=16", "--train.precision=fp32"]
+LAYOUTS = [  # (tp, pp, dp, vpp, sp, micro-batch, recompute, zero)
+    Candidate(1, 1, 2, micro_batch_size=8),
+    Candidate(1, 1, 2, micro_batch_size=1),
+    Candidate(1, 1, 2, micro_batch_size=8, recompute="full"),
+    Candidate(2, 1, 1, micro_batch_size=8),
+    Candidate(2, 1, 1, sp=True, micro_batch_size=4, recompute="selective"),
+    Candidate(1, 2, 1, micro_batch_size=2),
+    Candidate(1, 2, 1, micro_batch_size=8),
+    Candidate(1, 1, 4, micro_batch_size=4, zero=1),
+    Candidate(2, 1, 2, micro_batch_size=2),
+    Candidate(2, 2, 1, micro_batch_size=4),
+]
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation: Pearson's on the ranks (ties get their mean rank)."""
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2 + 1
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    n = len(xs)
+    mx, my = sum(rx) / n, sum(ry) / n
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    vx = sum((a - mx) ** 2 for a in rx) ** 0.5
+    vy = sum((b - my) ** 2 for b in ry) ** 0.5
+    return cov / (vx * vy) if vx and vy else 0.0
+
+
+def _probe(out: str) -> None:
+    """Under torchrun: gloo all-reduce time of 4 bytes (latency) and 8 MiB (bandwidth), rank 0 writes them."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    result = {}
+    for name, numel in (("small", 1), ("large", 2 * 2 ** 20)):
+        x = torch.ones(numel)
+        for _ in range(3):
+            dist.all_reduce(x)
+        best = float("inf")
+        for _ in range(10 if numel > 1 else 50):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(x)
+            best = min(best, time.perf_counter() - start)
+        result[name] = best
+    # between busy processes: a few ms of matmuls, then a 4-byte all-reduce; what the all-reduce adds to the
+    # matmuls' own time (medians) is the wait for the slower peer, which a shared machine's scheduler makes
+    # far longer than the idle latency
+    a, x = torch.randn(256, 256), torch.ones(1)
+
+    def work():
+        for _ in range(20):
+            a @ a
+
+    solo, busy = [], []
+    for _ in range(30):
+        start = time.perf_counter()
+        work()
+        solo.append(time.perf_counter() - start)
+    for _ in range(30):
+        start = time.perf_counter()
+        work()
+        dist.all_reduce(x)
+        busy.append(time.perf_counter() - start)
+    result["busy_sync"] = max(0.0, sorted(busy)[15] - sorted(solo)[15])
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_links() -> tuple[float, float]:
+    """(GB/s, latency µs) of gloo between 2 processes, for the α–β model: an all-reduce of n bytes over 2
+    ranks costs 2α + n/β (2·(n−1)/n = 1). α is the larger of the idle latency and the wait a collective
+    between busy processes adds (half of it per step)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "probe.json"
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        __file__, "--probe", str(out)], check=True, capture_output=True)
+        probe = json.loads(out.read_text())
+    idle = probe["small"] / 2
+    gbps = 8 * 2 ** 20 / max(probe["large"] - 2 * idle, probe["large"] / 2) / 1e9  # the wire: idle processes
+    alpha = max(probe["small"], probe["busy_sync"]) / 2
+    return gbps, alpha * 1e6
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=1, help="run every layout this many times, in turn")
+    parser.add_argument("--statistic", choices=("min", "median"), default="min",
+                        help="of the timed steps: min (the least disturbed by other jobs) or median")
+    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.probe:
+        _probe(args.probe)
+        return 0
+    cfg = load_config(CONFIG, OVERRIDES)
+    one = measure_this(threads=1)
+    gbps, latency = measure_links()
+    one = with_overrides(one, intra_gbps=gbps, inter_gbps=gbps, intra_latency_us=latency, inter_latency_us=latency)
+    cores = os.cpu_count() or 1
+    print(f"this machine ({cores} cores), one thread: {one.tflops * 1e3:.1f} GFLOP/s fp32 matmul (GEMM curve "
+          f"{one.gemm_max_efficiency:.2f}·w/(w + {one.gemm_half_width:.0f})), "
+          f"{one.hbm_gbps:.1f} GB/s copy, {one.op_overhead_us:.1f} µs per op; gloo {gbps:.2f} GB/s, "
+          f"{latency:.0f} µs; load average {os.getloadavg()[0]:.2f}")
+    opts = Options(precision="fp32", device_type="cpu", fused_loss=cfg.train.fused_loss)
+    rows = []
+    for cand in LAYOUTS:
+        gpu = share_cores(one, cand.world, cores)
+        est = evaluate(cfg, cand, Cluster(gpu, cand.world, cand.world), cfg.train.global_batch_size, opts)
+        rows.append({"layout": cand.label(), "world": cand.world, "predicted_s": est.step_time_s, "runs": []})
+    for round_ in range(args.rounds):  # rounds go through every layout in turn: a busy spell hits all alike
+        for cand, row in zip(LAYOUTS, rows):
+            with tempfile.TemporaryDirectory(prefix="meshlm-trial-") as tmp:
+                cmd = trial_command(CONFIG, cand, cand.world, args.steps, tmp, OVERRIDES)
+                proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                if proc.returncode:
+                    print(f"{cand.label()}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
+                    return 1
+                row["runs"].append(measured_step_time(tmp, args.statistic))
+            print(f"  round {round_ + 1}: {cand.label()}: predicted {row['predicted_s']:.4f} s, measured "
+                  f"{row['runs'][-1]:.4f} s (load {os.getloadavg()[0]:.1f})", flush=True)
+    for row in rows:  # the least disturbed round, or the median one
+        runs = sorted(row["runs"])
+        row["measured_s"] = runs[0] if args.statistic == "min" else runs[len(runs) // 2]
+    rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+    print(f"\nmeshlm plan trials: {CONFIG} {' '.join(OVERRIDES)}, {args.steps} steps × {args.rounds} round(s) each ({args.statistic}), on {cores} cores "
+          f"(load average after: {os.getloadavg()[0]:.2f})\n")
+    print("| layout | processes | predicted s | measured s | measured / predicted |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['layout']} | {r['world']} | {r['predicted_s']:.4f} | {r['measured_s']:.4f} | "
+              f"{r['measured_s'] / r['predicted_s']:.2f} |")
+    print(f"\nSpearman rank correlation (predicted vs measured): {rho:.3f} over {len(rows)} layouts "
+          f"({'meets' if rho >= 0.8 else 'BELOW'} the 0.8 bar)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "spearman": rho}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

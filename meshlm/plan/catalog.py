@@ -1,0 +1,169 @@
+"""The accelerators the planner knows: datasheet peak rate, memory, memory bandwidth and links (torch-free).
+
+Every number is a vendor datasheet figure (dense, no sparsity; 16-bit tensor-core rate: bf16 where the chip
+has it, fp16 on V100), stated per GPU:
+
+* `tflops`: dense bf16/fp16 tensor-core peak, TFLOP/s;
+* `memory_gib`: memory as the driver reports it, GiB;
+* `hbm_gbps`: memory bandwidth, GB/s;
+* `intra_gbps`: NVLink (or PCIe) bandwidth per GPU and per direction inside a node, GB/s (the datasheet's
+  bidirectional aggregate halved);
+* `inter_gbps`: network bandwidth per GPU between nodes, GB/s (one InfiniBand adapter per GPU, as in a DGX);
+* `intra_latency_us`, `inter_latency_us`: the α of the α–β model, the fixed cost of one step of a collective
+  on that link (a few µs: the usual order of magnitude for NVLink and InfiniBand, not a datasheet figure);
+* `op_overhead_us`: host time per launched operation that is *not* hidden behind the device's work. GPUs
+  launch asynchronously (0); on a CPU every eager op costs its dispatch (measured by `--gpu this`).
+
+Any field can be overridden (`with_overrides`, the `--gpu-*` options of `meshlm plan`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+from meshlm.config import ConfigError
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    tflops: float
+    memory_gib: float
+    hbm_gbps: float
+    intra_gbps: float
+    inter_gbps: float
+    intra_latency_us: float = 5.0
+    inter_latency_us: float = 10.0
+    op_overhead_us: float = 0.0
+    # A measured GEMM-efficiency curve (`--gpu this`) replacing `cost.Calibration`'s: efficiency(w) =
+    # gemm_max_efficiency · w / (w + gemm_half_width), relative to `tflops`. None: the calibrated one.
+    gemm_max_efficiency: float | None = None
+    gemm_half_width: float | None = None
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.tflops:g} TFLOP/s, {self.memory_gib:g} GiB, HBM {self.hbm_gbps:g} GB/s, "
+                f"intra-node {self.intra_gbps:g} GB/s, inter-node {self.inter_gbps:g} GB/s")
+
+
+CATALOG: dict[str, Gpu] = {g.name: g for g in [
+    # A100 SXM: 312 TFLOP/s bf16; NVLink 3 600 GB/s both ways; HDR InfiniBand 200 Gb/s per GPU.
+    Gpu("a100-80gb", 312.0, 80.0, 2039.0, 300.0, 25.0),
+    Gpu("a100-40gb", 312.0, 40.0, 1555.0, 300.0, 25.0),
+    # H100 SXM: 989 TFLOP/s bf16 dense; NVLink 4 900 GB/s both ways; NDR 400 Gb/s per GPU.
+    Gpu("h100-80gb", 989.0, 80.0, 3350.0, 450.0, 50.0),
+    # H200 SXM: the H100's compute with 141 GB of HBM3e at 4.8 TB/s.
+    Gpu("h200", 989.0, 140.0, 4800.0, 450.0, 50.0),
+    # V100 SXM2 32 GB: 125 TFLOP/s fp16 (no bf16); NVLink 2 300 GB/s both ways; EDR 100 Gb/s.
+    Gpu("v100-32gb", 125.0, 32.0, 900.0, 150.0, 12.5),
+    # B200: 2.25 PFLOP/s bf16 dense; NVLink 5 1.8 TB/s both ways; 400 Gb/s per GPU.
+    Gpu("b200", 2250.0, 180.0, 8000.0, 900.0, 50.0),
+    # L40S (PCIe, no NVLink): 362 TFLOP/s bf16 dense; PCIe 4.0 x16 between GPUs.
+    Gpu("l40s", 362.0, 48.0, 864.0, 32.0, 25.0),
+]}
+
+OVERRIDABLE = ("tflops", "memory_gib", "hbm_gbps", "intra_gbps", "inter_gbps", "intra_latency_us",
+               "inter_latency_us", "op_overhead_us")
+
+
+def get_gpu(name: str) -> Gpu:
+    """The catalog entry, or a ConfigError that lists the catalog (`this` is measured: `measure_this`)."""
+    key = name.strip().lower()
+    if key in CATALOG:
+        return CATALOG[key]
+    raise ConfigError(f"--gpu {name!r} is not in the catalog; use one of {', '.join(CATALOG)}, or 'this' to "
+                      "measure this machine (override any field with --gpu-tflops, --gpu-memory-gb, ...)")
+
+
+def with_overrides(gpu: Gpu, **values: float | None) -> Gpu:
+    """`gpu` with the given fields replaced (None: keep); each must be a positive number (latencies,
+    overhead: >= 0)."""
+    names = {f.name for f in fields(Gpu)}
+    changes = {}
+    for key, value in values.items():
+        if value is None:
+            continue
+        if key not in names or key == "name":
+            raise ConfigError(f"unknown GPU field {key!r}; use one of {', '.join(OVERRIDABLE)}")
+        floor_ok = value >= 0 if key.endswith(("_us",)) else value > 0
+        if not floor_ok:
+            flag = "--gpu-" + key.replace("_", "-").replace("memory-gib", "memory-gb")
+            raise ConfigError(f"{flag}={value} must be {'>= 0' if key.endswith('_us') else 'positive'}")
+        changes[key] = float(value)
+    return replace(gpu, **changes) if changes else gpu
+
+
+def measure_this(threads: int | None = None) -> Gpu:
+    """This machine as a 'GPU': the matmul rate measured here (`measure_peak_tflops`, fp32 on CPU, bf16 on
+    CUDA), its memory (`fit.machine_memory`), and on CPU the memory bandwidth of a large copy and the per-op
+    dispatch overhead of eager code. The
+    links are gloo over loopback on one host: a rough 2 GB/s and 50 µs unless overridden (the trials
+    benchmark measures them with an all-reduce probe)."""
+    import time
+
+    import torch
+
+    from meshlm.plan.fit import machine_memory
+    from meshlm.train.metrics import measure_peak_tflops
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        peak = measure_peak_tflops(device, torch.bfloat16 if cuda else torch.float32, seconds=0.3)
+        overhead, bandwidth, curve = 0.0, 0.0, (None, None)
+        if not cuda:
+            curve = _gemm_curve(peak)  # eager dispatch of a tiny op, the floor of every op a small model runs
+            x = torch.ones(8, requires_grad=True)
+            start, n = time.perf_counter(), 2000
+            for _ in range(n):
+                (x * 2.0).sum()
+            overhead = (time.perf_counter() - start) / (2 * n) * 1e6
+            # memory bandwidth: a 64 MiB copy reads and writes its bytes (the best of a few)
+            src = torch.ones(16 * 2 ** 20)
+            dst = torch.empty_like(src)
+            best = math.inf
+            for _ in range(5):
+                start = time.perf_counter()
+                dst.copy_(src)
+                best = min(best, time.perf_counter() - start)
+            bandwidth = 2 * src.numel() * 4 / best / 1e9
+    finally:
+        torch.set_num_threads(old)
+    memory, _ = machine_memory(device.type)
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        return Gpu(f"this ({props.name})", peak, memory / 2 ** 30, 1000.0, 100.0, 12.5)
+    return Gpu("this (cpu)", peak, memory / 2 ** 30, bandwidth, 2.0, 2.0, 50.0, 50.0, overhead, *curve)
+
+
+def _gemm_curve(peak_tflops: float, width: int = 64, rows: int = 1024) -> tuple[float, float]:
+    """(gemm_max_efficiency, gemm_half_width) through two points: the peak (a 1024-wide matmul: efficiency 1)
+    and a `rows` × `width` × `width` matmul measured here: with q = its rate / peak, the curve
+    E·w/(w + W) through (1024, 1) and (width, q) has W = 1024·width·(1 − q) / (1024·q − width)."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(rows, width), torch.randn(width, width)
+    torch.matmul(a, b)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < 0.1:
+        torch.matmul(a, b)
+        count += 1
+    rate = 2.0 * rows * width * width * count / (time.perf_counter() - start) / 1e12
+    q = min(rate / peak_tflops, 0.999)
+    half = 1024 * width * (1 - q) / max(1024 * q - width, 1e-9) if 1024 * q > width else 1e6
+    return (1024 + half) / 1024, half
+
+
+def share_cores(gpu: Gpu, processes: int, cores: int | None = None) -> Gpu:
+    """A one-thread CPU 'GPU' as each of `processes` processes sees it when they share `cores` cores: the
+    compute and memory rates scaled by min(1, cores/processes), the per-op host time by the inverse."""
+    import os
+
+    share = min(1.0, (cores or os.cpu_count() or 1) / processes)
+    return replace(gpu, tflops=gpu.tflops * share, hbm_gbps=gpu.hbm_gbps * share,
+                   op_overhead_us=gpu.op_overhead_us / share)

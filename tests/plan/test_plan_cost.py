@@ -1,0 +1,109 @@
+"""plan.cost and plan.search: the terms behave as their formulas say, and the published checks of
+benchmarks/plan_validation.py hold (pure arithmetic: a regression of the cost model fails here)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+
+from meshlm.config import build
+from meshlm.plan.catalog import get_gpu, with_overrides
+from meshlm.plan.cost import Candidate, Cluster, Options, all_reduce_time
+from meshlm.plan.inference import plan_serving
+from meshlm.plan.memory import pipeline_activation_factor
+from meshlm.plan.search import evaluate, search
+from tests.conftest import ROOT
+
+A100 = get_gpu("a100-80gb")
+
+
+def _cfg(layers=24, hidden=2048, heads=16, batch=64):
+    return build({"model": {"n_layers": layers, "hidden_size": hidden, "n_heads": heads, "seq_len": 2048,
+                            "vocab_size": 51200}, "train": {"precision": "bf16", "global_batch_size": batch}})
+
+
+def _est(cand, gpus=None, cfg=None, batch=64, gpu=A100):
+    cfg = cfg or _cfg(batch=batch)
+    return evaluate(cfg, cand, Cluster(gpu, gpus or cand.world, 8), batch, Options())
+
+
+def test_bubble_is_p_minus_1_over_v_micro_batches():
+    for vpp in (1, 2):
+        e = _est(Candidate(1, 4, 1, vpp=vpp, micro_batch_size=1))
+        once_per_step = ("pipeline bubble", "gradient accumulation", "DP gradient reduction (exposed)",
+                         "ZeRO weight all-gather", "optimizer step")
+        per_mb = sum(v for k, v in e.time.items() if k not in once_per_step) / 64
+        assert e.time["pipeline bubble"] == pytest.approx(3 / vpp * per_mb)
+
+
+def test_memory_terms_follow_zero_sp_recompute_and_the_pipeline():
+    plain = _est(Candidate(2, 1, 4))
+    assert _est(Candidate(2, 1, 4, zero=1)).memory["optimizer states"] == pytest.approx(
+        plain.memory["optimizer states"] / 4)
+    assert _est(Candidate(2, 1, 4, zero=2)).memory["gradients"] == pytest.approx(plain.memory["gradients"] / 4)
+    assert _est(Candidate(2, 1, 4, sp=True)).memory["activations"] < plain.memory["activations"]
+    full = _est(Candidate(2, 1, 4, recompute="full"))
+    assert full.memory["activations"] < plain.memory["activations"] and full.step_time_s > plain.step_time_s
+    # the first of 4 stages holds 4 micro-batches of its 6 layers; interleaving adds (p−1)/(p·v)
+    one_stage = _est(Candidate(1, 1, 1)).memory["activations"] / 24
+    for vpp in (1, 2):
+        e = _est(Candidate(1, 4, 1, vpp=vpp))
+        assert e.memory["activations"] == pytest.approx(6 * one_stage * pipeline_activation_factor(4, 64, vpp))
+
+
+def test_collectives_cost_more_across_nodes_and_with_more_ranks():
+    assert all_reduce_time(1e8, 1, 100, 5, 1) == 0
+    assert all_reduce_time(1e8, 8, 100, 5, 1) > all_reduce_time(1e8, 2, 100, 5, 1)
+    inside = _est(Candidate(8, 1, 2), gpus=16).time["TP collectives"]
+    slow = with_overrides(A100, intra_gbps=A100.inter_gbps)
+    assert _est(Candidate(8, 1, 2), gpus=16, gpu=slow).time["TP collectives"] > 5 * inside
+
+
+def test_search_ranks_fitting_layouts_and_keeps_every_rejection_reason():
+    cfg = _cfg(layers=6, hidden=1024, heads=8, batch=32)
+    result = search(cfg, Cluster(with_overrides(A100, memory_gib=4), 8, 8), 32)
+    assert result.ranked and result.too_big and result.rejected
+    speeds = [e.tokens_per_s for e in result.ranked]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(e.memory_bytes <= 4 * 2 ** 30 for e in result.ranked)
+    assert all(e.memory_bytes > 4 * 2 ** 30 for e in result.too_big)
+    assert all("parallel." in r or "train." in r or "model." in r for _, r in result.rejected)
+
+
+def test_serving_decode_is_bandwidth_bound_and_kv_cache_limits_the_batch():
+    cfg = _cfg()
+    rows, _ = plan_serving(cfg.model, A100, 8, 512, 128)
+    one = next(r for r in rows if r.tp == 1 and r.batch == 1)
+    weights = one.memory_bytes - one.kv_per_request_bytes  # most of batch 1's memory
+    assert one.tpot_s == pytest.approx(weights / (A100.hbm_gbps * 1e9 * 0.8), rel=0.3)
+    small = with_overrides(A100, memory_gib=6)
+    assert max(r.batch for r in plan_serving(cfg.model, small, 8, 512, 128)[0] if r.tp == 1) < \
+        max(r.batch for r in rows if r.tp == 1)
+
+
+def test_published_checks_of_the_validation_benchmark(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    pv = importlib.import_module("plan_validation")
+    rows = pv.narayanan_rows() + pv.korthikanti_rows()
+    assert len(rows) == 10 + 16
+    bad = [(r.name, round(r.ratio, 3)) for r in rows if not r.ok]
+    assert not bad, bad
+    best, ref, rank, _ = pv.gpt3_check()
+    assert best.tokens_per_s >= ref.tokens_per_s and rank <= 5
+
+
+def test_spearman_and_the_measured_step_time_of_a_trial(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spearman = importlib.import_module("plan_trials").spearman
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3, 4, 5], [2, 1, 4, 3, 5]) == pytest.approx(0.8)  # 1 − 6·4/(5·24)
+    assert spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(0.8660254)  # ties take their mean rank
+    from meshlm.plan.command import measured_step_time
+
+    lines = [json.dumps({"kind": "train", "step": i, "step_time_s": t}) for i, t in enumerate([9.0, 3.0, 1.0, 2.0])]
+    (tmp_path / "metrics.jsonl").write_text("\n".join([*lines, json.dumps({"kind": "eval", "step": 4})]) + "\n")
+    assert measured_step_time(str(tmp_path)) == 2.0  # the first step is not timed; the median of 3, 1, 2
+    assert measured_step_time(str(tmp_path), "min") == 1.0
