@@ -141,3 +141,25 @@ def test_readme_tune_commands(tmp_path):
     assert evaluated["examples"] > 0 and 0 <= evaluated["accuracy"] <= 1
     served = json.loads(next(v for k, v in outputs.items() if " serve " in k))
     assert served["model"] == "plays-lora" and served["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_readme_plan_commands_print_what_the_readme_shows():
+    """Each `meshlm plan` command of the README's planning section, run as typed, prints exactly the output
+    block that follows it (the planner is arithmetic: no wall time, no machine in its output)."""
+    import shlex
+    from itertools import pairwise
+
+    from tests.conftest import ROOT
+
+    section = (ROOT / "README.md").read_text().split("## Planning a run", 1)[1].split("\n## ", 1)[0]
+    parts = section.split("```")  # text, lang+code, text, lang+code, ...
+    blocks = [parts[i] for i in range(1, len(parts), 2)]
+    pairs = [(a, b) for a, b in pairwise(blocks) if a.startswith("bash\n") and not
+             b.startswith("bash\n")]
+    assert len(pairs) == 2, "the section shows a training plan and a serving plan, each with its output"
+    for command, shown in pairs:
+        args = shlex.split(command.removeprefix("bash\n").strip())
+        assert args[:2] == ["meshlm", "plan"], args
+        proc = run_cli(*args[1:])
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == shown.strip("\n").removeprefix("text").strip(), " ".join(args)
