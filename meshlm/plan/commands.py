@@ -48,6 +48,7 @@ def bench_memory(cfg: Config) -> str:
     """The report (on rank 0; "" elsewhere). Every rank of the layout must call it."""
     import torch
 
+    from meshlm.models.loss import use_fused_loss
     from meshlm.models.registry import get_spec
     from meshlm.parallel import TPRNGTracker, build_model, init_distributed
     from meshlm.plan.activations import measure_model_activations
@@ -58,7 +59,6 @@ def bench_memory(cfg: Config) -> str:
         korthikanti_bytes,
         model_state_bytes,
     )
-    from meshlm.models.loss import use_fused_loss
     from meshlm.train.precision import Precision, resolve_precision
 
     m, t, p = cfg.model, cfg.train, cfg.parallel

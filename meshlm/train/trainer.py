@@ -31,6 +31,7 @@ from meshlm.data.dataset import BatchLoader
 from meshlm.data.prefetch import PrefetchLoader
 from meshlm.errors import CheckpointError, TrainingError
 from meshlm.infer.generate import generate
+from meshlm.models.loss import use_fused_loss
 from meshlm.models.registry import get_spec
 from meshlm.parallel import TPRNGTracker, build_model, init_distributed
 from meshlm.parallel.data import memory_report
@@ -41,7 +42,6 @@ from meshlm.train import checkpoint as ckpt
 from meshlm.train import ckpt_files, dist_checkpoint
 from meshlm.train.metrics import measure_peak_tflops, peak_memory_mb, truncate_metrics
 from meshlm.train.optim import build_optimizer, lr_at
-from meshlm.models.loss import use_fused_loss
 from meshlm.train.precision import Precision, resolve_precision, resume_precision
 from meshlm.tune import state as tune_state
 from meshlm.tune.adapters import describe_adapter, init_virtual_tokens
