@@ -22,6 +22,7 @@ same autocast dtype.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import tempfile
@@ -134,8 +135,7 @@ def bench(shape: tuple[int, int], precisions: list[str], steps: int, out_dir: st
         batch = torch.stack([torch.as_tensor(trainer.train_set[i], dtype=torch.long)
                              for i in range(t.micro_batch_size)])
         steppers[f"meshlm {name}"] = trainer.train_step
-        steppers[f"reference {name}"] = (lambda r, o, b, d: lambda: reference_step(r, o, b, d))(
-            ref, ref_opt, batch, trainer.precision.dtype)
+        steppers[f"reference {name}"] = functools.partial(reference_step, ref, ref_opt, batch, trainer.precision.dtype)
         if unfused:
             steppers[f"unfused {name}"] = make_trainer(shape, name, f"{out_dir}-{name}-unfused", "false").train_step
         rows.append({"h": m.hidden_size, "s": m.seq_len, "layers": m.n_layers, "batch": t.global_batch_size,
