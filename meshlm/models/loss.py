@@ -108,11 +108,9 @@ def chunk_rows(vocab_size: int, hidden_size: int, device: torch.device, dtype: t
 
     Every chunk's three matmuls read the whole (V, h) weight (77 MB at h = 384 for GPT-2's vocabulary), so
     on a CPU a chunk must be long enough to amortise that read; keeping a chunk's logits in cache matters
-    less. Measured on a 2-core Xeon (AVX-512), head + loss forward and backward against the unfused head
-    (logits + F.cross_entropy), fp32: h = 128, 1024 tokens: 64-row chunks 1.06× the unfused time, 256
-    rows 0.89×, 512 rows 0.78×; h = 384, 2048 tokens: 64 rows 1.28×, 256 rows 1.10×, 1024 rows 0.83×,
-    2048 rows 0.86×. In bf16/fp16 each matmul also converts the weight first (h = 384: 64-row chunks ran
-    1.4× slower than the unfused head, 1024-row chunks 1.04× faster).
+    less (measurements in `fused_head_wins`: 64-row chunks, the former default, lost to the unfused head at
+    h = 128 and 384; 512 and 1024 rows won). In bf16/fp16 each matmul also converts the weight first
+    (h = 384: 64-row chunks ran 1.4× slower than the unfused head, 1024-row chunks 1.04× faster).
     """
     rows = max(1, CHUNK_BYTES.get(device.type, CHUNK_BYTES["cuda"]) // (4 * vocab_size))
     fits = 1 << (rows.bit_length() - 1)
@@ -123,9 +121,20 @@ def chunk_rows(vocab_size: int, hidden_size: int, device: torch.device, dtype: t
 
 def fused_head_wins(vocab_size: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> bool:
     """`train.fused_loss=auto`: whether the fused chunked head + loss is faster than logits + cross-entropy
-    for this shape and device (measured: see the table below). On CUDA it always is (no (tokens, V) logits
-    to write and read back); on a CPU, where both run the same three matmuls, by the measurements."""
-    return True
+    for this shape and device. On CUDA it is (no (tokens, V) logits written and read back). On a CPU both run
+    the same three matmuls, and the fused head wins when its chunks are long enough to amortise reading the
+    whole weight per chunk: at least 2h rows (`chunk_rows`). Measured on a 2-core Xeon (AVX-512), head +
+    loss forward and backward, fused time / unfused time, fp32, GPT-2's vocabulary:
+
+        h = 128, 1024 tokens:   64 rows 1.06,  256 rows 0.89,  512 rows 0.78
+        h = 384, 2048 tokens:   64 rows 1.28,  256 rows 1.10, 1024 rows 0.83, 2048 rows 0.86
+        h = 768, 1024 tokens: 2048 rows (one chunk) 0.97
+        h = 1024, 1024 tokens: 2048 rows (one chunk) 0.85
+
+    so on a CPU it is off only where `CHUNK_BYTES` caps the chunk below 2h rows (a huge vocabulary)."""
+    if device.type != "cpu":
+        return True
+    return chunk_rows(vocab_size, hidden_size, device, dtype) >= 2 * hidden_size
 
 
 def use_fused_loss(cfg, device: torch.device) -> bool:

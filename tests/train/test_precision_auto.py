@@ -111,6 +111,10 @@ def test_an_explicit_precision_is_not_overridden_on_resume(cpu_has, tmp_path):
 
 def test_fused_loss_auto_resolves_by_shape_and_device(tmp_path):
     assert fused_head_wins(50257, 768, CUDA, torch.bfloat16)
+    for h in (32, 128, 384, 768, 1024):  # chunks of ≥ 2h rows: measured faster than the unfused head
+        assert fused_head_wins(50257, h, CPU, torch.float32)
+    assert not fused_head_wins(10**7, 384, CPU, torch.float32)  # 512 MiB caps the chunk at 8 rows < 2h
+    assert fused_head_wins(10**7, 384, CUDA, torch.float32)
     for setting in (True, False):
         assert use_fused_loss(tiny_config(tmp_path, train={"fused_loss": setting}), CPU) is setting
     cfg = tiny_config(tmp_path, train={"fused_loss": "auto"})
