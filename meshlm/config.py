@@ -158,7 +158,10 @@ class TrainConfig:
     micro_batch_size: int = 8
     global_batch_size: int = 8
     seed: int = 1234
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    # auto | fp32 | bf16 | fp16. auto: bf16 where the device computes it natively (CUDA with bf16, a CPU with
+    # AVX512-BF16 or AMX-BF16) and the shape is large enough to gain from it, fp32 elsewhere
+    # (train/precision.py `resolve_precision`); the run prints and records what it resolved to.
+    precision: str = "auto"
     out_dir: str = "runs/gpt-tiny"
     save_every: int = 0  # 0: only at the end
     eval_every: int = 0  # 0: only at the end
@@ -168,7 +171,9 @@ class TrainConfig:
     peak_tflops: float = 0.0  # 0: measure with a short matmul at start
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = False
-    fused_loss: bool = True  # chunked head + cross-entropy without the (tokens, vocab) logits (tp=1)
+    # Chunked head + cross-entropy without the (tokens, vocab) logits (tp=1): true, false, or auto (where it is
+    # measured faster for the shape and device: models/loss.py `fused_head_wins`).
+    fused_loss: bool | str = "auto"
     recompute: str = "none"  # none | selective (attention core) | full (whole layers); see docs/memory.md
     recompute_method: str = "uniform"  # full only: uniform (chunks of recompute_num_layers) | block (first N)
     recompute_num_layers: int = 0  # full only: chunk size (uniform) or layers recomputed (block); 0: every layer
@@ -195,7 +200,9 @@ class TrainConfig:
         _check(self.max_bad_steps > 0, f"train.max_bad_steps={self.max_bad_steps} must be positive (the number of "
                "non-finite steps in a row that stops the run); set it to 5")
         self._check_eval_tasks()
-        _choices("train.precision", self.precision, ("fp32", "bf16", "fp16"))
+        _choices("train.precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
+        _check(self.fused_loss in (True, False, "auto"),
+               f"train.fused_loss={self.fused_loss!r} is not one of true, false, auto; pick one of them")
         _choices("train.device", self.device, ("auto", "cpu", "cuda"))
         _non_negative("train", self, "peak_tflops", zero="0 measures it at start")
         _choices("train.recompute", self.recompute, ("none", "selective", "full"))

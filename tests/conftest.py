@@ -24,8 +24,11 @@ def tiny_config(out_dir: str | Path, **sections) -> Config:
     """A model small enough for a few CPU steps in well under a second each."""
     values = {
         "model": {"n_layers": 2, "hidden_size": 32, "n_heads": 4, "seq_len": 32, "vocab_size": 50257},
+        # precision and fused_loss pinned (their defaults are `auto`, resolved by host and shape): the tests
+        # compare numbers at fp32 tolerances, through the fused head.
         "train": {"max_steps": 4, "micro_batch_size": 2, "global_batch_size": 4, "out_dir": str(out_dir),
-                  "log_every": 1, "eval_every": 0, "eval_iters": 2, "progress": False, "peak_tflops": 1.0},
+                  "log_every": 1, "eval_every": 0, "eval_iters": 2, "progress": False, "peak_tflops": 1.0,
+                  "precision": "fp32", "fused_loss": True},
         "optim": {"warmup_steps": 2, "lr": 1e-3},
         "data": {},
     }

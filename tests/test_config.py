@@ -22,6 +22,13 @@ def test_bare_string_override_without_quotes():
     assert load_config("gpt-tiny", ["--train.out_dir=runs/x"]).train.out_dir == "runs/x"
 
 
+def test_precision_and_fused_loss_default_to_auto_and_take_booleans():
+    cfg = build({})
+    assert cfg.train.precision == "auto" and cfg.train.fused_loss == "auto"
+    assert load_config("gpt-tiny", ["--train.fused_loss=false"]).train.fused_loss is False
+    assert load_config("gpt-tiny", ["--train.fused_loss=auto", "--train.precision=auto"]).train.fused_loss == "auto"
+
+
 def test_int_accepted_for_float_key():
     assert load_config("gpt-tiny", ["--optim.lr=1"]).optim.lr == 1.0
 
@@ -33,6 +40,8 @@ def test_int_accepted_for_float_key():
     ("--train.max_steps=1.5", ["train.max_steps", "expected int"]),
     ("--train.global_batch_size=20", ["train.global_batch_size=20", "train.micro_batch_size=8", "set it to 16"]),
     ("--train.precision=fp8", ["train.precision", "fp32, bf16, fp16"]),
+    ("--train.precision=fp8", ["auto"]),
+    ("--train.fused_loss=maybe", ["train.fused_loss='maybe'", "true, false, auto"]),
     ("--model.n_heads=5", ["model.hidden_size=128", "model.n_heads=5"]),
     ("--parallel.tp=3", ["parallel.tp=3", "model.n_heads=4"]),
     ("--parallel.sp=true", ["parallel.sp", "parallel.tp > 1"]),

@@ -36,7 +36,8 @@ def accumulation_dtype(x: torch.Tensor | torch.dtype) -> torch.dtype:
     """fp32 for 16-bit and fp32 inputs, float64 for float64: softmax and sums run in at least fp32 and never
     round a double down (the equivalence tests run in float64)."""
     return torch.promote_types(x if isinstance(x, torch.dtype) else x.dtype, torch.float32)
-CHUNK_BYTES = {"cpu": 16 << 20, "cuda": 256 << 20}  # fp32 logits per chunk: fits the CPU's cache; big GEMMs on GPU
+CHUNK_BYTES = {"cpu": 512 << 20, "cuda": 256 << 20}  # fp32 logits per chunk, at most: big GEMMs on GPU
+CPU_MIN_ROWS = 512  # tokens per chunk on a CPU, at least (`chunk_rows`)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -102,18 +103,50 @@ class PartsLoss:
 
 
 def chunk_rows(vocab_size: int, hidden_size: int, device: torch.device, dtype: torch.dtype = torch.float32) -> int:
-    """Tokens per chunk: the largest power of two whose fp32 logits fit `CHUNK_BYTES` for the device.
+    """Tokens per chunk: the largest power of two whose fp32 logits fit `CHUNK_BYTES` on CUDA; on a CPU the
+    power of two ≥ 2h and at least `CPU_MIN_ROWS`, as long as its logits fit `CHUNK_BYTES` (at least one row).
 
-    Every chunk's three matmuls read the whole (V, h) weight. In fp32 on a CPU that is cheap beside keeping
-    the logits in cache (64 rows for a 50k vocabulary). In bf16/fp16 on a CPU without native support, each
-    matmul converts the weight first, so chunks get at least 2h rows (measured on a 2-core Xeon: at h = 384,
-    64-row chunks ran 1.4x slower than the unfused head, 1024-row chunks 1.04x faster).
+    Every chunk's three matmuls read the whole (V, h) weight (77 MB at h = 384 for GPT-2's vocabulary), so
+    on a CPU a chunk must be long enough to amortise that read; keeping a chunk's logits in cache matters
+    less (measurements in `fused_head_wins`: 64-row chunks, the former default, lost to the unfused head at
+    h = 128 and 384; 512 and 1024 rows won). In bf16/fp16 each matmul also converts the weight first
+    (h = 384: 64-row chunks ran 1.4× slower than the unfused head, 1024-row chunks 1.04× faster).
     """
     rows = max(1, CHUNK_BYTES.get(device.type, CHUNK_BYTES["cuda"]) // (4 * vocab_size))
-    rows = 1 << (rows.bit_length() - 1)
-    if device.type == "cpu" and dtype != torch.float32:
-        rows = max(rows, 1 << (2 * hidden_size - 1).bit_length())
-    return rows
+    fits = 1 << (rows.bit_length() - 1)
+    if device.type == "cpu":
+        return min(fits, max(CPU_MIN_ROWS, 1 << (2 * hidden_size - 1).bit_length()))
+    return fits
+
+
+def fused_head_wins(vocab_size: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """`train.fused_loss=auto`: whether the fused chunked head + loss is faster than logits + cross-entropy
+    for this shape and device. On CUDA it is (no (tokens, V) logits written and read back). On a CPU both run
+    the same three matmuls, and the fused head wins when its chunks are long enough to amortise reading the
+    whole weight per chunk: at least 2h rows (`chunk_rows`). Measured on a 2-core Xeon (AVX-512), head +
+    loss forward and backward, fused time / unfused time, fp32, GPT-2's vocabulary:
+
+        h = 128, 1024 tokens:   64 rows 1.06,  256 rows 0.89,  512 rows 0.78
+        h = 384, 2048 tokens:   64 rows 1.28,  256 rows 1.10, 1024 rows 0.83, 2048 rows 0.86
+        h = 768, 1024 tokens: 2048 rows (one chunk) 0.97
+        h = 1024, 1024 tokens: 2048 rows (one chunk) 0.85
+
+    so on a CPU it is off only where `CHUNK_BYTES` caps the chunk below 2h rows (a huge vocabulary)."""
+    if device.type != "cpu":
+        return True
+    return chunk_rows(vocab_size, hidden_size, device, dtype) >= 2 * hidden_size
+
+
+def use_fused_loss(cfg, device: torch.device) -> bool:
+    """`train.fused_loss` resolved for `cfg`'s model on `device` (true / false as set; auto by
+    `fused_head_wins` at the run's precision)."""
+    setting = cfg.train.fused_loss
+    if setting != "auto":
+        return bool(setting)
+    from meshlm.train.precision import DTYPES, resolve_precision
+
+    precision, _ = resolve_precision(cfg.train.precision, device, cfg.model.hidden_size)
+    return fused_head_wins(cfg.model.vocab_size, cfg.model.hidden_size, device, DTYPES[precision])
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

@@ -344,8 +344,11 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, cfg: Config, loss_fn: L
 
 
 def fused_head(cfg: Config, dims: ParallelDims, spec) -> bool:
-    """At tp = 1 the last stage fuses its output layer into the loss (`train.fused_loss`): no logits."""
-    return cfg.train.fused_loss and dims.tp == 1 and spec.fused_loss
+    """At tp = 1 the last stage fuses its output layer into the loss (`train.fused_loss`; auto: where it wins,
+    `models/loss.py`): no logits."""
+    from meshlm.models.loss import use_fused_loss
+
+    return use_fused_loss(cfg, dims.device) and dims.tp == 1 and spec.fused_loss
 
 
 def build_pipeline(model: nn.Module, spec, dims: ParallelDims, cfg: Config, loss_fn: LossFn, cut) -> Pipeline:

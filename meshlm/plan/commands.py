@@ -48,6 +48,7 @@ def bench_memory(cfg: Config) -> str:
     """The report (on rank 0; "" elsewhere). Every rank of the layout must call it."""
     import torch
 
+    from meshlm.models.loss import use_fused_loss
     from meshlm.models.registry import get_spec
     from meshlm.parallel import TPRNGTracker, build_model, init_distributed
     from meshlm.plan.activations import measure_model_activations
@@ -58,7 +59,7 @@ def bench_memory(cfg: Config) -> str:
         korthikanti_bytes,
         model_state_bytes,
     )
-    from meshlm.train.precision import Precision
+    from meshlm.train.precision import Precision, resolve_precision
 
     m, t, p = cfg.model, cfg.train, cfg.parallel
     if p.pp > 1 or p.dp > 1:
@@ -71,20 +72,20 @@ def bench_memory(cfg: Config) -> str:
     rng = TPRNGTracker(t.seed, dims.tp_rank, dims.device)
     par = build_model(cfg, dims, rng=rng, spec=spec)  # meta-built: this rank allocates only its shards
     model, loss_fn = par.model, par.loss_fn
-    precision = Precision(t.precision, dims.device)
+    precision = Precision(resolve_precision(t.precision, dims.device, m.hidden_size)[0], dims.device)
     report = measure_model_activations(model, loss_fn, t.micro_batch_size, m.seq_len, m.vocab_size,
-                                       precision.autocast(), rng, fused_loss=t.fused_loss and p.tp == 1
-                                       and spec.fused_loss, example=spec.example_batch)
+                                       precision.autocast(), rng, fused_loss=use_fused_loss(cfg, dims.device)
+                                       and p.tp == 1 and spec.fused_loss, example=spec.example_batch)
     if not dims.is_main:
         return ""
     device_type = dims.device.type
-    dtypes, backend = activation_dtypes(t.precision, device_type), attention_backend(device_type, m.dropout)
+    dtypes, backend = activation_dtypes(precision.name, device_type), attention_backend(device_type, m.dropout)
     formula = spec.activation_bytes(cfg, dtypes=dtypes, backend=backend)
     mode = t.recompute + (f" ({t.recompute_method}, recompute_num_layers={t.recompute_num_layers})"
                           if t.recompute == "full" else "")
     title = (f"activation memory, one micro-batch: b={t.micro_batch_size} s={m.seq_len} h={m.hidden_size} "
              f"a={m.n_heads} g={m.kv_heads} f={m.ffn_size}, {m.activation}, {m.norm}, {m.position} positions, "
-             f"dropout {m.dropout}; tp={p.tp} sp={p.sp}; recompute {mode}; {t.precision} on {device_type} "
+             f"dropout {m.dropout}; tp={p.tp} sp={p.sp}; recompute {mode}; {precision.name} on {device_type} "
              f"(SDPA {backend} backend); rank 0 of {dims.world_size}")
     lines = [title, "", "| layer | measured bytes | formula bytes | measured / formula |", "|---|---|---|---|"]
     for i, (got, want) in enumerate(zip(report.per_layer, formula)):

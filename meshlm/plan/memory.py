@@ -110,9 +110,16 @@ class ActivationDtypes:
 KORTHIKANTI_DTYPES = ActivationDtypes(residual=2, compute=2, math=2, bool_masks=True, stats=0)
 
 
-def activation_dtypes(precision: str, device_type: str) -> ActivationDtypes:
-    """What meshlm saves: fp32 everywhere, or autocast (bf16/fp16) over fp32 weights."""
+def activation_dtypes(precision: str, device_type: str, hidden_size: int | None = None) -> ActivationDtypes:
+    """What meshlm saves: fp32 everywhere, or autocast (bf16/fp16) over fp32 weights. `auto` is resolved as
+    the trainer resolves it on this host (a 16-bit format on a CUDA device)."""
     cuda = device_type == "cuda"
+    if precision == "auto":
+        import torch
+
+        from meshlm.train.precision import resolve_precision
+
+        precision = "bf16" if cuda else resolve_precision(precision, torch.device("cpu"), hidden_size)[0]
     if precision == "fp32":
         return ActivationDtypes(residual=4, compute=4, math=4, bool_masks=cuda)
     return ActivationDtypes(residual=4, compute=2, math=2 if cuda else 4, bool_masks=cuda)
@@ -244,7 +251,7 @@ def layer_activation_bytes(cfg: Config, micro_batch: int | None = None, n_layers
     m, t, p = cfg.model, cfg.train, cfg.parallel
     n = n_layers or m.n_layers
     kw = {"micro_batch": micro_batch or t.micro_batch_size, "tp": p.tp, "sp": p.sp,
-          "dtypes": dtypes or activation_dtypes(t.precision, device_type),
+          "dtypes": dtypes or activation_dtypes(t.precision, device_type, m.hidden_size),
           "backend": backend or attention_backend(device_type, m.dropout)}
     if t.recompute != "full":
         return [sum(activation_terms(m, recompute=t.recompute, **kw).values())] * n

@@ -14,6 +14,7 @@ reads it whole in one process (`meshlm generate`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -30,6 +31,7 @@ from meshlm.data.dataset import BatchLoader
 from meshlm.data.prefetch import PrefetchLoader
 from meshlm.errors import CheckpointError, TrainingError
 from meshlm.infer.generate import generate
+from meshlm.models.loss import use_fused_loss
 from meshlm.models.registry import get_spec
 from meshlm.parallel import TPRNGTracker, build_model, init_distributed
 from meshlm.parallel.data import memory_report
@@ -41,7 +43,7 @@ from meshlm.train import checkpoint as ckpt
 from meshlm.train import ckpt_files, dist_checkpoint
 from meshlm.train.metrics import measure_peak_tflops, peak_memory_mb, truncate_metrics
 from meshlm.train.optim import build_optimizer, lr_at
-from meshlm.train.precision import Precision
+from meshlm.train.precision import Precision, resolve_precision, resume_precision
 from meshlm.tune import state as tune_state
 from meshlm.tune.adapters import describe_adapter, init_virtual_tokens
 
@@ -93,14 +95,18 @@ class Trainer:
         self.heartbeat = start_heartbeat(self.dims, cfg.parallel.heartbeat_s)
         self.device = self.dims.device
         self.progress = (t.progress if progress is None else progress) and self.dims.is_main
+        self.out_dir = Path(t.out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.resume_from = self._find_resume()
+        # train.precision=auto → what this device runs natively (or what the resumed run ran); the config keeps
+        # the resolved name, so checkpoints record it.
+        cfg = self.cfg = self._resolve_precision(cfg)
+        t = cfg.train
         if t.precision == "fp16" and self.device.type == "cpu":
             self.log("note: fp16 on CPU is emulated and slow; bf16 is the CPU choice")
         if t.precision == "fp16" and self.dims.world_size > 1:
             raise ConfigError("train.precision=fp16 is not supported with several processes yet (the loss "
                               "scaler's overflow check is per rank); use train.precision=bf16")
-        self.out_dir = Path(t.out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.resume_from = self._find_resume()
         seed_everything(t.seed)
         self.spec = get_spec(cfg.model.family)  # the model family: its model, plans, loss, data and formulas
         if t.sample_tokens and not self.spec.decoder:
@@ -135,7 +141,9 @@ class Trainer:
         self.forward = torch.compile(self.model) if t.compile else self.model
         # The fused chunked head + loss (models/loss.py) needs the whole output layer (tp = 1, else vocab-split
         # logits + `loss_fn`); under pp > 1 the last stage fuses it in the schedule's loss (parallel/pipeline.py).
-        self.fused_loss = t.fused_loss and self.spec.fused_loss and self.dims.tp == 1 and self.pipeline is None
+        # `auto`: where it is faster than logits + cross-entropy for this shape and device (`fused_head_wins`).
+        self.fused_loss = use_fused_loss(cfg, self.device) and self.spec.fused_loss and self.dims.tp == 1 \
+            and self.pipeline is None
         self.optimizer = build_optimizer(self.sync, cfg.optim)
         self.precision = Precision(t.precision, self.device)
         self.accum = self.parallel.layout.microbatches  # per dp rank (plan/layout.py)
@@ -160,6 +168,23 @@ class Trainer:
             self._load(self.resume_from)
         elif t.init_from:
             self._init_from(t.init_from)
+
+    def _resolve_precision(self, cfg: Config) -> Config:
+        """`cfg` with train.precision resolved (train/precision.py): `auto` becomes the device's native 16-bit
+        format or fp32, or, when resuming, the precision the checkpoint's run resolved to. Printed."""
+        asked = cfg.train.precision
+        name, why = resolve_precision(asked, self.device, cfg.model.hidden_size)
+        if asked == "auto" and self.resume_from is not None:
+            saved = resume_precision(ckpt.load_config_dict(self.resume_from))
+            if saved is not None:
+                name, why = saved, f"as the resumed run {self.resume_from.name}"
+        if name == "fp16" and asked == "auto" and self.dims.world_size > 1:
+            name, why = "fp32", f"{why}; fp16 is not supported with several processes yet"
+        if asked == "auto":
+            self.log(f"precision: auto → {name} ({why}); set train.precision to choose")
+        if name == asked:
+            return cfg
+        return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=name))
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def _find_resume(self) -> Path | None:

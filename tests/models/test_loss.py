@@ -102,7 +102,9 @@ def test_gpt_forward_with_targets_equals_loss_on_logits_including_the_tied_embed
 
 def test_chunk_rows_bounds_the_logits_chunk():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert chunk_rows(50257, 128, cpu) == 64  # 64 × 50257 × 4 B = 12.9 MB ≤ 16 MiB < 128 rows
+    assert chunk_rows(50257, 128, cpu) == 512  # CPU: at least 512 rows (the weight's reads amortised)
+    assert chunk_rows(50257, 1024, cpu) == 2048  # ≥ 2h: 412 MB of logits ≤ 512 MiB
+    assert chunk_rows(50257, 4096, cpu) == 2048  # 8192 rows would be 1.6 GB of logits: capped
     assert chunk_rows(10**9, 128, cpu) == 1
     assert chunk_rows(50257, 128, cuda) == 1024
     assert chunk_rows(50257, 384, cpu, torch.bfloat16) == 1024  # at least 2h rows: the power of two ≥ 768

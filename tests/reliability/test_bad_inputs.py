@@ -91,7 +91,7 @@ POSITIVE = {"model.vocab_size", "model.n_layers", "model.hidden_size", "model.n_
             "optim.wsd_decay_fraction", "model.n_kv_heads", "model.ffn_hidden_size", "model.type_vocab_size",
             "model.num_labels", "tune.virtual_tokens", "tune.lora_rank", "tune.lora_alpha"}
 CHOICES = {"model.family", "model.position", "model.norm", "model.activation", "model.bert_head", "model.pooling",
-           "train.precision", "train.device",
+           "train.precision", "train.device", "train.fused_loss",
            "train.recompute", "train.recompute_method", "optim.decay", "optim.name", "tune.method", "tune.prompt_init",
            "tune.encoder"}
 NON_EMPTY = {"train.out_dir", "train.resume", "data.tokenizer", "data.json_key", "data.split"}

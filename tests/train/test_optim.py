@@ -56,15 +56,39 @@ def test_cosine_midpoint_formula():
     assert lr_at(25, cfg, 100) == pytest.approx(1.0 + math.cos(math.pi / 4))
 
 
-def test_cpu_keeps_foreach_adamw_and_fused_is_cuda_only():
-    """On CPU the optimizer is the multi-tensor (foreach) AdamW, as before; fused only when every parameter
-    is on CUDA (tests/cuda checks that side, and that both kernels give the same update); `fused` forces one."""
+def test_adamw_is_fused_on_one_cpu_or_cuda_device_and_foreach_elsewhere():
+    """The fused AdamW wherever torch has it for every parameter (all on the CPU, or all on CUDA: tests/cuda
+    checks that side); the multi-tensor (foreach) one for meta or mixed devices; `fused` forces one."""
     torch.manual_seed(0)
     model = GPT(ModelConfig(n_layers=1, hidden_size=16, n_heads=2, seq_len=8, vocab_size=50))
     opt = build_optimizer(model, OptimConfig())
-    assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
-    assert adamw_kernel(param_groups(model, 0.1)) == {"foreach": True}
+    assert opt.defaults["fused"] is True and not opt.defaults["foreach"]
+    assert adamw_kernel(param_groups(model, 0.1)) == {"fused": True}
     assert adamw_kernel([{"params": [torch.zeros(2, device="meta")]}]) == {"foreach": True}
+    assert adamw_kernel([{"params": [torch.zeros(2), torch.zeros(2, device="meta")]}]) == {"foreach": True}
+    assert adamw_kernel([{"params": [torch.zeros(2, dtype=torch.long)]}]) == {"foreach": True}
     assert adamw_kernel([{"params": []}]) == {"foreach": True}
     assert build_optimizer(model, OptimConfig(), fused=True).defaults["fused"] is True
     assert build_optimizer(model, OptimConfig(), fused=False).defaults["foreach"] is True
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-14), (torch.float32, 1e-6)])
+def test_fused_adamw_on_cpu_gives_the_foreach_update(dtype, tol):
+    """Switching the CPU's kernel changes no numbers beyond rounding: five steps with weight decay groups."""
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(n_layers=1, hidden_size=16, n_heads=2, seq_len=8, vocab_size=50)).to(dtype)
+    other = GPT(ModelConfig(n_layers=1, hidden_size=16, n_heads=2, seq_len=8, vocab_size=50)).to(dtype)
+    other.load_state_dict(model.state_dict())
+    start = [p.detach().clone() for p in model.parameters()]
+    fused, foreach = build_optimizer(model, OptimConfig()), build_optimizer(other, OptimConfig(), fused=False)
+    assert fused.defaults["fused"] is True and foreach.defaults["foreach"] is True
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        for p, q in zip(model.parameters(), other.parameters()):
+            p.grad = torch.randn(p.shape, generator=g, dtype=dtype)
+            q.grad = p.grad.clone()
+        fused.step()
+        foreach.step()
+    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+        assert torch.allclose(p, q, rtol=tol, atol=tol), name
+    assert all(not torch.equal(p, s) for p, s in zip(model.parameters(), start))  # the steps moved every weight
