@@ -96,7 +96,8 @@ class GPT(nn.Module):
         if type(self.lm_head) is not nn.Linear:
             raise RuntimeError("forward(targets=...) fuses the whole output layer; with parallel.tp > 1 compute "
                                "the vocab-parallel loss on forward(idx)'s logits")
-        return linear_cross_entropy(self.norm(x), self.lm_head.weight, targets)
+        return linear_cross_entropy(self.norm(x), self.lm_head.weight, targets,
+                                    target_rows=getattr(self, "loss_on_target_rows", False))
 
     def forward(self, idx: torch.Tensor, caches: list[KVCache] | None = None, start: int = 0,
                 targets: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,9 +16,11 @@ too. Tensor parallelism keeps the unfused path: its vocab-parallel cross-entropy
 the logits split over ranks.
 
 Targets equal to `IGNORE_INDEX` (-100, as in `F.cross_entropy`) add nothing to the loss or the gradients
-and are left out of the mean. Their rows are dropped before the head, so a fine-tuning batch (mostly prompt
-and padding, with the loss on the answer only) pays the output layer for its answer tokens alone: one
-host sync per call to count them. A frozen output layer (prompt tuning, LoRA) gets no ∂W matmul.
+and are left out of the mean. With `target_rows=True` their rows are dropped before the head, so a
+fine-tuning batch (mostly prompt and padding, with the loss on the answer only) pays the output layer for
+its answer tokens alone, at the price of one host read per call to count them (the trainer asks for it on
+fine-tuning sets only: a pretraining step keeps its single host sync). A frozen output layer (prompt
+tuning, LoRA) gets no ∂W matmul.
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ def use_fused_loss(cfg, device: torch.device) -> bool:
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         chunk: int | None = None) -> torch.Tensor:
+                         chunk: int | None = None, target_rows: bool = False) -> torch.Tensor:
     """Mean cross-entropy of `hidden @ weight.T` against `targets` without materialising the logits.
 
     hidden (..., h), weight (V, h), targets (...) → scalar fp32 loss. Under autocast the matmuls run in the
@@ -158,9 +160,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     sums the chunk losses.
     """
     h2, t1 = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    kept = t1 != IGNORE_INDEX
-    if not bool(kept.all()):  # only the rows with a target go through the head (index_select's backward
-        rows = kept.nonzero().squeeze(1)  # scatters their gradients back, zeros elsewhere)
+    if target_rows:  # only the rows with a target go through the head (index_select's backward scatters
+        rows = (t1 != IGNORE_INDEX).nonzero().squeeze(1)  # their gradients back, zeros elsewhere)
         h2, t1 = h2.index_select(0, rows), t1.index_select(0, rows)
     chunk = chunk or chunk_rows(weight.shape[0], weight.shape[1], hidden.device, _compute_dtype(hidden))
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):

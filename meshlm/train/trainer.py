@@ -139,6 +139,9 @@ class Trainer:
             raise ConfigError("train.compile=true with parallel.pp > 1 is not supported yet; set train.compile=false")
         # Forward passes go through `self.forward`; `self.model` keeps the plain parameter names.
         self.forward = torch.compile(self.model) if t.compile else self.model
+        # A fine-tuning set's targets are mostly ignored (prompt, padding): the fused head skips those rows.
+        if getattr(self.train_set, "loss_fraction", 1.0) < 1.0:
+            self.model.loss_on_target_rows = True
         # The fused chunked head + loss (models/loss.py) needs the whole output layer (tp = 1, else vocab-split
         # logits + `loss_fn`); under pp > 1 the last stage fuses it in the schedule's loss (parallel/pipeline.py).
         # `auto`: where it is faster than logits + cross-entropy for this shape and device (`fused_head_wins`).

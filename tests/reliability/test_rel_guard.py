@@ -79,6 +79,7 @@ def test_weights_with_nan_are_never_published(tmp_path):
 
 def test_one_host_sync_per_step(tmp_path, monkeypatch):
     trainer = Trainer(tiny_config(tmp_path, train={"max_steps": 4}))
+    assert not getattr(trainer.model, "loss_on_target_rows", False)  # pretraining: no count of target rows
     trainer.train_step()  # the first step also logs the memory report
     calls = []
 

@@ -59,12 +59,12 @@ def test_a_frozen_output_layer_on_a_few_targets_costs_what_finetune_flops_counts
     h, V, N = 16, 50, 40
     targets = torch.randint(0, V, (N,))
     targets[:30] = IGNORE_INDEX
-    for frozen, per_row in ((True, 4), (False, 6)):
+    for frozen, per_row, target_rows, rows in ((True, 4, True, 10), (False, 6, True, 10), (True, 4, False, N)):
         hidden = torch.randn(N, h, requires_grad=True)
         weight = torch.randn(V, h, requires_grad=not frozen)
         def addmm_(self_shape, a_shape, b_shape, *args, **kwargs):  # ∂W's in-place accumulation: not in
             return 2 * a_shape[0] * a_shape[1] * b_shape[1]  # PyTorch's table; an (m, k) @ (k, n) product
 
         with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: addmm_}) as counter:
-            linear_cross_entropy(hidden, weight, targets, chunk=4).backward()
-        assert counter.get_total_flops() == per_row * h * V * 10
+            linear_cross_entropy(hidden, weight, targets, chunk=4, target_rows=target_rows).backward()
+        assert counter.get_total_flops() == per_row * h * V * rows  # every row unless only targets' are asked

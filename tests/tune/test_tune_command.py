@@ -58,6 +58,7 @@ def test_base_bit_identical_and_adapter_learns(data, method, base, tmp_path):
     with contextlib.redirect_stdout(io.StringIO()):
         cfg, tok, train, valid, _ = prepare(args, overrides)
         trainer = Trainer(cfg, datasets=(tok, train, valid))
+        assert trainer.model.loss_on_target_rows  # the fused head runs on the answers' rows only
         first = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
         trainer.run()
     base_state = ckpt.load_model_state(ckpt.resolve_checkpoint(data[base], log=None))
