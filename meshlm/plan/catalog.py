@@ -40,6 +40,10 @@ class Gpu:
     # gemm_max_efficiency · w / (w + gemm_half_width), relative to `tflops`. None: the calibrated one.
     gemm_max_efficiency: float | None = None
     gemm_half_width: float | None = None
+    # Measured (`--gpu this` on a CPU): seconds·1e9 per logit of the softmax cross-entropy's forward and
+    # backward (max, subtract, exp, sum, log, gather; then softmax minus one-hot). A CPU runs these at a few
+    # ns per element, far below its copy bandwidth (exp is compute-bound there). None: the bandwidth model.
+    softmax_ns_per_element: float | None = None
 
     def describe(self) -> str:
         return (f"{self.name}: {self.tflops:g} TFLOP/s, {self.memory_gib:g} GiB, HBM {self.hbm_gbps:g} GB/s, "
@@ -130,13 +134,35 @@ def measure_this(threads: int | None = None) -> Gpu:
                 dst.copy_(src)
                 best = min(best, time.perf_counter() - start)
             bandwidth = 2 * src.numel() * 4 / best / 1e9
+            softmax_ns = _softmax_ns_per_element()
     finally:
         torch.set_num_threads(old)
     memory, _ = machine_memory(device.type)
     if cuda:
         props = torch.cuda.get_device_properties(0)
         return Gpu(f"this ({props.name})", peak, memory / 2 ** 30, 1000.0, 100.0, 12.5)
-    return Gpu("this (cpu)", peak, memory / 2 ** 30, bandwidth, 2.0, 2.0, 50.0, 50.0, overhead, *curve)
+    return Gpu("this (cpu)", peak, memory / 2 ** 30, bandwidth, 2.0, 2.0, 50.0, 50.0, overhead, *curve,
+               softmax_ns_per_element=softmax_ns)
+
+
+def _softmax_ns_per_element(rows: int = 512, vocab: int = 32768) -> float:
+    """Nanoseconds per logit of a softmax cross-entropy, forward and backward, written out as the
+    vocab-parallel loss computes it on each rank (the best of three)."""
+    import time
+
+    import torch
+
+    z = torch.randn(rows, vocab, requires_grad=True)
+    target = torch.randint(0, vocab, (rows, 1))
+    best = math.inf
+    for _ in range(3):
+        start = time.perf_counter()
+        shifted = z - z.max(-1, keepdim=True).values.detach()
+        loss = (shifted.exp().sum(-1, keepdim=True).log() - shifted.gather(1, target)).mean()
+        loss.backward()
+        best = min(best, time.perf_counter() - start)
+        z.grad = None
+    return best / (rows * vocab) * 1e9
 
 
 def _gemm_curve(peak_tflops: float, width: int = 64, rows: int = 1024) -> tuple[float, float]:
@@ -165,5 +191,6 @@ def share_cores(gpu: Gpu, processes: int, cores: int | None = None) -> Gpu:
     import os
 
     share = min(1.0, (cores or os.cpu_count() or 1) / processes)
+    softmax = gpu.softmax_ns_per_element / share if gpu.softmax_ns_per_element else None
     return replace(gpu, tflops=gpu.tflops * share, hbm_gbps=gpu.hbm_gbps * share,
-                   op_overhead_us=gpu.op_overhead_us / share)
+                   op_overhead_us=gpu.op_overhead_us / share, softmax_ns_per_element=softmax)

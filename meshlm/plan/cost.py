@@ -322,6 +322,8 @@ def estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opt
     # and back like any saved tensor
     logits_bytes = 0.0 if (tp == 1 and opts.fused_loss) else b * s * m.vocab_size / tp * 4
     t_head = head_flops / (peak * gemm_efficiency(m.hidden_size, cal)) + cal.elementwise_passes * logits_bytes / hbm
+    if gpu.softmax_ns_per_element:  # a measured CPU: the softmax's elementwise work on every logit, fused or
+        t_head += gpu.softmax_ns_per_element * 1e-9 * b * s * m.vocab_size / tp  # not, at the measured rate
     send = b * s * m.hidden_size * c_bytes / (tp if sp else 1)
     t_p2p = 2 * v * (pp_lat * 1e-6 + send / (pp_gbps * 1e9 * cal.link_efficiency)) if pp > 1 else 0.0
 

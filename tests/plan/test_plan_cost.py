@@ -107,3 +107,18 @@ def test_spearman_and_the_measured_step_time_of_a_trial(monkeypatch, tmp_path):
     (tmp_path / "metrics.jsonl").write_text("\n".join([*lines, json.dumps({"kind": "eval", "step": 4})]) + "\n")
     assert measured_step_time(str(tmp_path)) == 2.0  # the first step is not timed; the median of 3, 1, 2
     assert measured_step_time(str(tmp_path), "min") == 1.0
+
+
+def test_a_measured_softmax_rate_adds_its_time_on_every_logit_of_the_head_rank():
+    """A CPU measured by `--gpu this` costs the cross-entropy's elementwise work per logit: b·s·V/tp of them
+    per micro-batch on the last rank, fused head or not; datasheet GPUs keep the bandwidth model."""
+    from dataclasses import replace
+
+    cand = Candidate(2, 1, 1, micro_batch_size=2)
+    plain = _est(cand)
+    ns = 7.0
+    measured = _est(cand, gpu=replace(A100, softmax_ns_per_element=ns))
+    logits = 2 * 2048 * 51200 / 2  # b · s · V / tp
+    microbatches = 64 // 2
+    extra = measured.time["LM head + loss"] - plain.time["LM head + loss"]
+    assert extra == pytest.approx(microbatches * ns * 1e-9 * logits, rel=1e-9)
