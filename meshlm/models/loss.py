@@ -3,15 +3,16 @@
 With a 50k vocabulary the output layer dominates a small model's step: for B·T tokens the logits are a
 (B·T, V) fp32 tensor (412 MB at 16×128 tokens), written by the head's matmul, read and written again by
 log-softmax, its backward and the zero-filled gradient of the gather. `linear_cross_entropy` never builds
-it. It walks the tokens in chunks of `chunk_rows`, and for each chunk, while its logits are in cache:
+it. It walks the tokens in chunks of `chunk_rows` (on a CPU at least 512 and 2h tokens, long enough to
+amortise reading the whole weight per chunk), and for each chunk:
 
     z = h_c Wᵀ,  p = softmax(z),  loss += Σ (logsumexp(z) − z[target])
     dz = (p − onehot(target)) / n,  ∂h_c = dz W,  ∂W += dzᵀ h_c
 
 so the gradients are finished in the forward pass (the trick of Liger-Kernel's fused linear cross-entropy)
 and backward only scales them by the incoming gradient. Same FLOPs as the unfused head (three matmuls),
-peak memory one chunk of logits instead of two full copies; on a 2-core CPU the default model's head and
-loss run 1.5× faster, its whole step 1.4–1.55× (benchmarks/RESULTS.md). The last pipeline stage uses it
+peak memory one chunk of logits instead of two full copies; on a 2-core CPU the head and loss take
+0.78–0.97× the unfused time at h = 128…1024 (`fused_head_wins`; benchmarks/RESULTS.md). The last pipeline stage uses it
 too. Tensor parallelism keeps the unfused path: its vocab-parallel cross-entropy (parallel/tensor.py) needs
 the logits split over ranks.
 

@@ -99,8 +99,8 @@ def with_overrides(gpu: Gpu, **values: float | None) -> Gpu:
 
 def measure_this(threads: int | None = None) -> Gpu:
     """This machine as a 'GPU': the matmul rate measured here (`measure_peak_tflops`, fp32 on CPU, bf16 on
-    CUDA), its memory (`fit.machine_memory`), and on CPU the memory bandwidth of a large copy and the per-op
-    dispatch overhead of eager code. The
+    CUDA), its memory (`fit.machine_memory`), and on CPU a GEMM-efficiency curve, the memory bandwidth of a
+    large copy, the per-op dispatch overhead of eager code and a softmax cross-entropy's time per logit. The
     links are gloo over loopback on one host: a rough 2 GB/s and 50 µs unless overridden (the trials
     benchmark measures them with an all-reduce probe)."""
     import time
@@ -119,7 +119,8 @@ def measure_this(threads: int | None = None) -> Gpu:
         peak = measure_peak_tflops(device, torch.bfloat16 if cuda else torch.float32, seconds=0.3)
         overhead, bandwidth, curve = 0.0, 0.0, (None, None)
         if not cuda:
-            curve = _gemm_curve(peak)  # eager dispatch of a tiny op, the floor of every op a small model runs
+            curve = _gemm_curve(peak)
+            # eager dispatch of a tiny op, the floor of every op a small model runs
             x = torch.ones(8, requires_grad=True)
             start, n = time.perf_counter(), 2000
             for _ in range(n):

@@ -26,7 +26,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # From this width up, bf16 beats fp32 on a CPU with AMX-BF16; below it, the matmuls are too small for the
 # conversions autocast adds around each (of weights and activations, per op) to pay off reliably. meshlm's
 # step in bf16 against fp32, alternated in one run (benchmarks/train_step.py, 2-core Xeon with AMX-BF16,
-# GPT-2 vocabulary, s = 128…1024; SPEED_RESULTS_SECTION.md): h = 384: 1.04–1.63×; h = 768: 1.04–1.71×
+# GPT-2 vocabulary, s = 128…1024; benchmarks/RESULTS.md, "Speed per step"): h = 384: 1.04–1.63×; h = 768: 1.04–1.71×
 # (one 0.68× at a load average of 6, 1.07× when re-measured); h = 1024: 1.17–1.79×; h = 128 (s = 128, 1024
 # tokens): 1.05×, and 1.04× in an earlier run: within this host's noise, so fp32 stays the choice there.
 CPU_BF16_MIN_HIDDEN = 384

@@ -120,6 +120,8 @@ class Trainer:
         self.n_params = self.spec.parameter_count(cfg.model)  # the whole model's
         # Tokens per row: model.seq_len, or a fine-tuning set's shorter rows (`--max-length`), for tokens/s and MFU.
         self.row_tokens = int(getattr(self.train_set, "T", cfg.model.seq_len))
+        # A fine-tuning set's share of row tokens with a target (the answers), for the fused head and the FLOPs.
+        self.loss_fraction = getattr(self.train_set, "loss_fraction", None)
         self.tp_rng = TPRNGTracker(t.seed, self.dims.tp_rank, self.device)
         # Built on the meta device; this rank allocates and initialises only its shards (equal to the slices
         # of the whole model built from the seed), then the pipeline schedule, recomputation and DP wrap it.
@@ -140,7 +142,7 @@ class Trainer:
         # Forward passes go through `self.forward`; `self.model` keeps the plain parameter names.
         self.forward = torch.compile(self.model) if t.compile else self.model
         # A fine-tuning set's targets are mostly ignored (prompt, padding): the fused head skips those rows.
-        if getattr(self.train_set, "loss_fraction", 1.0) < 1.0:
+        if self.loss_fraction is not None and self.loss_fraction < 1.0:
             self.model.loss_on_target_rows = True
         # The fused chunked head + loss (models/loss.py) needs the whole output layer (tp = 1, else vocab-split
         # logits + `loss_fn`); under pp > 1 the last stage fuses it in the schedule's loss (parallel/pipeline.py).
@@ -523,9 +525,8 @@ class Trainer:
                      f"{type(pipe.schedule).__name__}")
         peak = self._peak_tflops() * d.world_size  # MFU against the peak of every device in the job
         flops = self.spec.flops(m, t.global_batch_size, self.row_tokens)
-        loss_fraction = getattr(self.train_set, "loss_fraction", None)
-        if loss_fraction is not None and self.spec.decoder:  # fine-tuning rows: the loss on the answers only
-            flops = finetune_flops(m, t.global_batch_size, self.row_tokens, loss_fraction,
+        if self.loss_fraction is not None and self.spec.decoder:  # fine-tuning rows: the loss on the answers only
+            flops = finetune_flops(m, t.global_batch_size, self.row_tokens, self.loss_fraction,
                                    frozen=cfg.tune.method != "none")
         hw_flops = flops + self.spec.recompute_flops(m, t.global_batch_size, t.recompute, self.row_tokens,
                                                      layers=recomputed_layers(cfg))
