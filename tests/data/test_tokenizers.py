@@ -75,3 +75,29 @@ def test_tokenizer_train_cli_writes_a_usable_tokenizer(tmp_path):
     bad = run_cli("tokenizer", "train", "--input", str(tmp_path / "missing.txt"), "--vocab-size", "500",
                   "--output", str(tmp_path / "tok2"))
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "does not exist" in bad.stderr
+
+
+def test_shakespeare_bpe_is_built_once_from_the_training_works_only(tmp_path, monkeypatch):
+    """`shakespeare-bpe:N` (the default run's tokenizer): the bundled corpus's first 40 works, never the two
+    the default split holds out; the same file as `train_bpe` on those works; cached, not rebuilt."""
+    from meshlm.data.tokenizers import file_sha256, shakespeare_bpe
+
+    monkeypatch.setenv("MESHLM_CACHE", str(tmp_path / "cache"))
+    tok = shakespeare_bpe("shakespeare-bpe:1024")
+    assert (tok.vocab_size, tok.eod_id) == (1024, 0) and tok.spec == "shakespeare-bpe:1024"
+    assert tok.decode(tok.encode(TEXT)) == TEXT
+    texts = [f.read_text(encoding="utf-8") for f in shakespeare_files()]
+    seen = train_bpe(texts[:40], 1024, tmp_path / "first40")
+    every = train_bpe(texts, 1024, tmp_path / "all42")
+    assert tok.identity["sha256"] == file_sha256(str(seen)) != file_sha256(str(every))
+    built = tok.vocab_file.stat().st_mtime_ns
+    again = shakespeare_bpe("shakespeare-bpe:1024")
+    assert again.vocab_file == tok.vocab_file and tok.vocab_file.stat().st_mtime_ns == built
+    assert list((tmp_path / "cache" / "tokenizers").iterdir()) == [tok.vocab_file.parent]  # no temporary left
+
+
+@pytest.mark.parametrize("spec", ["shakespeare-bpe:", "shakespeare-bpe:12", "shakespeare-bpe:4k",
+                                  "shakespeare-bpe:100000"])
+def test_shakespeare_bpe_size_out_of_range_names_the_fix(spec):
+    with pytest.raises(ConfigError, match="shakespeare-bpe:4096"):
+        get_tokenizer(spec)
