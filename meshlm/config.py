@@ -229,7 +229,9 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    name: str = "adamw"  # adamw | lamb (LAMB: layer-wise trust ratios for large batches; docs/optim.md)
+    # adamw | lamb (LAMB: layer-wise trust ratios for large batches) | muon (Muon on the hidden layers' matrices,
+    # AdamW on the rest); docs/optim.md
+    name: str = "adamw"
     lr: float = 1e-3
     min_lr: float = 1e-4
     weight_decay: float = 0.1
@@ -241,9 +243,11 @@ class OptimConfig:
     decay: str = "cosine"  # cosine | linear | constant | wsd
     decay_steps: int = 0  # 0: train.max_steps
     wsd_decay_fraction: float = 0.2  # WSD: share of the steps spent in the final decay
+    muon_momentum: float = 0.95  # optim.name=muon: the momentum of Muon's (Nesterov) buffer
 
     def validate(self) -> None:
-        _choices("optim.name", self.name, ("adamw", "lamb"))
+        _choices("optim.name", self.name, ("adamw", "lamb", "muon"))
+        _check(0 <= self.muon_momentum < 1, f"optim.muon_momentum={self.muon_momentum} must be in [0, 1)")
         _positive("optim", self, "lr", "eps")
         _check(0 <= self.min_lr <= self.lr, f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
         _non_negative("optim", self, "weight_decay", zero="0 disables")

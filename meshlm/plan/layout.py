@@ -189,10 +189,16 @@ def check_data_parallel(cfg: Config, tp: int) -> None:
 def check_optimizer_sharding(optim_name: str, zero: int, tp: int = 1, kv_heads: int | None = None) -> None:
     """LAMB's trust ratio is a norm of each whole parameter; ZeRO steps flat shards that cut across them.
     Under tensor parallelism each shard's squares are summed over tp (`train.optim.tp_square_sums`), which
-    counts a KV row held by several tp ranks (tp > n_kv_heads) several times: refused too."""
+    counts a KV row held by several tp ranks (tp > n_kv_heads) several times: refused too. Muon
+    orthogonalises whole matrices: tensor parallelism and ZeRO, which split them, are refused."""
     if optim_name == "lamb" and zero > 0:
         raise ConfigError(f"optim.name=lamb needs whole parameters; parallel.zero={zero} shards them; "
                           "use parallel.zero=0 or optim.name=adamw")
+    if optim_name == "muon" and (zero > 0 or tp > 1):
+        split = f"parallel.zero={zero}" if zero > 0 else f"parallel.tp={tp}"
+        raise ConfigError(f"optim.name=muon orthogonalises each whole weight matrix; {split} splits them across "
+                          "ranks; use parallel.tp=1 and parallel.zero=0 (data and pipeline parallelism keep "
+                          "matrices whole) or optim.name=adamw")
     if optim_name == "lamb" and kv_heads is not None and tp > kv_heads:
         raise ConfigError(f"optim.name=lamb with parallel.tp={tp} > model.n_kv_heads={kv_heads} (KV heads held by "
                           "several ranks) is not supported; use parallel.tp <= n_kv_heads or optim.name=adamw")

@@ -4,7 +4,8 @@ What is stored is layout-free: *logical tensors* named after the plain model's p
 ones split as the family's `logical_blocks` says (GPT: `attn.qkv` → `attn.q`, `attn.k`, `attn.v`; SwiGLU's
 `mlp.fc` → `mlp.gate`, `mlp.up`), the
 vocabulary padding dropped, replicated KV heads and the tied embedding stored once. For each one: the
-weights and Adam's `exp_avg` / `exp_avg_sq` (Adam's step count is one number for the whole model). Every
+weights and Adam's `exp_avg` / `exp_avg_sq` (Adam's step count is one number for the whole model), or, for
+the matrices Muon steps (`optim.name=muon`), its `momentum_buffer`. Every
 rank writes the rectangular pieces it owns, each with its offset in the logical tensor, to its own
 safetensors file; rank 0 writes `index.json` (the logical shapes and where every piece is), then the
 shared state (`state.pt`: step, data position, layout). Loading under any layout, each rank works out
@@ -50,7 +51,9 @@ from meshlm.train import ckpt_files
 FORMAT = "meshlm-logical-v1"
 INDEX = "index.json"
 SHARDS = "shards"
-KINDS = ("weight", "exp_avg", "exp_avg_sq")
+ADAM_KINDS = ("exp_avg", "exp_avg_sq")
+MUON_KINDS = ("momentum_buffer",)
+KINDS = ("weight", *ADAM_KINDS, *MUON_KINDS)
 
 
 # ---- logical tensors ----------------------------------------------------------------------------------------
@@ -81,10 +84,12 @@ def logical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def split_plain(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """A plain GPT state dict → logical tensors (2-D: rows × the rest)."""
+def split_plain(state: dict[str, torch.Tensor], cfg: ModelConfig, partial: bool = False) -> dict[str, torch.Tensor]:
+    """A plain GPT state dict → logical tensors (2-D: rows × the rest); `partial`: of the parameters it has."""
     out = {}
     for name in plain_shapes(cfg):
+        if partial and name not in state:
+            continue
         t = state[name]
         start = 0
         for lname, n in fused_blocks(name, cfg):
@@ -204,7 +209,7 @@ def _rank_pieces(sync, optimizer) -> tuple[dict[str, torch.Tensor], list[list]]:
     for owned in sync.save_ranges():
         state = optimizer.state.get(owned.opt_key, {})
         flats = {"weight": owned.weight}
-        flats.update({k: owned.opt_flat(state[k]) for k in ("exp_avg", "exp_avg_sq") if k in state})
+        flats.update({k: owned.opt_flat(state[k]) for k in (*ADAM_KINDS, *MUON_KINDS) if k in state})
         for seg, (row, col, n, w), off in pieces(_segments_for(sync, owned), owned.shape, owned.lo, owned.hi):
             if not seg.write:
                 continue
@@ -340,6 +345,12 @@ class _ShardedSource:
             found += (r1 - r0) * (c1 - c0)
         return found
 
+    def has(self, kind: str, name: str) -> bool:
+        return (kind, name) in self.chunks
+
+    def has_kind(self, kind: str) -> bool:
+        return any(k == kind for k, _ in self.chunks)
+
     def close(self) -> None:
         self._files.clear()
 
@@ -358,12 +369,20 @@ class _TensorSource:
         out.copy_(t[row:row + n, col:col + w])
         return out.numel()
 
+    def has(self, kind: str, name: str) -> bool:
+        return (kind, name) in self.tensors
+
+    def has_kind(self, kind: str) -> bool:
+        return any(k == kind for k, _ in self.tensors)
+
     def close(self) -> None:
         pass
 
 
 def _single_process_source(path: Path, cfg: ModelConfig) -> _TensorSource:
-    """`model.pt` + `optim.pt` of a one-process run → logical tensors (its AdamW's state, by parameter)."""
+    """`model.pt` + `optim.pt` of a one-process run → logical tensors (its AdamW's state, by parameter; with
+    `optim.name=muon`, Muon's buffer for the matrices it steps)."""
+    from meshlm.train.checkpoint import load_config_dict
     from meshlm.train.optim import param_groups
 
     tensors = {("weight", k): v for k, v in split_plain(ckpt_files.load_torch(path / "model.pt"), cfg).items()}
@@ -373,15 +392,18 @@ def _single_process_source(path: Path, cfg: ModelConfig) -> _TensorSource:
         with torch.device("meta"):
             model = _plain_model(cfg)
         names = {id(p): n for n, p in model.named_parameters()}
-        order = [names[id(p)] for g in param_groups(model, 0.0) for p in g["params"]]
-        per_kind: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+        muon = load_config_dict(path).get("optim", {}).get("name") == "muon"
+        order = [names[id(p)] for g in param_groups(model, 0.0, muon) for p in g["params"]]
+        per_kind: dict[str, dict[str, torch.Tensor]] = {k: {} for k in (*ADAM_KINDS, *MUON_KINDS)}
         for i, st in optim["state"].items():
-            adam_step = float(st["step"])
+            if "step" in st:
+                adam_step = float(st["step"])
             for kind, plain in per_kind.items():
-                plain[order[i]] = st[kind]
+                if kind in st:
+                    plain[order[i]] = st[kind]
         for kind, plain in per_kind.items():
-            if len(plain) == len(order):
-                tensors.update({(kind, k): v for k, v in split_plain(plain, cfg).items()})
+            if len(plain) == len(order) or (muon and plain):
+                tensors.update({(kind, k): v for k, v in split_plain(plain, cfg, partial=muon).items()})
     return _TensorSource(tensors, adam_step, logical_shapes(cfg))
 
 
@@ -426,12 +448,15 @@ def load(path: str | Path, sync, optimizer) -> None:
     try:
         for owned in sync.load_weight_ranges():
             _fill(source, "weight", sync, owned, owned.weight)
-        if source.adam_step is None:
+        if source.adam_step is None and not source.has_kind(MUON_KINDS[0]):
             return
         for owned in sync.load_state_ranges():
             st = optimizer.state[owned.opt_key]
-            st["step"] = torch.tensor(source.adam_step, dtype=torch.float32)
-            for kind in ("exp_avg", "exp_avg_sq"):
+            names = {seg.name for seg in _segments_for(sync, owned)}
+            muon = all(source.has(MUON_KINDS[0], n) for n in names)  # Muon's buffer, else Adam's moments
+            if not muon:
+                st["step"] = torch.tensor(source.adam_step, dtype=torch.float32)
+            for kind in MUON_KINDS if muon else ADAM_KINDS:
                 st[kind] = torch.zeros_like(owned.opt_key, memory_format=torch.preserve_format)
                 _fill(source, kind, sync, owned, owned.opt_flat(st[kind]))
     finally:

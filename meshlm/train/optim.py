@@ -1,4 +1,4 @@
-"""AdamW (or LAMB, `optim.name`) with Megatron's weight-decay groups and the learning-rate schedules.
+"""AdamW (or LAMB or Muon, `optim.name`) with Megatron's weight-decay groups and the learning-rate schedules.
 
 No weight decay on norms, biases and embeddings (token and position): decaying them hurts and is not
 what the regularisation is for. Schedules: linear warmup, then cosine, linear or constant decay to
@@ -8,6 +8,7 @@ what the regularisation is for. Schedules: linear warmup, then cosine, linear or
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
@@ -16,16 +17,68 @@ from meshlm.config import OptimConfig
 from meshlm.plan.layout import check_optimizer_sharding
 from meshlm.train.lamb import Lamb
 
+# The hidden layers' weight matrices (attention's qkv and output, the MLP's two linears): what Muon steps.
+# Embeddings, the output layer, norms, biases and adapters stay with AdamW, as in Jordan et al.'s Muon.
+HIDDEN_MATRIX = re.compile(r"(^|\.)layers\.\d+\.(attn|mlp)\.[A-Za-z_]+\.weight$")
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay, seen = [], [], set()
+
+def param_groups(model: nn.Module, weight_decay: float, muon: bool = False) -> list[dict]:
+    """AdamW's two groups (decayed matrices; norms, biases and embeddings undecayed); with `muon`, a third
+    group first, the hidden matrices (`HIDDEN_MATRIX`), marked `"muon": True`."""
+    hidden, decay, no_decay, seen = [], [], [], set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
         is_embedding = "emb" in name.rsplit(".", 1)[0]  # tok_emb, pos_emb (also once parallelized)
-        (no_decay if p.dim() < 2 or is_embedding else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if muon and p.dim() == 2 and HIDDEN_MATRIX.search(name):
+            hidden.append(p)
+        else:
+            (no_decay if p.dim() < 2 or is_embedding else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if muon:
+        groups = [{"params": hidden, "weight_decay": weight_decay, "muon": True}] + [{**g, "muon": False}
+                                                                                     for g in groups]
+    return groups
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """`optim.name=muon`: torch's `Muon` (momentum, then the update orthogonalised by Newton-Schulz
+    iterations) on the groups marked `"muon"`, torch's `AdamW` on the others, as one optimizer: one set of
+    param groups (the schedule sets every group's lr), one `state` (what checkpoints save), one `step`.
+    Muon's step is scaled to AdamW's update size (`adjust_lr_fn="match_rms_adamw"`: 0.2 · lr · sqrt(max(A, B))
+    for an A × B matrix), so `optim.lr` and `optim.weight_decay` serve both."""
+
+    def __init__(self, groups: list[dict], cfg: OptimConfig, adamw_kernel: dict[str, bool]):
+        super().__init__(groups, {"lr": cfg.lr, "weight_decay": 0.0, "muon": False})
+        self._parts = (
+            torch.optim.Muon([g for g in self.param_groups if g["muon"]], lr=cfg.lr, momentum=cfg.muon_momentum,
+                             nesterov=True, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW([g for g in self.param_groups if not g["muon"]], lr=cfg.lr,
+                              betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **adamw_kernel))
+        self._link()
+
+    def _link(self) -> None:
+        """Both parts step this optimizer's own group dicts and fill its `state` (also after loading one)."""
+        muon, adamw = self._parts
+        muon.param_groups = [g for g in self.param_groups if g["muon"]]
+        adamw.param_groups = [g for g in self.param_groups if not g["muon"]]
+        muon.state = adamw.state = self.state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._link()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for part in self._parts:
+            if any(p.grad is not None for g in part.param_groups for p in g["params"]):
+                part.step()
+        return loss
 
 
 def adamw_kernel(groups: list[dict]) -> dict[str, bool]:
@@ -52,12 +105,15 @@ def build_optimizer(target, cfg: OptimConfig, fused: bool | None = None) -> torc
                 and target.dims.tp > 1 else None
             return Lamb(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, reduce_squares=reduce)
         kernel = adamw_kernel(groups) if fused is None else ({"fused": True} if fused else {"foreach": True})
+        if cfg.name == "muon":
+            return MuonAdamW(groups, cfg, kernel)
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel)
 
+    muon = cfg.name == "muon"
     if isinstance(target, nn.Module):
-        return make(param_groups(target, cfg.weight_decay))
+        return make(param_groups(target, cfg.weight_decay, muon))
     check_optimizer_sharding(cfg.name, getattr(target, "zero", 0))
-    return target.build_optimizer(param_groups(target.model, cfg.weight_decay), make)
+    return target.build_optimizer(param_groups(target.model, cfg.weight_decay, muon), make)
 
 
 def tp_square_sums(model: nn.Module, dims):

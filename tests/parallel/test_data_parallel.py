@@ -12,6 +12,9 @@ losses within 1e-9 relative of 6 uninterrupted single-process steps, final weigh
 checkpoint keeps the float64 pieces):
 (1,1,1) → (2,2,2) ZeRO-1 (every dimension and the ZeRO stage change); (2,2,2) ZeRO-1 → (1,1,4) ZeRO-2;
 (1,2,2) → (2,1,1); llama (4,1,2) ZeRO-2 (replicated KV heads) → (1,2,2) ZeRO-3; (1,1,4) ZeRO-3 → (1,1,1); and a one-process run's own format (`model.pt`, `optim.pt`) → (1,1,2) ZeRO-1.
+Muon (`optim.name=muon`, model "gpt-muon": Muon's buffers for the hidden matrices, Adam's moments for the
+rest) trains under dp=2 and pp2 × dp2 like one process and reshards (1,2,2) → (1,1,1) and one process's
+format → (1,1,2).
 The worlds run in that order, each picking up the checkpoints the previous one wrote.
 """
 
@@ -32,10 +35,10 @@ STEPS, HALF, TOL = 5, 3, H.TOL
 
 # name: (model, tp, pp, dp, zero, extra parallel keys), by world size
 E2E = {
-    2: {f"dp2_zero{z}": ("gpt", 1, 1, 2, z, {}) for z in range(4)},
+    2: {**{f"dp2_zero{z}": ("gpt", 1, 1, 2, z, {}) for z in range(4)}, "dp2_muon": ("gpt-muon", 1, 1, 2, 0, {})},
     4: {"dp4_zero0": ("gpt", 1, 1, 4, 0, {}), "dp4_zero3": ("gpt", 1, 1, 4, 3, {}),
         "pp2_dp2_zero3": ("gpt", 1, 2, 2, 3, {}), "llama_pp2_dp2_zero3": ("llama", 1, 2, 2, 3, {}),
-        "tp2_dp2_zero2": ("gpt", 2, 1, 2, 2, {})},
+        "tp2_dp2_zero2": ("gpt", 2, 1, 2, 2, {}), "pp2_dp2_muon": ("gpt-muon", 1, 2, 2, 0, {})},
     8: {"tp2_pp2_dp2_zero0": ("gpt", 2, 2, 2, 0, {}), "tp2_pp2_dp2_zero1": ("gpt", 2, 2, 2, 1, {}),
         "tp2_pp2_dp2_zero2": ("gpt", 2, 2, 2, 2, {}), "tp2_sp_pp2_dp2_zero2": ("gpt", 2, 2, 2, 2, {"sp": True}),
         "llama_tp2_pp2_dp2_zero2": ("llama", 2, 2, 2, 2, {}), "llama_tp4_dp2_zero2": ("llama", 4, 1, 2, 2, {})},
@@ -48,15 +51,24 @@ PAIRS = {
     "llama_412z2_to_122z3": ("llama", (4, 1, 2, 2), (1, 2, 2, 3)),
     "114z3_to_111": ("gpt", (1, 1, 4, 3), (1, 1, 1, 0)),
     "legacy111_to_112z1": ("gpt", (1, 1, 1, 0), (1, 1, 2, 1)),  # a one-process checkpoint: model.pt, optim.pt
+    "muon_122_to_111": ("gpt-muon", (1, 2, 2, 0), (1, 1, 1, 0)),
+    "legacy_muon111_to_112": ("gpt-muon", (1, 1, 1, 0), (1, 1, 2, 0)),
 }
+MODELS = ("gpt", "llama", "gpt-muon")  # the references: a model, optionally "-" and its optimizer
+
+
+def _model_optim(key: str) -> tuple[str, str]:
+    model, _, optim = key.partition("-")
+    return model, optim or "adamw"
 
 
 def _world(layout) -> int:
     return layout[0] * layout[1] * layout[2]
 
 
-def _run(model: str, tp: int, pp: int, dp: int, zero: int, **extra):
-    cfg = H.config(model, tp=tp, pp=pp, dp=dp, zero=zero, **extra)
+def _run(key: str, tp: int, pp: int, dp: int, zero: int, **extra):
+    model, optim = _model_optim(key)
+    cfg = H.config(model, tp=tp, pp=pp, dp=dp, zero=zero, optim=optim, **extra)
     return cfg, (H.dims_for(tp, pp, dp) if tp * pp * dp > 1 else None)
 
 
@@ -138,7 +150,7 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
 def worlds(tmp_path_factory):
     root = tmp_path_factory.mktemp("dp")
     with H.float64():
-        refs = {m: H.reference(m, max(STEPS, 2 * HALF)) for m in ("gpt", "llama")}
+        refs = {m: H.reference(_model_optim(m)[0], max(STEPS, 2 * HALF), _model_optim(m)[1]) for m in MODELS}
         torch.save(refs, root / "references.pt")
         for name, (_, first, _) in PAIRS.items():
             if _world(first) == 1:
@@ -170,7 +182,8 @@ def test_data_parallel_training_matches_single_process(worlds, name):
         assert diff["weights"] <= TOL, f"rank {rank}: final weights off by {diff['weights']:.2e}"
         assert diff["losses"][-1] < diff["losses"][0], "the model should learn something in 5 steps"
     held = {k for diff in ranks for k in diff["keys"]}
-    assert held == set(H.full_state(H.build_run(H.config(E2E_MODEL[name]), None))), "every parameter is held"
+    assert held == set(H.full_state(H.build_run(H.config(_model_optim(E2E_MODEL[name])[0]), None))), \
+        "every parameter is held"
 
 
 E2E_MODEL = {n: case[0] for cases in E2E.values() for n, case in cases.items()}
