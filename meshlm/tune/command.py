@@ -38,7 +38,7 @@ def tune_values(base: dict, method: str, checkpoint: str, out_dir: str, tasks: l
     values["train"].update(out_dir=out_dir, init_from=checkpoint if full else "", resume="auto", micro_batch_size=8, global_batch_size=16,
                            sample_tokens=0, compile=False, recompute="none", recompute_method="uniform",
                            recompute_num_layers=0, device="auto")
-    values["optim"].update(lr=DEFAULT_LR[method], min_lr=0.0, weight_decay=0.0, beta1=0.9, beta2=0.999, eps=1e-8,
+    values["optim"].update(name="adamw", lr=DEFAULT_LR[method], min_lr=0.0, weight_decay=0.0, beta1=0.9, beta2=0.999, eps=1e-8,
                            grad_clip=1.0, decay="linear", decay_steps=0)
     values["parallel"] = {}
     values["model"]["dropout"] = 0.0
