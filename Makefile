@@ -10,7 +10,7 @@ setup-test:
 	@bash scripts/setup.sh --test
 
 demo: setup
-	$(PY) -m meshlm train --config gpt-tiny
+	$(PY) -m meshlm train --config demo
 
 test: setup-test
 	$(PY) -m pytest tests

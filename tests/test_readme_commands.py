@@ -163,3 +163,29 @@ def test_readme_plan_commands_print_what_the_readme_shows():
         proc = run_cli(*args[1:])
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.strip() == shown.strip("\n").removeprefix("text").strip(), " ".join(args)
+
+
+def test_make_demo_trains_the_demo_config_and_prints_a_sample(tmp_path):
+    """`make demo` is `meshlm train --config demo` (the README's first command): its tokenizer trained on the
+    corpus, Muon, a sample at the end; narrowed here to a few steps of a small shape."""
+    import torch
+
+    from meshlm.train import checkpoint as ckpt
+    from tests.conftest import ROOT
+
+    demo = [ln for ln in (ROOT / "Makefile").read_text().splitlines() if "meshlm train" in ln]
+    assert demo == ["\t$(PY) -m meshlm train --config demo"]
+    assert (ROOT / "README.md").read_text().split("```bash\n", 1)[1].startswith("make demo ")
+    out = tmp_path / "demo"
+    proc = run_cli("train", "--config", "demo", *SMALL, "--train.max_steps=3", "--train.sample_tokens=12",
+                   f"--train.out_dir={out}")
+    assert proc.returncode == 0, proc.stderr
+    assert "---- sample ----" in proc.stdout and "ROMEO." in proc.stdout
+    path = ckpt.resolve_checkpoint(out)
+    cfg = ckpt.load_config_dict(path)
+    assert (cfg["data"]["tokenizer"], cfg["model"]["vocab_size"], cfg["optim"]["name"]) == \
+        ("shakespeare-bpe:4096", 4096, "muon")
+    kinds = {k for st in ckpt.load_part(path, "optim")["state"].values() for k in st}
+    assert {"momentum_buffer", "exp_avg"} <= kinds
+    assert torch.isfinite(torch.tensor(json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+                                       .get("val_loss", 0.0)))
