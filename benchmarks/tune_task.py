@@ -2,11 +2,13 @@
 """Zero-shot vs prompt tuning vs p-tuning vs LoRA vs full fine-tuning of the default GPT checkpoint on a task
 from the bundled corpus: which of eight plays is a passage from? (`scripts/make_play_task.py`.)
 
-    .venv/bin/python benchmarks/tune_task.py [--checkpoint runs/gpt-tiny] [--work runs/tune-task] [--epochs 3]
+    .venv/bin/python benchmarks/tune_task.py [--checkpoint runs/demo] [--work runs/tune-task] [--epochs 3]
                                              [--max-length 96] [--methods prompt,ptuning,lora,full]
+                                             [--extra "METHOD=--key=value ..."]
 
-The base is `make demo`'s run (`meshlm train --config gpt-tiny`; trained here first if it is missing).
-Each method is one `meshlm tune` command (printed), with its defaults but the epochs. Accuracy: the
+The base is `make demo`'s run (`meshlm train --config demo`; trained here first if it is missing).
+Each method is one `meshlm tune` command (printed), with its defaults but the epochs and what `--extra`
+adds to that method's command (repeatable). Accuracy: the
 validation passage's answer is the title with the highest log-likelihood (summed over the title's tokens
 and the end-of-document token after it, as the tuning loss counts them) among the eight, scored with the
 base plus the adapter (or the fine-tuned model); zero-shot scores the base on the same rows, laid out as
@@ -32,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from make_play_task import TITLES, make_task
+from make_play_task import ANSWERS, make_task
 
 from meshlm.cli import load_model_from_checkpoint
 from meshlm.data.tokenizers import get_tokenizer
@@ -54,10 +56,11 @@ def run(cmd: list[str], log: Path) -> str:
 
 
 @torch.no_grad()
-def score(model, tok, rows: list[dict], head: list[int], batch: int = 64) -> tuple[float, float]:
-    """(accuracy by the highest-likelihood title, greedy exact match of the title)."""
-    titles = [tok.encode(" " + t) + [tok.eod_id] for t in TITLES.values()]
-    names = list(TITLES)
+def score(model, tok, rows: list[dict], head: list[int], batch: int = 64,
+          answers: dict[str, str] = ANSWERS["title"]) -> tuple[float, float]:
+    """(accuracy by the highest-likelihood answer, greedy exact match of the answer)."""
+    titles = [tok.encode(" " + t) + [tok.eod_id] for t in answers.values()]
+    names = list(answers)
     seqs = [(head + tok.encode(row["input"]), title) for row in rows for title in titles]
     scores = torch.empty(len(seqs))
     greedy = torch.zeros(len(seqs), dtype=torch.bool)  # every title token (and the end) is the argmax
@@ -92,33 +95,44 @@ def run_stats(out: Path, log: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", default="runs/gpt-tiny")
+    ap.add_argument("--checkpoint", default="runs/demo")
     ap.add_argument("--work", default="runs/tune-task")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--max-length", type=int, default=96, help="tokens per row (the longest example + 10 virtual)")
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--answer", choices=sorted(ANSWERS), default="title",
+                    help="the play's title (default) or its most frequent speaker (scripts/make_play_task.py)")
+    ap.add_argument("--extra", action="append", default=[], metavar="METHOD=ARGS",
+                    help='more arguments for one method\'s command, e.g. "prompt=--optim.lr=0.1"')
     args = ap.parse_args()
     py = sys.executable
     work = ROOT / args.work
     work.mkdir(parents=True, exist_ok=True)
     base = ROOT / args.checkpoint
     if not (base / "checkpoints").exists():
-        run([py, "-m", "meshlm", "train", "--config", "gpt-tiny", f"--train.out_dir={base}", "--train.progress=false",
+        run([py, "-m", "meshlm", "train", "--config", "demo", f"--train.out_dir={base}", "--train.progress=false",
              "--train.sample_tokens=0"], work / "base.log")
     data = work / "data"
-    make_task(data)
+    make_task(data, answer=args.answer)
+    answers = ANSWERS[args.answer]
     rows = [json.loads(x) for x in (data / "valid.jsonl").read_text().splitlines()]
     model, _, cfg = load_model_from_checkpoint(str(base))
     tok = get_tokenizer(cfg.data.tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     results = {"zero-shot": {"trainable": 0, "optim_mib": 0.0, "step_s": float("nan")}}
-    results["zero-shot"]["accuracy"], results["zero-shot"]["exact"] = score(model.eval(), tok, rows, [tok.eod_id])
+    results["zero-shot"]["accuracy"], results["zero-shot"]["exact"] = score(model.eval(), tok, rows, [tok.eod_id],
+                                                                            answers=answers)
     print(f"zero-shot: accuracy {results['zero-shot']['accuracy']:.3f}", flush=True)
+    extra = {}
+    for item in args.extra:
+        method, _, more = item.partition("=")
+        extra.setdefault(method, []).extend(more.split())
     for method in args.methods.split(","):
         out = work / method
         cmd = [py, "-m", "meshlm", "tune", "--checkpoint", str(base), "--method", method, "--train",
                str(data / "train.jsonl"), "--valid", str(data / "valid.jsonl"), "--out", str(out), "--epochs",
-               str(args.epochs), "--max-length", str(args.max_length), "--train.progress=false", "--train.resume=never"]
+               str(args.epochs), "--max-length", str(args.max_length), "--train.progress=false", "--train.resume=never",
+               *extra.get(method, [])]
         log = run(cmd, work / f"{method}.log")
         stats = run_stats(out, log)
         if method == "full":
@@ -129,7 +143,7 @@ def main() -> int:
             adapter = read_adapter(out, cfg, str(base))
             tuned = apply_adapter(load_model_from_checkpoint(str(base))[0], cfg, adapter)
             head = [0] * adapter.virtual_tokens or [tok.eod_id]
-        stats["accuracy"], stats["exact"] = score(tuned.eval(), tok, rows, head)
+        stats["accuracy"], stats["exact"] = score(tuned.eval(), tok, rows, head, answers=answers)
         results[method] = stats
         print(f"{method}: accuracy {stats['accuracy']:.3f}", flush=True)
     print(f"\nbase {args.checkpoint}: {n_params:,} parameters; task: {len(rows)} validation passages of 8 plays "

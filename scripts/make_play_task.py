@@ -13,6 +13,11 @@ learns to answer with the title. Train and validation passages are drawn without
 default GPT config trains on 95% of the corpus's works: its held-out works are other plays, so the base
 has read these plays' text, but never with a title after a passage. The output is a function of the
 arguments and the corpus only.
+
+`--answer speaker` names each play by its most frequent speaker instead of its title, printed as that play's
+text prints the name ("Ham", "MACBETH", "Lear", "Romeo", ...): a verbalizer made of words the base has
+read in these plays, where a title it has never seen after a passage. The labels and the balance are the
+same; only the eight answer strings change.
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ from make_genre_task import ACT, is_speaker, passages, play_files
 TITLES = {"hamlet": "Hamlet", "macbeth": "Macbeth", "othello": "Othello", "lear": "King Lear",
           "romeo_and_juliet": "Romeo and Juliet", "julius_caesar": "Julius Caesar", "tempest": "The Tempest",
           "twelfth_night": "Twelfth Night"}
+# Each play's most frequent speaker, as its text prints the name (`--answer speaker`).
+SPEAKERS = {"hamlet": "Ham", "macbeth": "MACBETH", "othello": "OTHELLO", "lear": "Lear", "romeo_and_juliet": "Romeo",
+            "julius_caesar": "BRUTUS", "tempest": "PROSPERO", "twelfth_night": "VIOLA"}
+ANSWERS = {"title": TITLES, "speaker": SPEAKERS}
 PROMPT = "\nPlay:"
 
 
@@ -53,11 +62,11 @@ def speeches(text: str, n_lines: int, min_words: int = 6) -> list[str]:
 
 
 def make_task(out_dir: str | Path, train_per_play: int = 200, valid_per_play: int = 50, n_lines: int = 2,
-              seed: int = 0, speakers: bool = True) -> dict:
+              seed: int = 0, speakers: bool = True, answer: str = "title") -> dict:
     files = play_files()
     rng = random.Random(seed)
     splits: dict[str, list[dict]] = {"train": [], "valid": []}
-    for play, title in TITLES.items():
+    for play, title in ANSWERS[answer].items():
         text = files[play].read_text(encoding="utf-8")
         pool = speeches(text, n_lines) if speakers else passages(text, n_lines, min_words=8)
         if len(pool) < train_per_play + valid_per_play:
@@ -83,11 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lines", type=int, default=2, help="spoken lines per passage")
     ap.add_argument("--no-speakers", action="store_true", help="passages without the speaker's name")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--answer", choices=sorted(ANSWERS), default="title",
+                    help="name each play by its title (default) or by its most frequent speaker")
     args = ap.parse_args(argv)
     summary = make_task(args.out, args.train_per_play, args.valid_per_play, args.lines, args.seed,
-                        not args.no_speakers)
+                        not args.no_speakers, args.answer)
     print(f"wrote {args.out}/train.jsonl ({summary['train']} passages) and {args.out}/valid.jsonl "
-          f"({summary['valid']}), {len(TITLES)} plays: {', '.join(TITLES.values())}")
+          f"({summary['valid']}), {len(TITLES)} plays answered as: {', '.join(ANSWERS[args.answer].values())}")
     return 0
 
 
