@@ -16,10 +16,15 @@ Design (docs/serving.md):
   and with `echo` of every prompt token after the first.
 - The model runs behind a `Runner` (prefill / decode / move); under tensor parallelism rank 0's runner
   broadcasts each operation to the other ranks first (`DistributedRunner`), which replay it in `worker_loop`.
+- Adapters (`infer/adapters.py`): a request may name one of the engine's adapters (index 1..K; 0 is the
+  base). Rows of different adapters share a decode step: LoRA runs unmerged on each row's own matrices,
+  and a prompt adapter's virtual tokens are placed before the prompt at prefill (n more positions of the
+  row, not counted as prompt tokens).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -109,6 +114,8 @@ class Request:
     params: SamplingParams
     on_update: Callable[[Request], None] | None = None  # called from the engine thread after each change
     id: int = 0
+    adapter: int = 0  # the engine's adapter index (0: the base)
+    virtual: int = 0  # the adapter's virtual tokens before the prompt in the row
     output_ids: list[int] = field(default_factory=list)
     output: list[TokenInfo] = field(default_factory=list)
     prompt_tokens: list[TokenInfo] = field(default_factory=list)  # with echo: the prompt's tokens
@@ -128,6 +135,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def length(self) -> int:
+        """Positions of its cache row in use: virtual tokens, prompt and output."""
+        return self.virtual + len(self.prompt_ids) + len(self.output_ids)
 
 
 class Histogram:
@@ -164,10 +176,11 @@ class _Rows:
 
 
 class Runner:
-    """The model and its cache: `prefill(row, ids)`, `decode(tokens, positions)`, `move(src, dst)`."""
+    """The model and its cache: `prefill(row, ids)`, `decode(tokens, positions)`, `move(src, dst)`; with
+    `adapters` (an `AdapterSet`), each row's adapter index too."""
 
-    def __init__(self, model, max_seqs: int, max_len: int, vocab_size: int, tp_group=None):
-        self.model = model
+    def __init__(self, model, max_seqs: int, max_len: int, vocab_size: int, tp_group=None, adapters=None):
+        self.model, self.adapters = model, adapters
         self.max_seqs, self.max_len, self.vocab_size, self.tp_group = max_seqs, max_len, vocab_size, tp_group
         p = next(model.parameters())
         self.device = p.device
@@ -190,16 +203,24 @@ class Runner:
             logits = torch.cat(parts, dim=-1)
         return logits[..., :self.vocab_size].float()
 
-    @torch.no_grad()
-    def prefill(self, row: int, ids: list[int]) -> torch.Tensor:
-        """Fill cache row `row` with the prompt; (T, V) logits."""
-        caches = [_Rows(k[row:row + 1], v[row:row + 1]) for k, v in self.buffers]
-        x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        return self._logits(self.model(x, caches=caches, start=0))[0]
+    def _with(self, indices: list[int] | None, prefill: bool = False):
+        if self.adapters is None or indices is None:
+            return contextlib.nullcontext()
+        return self.adapters.batch(indices, prefill)
 
     @torch.no_grad()
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """Rows 0..n-1 take one token each at their own position; (n, V) logits."""
+    def prefill(self, row: int, ids: list[int], adapter: int = 0) -> torch.Tensor:
+        """Fill cache row `row` with the prompt (with adapter `adapter`: its virtual tokens at the first
+        positions, whose ids are placeholders); (T, V) logits."""
+        caches = [_Rows(k[row:row + 1], v[row:row + 1]) for k, v in self.buffers]
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        with self._with([adapter], prefill=True):
+            return self._logits(self.model(x, caches=caches, start=0))[0]
+
+    @torch.no_grad()
+    def decode(self, tokens: list[int], positions: list[int], adapters: list[int] | None = None) -> torch.Tensor:
+        """Rows 0..n-1 take one token each at their own position (row i with adapter `adapters[i]`);
+        (n, V) logits."""
         n = len(tokens)
         caches = [_Rows(k[:n], v[:n]) for k, v in self.buffers]
         x = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
@@ -207,7 +228,8 @@ class Runner:
             start = positions[0]  # the plain cache path, without a mask
         else:
             start = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return self._logits(self.model(x, caches=caches, start=start))[:, -1]
+        with self._with(adapters):
+            return self._logits(self.model(x, caches=caches, start=start))[:, -1]
 
     def idle(self) -> None:
         """Called about once a second while there is nothing to do."""
@@ -235,11 +257,11 @@ class DistributedRunner(Runner):
         if time.monotonic() - self.last_sent > self.PING_S:
             self._send(("idle",))
 
-    def prefill(self, row, ids):
+    def prefill(self, row, ids, adapter=0):  # no adapters under tensor parallelism (the server refuses them)
         self._send(("prefill", row, ids))
         return super().prefill(row, ids)
 
-    def decode(self, tokens, positions):
+    def decode(self, tokens, positions, adapters=None):
         self._send(("decode", tokens, positions))
         return super().decode(tokens, positions)
 
@@ -306,15 +328,15 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer, max_seqs: int = 32, max_len: int | None = None, max_queue: int = 256,
-                 runner: Runner | None = None):
-        self.model, self.tokenizer = model, tokenizer
+                 runner: Runner | None = None, adapters=None):
+        self.model, self.tokenizer, self.adapters = model, tokenizer, adapters
         cfg = model.cfg
         self.max_len = max_len or cfg.seq_len
         if cfg.position == "learned" and self.max_len > cfg.seq_len:
             raise InvalidRequest(f"max_len {self.max_len} is more than the model's learned positions "
                                  f"(model.seq_len={cfg.seq_len})", "max_len")
         self.max_seqs, self.max_queue = max_seqs, max_queue
-        self.runner = runner or Runner(model, max_seqs, self.max_len, cfg.vocab_size)
+        self.runner = runner or Runner(model, max_seqs, self.max_len, cfg.vocab_size, adapters=adapters)
         self.eod_id = getattr(tokenizer, "eod_id", None)
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # row i holds active[i]
@@ -324,30 +346,42 @@ class Engine:
         self.thread: threading.Thread | None = None
         self.stopping = False
         self.dead: str | None = None  # the error that stopped the loop
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0, "steps": 0}
+        # mixed_steps: decode steps whose rows used more than one model (the base, adapters)
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0, "steps": 0,
+                      "mixed_steps": 0}
         self.ttft = Histogram()  # seconds from arrival to the first token, of finished requests
         self.tpot = Histogram()  # seconds per output token after the first
 
     # ---- requests ----
-    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def virtual_tokens(self, adapter: int) -> int:
+        """Positions adapter `adapter` puts before every prompt (a prompt adapter's virtual tokens)."""
+        n = len(self.adapters.served) if self.adapters is not None else 0
+        if not 0 <= adapter <= n:
+            raise InvalidRequest(f"adapter index {adapter} is not one of this engine's (0..{n})", "model")
+        return self.adapters.virtual_tokens(adapter) if adapter else 0
+
+    def check(self, prompt_ids: list[int], params: SamplingParams, adapter: int = 0) -> None:
         """InvalidRequest for a request the engine cannot run."""
         params.validate()
+        virtual = self.virtual_tokens(adapter)
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", "prompt")
         if any(not 0 <= t < self.model.cfg.vocab_size for t in prompt_ids):
             raise InvalidRequest(f"prompt token ids must be in 0..{self.model.cfg.vocab_size - 1}", "prompt")
-        if len(prompt_ids) > self.max_len:
+        room = self.max_len - virtual  # positions left after the adapter's virtual tokens
+        context = f"{self.max_len} tokens" + (f" ({virtual} of them the adapter's virtual tokens)" if virtual else "")
+        if len(prompt_ids) > room:
             raise InvalidRequest(f"the prompt is {len(prompt_ids)} tokens, more than the model's context of "
-                                 f"{self.max_len} tokens", "prompt")
-        if len(prompt_ids) + params.max_tokens > self.max_len:
+                                 f"{context}", "prompt")
+        if len(prompt_ids) + params.max_tokens > room:
             raise InvalidRequest(f"max_tokens {params.max_tokens} with the prompt's {len(prompt_ids)} tokens is "
-                                 f"more than the model's context of {self.max_len} tokens; at most "
-                                 f"{self.max_len - len(prompt_ids)}", "max_tokens")
+                                 f"more than the model's context of {context}; at most "
+                                 f"{room - len(prompt_ids)}", "max_tokens")
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
-               on_update: Callable[[Request], None] | None = None) -> Request:
-        self.check(prompt_ids, params)
-        req = Request(list(prompt_ids), params, on_update)
+               on_update: Callable[[Request], None] | None = None, adapter: int = 0) -> Request:
+        self.check(prompt_ids, params, adapter)
+        req = Request(list(prompt_ids), params, on_update, adapter=adapter, virtual=self.virtual_tokens(adapter))
         if params.seed is not None:
             req.generator = torch.Generator().manual_seed(params.seed)
         elif not params.greedy:
@@ -434,7 +468,7 @@ class Engine:
                 req.text = req.text[:at]
                 self._finish(req, "stop")
                 return
-        if len(req.output_ids) >= p.max_tokens or len(req.prompt_ids) + len(req.output_ids) >= self.max_len:
+        if len(req.output_ids) >= p.max_tokens or req.length >= self.max_len:
             self._finish(req, "length")
             return
         hold = max((len(s) - 1 for s in p.stop), default=0)  # a stop string may still complete
@@ -446,7 +480,10 @@ class Engine:
     def _admit(self, req: Request) -> None:
         row = len(self.active)
         self.active.append(req)
-        logits = self.runner.prefill(row, req.prompt_ids)
+        if req.adapter:  # the virtual tokens' placeholders first (their embeddings are replaced)
+            logits = self.runner.prefill(row, [0] * req.virtual + req.prompt_ids, req.adapter)[req.virtual:]
+        else:
+            logits = self.runner.prefill(row, req.prompt_ids)
         self.stats["prompt_tokens"] += len(req.prompt_ids)
         if req.params.echo:
             lp = F.log_softmax(logits[:-1], -1) if req.params.logprobs is not None else None
@@ -469,7 +506,7 @@ class Engine:
                 last = len(self.active) - 1
                 if i != last:
                     moved = self.active[last]
-                    self.runner.move(last, i, len(moved.prompt_ids) + len(moved.output_ids))
+                    self.runner.move(last, i, moved.length)
                     self.active[i] = moved
                 self.active.pop()
             else:
@@ -494,8 +531,13 @@ class Engine:
         self._release_finished()
         if self.active:
             tokens = [r.output_ids[-1] for r in self.active]
-            positions = [len(r.prompt_ids) + len(r.output_ids) - 1 for r in self.active]
-            logits = self.runner.decode(tokens, positions)
+            positions = [r.length - 1 for r in self.active]
+            used = [r.adapter for r in self.active]
+            if any(used):
+                logits = self.runner.decode(tokens, positions, used)
+            else:
+                logits = self.runner.decode(tokens, positions)
+            self.stats["mixed_steps"] += len(set(used)) > 1
             argmax = logits.argmax(-1).tolist()  # every row's greedy choice at once
             for i, req in enumerate(self.active):
                 self._accept(req, logits[i], argmax[i])
@@ -505,10 +547,13 @@ class Engine:
         self._release_finished()
         return did
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Request]:
-        """Run `prompts` to completion synchronously (the engine's thread must not be running)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 adapters: list[int] | None = None) -> list[Request]:
+        """Run `prompts` to completion synchronously (the engine's thread must not be running); prompt i
+        with adapter index `adapters[i]` (default: the base)."""
         params = params if isinstance(params, list) else [params] * len(prompts)
-        reqs = [self.submit(p, sp) for p, sp in zip(prompts, params)]
+        adapters = adapters or [0] * len(prompts)
+        reqs = [self.submit(p, sp, adapter=a) for p, sp, a in zip(prompts, params, adapters)]
         while not all(r.finished for r in reqs):
             self.step()
         return reqs

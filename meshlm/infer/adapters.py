@@ -1,0 +1,197 @@
+"""Several adapters over one base model in the inference engine, chosen per request (docs/serving.md).
+
+* LoRA stays unmerged. Each targeted linear keeps every adapter's A and B (the `LoRA` modules of
+  `tune/lora.py`, loaded by `apply_adapter(..., merge=False)` and then detached from the linear), and one
+  forward hook adds, to the batch rows that asked for adapter i, (α/r) B_i A_i x of those rows: the same
+  `LoRA.delta` that tuning trains with, on a gather of the rows (`index_select`, then `index_add` back).
+  Rows of the base get nothing, so one copy of the base weights serves the base and every adapter in the
+  same decode step.
+* Prompt tuning and p-tuning (exported as its table): a request's row is prefilled with n placeholder
+  positions before its prompt, and the token embedding's output at those positions is replaced by the
+  adapter's virtual tokens (as `tune/prompt.py` does while tuning, before positions are added). Decoding
+  needs nothing more: the cache holds the virtual tokens' keys and values.
+
+Index 0 is the base; adapter k is `served[k - 1]`. The runner says, before each forward, which index each
+row of the batch uses (`batch`); outside of it the hooks do nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from meshlm.config import ConfigError
+
+
+@dataclass
+class ServedAdapter:
+    """One adapter as the server holds it."""
+
+    name: str
+    source: str
+    method: str  # "lora" | "prompt"
+    table: torch.Tensor | None = None  # prompt: (n, h), the virtual tokens' embeddings
+    loras: list = field(default_factory=list)  # lora: its LoRA modules, one per targeted linear
+    tensor_bytes: int = 0
+
+    @property
+    def virtual_tokens(self) -> int:
+        return 0 if self.table is None else int(self.table.shape[0])
+
+
+class AdapterSet:
+    """The adapters served over `model` (a plain one-process decoder), by name; index 0 is the base."""
+
+    def __init__(self, model: torch.nn.Module, cfg, adapters: list[tuple[str, object]]):
+        from meshlm.models.registry import get_spec
+
+        self.model, self.cfg = model, cfg
+        self.spec = get_spec(cfg.model.family)
+        self.served: list[ServedAdapter] = []
+        self.rows: dict[int, torch.Tensor | None] = {}  # adapter index → rows of this forward (None: all)
+        self.virtual: torch.Tensor | None = None  # this prefill's virtual tokens (n, h)
+        self._hooked: set[int] = set()
+        self._embedding_hooked = False
+        for name, adapter in adapters:
+            self._add(name, adapter)
+
+    # ---- loading ----
+    def _add(self, name: str, adapter) -> None:
+        extra = sorted(n for n in adapter.tensors if ".lora." not in n and n != "prompt.table")
+        if extra:
+            raise ConfigError(f"--adapter {name}={adapter.source} holds {extra[0]} besides its adapter (a new task "
+                              "head); meshlm serve serves adapters over the base's own output layer only")
+        size = sum(t.numel() * t.element_size() for t in adapter.tensors.values())
+        if adapter.tune.method == "lora":
+            served = ServedAdapter(name, adapter.source, "lora", tensor_bytes=size)
+            self._add_lora(served, adapter)
+        else:
+            served = ServedAdapter(name, adapter.source, "prompt", tensor_bytes=size)
+            self._add_prompt(served, adapter)
+        self.served.append(served)
+
+    @torch.no_grad()
+    def _add_lora(self, served: ServedAdapter, adapter) -> None:
+        from meshlm.tune.export import apply_adapter
+
+        index = len(self.served) + 1
+        apply_adapter(self.model, self.cfg, adapter, merge=False)  # checks every tensor's name and shape
+        for _, linear in list(self.model.named_modules()):
+            if not hasattr(linear, "_lora_hook"):
+                continue
+            lora = linear.lora
+            linear._lora_hook.remove()  # detached: this adapter's update now runs only on its own rows
+            del linear._lora_hook
+            del linear.lora
+            lora.eval().requires_grad_(False)  # no dropout
+            if id(linear) not in self._hooked:
+                self._hooked.add(id(linear))
+                linear._served_loras = []
+                linear.register_forward_hook(self._lora_hook)
+            linear._served_loras.append((index, lora))
+            served.loras.append(lora)
+
+    def _add_prompt(self, served: ServedAdapter, adapter) -> None:
+        table = adapter.tensors.get("prompt.table")
+        hidden = self.cfg.model.hidden_size
+        if table is None or table.dim() != 3 or table.shape[-1] != hidden:
+            raise ConfigError(f"--adapter {served.name}={served.source}: its virtual-token table does not fit this "
+                              f"model (hidden size {hidden})")
+        if table.shape[0] > 1:
+            raise ConfigError(f"--adapter {served.name}={served.source} holds prompts for {table.shape[0]} tasks ("
+                              f"{', '.join(adapter.tasks)}); meshlm serve serves one-task prompt adapters")
+        if not self.spec.virtual_tokens:
+            raise ConfigError(f"--adapter {served.name}={served.source}: virtual tokens are not supported for "
+                              f"model.family={self.cfg.model.family!r}")
+        embedding = getattr(self.model, self.spec.pipeline.first[0])
+        weight = embedding.weight
+        served.table = table[0].float().to(weight.device)  # float32, as tune/prompt.py keeps them
+        if not self._embedding_hooked:
+            self._embedding_hooked = True
+            embedding.register_forward_hook(self._embedding_hook)
+
+    # ---- the forward ----
+    def _lora_hook(self, linear, args, output: torch.Tensor) -> torch.Tensor:
+        if not self.rows:
+            return output
+        x = args[0]
+        for index, lora in linear._served_loras:
+            if index not in self.rows:
+                continue
+            rows = self.rows[index]
+            if rows is None:  # every row of the batch
+                output = output + lora.delta(x, output.shape[-1])
+            else:
+                output = output.index_add(0, rows, lora.delta(x.index_select(0, rows), output.shape[-1]))
+        return output
+
+    def _embedding_hook(self, embedding, args, output: torch.Tensor) -> torch.Tensor:
+        if self.virtual is None:
+            return output
+        n = self.virtual.shape[0]
+        virtual = self.virtual[None].expand(output.shape[0], -1, -1).to(output.dtype)
+        return torch.cat([virtual, output[:, n:]], dim=1)
+
+    @contextlib.contextmanager
+    def batch(self, indices: list[int], prefill: bool = False):
+        """Within: the model's forward runs row i of its batch with adapter `indices[i]` (0: the base); with
+        `prefill`, the first positions of the (one) row hold that adapter's virtual tokens."""
+        used = sorted(set(indices))
+        rows: dict[int, torch.Tensor | None] = {}
+        for index in used:
+            if index == 0 or self.served[index - 1].method != "lora":
+                continue
+            rows[index] = None if len(used) == 1 else torch.tensor(
+                [i for i, k in enumerate(indices) if k == index], dtype=torch.long, device=self._device())
+        virtual = None
+        if prefill:
+            if len(indices) != 1:
+                raise ValueError("a prefill runs one row")
+            if indices[0] and self.served[indices[0] - 1].method == "prompt":
+                virtual = self.served[indices[0] - 1].table
+        self.rows, self.virtual = rows, virtual
+        try:
+            yield
+        finally:
+            self.rows, self.virtual = {}, None
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # ---- names ----
+    def virtual_tokens(self, index: int) -> int:
+        return self.served[index - 1].virtual_tokens if index else 0
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.served]
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(s.tensor_bytes for s in self.served)
+
+
+def parse_adapter_args(values: list[str], base_name: str) -> list[tuple[str, str]]:
+    """`--adapter` values (NAME=DIR, or DIR named after its last component) → [(name, directory)];
+    ConfigError for an empty name, two adapters of one name, or one named like the base."""
+    import os
+
+    out: list[tuple[str, str]] = []
+    for value in values:
+        name, sep, directory = value.partition("=")
+        if not sep or os.sep in name or "/" in name:  # a plain directory (possibly with "=" further on)
+            name, directory = os.path.basename(os.path.normpath(value)), value
+        if not name or not directory:
+            raise ConfigError(f"--adapter {value!r}: give NAME=DIR or DIR (the name then is DIR's last component)")
+        if name == base_name:
+            raise ConfigError(f"--adapter {value!r} would be named {name!r}, the base model's name; give it another "
+                              f"with --adapter OTHER={directory} (or rename the base with --served-model-name)")
+        taken = next((d for n, d in out if n == name), None)
+        if taken is not None:
+            raise ConfigError(f"--adapter {value!r}: two adapters are named {name!r} ({taken} and {directory}); name "
+                              f"them apart with --adapter NAME=DIR")
+        out.append((name, directory))
+    return out
+
