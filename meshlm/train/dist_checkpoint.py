@@ -379,10 +379,43 @@ class _TensorSource:
         pass
 
 
+# ---- which optimizer a checkpoint's state is for ------------------------------------------------------------
+def steps_muon(optimizer) -> bool:
+    """Whether `optimizer` is `optim.name=muon`'s (param groups marked `"muon"`: Muon's one buffer there)."""
+    return any(g.get("muon") for g in optimizer.param_groups)
+
+
+def saved_muon(optim_state: dict) -> bool:
+    """Whether a saved `optimizer.state_dict()` (a one-process `optim.pt`) is `optim.name=muon`'s."""
+    return any(g.get("muon") for g in optim_state.get("param_groups", ()))
+
+
+def check_same_optimizer(path: Path, trained_muon: bool, optimizer) -> None:
+    """CheckpointError (before anything is loaded) when checkpoint `path`'s optimizer state, Muon's momentum
+    buffers or Adam's moments on the hidden matrices (`trained_muon`, from what the checkpoint holds), is
+    not what `optimizer` keeps: switching `optim.name` between muon and another optimizer cannot resume."""
+    if trained_muon == steps_muon(optimizer):
+        return
+    from meshlm.train.checkpoint import load_config_dict
+    from meshlm.train.lamb import Lamb
+
+    try:
+        named = load_config_dict(path).get("optim", {}).get("name", "adamw")
+    except CheckpointError:
+        named = None
+    trained = named if named and (named == "muon") == trained_muon else ("muon" if trained_muon else "adamw")
+    asked = "muon" if steps_muon(optimizer) else ("lamb" if isinstance(optimizer, Lamb) else "adamw")
+    held = "Muon's momentum buffers" if trained_muon else "Adam's two moments"
+    raise CheckpointError(
+        f"checkpoint {path} was trained with optim.name={trained} but this run asks for optim.name={asked}: its "
+        f"optimizer state ({held} for the hidden layers' matrices) cannot continue under another optimizer. "
+        f"Resume with --optim.name={trained}, or start a new run from its weights alone (the optimizer starts "
+        f"fresh) with --optim.name={asked} --train.init_from={path} and another train.out_dir")
+
+
 def _single_process_source(path: Path, cfg: ModelConfig) -> _TensorSource:
     """`model.pt` + `optim.pt` of a one-process run → logical tensors (its AdamW's state, by parameter; with
-    `optim.name=muon`, Muon's buffer for the matrices it steps)."""
-    from meshlm.train.checkpoint import load_config_dict
+    `optim.name=muon`, Muon's buffer for the matrices it steps: param groups marked `"muon"` in `optim.pt`)."""
     from meshlm.train.optim import param_groups
 
     tensors = {("weight", k): v for k, v in split_plain(ckpt_files.load_torch(path / "model.pt"), cfg).items()}
@@ -392,7 +425,7 @@ def _single_process_source(path: Path, cfg: ModelConfig) -> _TensorSource:
         with torch.device("meta"):
             model = _plain_model(cfg)
         names = {id(p): n for n, p in model.named_parameters()}
-        muon = load_config_dict(path).get("optim", {}).get("name") == "muon"
+        muon = saved_muon(optim)  # what the state itself is, not what config.json says
         order = [names[id(p)] for g in param_groups(model, 0.0, muon) for p in g["params"]]
         per_kind: dict[str, dict[str, torch.Tensor]] = {k: {} for k in (*ADAM_KINDS, *MUON_KINDS)}
         for i, st in optim["state"].items():
@@ -445,10 +478,13 @@ def load(path: str | Path, sync, optimizer) -> None:
     if source.shapes != logical_shapes(cfg):
         raise CheckpointError(f"checkpoint {path} was saved for a model of another shape; set the model.* "
                                    "keys as in its config.json")
+    has_state = source.adam_step is not None or source.has_kind(MUON_KINDS[0])
+    if has_state:
+        check_same_optimizer(path, source.has_kind(MUON_KINDS[0]), optimizer)
     try:
         for owned in sync.load_weight_ranges():
             _fill(source, "weight", sync, owned, owned.weight)
-        if source.adam_step is None and not source.has_kind(MUON_KINDS[0]):
+        if not has_state:
             return
         for owned in sync.load_state_ranges():
             st = optimizer.state[owned.opt_key]

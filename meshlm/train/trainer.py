@@ -273,7 +273,9 @@ class Trainer:
                               f"data.tokenizer={self.tokenizer.name!r}; set data.tokenizer to match")
         saved = state.get("layout", {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "sp": False, "zero": 0})
         if self.legacy_resume:
-            self.optimizer.load_state_dict(ckpt.load_part(path, "optim", self.device))
+            saved_optim = ckpt.load_part(path, "optim", self.device)
+            dist_checkpoint.check_same_optimizer(path, dist_checkpoint.saved_muon(saved_optim), self.optimizer)
+            self.optimizer.load_state_dict(saved_optim)
             set_rng_state(state["rng"])
         else:  # any layout into this one: each rank reads the pieces of its tensors
             dist_checkpoint.load(path, self.sync, self.optimizer)
