@@ -155,12 +155,25 @@ class Server:
         self.model_name, self.max_len, self.api_key = model_name, max_len, api_key
         self.created = int(time.time())
         self.metrics = Metrics()
+        adapters = getattr(engine, "adapters", None)
+        self.adapters = adapters.served if adapters is not None else []  # index k: self.adapters[k - 1]
+
+    @property
+    def names(self) -> list[str]:
+        """Every model this server answers for: the base, then its adapters."""
+        return [self.model_name, *(a.name for a in self.adapters)]
 
     # ---- shared checks ----
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+    def check_model(self, name: str | None) -> int:
+        """The engine's adapter index of the request's `model` (0: the base, also when none is named)."""
+        names = self.names
+        if name is None or name == self.model_name:
+            return 0
+        if name not in names:
+            served = ", ".join(repr(n) for n in names)
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {served}",
                            param="model", code="model_not_found")
+        return names.index(name)
 
     def need(self, what: str):
         if what == "engine" and self.engine is None:
@@ -198,19 +211,20 @@ class Server:
             presence_penalty=float(_or(f.get("presence_penalty"), 0.0)),
             frequency_penalty=float(_or(f.get("frequency_penalty"), 0.0)), logprobs=logprobs, echo=echo)
 
-    def submit_all(self, prompts: list[list[int]], params: list, on_update) -> list:
-        """Check every request first (nothing runs when one is bad), then submit them."""
+    def submit_all(self, prompts: list[list[int]], params: list, on_update, adapter: int = 0) -> list:
+        """Check every request first (nothing runs when one is bad), then submit them (with the engine's
+        adapter `adapter`)."""
         from meshlm.infer.engine import EngineDead, InvalidRequest, QueueFull
 
         for ids, sp in zip(prompts, params):
             try:
-                self.engine.check(ids, sp)
+                self.engine.check(ids, sp, adapter)
             except InvalidRequest as err:
                 raise bad(str(err), err.param) from None
         reqs = []
         try:
             for ids, sp in zip(prompts, params):
-                reqs.append(self.engine.submit(ids, sp, on_update))
+                reqs.append(self.engine.submit(ids, sp, on_update, adapter))
         except QueueFull as err:
             for r in reqs:
                 self.engine.cancel(r)
@@ -279,6 +293,9 @@ def prometheus(server: Server) -> str:
                [({}, s["requests_finished"])])
         metric("meshlm_queue_length", "gauge", "requests waiting for a cache row", [({}, eng.queue_length)])
         metric("meshlm_running_requests", "gauge", "requests in the running batch", [({}, eng.running)])
+        metric("meshlm_decode_steps_total", "counter", "decode steps of the running batch", [({}, s["steps"])])
+        metric("meshlm_mixed_decode_steps_total", "counter", "decode steps whose batch held rows of several "
+               "models (the base and adapters)", [({}, s["mixed_steps"])])
         metric("meshlm_kv_cache_bytes", "gauge", "bytes of the pre-allocated KV cache",
                [({}, eng.runner.cache_bytes())])
         for name, hist, help_ in (("meshlm_time_to_first_token_seconds", eng.ttft, "time to first token"),
@@ -423,7 +440,8 @@ def build_app(server: Server):
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
         f = validate(await body_of(request), COMPLETION_SCHEMA)
-        server.check_model(f["model"])
+        adapter = server.check_model(f["model"])
+        model = server.names[adapter]
         server.need("engine")
         prompts = server.prompts(f["prompt"])
         echo = bool(f["echo"])
@@ -440,7 +458,7 @@ def build_app(server: Server):
             return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
 
         def body(choices, usage_=None):
-            out = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
+            out = {"id": rid, "object": "text_completion", "created": created, "model": model,
                    "choices": choices}
             if usage_ is not None:
                 out["usage"] = usage_
@@ -466,14 +484,15 @@ def build_app(server: Server):
                 choices.append(c)
             return body(choices, usage(reqs))
 
-        return await run(lambda cb: server.submit_all(prompts, [sp] * len(prompts), cb), bool(f["stream"]),
+        return await run(lambda cb: server.submit_all(prompts, [sp] * len(prompts), cb, adapter), bool(f["stream"]),
                          chunks, final, (lambda reqs: body([], usage(reqs))) if include_usage(f) else None)
 
     # ---- /v1/chat/completions ----
     @app.post("/v1/chat/completions")
     async def chat(request: HTTPRequest):
         f = validate(await body_of(request), CHAT_SCHEMA)
-        server.check_model(f["model"])
+        adapter = server.check_model(f["model"])
+        model = server.names[adapter]
         server.need("engine")
         messages = []
         for i, m in enumerate(f["messages"]):
@@ -492,7 +511,8 @@ def build_app(server: Server):
         top = f["top_logprobs"]
         if top is not None and not f["logprobs"]:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
-        sp = server.sampling(f, max(1, server.max_len - len(ids)), (top or 0) if f["logprobs"] else None)
+        room = server.max_len - len(ids) - server.engine.virtual_tokens(adapter)  # the rest of the context
+        sp = server.sampling(f, max(1, room), (top or 0) if f["logprobs"] else None)
         sp.stop = (*sp.stop, CHAT_STOP)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         decode = server.tokenizer.decode
@@ -501,7 +521,7 @@ def build_app(server: Server):
             c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             if toks and sp.logprobs is not None:
                 c["logprobs"] = chat_logprobs(toks, lambda t: decode([t]))
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.model_name,
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                     "choices": [c]}
 
         def chunks(i, r, delta, toks, first=False, finished=False):
@@ -516,14 +536,14 @@ def build_app(server: Server):
             r = reqs[0]
             c = {"index": 0, "message": {"role": "assistant", "content": r.text}, "finish_reason": r.finish_reason,
                  "logprobs": chat_logprobs(r.output, lambda t: decode([t])) if sp.logprobs is not None else None}
-            return {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name,
+            return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                     "choices": [c], "usage": usage(reqs)}
 
         def usage_chunk(reqs):
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.model_name,
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                     "choices": [], "usage": usage(reqs)}
 
-        return await run(lambda cb: server.submit_all([ids], [sp], cb), bool(f["stream"]), chunks, final,
+        return await run(lambda cb: server.submit_all([ids], [sp], cb, adapter), bool(f["stream"]), chunks, final,
                          usage_chunk if include_usage(f) else None)
 
     # ---- /v1/embeddings ----
@@ -559,8 +579,12 @@ def build_app(server: Server):
     # ---- /v1/models ----
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
-                                            "owned_by": "meshlm", "max_model_len": server.max_len}]}
+        def card(name, parent=None, root=None):
+            return {"id": name, "object": "model", "created": server.created, "owned_by": "meshlm", "root": root,
+                    "parent": parent, "max_model_len": server.max_len}
+
+        return {"object": "list", "data": [card(server.model_name)] + [
+            card(a.name, server.model_name, a.source) for a in server.adapters]}
 
     # ---- Megatron's PUT /api ----
     @app.put("/api")
@@ -640,27 +664,32 @@ def _tp_of(overrides: list[str]) -> int:
 
 def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None, max_queue: int = 256,
                  api_key: str | None = None, model_name: str | None = None, tp: int = 1,
-                 adapter: str | None = None) -> Server | None:
+                 adapters: list[str] | str | None = None) -> Server | None:
     """The server state for a checkpoint; under torchrun with tp > 1 only rank 0 gets one (the other ranks
-    replay rank 0's engine steps here and return None when it stops). `adapter`: a LoRA adapter of
-    `meshlm tune` (or PEFT) tuned on the checkpoint, merged into the served weights."""
+    replay rank 0's engine steps here and return None when it stops). `adapters`: `--adapter` values
+    (NAME=DIR or DIR), adapters of `meshlm tune` (or PEFT) tuned on the checkpoint, each served under its
+    name next to the base (`infer/adapters.py`: LoRA unmerged per row, virtual tokens at prefill)."""
     import torch
 
     from meshlm.infer.engine import DistributedRunner, EmbeddingEngine, Engine, Runner, worker_loop
     from meshlm.infer.load import checkpoint_config, load_model_from_checkpoint, load_tensor_parallel
 
-    name = model_name or os.path.basename(os.path.normpath(adapter or checkpoint))
-    tuned = None
-    if adapter is not None:  # checked against the base before anything is loaded
+    name = model_name or os.path.basename(os.path.normpath(checkpoint))
+    adapters = [adapters] if isinstance(adapters, str) else list(adapters or [])
+    tuned = []
+    if adapters:  # checked against the base before anything is loaded
+        from meshlm.infer.adapters import parse_adapter_args
         from meshlm.tune.export import read_adapter
 
+        named = parse_adapter_args(adapters, name)
         if tp > 1:
-            raise ConfigError("--adapter serves in one process (merged into the whole model); drop --parallel.tp")
-        tuned = read_adapter(adapter, checkpoint_config(checkpoint), checkpoint)
-        if tuned.tune.method != "lora":
-            raise ConfigError(f"--adapter {adapter!r} holds virtual tokens ({tuned.tune.virtual_tokens} per prompt); "
-                              "meshlm serve takes LoRA adapters (merged into the weights) only so far: use meshlm "
-                              "generate --adapter for prompt-tuned adapters")
+            raise ConfigError("--adapter serves in one process (each row's adapter over the whole model); drop "
+                              "--parallel.tp")
+        cfg = checkpoint_config(checkpoint)
+        if cfg.model.family == "bert":
+            raise ConfigError(f"--adapter: {checkpoint} is a BERT checkpoint, served for embeddings only; adapters "
+                              "are served on GPT checkpoints")
+        tuned = [(n, read_adapter(d, cfg, checkpoint)) for n, d in named]
     if tp > 1:
         model, tokenizer, cfg, dims = load_tensor_parallel(checkpoint, tp)
         length = max_len or cfg.model.seq_len
@@ -687,14 +716,17 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
                           "positions); lower it")
     from meshlm.plan.fit import check_fits, kv_cache_bytes, weights_bytes
 
-    check_fits({"weights": weights_bytes(cfg.model), "KV cache": kv_cache_bytes(cfg.model, max_seqs, length)},
-               f"serving {max_seqs} sequences of {length} tokens", "lower --max-seqs or --max-len", device)
+    needed = {"weights": weights_bytes(cfg.model), "KV cache": kv_cache_bytes(cfg.model, max_seqs, length)}
+    if tuned:
+        needed["adapters"] = sum(t.numel() * 4 for _, a in tuned for t in a.tensors.values())
+    check_fits(needed, f"serving {max_seqs} sequences of {length} tokens", "lower --max-seqs or --max-len", device)
     model, tokenizer, cfg = load_model_from_checkpoint(checkpoint, device, cfg)
-    if tuned is not None:
-        from meshlm.tune.export import apply_adapter
+    served = None
+    if tuned:
+        from meshlm.infer.adapters import AdapterSet
 
-        apply_adapter(model, cfg, tuned)  # W + (α/r)·B·A: no extra work per token
-    engine = Engine(model, tokenizer, max_seqs, length, max_queue)
+        served = AdapterSet(model, cfg, tuned)  # one copy of the base; each row runs its own adapter
+    engine = Engine(model, tokenizer, max_seqs, length, max_queue, adapters=served)
     return Server(engine, None, tokenizer, name, engine.max_len, api_key)
 
 
@@ -739,7 +771,8 @@ def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
         server = build_server(args.checkpoint, args.max_seqs, args.max_len, args.max_queue, args.api_key,
                               args.served_model_name, tp, args.adapter)
         if server is not None:
-            print(f"meshlm serve: {server.model_name!r} on http://{args.host}:{args.port} "
+            also = f" with adapters {', '.join(repr(a.name) for a in server.adapters)}" if server.adapters else ""
+            print(f"meshlm serve: {server.model_name!r}{also} on http://{args.host}:{args.port} "
                   f"({'embeddings' if server.engine is None else f'{args.max_seqs} sequences'})", file=sys.stderr,
                   flush=True)
             config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level=args.log_level,
@@ -770,6 +803,7 @@ def add_serve_command(sub) -> None:
     p.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a row; beyond: 429")
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds SIGTERM waits for open requests")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--adapter", default=None, metavar="DIR", help="a LoRA adapter of meshlm tune (or PEFT) tuned on "
-                   "--checkpoint, merged into the served weights; the model's name defaults to DIR's")
+    p.add_argument("--adapter", action="append", default=None, metavar="[NAME=]DIR", help="an adapter of meshlm "
+                   "tune (or PEFT; LoRA or prompt tuning) tuned on --checkpoint, served as model NAME (default: DIR's "
+                   "name) next to the base; repeat it for several, chosen per request by the model field")
     p.set_defaults(func=_serve)

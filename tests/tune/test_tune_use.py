@@ -1,7 +1,8 @@
 """Using an adapter beyond `meshlm generate`: `meshlm eval --adapter` scores the tuned model (LoRA merged,
 virtual tokens before every row), equal to brute force on the tuned model; `meshlm serve --adapter` serves
-a LoRA adapter merged into the weights (its greedy completion equals the tuned model's) and refuses a
-virtual-token adapter with one line."""
+a LoRA adapter next to the base (its greedy completion equals the tuned model's) and a virtual-token adapter
+(its completion equals `meshlm generate --adapter`'s). Several adapters on one server:
+tests/infer/test_server_adapters.py."""
 
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ def test_serve_with_lora_adapter(tuned):
     server = ServeProcess("--checkpoint", str(tuned["base"]), "--adapter", str(tuned["lora"]), "--max-seqs", "2")
     try:
         status, _, body = http("GET", server.url + "/v1/models")
-        assert status == 200 and json.loads(body)["data"][0]["id"] == "lora"
+        assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == ["base", "lora"]
         status, _, body = http("POST", server.url + "/v1/completions",
                                {"model": "lora", "prompt": "say gold:", "max_tokens": 4, "temperature": 0})
         assert status == 200, body
@@ -110,6 +111,20 @@ def test_serve_with_lora_adapter(tuned):
     assert text == tok.decode(new)
 
 
-def test_serve_refuses_a_virtual_token_adapter(tuned):
-    code, _, err = run("serve", "--checkpoint", str(tuned["base"]), "--adapter", str(tuned["prompt"]))
-    assert code == 2 and "LoRA adapters" in err and len(err.strip().splitlines()) == 1
+def test_serve_with_a_virtual_token_adapter_equals_generate(tuned):
+    from tests.infer.server_helpers import ServeProcess, http
+
+    prompt = "say gold:"
+    server = ServeProcess("--checkpoint", str(tuned["base"]), "--adapter", str(tuned["prompt"]), "--max-seqs", "2")
+    try:  # ignore_eos: `meshlm generate` does not stop at the end of the document either
+        status, _, body = http("POST", server.url + "/v1/completions", {"model": "prompt", "prompt": prompt,
+                                                                        "max_tokens": 5, "temperature": 0,
+                                                                        "ignore_eos": True})
+        assert status == 200, body
+        text = json.loads(body)["choices"][0]["text"]
+    finally:
+        assert server.stop() == 0
+    code, out, err = run("generate", "--checkpoint", str(tuned["base"]), "--adapter", str(tuned["prompt"]),
+                         "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "5")
+    assert code == 0, err
+    assert out == prompt + text + "\n"
