@@ -37,8 +37,10 @@ Memory per parameter for model states (docs/formulas.md). meshlm keeps fp32 para
 master weights, and autocasts per op for bf16: there is no separate 16-bit weight copy, so both fp32 and
 bf16 runs hold 4 (weights) + 4 (gradients) + 8 (Adam m, v) = 16 B/param, 8 + 8/d with ZeRO-1,
 4 + 12/d with ZeRO-2 (between steps; the local gradients are whole during backward) and 16/d with
-ZeRO-3 (plus one layer's gathered weights while it runs). Megatron's 18 and 6 + 12/d count a 16-bit
-weight copy beside fp32 masters, which meshlm does not have. `state_bytes` measures what is allocated.
+ZeRO-3 (plus one layer's gathered weights while it runs). `optim.name=muon` keeps one buffer (4 B) on the
+hidden matrices instead of Adam's two: 8 + 4·S at ZeRO-0, S the optimizer's states per parameter (between
+1 and 2). Megatron's 18 and 6 + 12/d count a 16-bit weight copy beside fp32 masters, which meshlm does not
+have. `state_bytes` measures what is allocated.
 """
 
 from __future__ import annotations
@@ -180,13 +182,28 @@ def _storage_bytes(tensors) -> int:
     return total
 
 
-def theory_bytes_per_param(zero: int, dp: int) -> float:
-    """Model-state bytes per parameter with fp32 weights (= master weights) and Adam, over dp ranks."""
-    return {0: 16.0, 1: 8 + 8 / dp, 2: 4 + 12 / dp, 3: 16 / dp}[zero]
+def theory_bytes_per_param(zero: int, dp: int, states: float = 2.0) -> float:
+    """Model-state bytes per parameter with fp32 weights (= master weights) over dp ranks, for an optimizer
+    that keeps `states` fp32 tensors per parameter (Adam's m and v: 2; `optim.name=muon`: 1 on the hidden
+    matrices, 2 elsewhere, `train.optim.state_tensors_per_param`)."""
+    opt = 4.0 * states
+    return {0: 8 + opt, 1: 8 + opt / dp, 2: 4 + (4 + opt) / dp, 3: (8 + opt) / dp}[zero]
+
+
+def theory_formula(zero: int, dp: int, states: float = 2.0) -> str:
+    """`theory_bytes_per_param` as written in the log: Adam's `16`, `8 + 8/d`, …; with fewer states
+    (Muon), weights 4 + gradients 4 + 4 × the states per parameter."""
+    if states == 2.0:
+        return {0: "16", 1: f"8 + 8/{dp}", 2: f"4 + 12/{dp}", 3: f"16/{dp}"}[zero]
+    opt = f"4 × {states:.3f}"
+    return {0: f"8 + {opt}", 1: f"8 + {opt}/{dp}", 2: f"4 + (4 + {opt})/{dp}", 3: f"(8 + {opt})/{dp}"}[zero]
 
 
 def memory_report(sync: GradSync, optimizer: torch.optim.Optimizer) -> str:
-    """One line for rank 0's log (a collective over the world: the largest rank's total is included)."""
+    """One line for rank 0's log (a collective over the world: the largest rank's total is included). The
+    theory counts the states the optimizer built keeps (`train.optim.state_tensors_per_param`)."""
+    from meshlm.train.optim import state_tensors_per_param
+
     b = sync.state_bytes(optimizer)
     total = b["params"] + b["grads"] + b["optim"]
     worst = torch.tensor([float(total)])
@@ -195,12 +212,14 @@ def memory_report(sync: GradSync, optimizer: torch.optim.Optimizer) -> str:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     mib = 2.0 ** 20
     zero, dp = sync.zero, sync.dims.dp
-    formula = {0: "16", 1: f"8 + 8/{dp}", 2: f"4 + 12/{dp}", 3: f"16/{dp}"}[zero]
+    states = state_tensors_per_param(optimizer)
+    which = "" if states == 2.0 else f", {states:.3f} optimizer states per parameter (Muon's 1 on the hidden " \
+        "matrices, Adam's 2 elsewhere)"
     return (f"model states, rank 0: params {b['params'] / mib:.2f} + grads {b['grads'] / mib:.2f} + optimizer "
             f"{b['optim'] / mib:.2f} = {total / mib:.2f} MiB for {b['n_params']:,} parameters = "
             f"{total / max(1, b['n_params']):.2f} B/param (theory, ZeRO-{zero} over dp={dp}, fp32 weights as "
-            f"master weights: {formula} = {theory_bytes_per_param(zero, dp):.2f} B/param); largest rank "
-            f"{float(worst) / mib:.2f} MiB")
+            f"master weights{which}: {theory_formula(zero, dp, states)} = "
+            f"{theory_bytes_per_param(zero, dp, states):.2f} B/param); largest rank {float(worst) / mib:.2f} MiB")
 
 
 def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: Config, microbatches: int, pipe=None,

@@ -81,6 +81,15 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
 
+def state_tensors_per_param(optimizer: torch.optim.Optimizer) -> float:
+    """The fp32 state tensors `optimizer` keeps per parameter, weighted by size: 1 (Muon's momentum buffer)
+    on the groups marked `"muon"`, 2 (Adam's or LAMB's two moments) on the others; 2.0 for no parameters.
+    What the model-state memory formulas take (`parallel.data.theory_bytes_per_param`)."""
+    sizes = [(sum(p.numel() for p in g["params"]), 1 if g.get("muon") else 2) for g in optimizer.param_groups]
+    total = sum(n for n, _ in sizes)
+    return sum(n * k for n, k in sizes) / total if total else 2.0
+
+
 def adamw_kernel(groups: list[dict]) -> dict[str, bool]:
     """torch's fused AdamW (one kernel for every tensor's update) when every parameter is a plain floating
     tensor on CUDA, or every one on the CPU; the multi-tensor `foreach` one otherwise (meta, mixed devices,

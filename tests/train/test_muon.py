@@ -131,3 +131,52 @@ def test_muon_refuses_layouts_that_split_its_matrices(zero, tp, needle):
 def test_bad_muon_momentum_names_the_key():
     with pytest.raises(ConfigError, match="optim.muon_momentum"):
         OptimConfig(name="muon", muon_momentum=1.0).validate()
+
+
+def one_step_model_states(optim: str, **extra):
+    """A small GPT (most of its parameters in the hidden matrices) in one process, as the trainer builds it,
+    after one optimizer step (gradients still held): (config, gradient sync, optimizer)."""
+    from meshlm.config import build
+    from meshlm.models.registry import get_spec
+    from meshlm.models.spec import family_loss
+    from meshlm.parallel.data import apply_data_parallel
+    from meshlm.parallel.mesh import ParallelDims
+
+    model_keys = {"n_layers": 2, "hidden_size": 32, "n_heads": 4, "seq_len": 16, "vocab_size": 64, **extra}
+    cfg = build({"model": model_keys, "optim": {"name": optim, "lr": 1e-3},
+                 "train": {"micro_batch_size": 2, "global_batch_size": 2}})
+    torch.manual_seed(0)
+    spec = get_spec(cfg.model.family)
+    model = spec.model_class(cfg.model)
+    sync = apply_data_parallel(model, ParallelDims(), cfg, 1)
+    opt = build_optimizer(sync, cfg.optim)
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    family_loss(spec, cfg.model)(model(x[:, :-1]), x[:, 1:]).backward()
+    sync.finish()
+    opt.step()
+    return cfg, sync, opt
+
+
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+@pytest.mark.parametrize("extra", [{}, LLAMA], ids=["gpt2", "llama"])
+def test_model_states_log_line_theory_follows_the_optimizer(optim, extra):
+    """The start-of-training "model states" line: its theory counts the states the optimizer built keeps
+    (Muon: one buffer on the hidden matrices), within the 3% of the measured-against-theory dp tests."""
+    import re
+
+    from meshlm.parallel.data import memory_report
+    from meshlm.train.optim import state_tensors_per_param
+
+    _, sync, opt = one_step_model_states(optim, **extra)
+    line = memory_report(sync, opt)
+    measured = float(re.search(r"= ([\d.]+) B/param \(theory", line)[1])
+    theory = float(re.search(r"= ([\d.]+) B/param\); largest", line)[1])
+    assert abs(measured - theory) <= 0.03 * theory, line
+    if optim == "adamw":
+        assert theory == 16.0 and state_tensors_per_param(opt) == 2.0 and "master weights: 16 = 16.00" in line
+    else:
+        hidden = sum(p.numel() for p in opt.param_groups[0]["params"])
+        total = sum(p.numel() for g in opt.param_groups for p in g["params"])
+        assert state_tensors_per_param(opt) == pytest.approx(2 - hidden / total)
+        assert theory < 14, "most of this model is hidden matrices: well below Adam's 16"
+        assert "Muon's 1 on the hidden matrices" in line
