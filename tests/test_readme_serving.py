@@ -1,5 +1,6 @@
 """Every command of the README's Serving section, as typed (a small random checkpoint named gpt-tiny under
-tmp_path, free ports instead of 8000 and 8001)."""
+tmp_path, with two adapters tuned for a few steps as runs/plays-lora and runs/plays-prompt; free ports
+instead of 8000 and 8001)."""
 
 import json
 import shlex
@@ -13,17 +14,12 @@ from tests.infer.server_helpers import free_port, http, save_gpt_checkpoint
 from tests.test_readme_commands import _section_commands
 
 
-def test_readme_serving_commands(tmp_path):
-    save_gpt_checkpoint(tmp_path / "runs" / "gpt-tiny")  # 2 × 64, 64 positions, random weights
+def run_script(commands: list[str], tmp_path: Path) -> str:
+    """`commands` (a server started with `&` ... `kill %1`) as one bash script on a free port; its stdout."""
     bin_dir = str(Path(sys.executable).parent)
-    commands = _section_commands("Serving")
-    assert len(commands) == 6, commands
-    first, last = commands[:5], commands[5]
-    assert first[0].endswith("&") and first[-1] == "kill %1" and last.startswith("torchrun")
-
     port = str(free_port())
     lines = []
-    for line in first:
+    for line in commands:
         line = line.replace(".venv/bin/", bin_dir + "/").replace("runs/", f"{tmp_path}/runs/")
         lines.append(line.replace("8000", port))
         if line.endswith("&"):  # wait until it answers (a user would wait a moment)
@@ -32,8 +28,34 @@ def test_readme_serving_commands(tmp_path):
     proc = subprocess.run(["bash", "-c", "set -e\n" + "\n".join(lines) + "\nwait"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    completion, end = json.JSONDecoder().raw_decode(proc.stdout)  # curl prints no newline after it
-    out = proc.stdout[end:].splitlines()
+    return proc.stdout
+
+
+def tune_adapters(tmp_path: Path) -> None:
+    """runs/plays-lora and runs/plays-prompt on runs/gpt-tiny, as the README's tuning section makes them
+    (here on a tiny task, four steps each)."""
+    from tests.tune.tune_helpers import QUIET, repeat_rows, run, write_jsonl
+
+    train = write_jsonl(tmp_path / "train.jsonl", repeat_rows(16, 1))
+    for method in ("lora", "prompt"):
+        code, _, err = run("tune", "--checkpoint", str(tmp_path / "runs" / "gpt-tiny"), "--method", method, "--train",
+                           str(train), "--valid", str(train), "--out", str(tmp_path / "runs" / f"plays-{method}"),
+                           "--max-length", "16", *QUIET, "--train.max_steps=4", "--optim.lr=3e-2",
+                           "--tune.virtual_tokens=3")
+        assert code == 0, err
+
+
+def test_readme_serving_commands(tmp_path):
+    save_gpt_checkpoint(tmp_path / "runs" / "gpt-tiny")  # 2 × 64, 64 positions, random weights
+    commands = _section_commands("Serving")
+    assert len(commands) == 11, commands
+    first, last, adapters = commands[:5], commands[5], commands[6:]
+    assert first[0].endswith("&") and first[-1] == "kill %1" and last.startswith("torchrun")
+    assert adapters[0].endswith("&") and " --adapter " in adapters[0] and adapters[-1] == "kill %1"
+
+    stdout = run_script(first, tmp_path)
+    completion, end = json.JSONDecoder().raw_decode(stdout)  # curl prints no newline after it
+    out = stdout[end:].splitlines()
     assert completion["object"] == "text_completion" and completion["usage"]["completion_tokens"] == 20
     # the openai client's chat call succeeded (an HTTP error would raise, and `set -e` fail the script)
     metrics = {line.split()[0]: float(line.split()[1]) for line in out if line.startswith("meshlm_")}
@@ -65,3 +87,15 @@ def test_readme_serving_commands(tmp_path):
     finally:
         server.terminate()
         server.wait(60)
+
+    tune_adapters(tmp_path)
+    stdout = run_script(adapters, tmp_path)
+    decoder = json.JSONDecoder()
+    models, end = decoder.raw_decode(stdout)
+    assert [(m["id"], m["parent"]) for m in models["data"]] == [("gpt-tiny", None), ("plays-lora", "gpt-tiny"),
+                                                                 ("prompt", "gpt-tiny")]
+    completion, end2 = decoder.raw_decode(stdout, end + len(stdout[end:]) - len(stdout[end:].lstrip()))
+    assert completion["model"] == "plays-lora" and completion["usage"]["completion_tokens"] >= 1
+    # the openai client's completion from the prompt adapter printed its text (an HTTP error would raise, and
+    # `set -e` fail the script)
+    assert stdout[end2:].endswith("\n")
