@@ -6,7 +6,8 @@
 Builds the model as training does (whole from the seed, `parallelize`: tensor parallelism, then
 recomputation), runs one forward and loss on a micro-batch of random tokens under the saved-tensor counter
 (`plan.activations`) and prints, on rank 0, each layer's measured bytes next to `plan.memory`'s formula,
-the formula's terms, and the bytes of weights, gradients and Adam states per rank.
+the formula's terms, and the bytes of weights, gradients and the optimizer's states (`optim.name`'s) per
+rank.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def bench_memory(cfg: Config) -> str:
         attention_backend,
         korthikanti_bytes,
         model_state_bytes,
+        muon_fraction,
     )
     from meshlm.train.precision import Precision, resolve_precision
 
@@ -102,8 +104,11 @@ def bench_memory(cfg: Config) -> str:
     lines.append(f"Korthikanti et al. 2022 Table 2 for this shape (16-bit, dropout, GeLU, MHA): {paper:,.0f} "
                  "bytes/layer")
     local = sum(q.numel() for q in model.parameters())
-    states = model_state_bytes(local, "fp32")
-    lines.append(f"model states on this rank: {local:,} parameters (model {spec.parameter_count(m):,}) × 16 B = "
-                 f"{states['total'] / 2 ** 20:,.1f} MiB (weights {states['weights'] / 2 ** 20:,.1f}, grads "
-                 f"{states['grads'] / 2 ** 20:,.1f}, Adam {states['optimizer'] / 2 ** 20:,.1f})")
+    states = model_state_bytes(local, "fp32", cfg=cfg)  # the optimizer's states: optim.name's (Muon: fewer)
+    optimizer = "Adam" if cfg.optim.name != "muon" else \
+        f"Muon + AdamW, {100 * muon_fraction(cfg):.1f}% of parameters in Muon's hidden matrices"
+    lines.append(f"model states on this rank: {local:,} parameters (model {spec.parameter_count(m):,}) × "
+                 f"{states['total'] / max(1, local):.2f} B = {states['total'] / 2 ** 20:,.1f} MiB (weights "
+                 f"{states['weights'] / 2 ** 20:,.1f}, grads {states['grads'] / 2 ** 20:,.1f}, {optimizer} "
+                 f"{states['optimizer'] / 2 ** 20:,.1f})")
     return "\n".join(lines)

@@ -372,7 +372,7 @@ def estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opt
     step = sum(time.values())
 
     # -- memory on each rank; the fullest one counts
-    per_param = model_state_bytes_per_param(opts.states, dp, distributed_optimizer=cand.zero >= 1)
+    per_param = model_state_bytes_per_param(opts.states, dp, distributed_optimizer=cand.zero >= 1, cfg=cfg)
     if cand.zero >= 2:
         per_param["grads"] /= dp
     if cand.zero >= 3:

@@ -45,14 +45,15 @@ def device_type_of(cfg: Config) -> str:
 
 
 def training_bytes(cfg: Config, world_size: int | None = None, device_type: str = "cpu") -> dict[str, float]:
-    """Per process: fp32 weights, gradients and Adam states (16 B/param: `model_state_bytes_per_param`),
-    split by tp × pp and, with ZeRO, over dp; and the activations one pipeline stage holds in flight."""
+    """Per process: fp32 weights, gradients and the optimizer's states (16 B/param with Adam, less under
+    `optim.name=muon`: `model_state_bytes_per_param`), split by tp × pp and, with ZeRO, over dp; and the
+    activations one pipeline stage holds in flight."""
     from meshlm.plan.memory import model_state_bytes_per_param, pipeline_activation_factor
 
     m, t, p = cfg.model, cfg.train, cfg.parallel
     world = world_size or int(os.environ.get("WORLD_SIZE", "1") or 1)
     dp = p.dp or max(1, world // (p.tp * p.pp))
-    per = model_state_bytes_per_param("fp32", dp, distributed_optimizer=p.zero >= 1)
+    per = model_state_bytes_per_param("fp32", dp, distributed_optimizer=p.zero >= 1, cfg=cfg)
     if p.zero >= 2:
         per["grads"] /= dp
     if p.zero >= 3:

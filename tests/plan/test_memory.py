@@ -119,3 +119,71 @@ def test_cpu_and_cuda_element_sizes():
     bf16_cpu, bf16_cuda = activation_dtypes("bf16", "cpu"), activation_dtypes("bf16", "cuda")
     assert (bf16_cpu.residual, bf16_cpu.compute, bf16_cpu.math, bf16_cpu.bool_masks) == (4, 2, 4, False)
     assert (bf16_cuda.residual, bf16_cuda.compute, bf16_cuda.math, bf16_cuda.bool_masks) == (4, 2, 2, True)
+
+
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+@pytest.mark.parametrize("extra", [{}, {"n_kv_heads": 2, "position": "rope", "norm": "rmsnorm", "activation": "swiglu",
+                                       "bias": False, "tie_embeddings": False}], ids=["gpt2", "llama"])
+def test_predicted_model_states_follow_optim_name_and_match_the_measured_bytes(optim, extra):
+    """The planner's model states (`model_state_bytes_per_param` with the config, as `meshlm plan`, the
+    fit check and `meshlm bench memory` take them) against the bytes allocated after a real optimizer step
+    in one process, within the 3% of the dp tests (tests/parallel/test_data_parallel.py)."""
+    from meshlm.plan.commands import bench_memory
+    from meshlm.plan.memory import muon_fraction
+    from meshlm.train.optim import param_groups
+    from tests.train.test_muon import one_step_model_states
+
+    cfg, sync, opt = one_step_model_states(optim, **extra)
+    b = sync.state_bytes(opt)
+    measured = (b["params"] + b["grads"] + b["optim"]) / b["n_params"]
+    predicted = model_state_bytes_per_param("fp32", cfg=cfg)
+    assert abs(sum(predicted.values()) - measured) <= 0.03 * measured, (predicted, measured)
+    assert predicted["optimizer"] * b["n_params"] == pytest.approx(b["optim"], rel=0.03)
+    groups = param_groups(sync.model, 0.0, muon=True)  # the optimizer's own grouping, on the trained model
+    share = sum(p.numel() for p in groups[0]["params"]) / sum(p.numel() for g in groups for p in g["params"])
+    assert muon_fraction(cfg) == (pytest.approx(share, rel=1e-12) if optim == "muon" else 0.0)
+    if optim == "muon":
+        assert sum(predicted.values()) < 14, "most of this model is hidden matrices: well below Adam's 16"
+    # `meshlm bench memory` prints the same prediction for this config
+    line = next(ln for ln in bench_memory(cfg).splitlines() if ln.startswith("model states on this rank"))
+    assert f"× {sum(predicted.values()):.2f} B" in line and ("Muon" in line) == (optim == "muon"), line
+
+
+@pytest.mark.parametrize("layers", [1, 3, 48])
+def test_muon_fraction_of_deep_models_is_the_optimizers_grouping(layers):
+    """`muon_fraction` extrapolates from one and two layers: exact at any depth (gpt2-1.3b's shape)."""
+    from meshlm.plan.memory import muon_fraction
+    from meshlm.train.optim import param_groups
+
+    cfg = build({"model": {"n_layers": layers, "hidden_size": 256, "n_heads": 4, "seq_len": 64, "vocab_size": 1000},
+                 "optim": {"name": "muon"}})
+    with torch.device("meta"):
+        groups = param_groups(GPT(cfg.model), 0.0, muon=True)
+    sizes = [sum(p.numel() for p in g["params"]) for g in groups]
+    assert muon_fraction(cfg) == pytest.approx(sizes[0] / sum(sizes), rel=1e-12)
+
+
+def test_plan_and_fit_check_count_muons_one_buffer():
+    """`meshlm plan`'s memory (plan.cost) and the start-of-training fit check (plan.fit): Muon's optimizer
+    states are 4·(2 − share) B per parameter, Adam's 8."""
+    from meshlm.plan.catalog import get_gpu
+    from meshlm.plan.cost import Candidate, Cluster, Options
+    from meshlm.plan.fit import training_bytes
+    from meshlm.plan.memory import muon_fraction
+    from meshlm.plan.search import evaluate
+
+    def cfg(optim):
+        return build({"model": {"n_layers": 24, "hidden_size": 2048, "n_heads": 16, "seq_len": 2048,
+                                "vocab_size": 51200}, "optim": {"name": optim},
+                      "train": {"precision": "bf16", "global_batch_size": 64}})
+
+    adam, muon = cfg("adamw"), cfg("muon")
+    share = muon_fraction(muon)
+    assert 0.9 < share < 1.0  # the layers' matrices are most of a 1.3B model
+    cluster = Cluster(get_gpu("a100-80gb"), 8, 8)
+    est = {c.optim.name: evaluate(c, Candidate(1, 1, 8), cluster, 64, Options()) for c in (adam, muon)}
+    assert est["muon"].memory["optimizer states"] == pytest.approx(
+        est["adamw"].memory["optimizer states"] * (2 - share) / 2, rel=1e-12)
+    assert est["muon"].memory["weights"] == est["adamw"].memory["weights"]
+    fit = {c.optim.name: training_bytes(c, world_size=1) for c in (adam, muon)}
+    assert fit["muon"]["optimizer"] == pytest.approx(fit["adamw"]["optimizer"] * (2 - share) / 2, rel=1e-12)
