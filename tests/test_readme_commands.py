@@ -187,3 +187,39 @@ def test_make_demo_trains_the_demo_config_and_prints_a_sample(tmp_path):
     assert {"momentum_buffer", "exp_avg"} <= kinds
     evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"]
     assert evals and 0 < evals[-1]["val_bpb"] < float("inf")
+
+
+def test_readme_resume_commands_continue_from_the_step_they_say(tmp_path):
+    """The README's resume example, as typed (300 and 600 steps narrowed to 2 and 4, outputs under
+    tmp_path): the second command resumes at the first one's last step and ends where a straight run does."""
+    import shlex
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    commands = _section_commands("Checkpoints and resuming")
+    assert len(commands) == 2, commands
+    assert "from step 300" in commands[1]
+    narrow = SMALL + ["--train.sample_tokens=0", "--train.eval_every=0", "--train.progress=false",
+                      "--train.log_every=1"]
+    outputs = []
+    for line in commands:
+        line = line.split("#", 1)[0].replace(".venv/bin/", str(Path(sys.executable).parent) + "/")
+        line = line.replace("runs/", f"{tmp_path}/runs/").replace("max_steps=300", "max_steps=2")
+        line = line.replace("max_steps=600", "max_steps=4").replace("decay_steps=600", "decay_steps=4")
+        proc = subprocess.run(["bash", "-c", line + " " + " ".join(map(shlex.quote, narrow))], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 0, (line, proc.stderr[-2000:])
+        outputs.append(proc.stdout + proc.stderr)
+    assert "step_0000002 at step 2" in outputs[1], outputs[1][-2000:]
+    run = tmp_path / "runs" / "gpt-tiny-600"
+    steps = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "train"]
+    assert steps == [1, 2, 3, 4]
+    straight = tmp_path / "straight"
+    proc = run_cli("train", "--config", "gpt-tiny", "--train.max_steps=4", f"--train.out_dir={straight}", *narrow)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses = [[r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+               if r["kind"] == "train"] for d in (run, straight)]
+    assert losses[0] == losses[1], "the two halves are the straight run's steps"
