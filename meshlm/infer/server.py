@@ -2,7 +2,8 @@
 
 Endpoints (docs/serving.md): POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as
 server-sent events), POST /v1/embeddings (BERT checkpoints), GET /v1/models, PUT /api (Megatron's
-text-generation server), GET /health, GET /metrics (Prometheus text).
+text-generation server), GET /health, GET /metrics (Prometheus text). With `--adapter [NAME=]DIR` (repeated)
+each adapter is one more model next to the base, chosen per request by `model` (`infer/adapters.py`).
 
 Requests are validated here, field by field (unknown fields and wrong types are errors); every error is
 OpenAI's JSON `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status, and never stops the
