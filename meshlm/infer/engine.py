@@ -19,7 +19,10 @@ Design (docs/serving.md):
 - Adapters (`infer/adapters.py`): a request may name one of the engine's adapters (index 1..K; 0 is the
   base). Rows of different adapters share a decode step: LoRA runs unmerged on each row's own matrices,
   and a prompt adapter's virtual tokens are placed before the prompt at prefill (n more positions of the
-  row, not counted as prompt tokens).
+  row, not counted as prompt tokens). A request's row starts as a tuning row does (`tune/data.py`) and as
+  `meshlm generate --adapter` lays it out: a prompt adapter's virtual tokens, or for a LoRA adapter one
+  end-of-document token (a document start), counted like the virtual tokens (against the context, not as
+  prompt tokens) and never echoed; the base's row is its prompt alone (as `meshlm generate` without one).
 """
 
 from __future__ import annotations
@@ -115,7 +118,7 @@ class Request:
     on_update: Callable[[Request], None] | None = None  # called from the engine thread after each change
     id: int = 0
     adapter: int = 0  # the engine's adapter index (0: the base)
-    virtual: int = 0  # the adapter's virtual tokens before the prompt in the row
+    head: list[int] = field(default_factory=list)  # ids before the prompt in the row (`Engine.head`)
     output_ids: list[int] = field(default_factory=list)
     output: list[TokenInfo] = field(default_factory=list)
     prompt_tokens: list[TokenInfo] = field(default_factory=list)  # with echo: the prompt's tokens
@@ -138,8 +141,8 @@ class Request:
 
     @property
     def length(self) -> int:
-        """Positions of its cache row in use: virtual tokens, prompt and output."""
-        return self.virtual + len(self.prompt_ids) + len(self.output_ids)
+        """Positions of its cache row in use: the head (virtual tokens or a document start), prompt, output."""
+        return len(self.head) + len(self.prompt_ids) + len(self.output_ids)
 
 
 class Histogram:
@@ -360,16 +363,28 @@ class Engine:
             raise InvalidRequest(f"adapter index {adapter} is not one of this engine's (0..{n})", "model")
         return self.adapters.virtual_tokens(adapter) if adapter else 0
 
+    def head(self, adapter: int) -> list[int]:
+        """The ids adapter `adapter`'s row holds before the prompt, as a tuning row starts (`tune/data.py`) and
+        as `meshlm generate --adapter` lays it out: a prompt adapter's virtual-token placeholders (their
+        embeddings are replaced), a LoRA adapter's document start (one end-of-document token); nothing for
+        the base (nor does `meshlm generate` without an adapter add anything). Not prompt tokens: they count
+        against the context only."""
+        virtual = self.virtual_tokens(adapter)
+        if virtual:
+            return [0] * virtual
+        return [self.eod_id] if adapter and self.eod_id is not None else []
+
     def check(self, prompt_ids: list[int], params: SamplingParams, adapter: int = 0) -> None:
         """InvalidRequest for a request the engine cannot run."""
         params.validate()
-        virtual = self.virtual_tokens(adapter)
+        virtual, head = self.virtual_tokens(adapter), len(self.head(adapter))
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", "prompt")
         if any(not 0 <= t < self.model.cfg.vocab_size for t in prompt_ids):
             raise InvalidRequest(f"prompt token ids must be in 0..{self.model.cfg.vocab_size - 1}", "prompt")
-        room = self.max_len - virtual  # positions left after the adapter's virtual tokens
-        context = f"{self.max_len} tokens" + (f" ({virtual} of them the adapter's virtual tokens)" if virtual else "")
+        room = self.max_len - head  # positions left after the adapter's virtual tokens or document start
+        what = "the adapter's virtual tokens" if virtual else "the adapter's document start (end-of-document token)"
+        context = f"{self.max_len} tokens" + (f" ({head} of them {what})" if head else "")
         if len(prompt_ids) > room:
             raise InvalidRequest(f"the prompt is {len(prompt_ids)} tokens, more than the model's context of "
                                  f"{context}", "prompt")
@@ -381,7 +396,7 @@ class Engine:
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                on_update: Callable[[Request], None] | None = None, adapter: int = 0) -> Request:
         self.check(prompt_ids, params, adapter)
-        req = Request(list(prompt_ids), params, on_update, adapter=adapter, virtual=self.virtual_tokens(adapter))
+        req = Request(list(prompt_ids), params, on_update, adapter=adapter, head=self.head(adapter))
         if params.seed is not None:
             req.generator = torch.Generator().manual_seed(params.seed)
         elif not params.greedy:
@@ -480,8 +495,8 @@ class Engine:
     def _admit(self, req: Request) -> None:
         row = len(self.active)
         self.active.append(req)
-        if req.adapter:  # the virtual tokens' placeholders first (their embeddings are replaced)
-            logits = self.runner.prefill(row, [0] * req.virtual + req.prompt_ids, req.adapter)[req.virtual:]
+        if req.adapter:  # the head first (virtual tokens' placeholders, or a document start); no logits of it
+            logits = self.runner.prefill(row, req.head + req.prompt_ids, req.adapter)[len(req.head):]
         else:
             logits = self.runner.prefill(row, req.prompt_ids)
         self.stats["prompt_tokens"] += len(req.prompt_ids)

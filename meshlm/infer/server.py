@@ -512,7 +512,7 @@ def build_app(server: Server):
         top = f["top_logprobs"]
         if top is not None and not f["logprobs"]:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
-        room = server.max_len - len(ids) - server.engine.virtual_tokens(adapter)  # the rest of the context
+        room = server.max_len - len(ids) - len(server.engine.head(adapter))  # the rest of the context
         sp = server.sampling(f, max(1, room), (top or 0) if f["logprobs"] else None)
         sp.stop = (*sp.stop, CHAT_STOP)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

@@ -1,7 +1,8 @@
 """`meshlm serve` with several adapters on one base, chosen per request by the `model` field: two LoRA
 adapters (other seeds and targets) and a prompt-tuning adapter, tuned for a few steps on a tiny base. Each
-model's greedy completion equals the tuned model alone; concurrent requests for different models share
-decode steps (the engine's mixed-step counter) and still equal the sequential answers."""
+model's greedy completion equals the tuned model alone, and each LoRA adapter's equals `meshlm generate
+--adapter`'s (its row starts with the end-of-document token, as tuning rows do); concurrent requests for
+different models share decode steps (the engine's mixed-step counter) and still equal the sequential answers."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 from meshlm.cli import load_model_from_checkpoint
 from meshlm.tune.export import apply_adapter, read_adapter
+from tests.conftest import run_cli
 from tests.infer.server_helpers import ServeProcess, http
 from tests.tune.tune_helpers import QUIET, repeat_rows, run, save_base, write_jsonl
 
@@ -50,14 +52,15 @@ def served(tuned):
 
 @functools.cache
 def tuned_model(base: str, directory: str | None):
-    """(model, tokenizer, placeholder ids): the base with the adapter in `directory` (LoRA merged, virtual
-    tokens attached), as `meshlm generate --adapter` runs it."""
+    """(model, tokenizer, head ids): the base with the adapter in `directory` (LoRA merged, virtual tokens
+    attached), as `meshlm generate --adapter` runs it: the virtual tokens' placeholders, or for LoRA one
+    end-of-document token, before the prompt (the base: nothing)."""
     model, tok, cfg = load_model_from_checkpoint(base)
     head = []
     if directory is not None:
         adapter = read_adapter(directory, cfg, base)
         apply_adapter(model, cfg, adapter)
-        head = [0] * adapter.virtual_tokens
+        head = [0] * adapter.virtual_tokens or [tok.eod_id]
     return model, tok, head
 
 
@@ -110,6 +113,40 @@ def test_each_model_answers_with_its_own_adapter(served, tuned):
     chat = c.chat.completions.create(model="soft", messages=[{"role": "user", "content": "say red"}], max_tokens=3,
                                      temperature=0)
     assert chat.model == "soft" and chat.usage.completion_tokens >= 1
+
+
+def test_lora_completions_equal_meshlm_generate(served, tuned):
+    """The real CLI in its own process, greedy: `meshlm generate --adapter DIR` (LoRA merged, a document start
+    before the prompt) against the server's unmerged LoRA rows. ignore_eos: generate does not stop at the end
+    of the document either."""
+    c = client(served)
+    for model, directory in (("alpha", tuned["lora-a"]), ("lora-b", tuned["lora-b"])):
+        for prompt in PROMPTS[:2]:
+            out = c.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+            assert out.usage.prompt_tokens == len(tuned_model(str(tuned["base"]), None)[1].encode(prompt))
+            assert out.usage.completion_tokens == 8
+            cli = run_cli("generate", "--checkpoint", str(tuned["base"]), "--adapter", str(directory), "--prompt",
+                          prompt, "--temperature", "0", "--max-new-tokens", "8")
+            assert cli.returncode == 0, cli.stderr
+            assert cli.stdout == prompt + out.choices[0].text + "\n", (model, prompt)
+
+
+def test_lora_echo_shows_the_prompt_alone(served, tuned):
+    """The end-of-document token before a LoRA request's prompt is not echoed, nor counted as a prompt token;
+    the prompt's log-probabilities are the tuned model's after it."""
+    model, tok, head = tuned_model(str(tuned["base"]), str(tuned["lora-a"]))
+    prompt = PROMPTS[2]
+    ids = tok.encode(prompt)
+    out = client(served).completions.create(model="alpha", prompt=prompt, max_tokens=0, temperature=0, echo=True,
+                                            logprobs=0)
+    assert out.choices[0].text == prompt and out.usage.prompt_tokens == len(ids)
+    lp = out.choices[0].logprobs
+    assert lp.tokens == [tok.decode([t]) for t in ids] and lp.token_logprobs[0] is None
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([head + ids]))[0].float(), -1)
+    for i, t in enumerate(ids[1:], start=len(head)):
+        assert lp.token_logprobs[i - len(head) + 1] == pytest.approx(float(want[i, t]), abs=1e-4)
 
 
 def test_concurrent_requests_for_different_models_share_steps(served):
