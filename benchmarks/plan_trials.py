@@ -144,14 +144,15 @@ def main() -> int:
         _probe(args.probe)
         return 0
     cfg = load_config(CONFIG, OVERRIDES)
-    one = measure_this(threads=1)
+    cores = os.cpu_count() or 1
+    one = measure_this(threads=1, cores=cores)
     gbps, latency = measure_links()
     one = with_overrides(one, intra_gbps=gbps, inter_gbps=gbps, intra_latency_us=latency, inter_latency_us=latency)
-    cores = os.cpu_count() or 1
     print(f"this machine ({cores} cores), one thread: {one.tflops * 1e3:.1f} GFLOP/s fp32 matmul (GEMM curve "
           f"{one.gemm_max_efficiency:.2f}·w/(w + {one.gemm_half_width:.0f})), "
-          f"{one.hbm_gbps:.1f} GB/s copy, {one.op_overhead_us:.1f} µs per op; gloo {gbps:.2f} GB/s, "
-          f"{latency:.0f} µs; load average {os.getloadavg()[0]:.2f}")
+          f"{one.hbm_gbps:.1f} GB/s copy, {one.op_overhead_us:.1f} µs per op, softmax {one.softmax_ns_per_element:.1f} "
+          f"ns per logit (fused head {one.fused_softmax_ns_per_element:.1f}), {one.busy_slowdown:.2f}x slower on "
+          f"all {cores} cores at once; gloo {gbps:.2f} GB/s, {latency:.0f} µs; load average {os.getloadavg()[0]:.2f}")
     opts = Options(precision="fp32", device_type="cpu", fused_loss=cfg.train.fused_loss)
     rows = []
     for cand in LAYOUTS:

@@ -44,6 +44,16 @@ class Gpu:
     # backward (max, subtract, exp, sum, log, gather; then softmax minus one-hot). A CPU runs these at a few
     # ns per element, far below its copy bandwidth (exp is compute-bound there). None: the bandwidth model.
     softmax_ns_per_element: float | None = None
+    # Measured the same way for the fused chunked head + loss of tp = 1 (`models/loss.linear_cross_entropy`,
+    # its three matmuls excluded). None: `softmax_ns_per_element` prices both paths.
+    fused_softmax_ns_per_element: float | None = None
+    # A CPU host whose `host_cores` cores every process of a layout shares (`share_cores`): a process that
+    # is busy gets min(1, cores / busy processes) of a core (`cost.estimate` counts a pipeline's waiting
+    # stages as idle), and memory-bound work (copies, the softmax) runs `busy_slowdown` times slower when
+    # every core is busy (measured: the softmax on all cores at once against one), interpolated in between.
+    # None: a device per process (GPUs).
+    host_cores: int | None = None
+    busy_slowdown: float = 1.0
 
     def describe(self) -> str:
         return (f"{self.name}: {self.tflops:g} TFLOP/s, {self.memory_gib:g} GiB, HBM {self.hbm_gbps:g} GB/s, "
@@ -97,12 +107,13 @@ def with_overrides(gpu: Gpu, **values: float | None) -> Gpu:
     return replace(gpu, **changes) if changes else gpu
 
 
-def measure_this(threads: int | None = None) -> Gpu:
+def measure_this(threads: int | None = None, cores: int | None = None) -> Gpu:
     """This machine as a 'GPU': the matmul rate measured here (`measure_peak_tflops`, fp32 on CPU, bf16 on
     CUDA), its memory (`fit.machine_memory`), and on CPU a GEMM-efficiency curve, the memory bandwidth of a
-    large copy, the per-op dispatch overhead of eager code and a softmax cross-entropy's time per logit. The
-    links are gloo over loopback on one host: a rough 2 GB/s and 50 µs unless overridden (the trials
-    benchmark measures them with an all-reduce probe)."""
+    large copy, the per-op dispatch overhead of eager code, a softmax cross-entropy's time per logit (the
+    unfused one and the fused head's) and, with `cores` > 1, how much slower the softmax runs on all cores
+    at once (`busy_slowdown`). The links are gloo over loopback on one host: a rough 2 GB/s and 50 µs
+    unless overridden (the trials benchmark measures them with an all-reduce probe)."""
     import time
 
     import torch
@@ -135,7 +146,8 @@ def measure_this(threads: int | None = None) -> Gpu:
                 dst.copy_(src)
                 best = min(best, time.perf_counter() - start)
             bandwidth = 2 * src.numel() * 4 / best / 1e9
-            softmax_ns = _softmax_ns_per_element()
+            softmax_ns, fused_ns = _softmax_ns_per_element(), _fused_ns_per_element()
+            slowdown = _busy_slowdown(cores, softmax_ns) if cores and cores > 1 else 1.0
     finally:
         torch.set_num_threads(old)
     memory, _ = machine_memory(device.type)
@@ -143,7 +155,8 @@ def measure_this(threads: int | None = None) -> Gpu:
         props = torch.cuda.get_device_properties(0)
         return Gpu(f"this ({props.name})", peak, memory / 2 ** 30, 1000.0, 100.0, 12.5)
     return Gpu("this (cpu)", peak, memory / 2 ** 30, bandwidth, 2.0, 2.0, 50.0, 50.0, overhead, *curve,
-               softmax_ns_per_element=softmax_ns)
+               softmax_ns_per_element=softmax_ns, fused_softmax_ns_per_element=fused_ns,
+               busy_slowdown=slowdown)
 
 
 def _softmax_ns_per_element(rows: int = 512, vocab: int = 32768) -> float:
@@ -164,6 +177,69 @@ def _softmax_ns_per_element(rows: int = 512, vocab: int = 32768) -> float:
         best = min(best, time.perf_counter() - start)
         z.grad = None
     return best / (rows * vocab) * 1e9
+
+
+def _fused_ns_per_element(rows: int = 1024, width: int = 32, vocab: int = 32768) -> float:
+    """Nanoseconds per logit of the fused head + loss (`linear_cross_entropy`, forward and backward) beyond
+    its three matmuls, which are timed alone at the same shapes and taken off (the best of three each)."""
+    import time
+
+    import torch
+
+    from meshlm.models.loss import linear_cross_entropy
+
+    h = torch.randn(rows, width, requires_grad=True)
+    w = (torch.randn(vocab, width) * width ** -0.5).requires_grad_()
+    target = torch.randint(0, vocab, (rows,))
+    z = torch.empty(rows, vocab)
+
+    def best_of(fn) -> float:
+        fn()
+        best = math.inf
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    def matmuls():
+        with torch.no_grad():
+            torch.matmul(h, w.t(), out=z)
+            z @ w
+            z.t() @ h
+
+    def fused():
+        linear_cross_entropy(h, w, target, chunk=rows).backward()
+        h.grad = w.grad = None
+
+    return max(best_of(fused) - best_of(matmuls), 0.0) / (rows * vocab) * 1e9
+
+
+def _busy_worker(barrier, queue) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    barrier.wait()
+    queue.put(_softmax_ns_per_element())
+
+
+def _busy_slowdown(cores: int, alone_ns: float) -> float:
+    """The softmax's time per logit with one process per core running it at once, over `alone_ns` (one
+    process alone): how much memory-bound work slows when every core is busy (at least 1)."""
+    import multiprocessing
+    import statistics
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier, queue = ctx.Barrier(cores), ctx.Queue()
+    procs = [ctx.Process(target=_busy_worker, args=(barrier, queue), daemon=True) for _ in range(cores)]
+    for proc in procs:
+        proc.start()
+    try:
+        busy = [queue.get(timeout=300) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+    return max(1.0, statistics.median(busy) / alone_ns)
 
 
 def _gemm_curve(peak_tflops: float, width: int = 64, rows: int = 1024) -> tuple[float, float]:
@@ -187,11 +263,29 @@ def _gemm_curve(peak_tflops: float, width: int = 64, rows: int = 1024) -> tuple[
 
 
 def share_cores(gpu: Gpu, processes: int, cores: int | None = None) -> Gpu:
-    """A one-thread CPU 'GPU' as each of `processes` processes sees it when they share `cores` cores: the
-    compute and memory rates scaled by min(1, cores/processes), the per-op host time by the inverse."""
+    """A one-thread CPU 'GPU' whose host's cores the processes of a layout share: `cost.estimate` gives each
+    busy process min(1, cores/busy) of a core and slows its memory-bound work by the host's
+    `busy_slowdown` (`shared_rates`). `processes` is kept for callers that ask; the sharing is per layout."""
     import os
 
-    share = min(1.0, (cores or os.cpu_count() or 1) / processes)
-    softmax = gpu.softmax_ns_per_element / share if gpu.softmax_ns_per_element else None
-    return replace(gpu, tflops=gpu.tflops * share, hbm_gbps=gpu.hbm_gbps * share,
-                   op_overhead_us=gpu.op_overhead_us / share, softmax_ns_per_element=softmax)
+    del processes
+    return replace(gpu, host_cores=cores or os.cpu_count() or 1)
+
+
+def shared_rates(gpu: Gpu, busy: float) -> Gpu:
+    """`gpu` (a one-thread CPU with `host_cores`) as each of `busy` processes at work at once sees it: the
+    compute and memory rates scaled by min(1, cores/busy), the per-op host time by the inverse, memory-bound
+    work (copy bandwidth, the softmax) slowed by 1 + (busy_slowdown − 1)·(k − 1)/(cores − 1) with
+    k = min(busy, cores) cores at work."""
+    cores = gpu.host_cores or 1
+    busy = max(1.0, busy)
+    share = min(1.0, cores / busy)
+    k = min(busy, float(cores))
+    slow = 1.0 + (gpu.busy_slowdown - 1.0) * (k - 1.0) / (cores - 1.0) if cores > 1 else 1.0
+
+    def ns(value: float | None) -> float | None:
+        return value * slow / share if value else value
+
+    return replace(gpu, tflops=gpu.tflops * share, hbm_gbps=gpu.hbm_gbps * share / slow,
+                   op_overhead_us=gpu.op_overhead_us / share, softmax_ns_per_element=ns(gpu.softmax_ns_per_element),
+                   fused_softmax_ns_per_element=ns(gpu.fused_softmax_ns_per_element), host_cores=None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -67,7 +68,7 @@ def _gpu(args: argparse.Namespace):
         threads = None
         if args.gpus > 1:  # torchrun gives each process one thread (OMP_NUM_THREADS=1)
             threads = 1
-        gpu = measure_this(threads)
+        gpu = measure_this(threads, cores=os.cpu_count() if threads == 1 else None)
         if threads == 1:
             gpu = share_cores(gpu, args.gpus)
     else:

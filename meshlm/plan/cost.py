@@ -3,7 +3,7 @@
 Memory reuses `plan.memory` (model states per parameter with ZeRO, the activation formula that
 `meshlm bench memory` validates, the pipeline's in-flight micro-batches); time is a sum of named terms:
 
-    step = m · t_mb(slowest pipeline rank) + (p − 1)/v · t_mb      (1F1B; interleaved over v chunks)
+    step = m · t_mb(slowest pipeline rank r*) + Σ_{r ≠ r*} t_mb(r) / v    (1F1B; interleaved over v chunks)
            + exposed DP reduction + ZeRO all-gather + optimizer step
 
 with t_mb, one micro-batch's forward and backward on a rank, the sum of its layers' GEMMs (at an efficiency
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from meshlm.config import Config, ModelConfig
-from meshlm.plan.catalog import Gpu
+from meshlm.plan.catalog import Gpu, shared_rates
 from meshlm.plan.flops import layer_flops_per_token, model_flops, recompute_flops
 from meshlm.plan.layout import Layout, full_recompute_chunks, recomputed_layers
 from meshlm.plan.memory import (
@@ -166,6 +166,8 @@ class Estimate:
     fits: bool
     memory_limit: float
     measured_step_time_s: float | None = None
+    # the pipeline ranks' mean busy share of a step, Σ_r t_r / (p · t_max): 1 when the stages are equal
+    stage_load: float = 1.0
 
     @property
     def memory_bytes(self) -> float:
@@ -262,7 +264,21 @@ def _layer_bytes(m: ModelConfig, b: int, tp: int, sp: bool, recompute: str, opts
 def estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opts: Options | None = None,
              cal: Calibration | None = None) -> Estimate:
     """Memory per GPU and step time of `cand`, whose config `cfg` is (`cand.apply`) and whose `layout` is
-    `plan_layout`'s answer (`search.evaluate` checks and calls this)."""
+    `plan_layout`'s answer (`search.evaluate` checks and calls this).
+
+    On a CPU host whose cores the processes share (`gpu.host_cores`), the rates each process gets depend on
+    how many are at work at once: first every process of the layout, then the processes times the
+    pipeline's busy share (`stage_load`: a stage that waits for a slower one leaves its core to the others)."""
+    gpu = cluster.gpu
+    if not gpu.host_cores:
+        return _estimate(cfg, layout, cand, cluster, opts, cal)
+    first = _estimate(cfg, layout, cand, dataclasses.replace(cluster, gpu=shared_rates(gpu, cand.world)), opts, cal)
+    busy = cand.world * first.stage_load
+    return _estimate(cfg, layout, cand, dataclasses.replace(cluster, gpu=shared_rates(gpu, busy)), opts, cal)
+
+
+def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opts: Options | None,
+              cal: Calibration | None) -> Estimate:
     opts, cal = opts or Options(), for_gpu(cal or Calibration(), cluster.gpu)
     m, gpu = cfg.model, cluster.gpu
     s, b, tp, pp, dp, v = m.seq_len, cand.micro_batch_size, cand.tp, cand.pp, cand.dp, (cand.vpp if cand.pp > 1 else 1)
@@ -322,8 +338,11 @@ def estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opt
     # and back like any saved tensor
     logits_bytes = 0.0 if (tp == 1 and opts.fused_loss) else b * s * m.vocab_size / tp * 4
     t_head = head_flops / (peak * gemm_efficiency(m.hidden_size, cal)) + cal.elementwise_passes * logits_bytes / hbm
-    if gpu.softmax_ns_per_element:  # a measured CPU: the softmax's elementwise work on every logit, fused or
-        t_head += gpu.softmax_ns_per_element * 1e-9 * b * s * m.vocab_size / tp  # not, at the measured rate
+    # a measured CPU: the softmax's elementwise work on every logit, at the measured rate of the path taken
+    fused = tp == 1 and opts.fused_loss
+    per_logit = (gpu.fused_softmax_ns_per_element if fused else None) or gpu.softmax_ns_per_element
+    if per_logit:
+        t_head += per_logit * 1e-9 * b * s * m.vocab_size / tp
     send = b * s * m.hidden_size * c_bytes / (tp if sp else 1)
     t_p2p = 2 * v * (pp_lat * 1e-6 + send / (pp_gbps * 1e9 * cal.link_efficiency)) if pp > 1 else 0.0
 
@@ -339,12 +358,15 @@ def estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opt
     # the slowest rank from scalar totals (pp can be 64), then its terms by name
     unit = t_gemm + t_attn + t_elem + n_coll * t_coll + t_regather + t_ops
     extra_unit = full_extra if cand.recompute == "full" else sel_extra
-    slowest = max(range(pp), key=lambda r: rank_layers[r] * unit + recomputed[r] * extra_unit
-                  + (t_head if r == pp - 1 else 0.0))
+    rank_time = [rank_layers[r] * unit + recomputed[r] * extra_unit + (t_head if r == pp - 1 else 0.0)
+                 + t_p2p for r in range(pp)]
+    slowest = max(range(pp), key=lambda r: rank_time[r])
     terms = rank_terms(slowest)
-    t_mb = sum(terms.values())
     time = {k: mb * val for k, val in terms.items()}
-    time["pipeline bubble"] = (pp - 1) / v * t_mb if pp > 1 else 0.0
+    # fill and drain: while the slowest rank is busy with its m micro-batches, every other rank does one
+    # micro-batch's forward and backward outside that window, each in v chunks (equal stages: (p − 1)/v · t)
+    others = sum(rank_time) - rank_time[slowest]
+    time["pipeline bubble"] = others / v if pp > 1 else 0.0
     params = [rank_parameters(m, rank_layers[r], r == 0, r == pp - 1, tp, pp) for r in range(pp)]
     p_max = max(params)
     time["gradient accumulation"] = 0.0 if opts.fused_grad_accumulation else \
@@ -407,4 +429,5 @@ def estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opt
     hw = flops + recompute_flops(m, gbs, cand.recompute, s, layers=recomputed_layers(cfg))
     world = cand.world
     return Estimate(cand, memory, time, step, gbs * s / step, flops / step / world / 1e12,
-                    flops / step / world / peak, hw / step / world / peak, sum(memory.values()) <= limit, limit)
+                    flops / step / world / peak, hw / step / world / peak, sum(memory.values()) <= limit, limit,
+                    stage_load=sum(rank_time) / (pp * rank_time[slowest]) if rank_time[slowest] else 1.0)
