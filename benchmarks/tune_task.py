@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from make_play_task import ANSWERS, make_task
+from make_play_task import ANSWERS, make_task, outputs
 
 from meshlm.cli import load_model_from_checkpoint
 from meshlm.data.tokenizers import get_tokenizer
@@ -57,9 +57,11 @@ def run(cmd: list[str], log: Path) -> str:
 
 @torch.no_grad()
 def score(model, tok, rows: list[dict], head: list[int], batch: int = 64,
-          answers: dict[str, str] = ANSWERS["title"]) -> tuple[float, float]:
-    """(accuracy by the highest-likelihood answer, greedy exact match of the answer)."""
-    titles = [tok.encode(" " + t) + [tok.eod_id] for t in answers.values()]
+          answers: dict[str, str] | None = None) -> tuple[float, float]:
+    """(accuracy by the highest-likelihood answer, greedy exact match of the answer); `answers`: play → the
+    output string (`make_play_task.outputs`, titles by default)."""
+    answers = answers or outputs("title")
+    titles = [tok.encode(t) + [tok.eod_id] for t in answers.values()]
     names = list(answers)
     seqs = [(head + tok.encode(row["input"]), title) for row in rows for title in titles]
     scores = torch.empty(len(seqs))
@@ -114,7 +116,7 @@ def main() -> int:
              "--train.sample_tokens=0"], work / "base.log")
     data = work / "data"
     make_task(data, answer=args.answer)
-    answers = ANSWERS[args.answer]
+    answers = outputs(args.answer)
     rows = [json.loads(x) for x in (data / "valid.jsonl").read_text().splitlines()]
     model, _, cfg = load_model_from_checkpoint(str(base))
     tok = get_tokenizer(cfg.data.tokenizer)
@@ -148,7 +150,7 @@ def main() -> int:
         print(f"{method}: accuracy {stats['accuracy']:.3f}", flush=True)
     print(f"\nbase {args.checkpoint}: {n_params:,} parameters; task: {len(rows)} validation passages of 8 plays "
           "(chance 0.125)")
-    print("| method | accuracy (best of 8 titles) | greedy exact match | trainable parameters | optimizer state "
+    print("| method | accuracy (best of 8 answers) | greedy exact match | trainable parameters | optimizer state "
           "| step time (median) |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():

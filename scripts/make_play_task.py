@@ -15,9 +15,10 @@ has read these plays' text, but never with a title after a passage. The output i
 arguments and the corpus only.
 
 `--answer speaker` names each play by its most frequent speaker instead of its title, printed as that play's
-text prints the name ("Ham", "MACBETH", "Lear", "Romeo", ...): a verbalizer made of words the base has
-read in these plays, where a title it has never seen after a passage. The labels and the balance are the
-same; only the eight answer strings change.
+text prints the name at the head of a speech ("Ham", "MACBETH", "Lear", "Romeo", ...), on the line after
+"Play:" (`{"input": PASSAGE + "\nPlay:\n", "output": "Ham"}`): a name at a line start, where the base has
+read every speaker's name in these plays, where a title it has never seen after a passage. The labels and
+the balance are the same; only the eight answer strings and the line break change.
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ TITLES = {"hamlet": "Hamlet", "macbeth": "Macbeth", "othello": "Othello", "lear"
 SPEAKERS = {"hamlet": "Ham", "macbeth": "MACBETH", "othello": "OTHELLO", "lear": "Lear", "romeo_and_juliet": "Romeo",
             "julius_caesar": "BRUTUS", "tempest": "PROSPERO", "twelfth_night": "VIOLA"}
 ANSWERS = {"title": TITLES, "speaker": SPEAKERS}
-PROMPT = "\nPlay:"
+# (text after the passage, text before the answer's name) per kind of answer: a title after "Play:" and a
+# space; a speaker's name on a line of its own, as a speech starts in the texts
+FORMATS = {"title": ("\nPlay:", " "), "speaker": ("\nPlay:\n", "")}
+
+
+def outputs(answer: str = "title") -> dict[str, str]:
+    """Play → the output string a row of that play ends with (`--answer`)."""
+    return {play: FORMATS[answer][1] + name for play, name in ANSWERS[answer].items()}
 
 
 def speeches(text: str, n_lines: int, min_words: int = 6) -> list[str]:
@@ -66,7 +74,8 @@ def make_task(out_dir: str | Path, train_per_play: int = 200, valid_per_play: in
     files = play_files()
     rng = random.Random(seed)
     splits: dict[str, list[dict]] = {"train": [], "valid": []}
-    for play, title in ANSWERS[answer].items():
+    prompt = FORMATS[answer][0]
+    for play, title in outputs(answer).items():
         text = files[play].read_text(encoding="utf-8")
         pool = speeches(text, n_lines) if speakers else passages(text, n_lines, min_words=8)
         if len(pool) < train_per_play + valid_per_play:
@@ -74,7 +83,7 @@ def make_task(out_dir: str | Path, train_per_play: int = 200, valid_per_play: in
                              f"{train_per_play + valid_per_play} asked for")
         picked = rng.sample(pool, train_per_play + valid_per_play)
         for split, part in (("train", picked[:train_per_play]), ("valid", picked[train_per_play:])):
-            splits[split] += [{"input": text + PROMPT, "output": " " + title, "play": play} for text in part]
+            splits[split] += [{"input": text + prompt, "output": title, "play": play} for text in part]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for split, rows in splits.items():
