@@ -57,9 +57,10 @@ def run(cmd: list[str], log: Path) -> str:
 
 @torch.no_grad()
 def score(model, tok, rows: list[dict], head: list[int], batch: int = 64,
-          answers: dict[str, str] | None = None) -> tuple[float, float]:
+          answers: dict[str, str] | None = None, calibrated: list | None = None) -> tuple[float, float]:
     """(accuracy by the highest-likelihood answer, greedy exact match of the answer); `answers`: play → the
-    output string (`make_play_task.outputs`, titles by default)."""
+    output string (`make_play_task.outputs`, titles by default). `calibrated`, a list, gets the accuracy
+    with each answer's mean score over the rows subtracted first (a diagnostic, not a method)."""
     answers = answers or outputs("title")
     titles = [tok.encode(t) + [tok.eod_id] for t in answers.values()]
     names = list(answers)
@@ -82,6 +83,9 @@ def score(model, tok, rows: list[dict], head: list[int], batch: int = 64,
     picked = table.argmax(1)
     accuracy = sum(names[int(picked[i])] == row["play"] for i, row in enumerate(rows)) / len(rows)
     exact = sum(bool(greedy[i * len(titles) + names.index(row["play"])]) for i, row in enumerate(rows))
+    if calibrated is not None:  # each answer's mean score over the rows taken off: what the scores know
+        fair = (table - table.mean(0)).argmax(1)  # beyond the answers' priors
+        calibrated.append(sum(names[int(fair[i])] == row["play"] for i, row in enumerate(rows)) / len(rows))
     return accuracy, exact / len(rows)
 
 
@@ -122,14 +126,16 @@ def main() -> int:
     tok = get_tokenizer(cfg.data.tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     results = {"zero-shot": {"trainable": 0, "optim_mib": 0.0, "step_s": float("nan")}}
+    calibrated: list[float] = []
     results["zero-shot"]["accuracy"], results["zero-shot"]["exact"] = score(model.eval(), tok, rows, [tok.eod_id],
-                                                                            answers=answers)
-    print(f"zero-shot: accuracy {results['zero-shot']['accuracy']:.3f}", flush=True)
+                                                                            answers=answers, calibrated=calibrated)
+    print(f"zero-shot: accuracy {results['zero-shot']['accuracy']:.3f} (calibrated: {calibrated[0]:.3f}, each "
+          "answer's mean score over the rows taken off)", flush=True)
     extra = {}
     for item in args.extra:
         method, _, more = item.partition("=")
         extra.setdefault(method, []).extend(more.split())
-    for method in args.methods.split(","):
+    for method in [m for m in args.methods.split(",") if m]:  # --methods "": zero-shot alone
         out = work / method
         cmd = [py, "-m", "meshlm", "tune", "--checkpoint", str(base), "--method", method, "--train",
                str(data / "train.jsonl"), "--valid", str(data / "valid.jsonl"), "--out", str(out), "--epochs",
