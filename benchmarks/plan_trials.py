@@ -7,7 +7,7 @@ correlation.
 The planner's "GPU" is this machine, measured here first: the one-thread matmul rate, the memory bandwidth
 and the per-op host time (`catalog.measure_this(threads=1)`: torchrun gives each process one thread), and
 gloo's all-reduce latency and bandwidth between 2 processes (a probe of 4-byte and 8 MiB all-reduces). n
-processes on c cores each get min(1, c/n) of a core (`catalog.share_cores`). Each layout then runs
+busy processes on c cores each get min(1, c/n) of a core (`catalog.share_cores`, `cost.estimate`). Each layout then runs
 `meshlm train` under torchrun for --steps steps; its measured step time is the minimum of the logged step
 times without the first (the least disturbed by other jobs on a shared machine; --statistic median), over
 --rounds runs of every layout taken in turn. The Spearman rank correlation of predicted and measured times is printed (the
@@ -148,6 +148,7 @@ def main() -> int:
     one = measure_this(threads=1, cores=cores)
     gbps, latency = measure_links()
     one = with_overrides(one, intra_gbps=gbps, inter_gbps=gbps, intra_latency_us=latency, inter_latency_us=latency)
+    gpu = share_cores(one, cores)
     print(f"this machine ({cores} cores), one thread: {one.tflops * 1e3:.1f} GFLOP/s fp32 matmul (GEMM curve "
           f"{one.gemm_max_efficiency:.2f}·w/(w + {one.gemm_half_width:.0f})), "
           f"{one.hbm_gbps:.1f} GB/s copy, {one.op_overhead_us:.1f} µs per op, softmax {one.softmax_ns_per_element:.1f} "
@@ -156,7 +157,6 @@ def main() -> int:
     opts = Options(precision="fp32", device_type="cpu", fused_loss=cfg.train.fused_loss)
     rows = []
     for cand in LAYOUTS:
-        gpu = share_cores(one, cand.world, cores)
         est = evaluate(cfg, cand, Cluster(gpu, cand.world, cand.world), cfg.train.global_batch_size, opts)
         rows.append({"layout": cand.label(), "world": cand.world, "predicted_s": est.step_time_s, "runs": []})
     for round_ in range(args.rounds):  # rounds go through every layout in turn: a busy spell hits all alike

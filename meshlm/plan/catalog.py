@@ -262,13 +262,12 @@ def _gemm_curve(peak_tflops: float, width: int = 64, rows: int = 1024) -> tuple[
     return (1024 + half) / 1024, half
 
 
-def share_cores(gpu: Gpu, processes: int, cores: int | None = None) -> Gpu:
-    """A one-thread CPU 'GPU' whose host's cores the processes of a layout share: `cost.estimate` gives each
-    busy process min(1, cores/busy) of a core and slows its memory-bound work by the host's
-    `busy_slowdown` (`shared_rates`). `processes` is kept for callers that ask; the sharing is per layout."""
+def share_cores(gpu: Gpu, cores: int | None = None) -> Gpu:
+    """A one-thread CPU 'GPU' whose host's cores (this machine's by default) the processes of a layout share:
+    `cost.estimate` gives each busy process min(1, cores/busy) of a core and slows its memory-bound work by
+    the host's `busy_slowdown` (`shared_rates`), layout by layout."""
     import os
 
-    del processes
     return replace(gpu, host_cores=cores or os.cpu_count() or 1)
 
 

@@ -70,7 +70,7 @@ def _gpu(args: argparse.Namespace):
             threads = 1
         gpu = measure_this(threads, cores=os.cpu_count() if threads == 1 else None)
         if threads == 1:
-            gpu = share_cores(gpu, args.gpus)
+            gpu = share_cores(gpu)
     else:
         gpu = get_gpu(args.gpu)
     values = {name.replace("-", "_").replace("memory_gb", "memory_gib"): getattr(args, "gpu_" + name.replace("-", "_"))

@@ -380,14 +380,14 @@ class _TensorSource:
 
 
 # ---- which optimizer a checkpoint's state is for ------------------------------------------------------------
-def steps_muon(optimizer) -> bool:
-    """Whether `optimizer` is `optim.name=muon`'s (param groups marked `"muon"`: Muon's one buffer there)."""
-    return any(g.get("muon") for g in optimizer.param_groups)
-
-
 def saved_muon(optim_state: dict) -> bool:
-    """Whether a saved `optimizer.state_dict()` (a one-process `optim.pt`) is `optim.name=muon`'s."""
+    """Whether an `optimizer.state_dict()` (a one-process `optim.pt`, or a live optimizer's) is
+    `optim.name=muon`'s: param groups marked `"muon"`, where Muon keeps its one buffer."""
     return any(g.get("muon") for g in optim_state.get("param_groups", ()))
+
+
+def steps_muon(optimizer) -> bool:
+    return saved_muon({"param_groups": optimizer.param_groups})
 
 
 def check_same_optimizer(path: Path, trained_muon: bool, optimizer) -> None:
