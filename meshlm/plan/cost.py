@@ -343,6 +343,17 @@ def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, op
     per_logit = (gpu.fused_softmax_ns_per_element if fused else None) or gpu.softmax_ns_per_element
     if per_logit:
         t_head += per_logit * 1e-9 * b * s * m.vocab_size / tp
+    # outside the layers, each micro-batch at tp > 1 runs the vocab-parallel embedding's forward all-reduce
+    # (a reduce-scatter under SP), the head input's backward all-reduce (an all-gather's conjugate under
+    # SP), and the vocab-parallel cross-entropy's two small all-reduces (the row maximum; Σexp with the
+    # target logit), b·s and 2·b·s fp32 values
+    t_embed_coll = t_head_coll = 0.0
+    if tp > 1:
+        edge = gather_time if sp else all_reduce_time
+        t_embed_coll = edge(act_msg, tp, tp_gbps, tp_lat, cal.link_efficiency)
+        t_head_coll = t_embed_coll + all_reduce_time(4.0 * b * s, tp, tp_gbps, tp_lat, cal.link_efficiency) \
+            + all_reduce_time(8.0 * b * s, tp, tp_gbps, tp_lat, cal.link_efficiency)
+    edge_coll = [(t_embed_coll if r == 0 else 0.0) + (t_head_coll if r == pp - 1 else 0.0) for r in range(pp)]
     send = b * s * m.hidden_size * c_bytes / (tp if sp else 1)
     t_p2p = 2 * v * (pp_lat * 1e-6 + send / (pp_gbps * 1e9 * cal.link_efficiency)) if pp > 1 else 0.0
 
@@ -353,13 +364,14 @@ def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, op
         return {"GEMMs (layers)": n * t_gemm, "attention": n * t_attn, "elementwise (memory-bound)": n * t_elem,
                 "recompute (extra forward)": extra, "TP collectives": n * (n_coll * t_coll + t_regather),
                 "LM head + loss": t_head if r == pp - 1 else 0.0, "PP point-to-point": t_p2p,
+                "TP collectives (embedding, head, loss)": edge_coll[r],
                 "op overhead (host)": n * t_ops}
 
     # the slowest rank from scalar totals (pp can be 64), then its terms by name
     unit = t_gemm + t_attn + t_elem + n_coll * t_coll + t_regather + t_ops
     extra_unit = full_extra if cand.recompute == "full" else sel_extra
     rank_time = [rank_layers[r] * unit + recomputed[r] * extra_unit + (t_head if r == pp - 1 else 0.0)
-                 + t_p2p for r in range(pp)]
+                 + t_p2p + edge_coll[r] for r in range(pp)]
     slowest = max(range(pp), key=lambda r: rank_time[r])
     terms = rank_terms(slowest)
     time = {k: mb * val for k, val in terms.items()}
@@ -382,6 +394,12 @@ def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, op
         time["DP gradient reduction (exposed)"] = max(reduce - window, tail)
     else:
         time["DP gradient reduction (exposed)"] = 0.0
+    # the tied word embedding's two copies (first and last pipeline rank) sum their gradients after the
+    # backward, over the pair's link, before the optimizer can step
+    if pp > 1 and m.tie_embeddings:
+        tie_gbps, tie_lat = _link(cluster, cand.world)
+        time["tied embedding all-reduce (first, last stage)"] = all_reduce_time(
+            opts.grad_bytes * m.vocab_size * m.hidden_size / tp, 2, tie_gbps, tie_lat, cal.link_efficiency)
     weight_bytes = p_max * 4  # meshlm's weights are fp32
     time["ZeRO weight all-gather"] = gather_time(weight_bytes, dp, dp_gbps, dp_lat, cal.link_efficiency) \
         if dp > 1 and cand.zero in (1, 2) else 0.0

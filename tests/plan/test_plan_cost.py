@@ -36,7 +36,7 @@ def _vocab_cfg(vocab: int):
 
 
 ONCE_PER_STEP = ("pipeline bubble", "gradient accumulation", "DP gradient reduction (exposed)",
-                 "ZeRO weight all-gather", "optimizer step")
+                 "ZeRO weight all-gather", "optimizer step", "tied embedding all-reduce (first, last stage)")
 
 
 def test_bubble_of_equal_stages_is_p_minus_1_over_v_micro_batches():
@@ -90,6 +90,28 @@ def test_collectives_cost_more_across_nodes_and_with_more_ranks():
     assert _est(Candidate(8, 1, 2), gpus=16, gpu=slow).time["TP collectives"] > 5 * inside
 
 
+def test_collectives_outside_the_layers_embedding_head_loss_and_the_tied_copies():
+    """At tp > 1 every micro-batch runs the embedding's and the head input's activation-sized all-reduces
+    (reduce-scatter / all-gather under SP) and the loss's two small ones (b·s and 2·b·s fp32 values); a
+    pipeline with tied embeddings sums the two copies' V·h/tp gradients once per step."""
+    cfg, link = _cfg(), (A100.intra_gbps, A100.intra_latency_us, 0.75)
+    b, s, h, vocab = 1, 2048, 2048, 51200
+    act = b * s * h * 2  # bf16 activations
+    assert _est(Candidate(1, 1, 8)).time.get("TP collectives (embedding, head, loss)", 0.0) == 0.0
+    for sp in (False, True):
+        e = _est(Candidate(4, 1, 2, sp=sp))
+        big = all_reduce_time(act, 4, *link) / (2 if sp else 1)
+        small = all_reduce_time(4 * b * s, 4, *link) + all_reduce_time(8 * b * s, 4, *link)
+        assert e.time["TP collectives (embedding, head, loss)"] == pytest.approx(32 * (2 * big + small))
+    key = "tied embedding all-reduce (first, last stage)"
+    tied = _est(Candidate(2, 4, 1))
+    assert tied.time[key] == pytest.approx(all_reduce_time(4.0 * vocab * h / 2, 2, *link))
+    assert key not in _est(Candidate(2, 1, 4)).time
+    untied = build({"model": {"n_layers": 24, "hidden_size": h, "n_heads": 16, "seq_len": s, "vocab_size": vocab,
+                              "tie_embeddings": False}, "train": {"precision": "bf16", "global_batch_size": 64}})
+    assert key not in _est(Candidate(2, 4, 1), cfg=untied).time
+
+
 def test_search_ranks_fitting_layouts_and_keeps_every_rejection_reason():
     cfg = _cfg(layers=6, hidden=1024, heads=8, batch=32)
     result = search(cfg, Cluster(with_overrides(A100, memory_gib=4), 8, 8), 32)
@@ -122,7 +144,7 @@ def test_published_checks_of_the_validation_benchmark(monkeypatch):
     best, ref, rank, top = pv.gpt3_check()
     assert best.tokens_per_s >= ref.tokens_per_s
     # The acceptance asks for the paper's layout in the top 5. Since the bubble charges unequal stages their
-    # own times it is 6th, 0.17% behind the 5th (tp 4 × pp 32): the test holds it to that, within 0.5%,
+    # own times it is 6th, 0.03% behind the 5th (tp 4 × pp 32): the test holds it to that, within 0.5%,
     # so a regression that drops it further fails here (docs/plan.md, "Validation").
     assert rank <= 6 and ref.tokens_per_s >= 0.995 * top[-1].tokens_per_s
 
