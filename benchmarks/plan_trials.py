@@ -2,11 +2,18 @@
 correlation.
 
     python benchmarks/plan_trials.py                 # 10 layouts of a small GPT on 2 and 4 processes
+    python benchmarks/plan_trials.py --model demo    # the same layouts of the demo's Llama-style model
     python benchmarks/plan_trials.py --steps 8 --json trials.json
+
+Two small models: `gpt-tiny` (4 layers, hidden 128, GPT-2's 50,257-token vocabulary: its LM head and loss
+are about 85% of a step, so the ranking mostly tests how the head is priced under each layout) and `demo`
+(4 layers of the demo's Llama-style block, hidden 256, sequence 256, its 4,096-token vocabulary: the layers
+are most of the step, as in a real model; fp32 and AdamW, the precision and optimizer the model prices).
 
 The planner's "GPU" is this machine, measured here first: the one-thread matmul rate, the memory bandwidth
 and the per-op host time (`catalog.measure_this(threads=1)`: torchrun gives each process one thread), and
-gloo's all-reduce latency and bandwidth between 2 processes (a probe of 4-byte and 8 MiB all-reduces). n
+gloo's all-reduce latency and bandwidth between 2 processes, fitted to all-reduces of 4 B to 8 MiB run
+between matmuls as a training step runs them (`_probe`, `fit_links`). n
 busy processes on c cores each get min(1, c/n) of a core (`catalog.share_cores`, `cost.estimate`). Each layout then runs
 `meshlm train` under torchrun for --steps steps; its measured step time is the minimum of the logged step
 times without the first (the least disturbed by other jobs on a shared machine; --statistic median), over
@@ -31,8 +38,12 @@ from meshlm.plan.command import measured_step_time, trial_command
 from meshlm.plan.cost import Candidate, Cluster, Options
 from meshlm.plan.search import evaluate
 
-CONFIG = "gpt-tiny"
-OVERRIDES = ["--model.n_layers=4", "--model.seq_len=128", "--train.global_batch_size=16", "--train.precision=fp32"]
+MODELS = {  # name: (bundled config, overrides)
+    "gpt-tiny": ("gpt-tiny", ["--model.n_layers=4", "--model.seq_len=128", "--train.global_batch_size=16",
+                              "--train.precision=fp32"]),
+    "demo": ("demo", ["--model.n_layers=4", "--train.global_batch_size=16", "--train.precision=fp32",
+                      "--optim.name=adamw"]),
+}
 LAYOUTS = [  # (tp, pp, dp, vpp, sp, micro-batch, recompute, zero)
     Candidate(1, 1, 2, micro_batch_size=8),
     Candidate(1, 1, 2, micro_batch_size=1),
@@ -72,67 +83,76 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def _probe(out: str) -> None:
-    """Under torchrun: gloo all-reduce time of 4 bytes (latency) and 8 MiB (bandwidth), rank 0 writes them."""
+    """Under torchrun: what a gloo all-reduce of n bytes costs between two busy processes, as collectives
+    occur in a training step (after a few ms of matmuls on both ranks), for n from 4 bytes to 8 MiB. The
+    cost is the median of (matmuls + all-reduce) less the median of the matmuls alone: it includes the
+    wait for the slower peer and the wake-up of a process that blocked, which all-reduces run back to
+    back between idle processes do not see (their median is half of it, their minimum a third). Rank 0
+    writes {bytes: seconds}."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    a = torch.randn(256, 256)
+
+    def work():  # about 3 ms of matmuls on one thread, a layer's share of a small model's step
+        for _ in range(8):
+            a @ a
+
+    def median(v: list[float]) -> float:
+        return sorted(v)[len(v) // 2]
+
     result = {}
-    for name, numel in (("small", 1), ("large", 2 * 2 ** 20)):
+    for numel in PROBE_NUMELS:
         x = torch.ones(numel)
         for _ in range(3):
             dist.all_reduce(x)
-        best = float("inf")
-        for _ in range(10 if numel > 1 else 50):
-            dist.barrier()
+        solo, busy = [], []
+        for _ in range(30):
             start = time.perf_counter()
+            work()
+            solo.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            work()
             dist.all_reduce(x)
-            best = min(best, time.perf_counter() - start)
-        result[name] = best
-    # between busy processes: a few ms of matmuls, then a 4-byte all-reduce; what the all-reduce adds to the
-    # matmuls' own time (medians) is the wait for the slower peer, which a shared machine's scheduler makes
-    # far longer than the idle latency
-    a, x = torch.randn(256, 256), torch.ones(1)
-
-    def work():
-        for _ in range(20):
-            a @ a
-
-    solo, busy = [], []
-    for _ in range(30):
-        start = time.perf_counter()
-        work()
-        solo.append(time.perf_counter() - start)
-    for _ in range(30):
-        start = time.perf_counter()
-        work()
-        dist.all_reduce(x)
-        busy.append(time.perf_counter() - start)
-    result["busy_sync"] = max(0.0, sorted(busy)[15] - sorted(solo)[15])
+            busy.append(time.perf_counter() - start)
+        result[numel * 4] = max(0.0, median(busy) - median(solo))
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
 
 
+PROBE_NUMELS = (1, 64 * 2 ** 10, 512 * 2 ** 10, 2 * 2 ** 20)  # fp32 values: 4 B, 256 KiB, 2 MiB, 8 MiB
+
+
+def fit_links(costs: dict[float, float]) -> tuple[float, float]:
+    """(GB/s, latency µs) of the α–β model from all-reduce costs {bytes: seconds} between 2 ranks, whose ring
+    all-reduce costs 2α + n/β (2·(n−1)/n = 1): the least-squares line through the points."""
+    xs, ys = [float(k) for k in costs], list(costs.values())
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    intercept = my - slope * mx
+    if slope <= 0:
+        raise RuntimeError(f"the all-reduce probe found no bandwidth term: {costs}")
+    return 1 / slope / 1e9, max(intercept, 0.0) / 2 * 1e6
+
+
 def measure_links() -> tuple[float, float]:
-    """(GB/s, latency µs) of gloo between 2 processes, for the α–β model: an all-reduce of n bytes over 2
-    ranks costs 2α + n/β (2·(n−1)/n = 1). α is the larger of the idle latency and the wait a collective
-    between busy processes adds (half of it per step)."""
+    """(GB/s, latency µs) of gloo between 2 busy processes (`_probe`, `fit_links`)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "probe.json"
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         __file__, "--probe", str(out)], check=True, capture_output=True)
         probe = json.loads(out.read_text())
-    idle = probe["small"] / 2
-    gbps = 8 * 2 ** 20 / max(probe["large"] - 2 * idle, probe["large"] / 2) / 1e9  # the wire: idle processes
-    alpha = max(probe["small"], probe["busy_sync"]) / 2
-    return gbps, alpha * 1e6
+    return fit_links({float(k): v for k, v in probe.items()})
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt-tiny")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=1, help="run every layout this many times, in turn")
     parser.add_argument("--statistic", choices=("min", "median"), default="min",
@@ -143,7 +163,8 @@ def main() -> int:
     if args.probe:
         _probe(args.probe)
         return 0
-    cfg = load_config(CONFIG, OVERRIDES)
+    config, overrides = MODELS[args.model]
+    cfg = load_config(config, overrides)
     cores = os.cpu_count() or 1
     one = measure_this(threads=1, cores=cores)
     gbps, latency = measure_links()
@@ -162,7 +183,7 @@ def main() -> int:
     for round_ in range(args.rounds):  # rounds go through every layout in turn: a busy spell hits all alike
         for cand, row in zip(LAYOUTS, rows):
             with tempfile.TemporaryDirectory(prefix="meshlm-trial-") as tmp:
-                cmd = trial_command(CONFIG, cand, cand.world, args.steps, tmp, OVERRIDES)
+                cmd = trial_command(config, cand, cand.world, args.steps, tmp, overrides)
                 proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 if proc.returncode:
                     print(f"{cand.label()}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
@@ -174,7 +195,7 @@ def main() -> int:
         runs = sorted(row["runs"])
         row["measured_s"] = runs[0] if args.statistic == "min" else runs[len(runs) // 2]
     rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
-    print(f"\nmeshlm plan trials: {CONFIG} {' '.join(OVERRIDES)}, {args.steps} steps × {args.rounds} round(s) each ({args.statistic}), on {cores} cores "
+    print(f"\nmeshlm plan trials: {config} {' '.join(overrides)}, {args.steps} steps × {args.rounds} round(s) each ({args.statistic}), on {cores} cores "
           f"(load average after: {os.getloadavg()[0]:.2f})\n")
     print("| layout | processes | predicted s | measured s | measured / predicted |\n|---|---|---|---|---|")
     for r in rows:

@@ -151,7 +151,12 @@ def test_published_checks_of_the_validation_benchmark(monkeypatch):
 
 def test_spearman_and_the_measured_step_time_of_a_trial(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    spearman = importlib.import_module("plan_trials").spearman
+    trials = importlib.import_module("plan_trials")
+    spearman = trials.spearman
+    # the link probe's α–β fit: 2 ranks' all-reduce costs 2α + n/β; points on that line give α and β back
+    points = {float(n): 2 * 300e-6 + n / 1.5e9 for n in (4, 2 ** 18, 2 ** 21, 2 ** 23)}
+    gbps, latency = trials.fit_links(points)
+    assert gbps == pytest.approx(1.5) and latency == pytest.approx(300.0)
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 2, 3, 4, 5], [2, 1, 4, 3, 5]) == pytest.approx(0.8)  # 1 − 6·4/(5·24)
