@@ -400,7 +400,9 @@ def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, op
         tie_gbps, tie_lat = _link(cluster, cand.world)
         time["tied embedding all-reduce (first, last stage)"] = all_reduce_time(
             opts.grad_bytes * m.vocab_size * m.hidden_size / tp, 2, tie_gbps, tie_lat, cal.link_efficiency)
-    weight_bytes = p_max * 4  # meshlm's weights are fp32
+    # the weights the ZeRO all-gathers move: meshlm's are fp32; with 16-bit weights and fp32 master copies
+    # ("mixed", Megatron's distributed optimizer) the updated 16-bit weights are gathered
+    weight_bytes = p_max * (2 if opts.states == "mixed" and opts.precision in ("bf16", "fp16") else 4)
     time["ZeRO weight all-gather"] = gather_time(weight_bytes, dp, dp_gbps, dp_lat, cal.link_efficiency) \
         if dp > 1 and cand.zero in (1, 2) else 0.0
     if dp > 1 and cand.zero == 3:  # per micro-batch: gather weights (forward, backward), reduce-scatter grads
