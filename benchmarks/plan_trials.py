@@ -13,7 +13,7 @@ are most of the step, as in a real model; fp32 and AdamW, the precision and opti
 The planner's "GPU" is this machine, measured here first: the one-thread matmul rate, the memory bandwidth
 and the per-op host time (`catalog.measure_this(threads=1)`: torchrun gives each process one thread), and
 gloo's all-reduce latency and bandwidth between 2 processes, fitted to all-reduces of 4 B to 8 MiB run
-between matmuls as a training step runs them (`_probe`, `fit_links`). n
+between matmuls as a training step runs them (`catalog.measure_links`, as `meshlm plan --gpu this` does). n
 busy processes on c cores each get min(1, c/n) of a core (`catalog.share_cores`, `cost.estimate`). Each layout then runs
 `meshlm train` under torchrun for --steps steps; its measured step time is the minimum of the logged step
 times without the first (the least disturbed by other jobs on a shared machine; --statistic median), over
@@ -29,11 +29,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from meshlm.config import load_config
-from meshlm.plan.catalog import measure_this, share_cores, with_overrides
+from meshlm.plan.catalog import measure_links, measure_this, share_cores, with_overrides
 from meshlm.plan.command import measured_step_time, trial_command
 from meshlm.plan.cost import Candidate, Cluster, Options
 from meshlm.plan.search import evaluate
@@ -82,74 +81,6 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / (vx * vy) if vx and vy else 0.0
 
 
-def _probe(out: str) -> None:
-    """Under torchrun: what a gloo all-reduce of n bytes costs between two busy processes, as collectives
-    occur in a training step (after a few ms of matmuls on both ranks), for n from 4 bytes to 8 MiB. The
-    cost is the median of (matmuls + all-reduce) less the median of the matmuls alone: it includes the
-    wait for the slower peer and the wake-up of a process that blocked, which all-reduces run back to
-    back between idle processes do not see (their median is half of it, their minimum a third). Rank 0
-    writes {bytes: seconds}."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    a = torch.randn(256, 256)
-
-    def work():  # about 3 ms of matmuls on one thread, a layer's share of a small model's step
-        for _ in range(8):
-            a @ a
-
-    def median(v: list[float]) -> float:
-        return sorted(v)[len(v) // 2]
-
-    result = {}
-    for numel in PROBE_NUMELS:
-        x = torch.ones(numel)
-        for _ in range(3):
-            dist.all_reduce(x)
-        solo, busy = [], []
-        for _ in range(30):
-            start = time.perf_counter()
-            work()
-            solo.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            work()
-            dist.all_reduce(x)
-            busy.append(time.perf_counter() - start)
-        result[numel * 4] = max(0.0, median(busy) - median(solo))
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-PROBE_NUMELS = (1, 64 * 2 ** 10, 512 * 2 ** 10, 2 * 2 ** 20)  # fp32 values: 4 B, 256 KiB, 2 MiB, 8 MiB
-
-
-def fit_links(costs: dict[float, float]) -> tuple[float, float]:
-    """(GB/s, latency µs) of the α–β model from all-reduce costs {bytes: seconds} between 2 ranks, whose ring
-    all-reduce costs 2α + n/β (2·(n−1)/n = 1): the least-squares line through the points."""
-    xs, ys = [float(k) for k in costs], list(costs.values())
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    intercept = my - slope * mx
-    if slope <= 0:
-        raise RuntimeError(f"the all-reduce probe found no bandwidth term: {costs}")
-    return 1 / slope / 1e9, max(intercept, 0.0) / 2 * 1e6
-
-
-def measure_links() -> tuple[float, float]:
-    """(GB/s, latency µs) of gloo between 2 busy processes (`_probe`, `fit_links`)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "probe.json"
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        __file__, "--probe", str(out)], check=True, capture_output=True)
-        probe = json.loads(out.read_text())
-    return fit_links({float(k): v for k, v in probe.items()})
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt-tiny")
@@ -158,11 +89,7 @@ def main() -> int:
     parser.add_argument("--statistic", choices=("min", "median"), default="min",
                         help="of the timed steps: min (the least disturbed by other jobs) or median")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
-    parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.probe:
-        _probe(args.probe)
-        return 0
     config, overrides = MODELS[args.model]
     cfg = load_config(config, overrides)
     cores = os.cpu_count() or 1

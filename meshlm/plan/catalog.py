@@ -112,8 +112,8 @@ def measure_this(threads: int | None = None, cores: int | None = None) -> Gpu:
     CUDA), its memory (`fit.machine_memory`), and on CPU a GEMM-efficiency curve, the memory bandwidth of a
     large copy, the per-op dispatch overhead of eager code, a softmax cross-entropy's time per logit (the
     unfused one and the fused head's) and, with `cores` > 1, how much slower the softmax runs on all cores
-    at once (`busy_slowdown`). The links are gloo over loopback on one host: a rough 2 GB/s and 50 µs
-    unless overridden (the trials benchmark measures them with an all-reduce probe)."""
+    at once (`busy_slowdown`). The links are gloo over loopback on one host: a rough 2 GB/s and 50 µs here;
+    `measure_links` measures them (`meshlm plan --gpu this` with more than one process)."""
     import time
 
     import torch
@@ -240,6 +240,93 @@ def _busy_slowdown(cores: int, alone_ns: float) -> float:
         for proc in procs:
             proc.join(timeout=30)
     return max(1.0, statistics.median(busy) / alone_ns)
+
+
+# fp32 values of the link probe's all-reduces: 4 B, 256 KiB, 2 MiB, 8 MiB
+LINK_PROBE_NUMELS = (1, 64 * 2 ** 10, 512 * 2 ** 10, 2 * 2 ** 20)
+
+
+def _link_worker(rank: int, init: str, queue) -> None:
+    """One of two gloo processes of `measure_links`: the cost of an all-reduce of each probe size after ~3 ms
+    of matmuls on both ranks (median of matmuls + all-reduce, less the median of the matmuls alone)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        a = torch.randn(256, 256)
+
+        def work():  # about 3 ms of matmuls on one thread, a layer's share of a small model's step
+            for _ in range(8):
+                a @ a
+
+        def median(v: list[float]) -> float:
+            return sorted(v)[len(v) // 2]
+
+        result = {}
+        for numel in LINK_PROBE_NUMELS:
+            x = torch.ones(numel)
+            for _ in range(3):
+                dist.all_reduce(x)
+            solo, busy = [], []
+            for _ in range(30):
+                start = time.perf_counter()
+                work()
+                solo.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                work()
+                dist.all_reduce(x)
+                busy.append(time.perf_counter() - start)
+            result[numel * 4.0] = max(0.0, median(busy) - median(solo))
+        if rank == 0:
+            queue.put(result)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def fit_links(costs: dict[float, float]) -> tuple[float, float]:
+    """(GB/s, latency µs) of the α–β model from all-reduce costs {bytes: seconds} between 2 ranks, whose ring
+    all-reduce costs 2α + n/β (2·(n−1)/n = 1): the least-squares line through the points."""
+    xs, ys = [float(k) for k in costs], list(costs.values())
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    if slope <= 0:
+        raise RuntimeError(f"the all-reduce probe found no bandwidth term: {costs}")
+    return 1 / slope / 1e9, max(my - slope * mx, 0.0) / 2 * 1e6
+
+
+def measure_links(timeout_s: float = 120.0) -> tuple[float, float]:
+    """(GB/s, latency µs) of gloo between two busy processes on this host, as a training step sees it: all-
+    reduces of 4 B to 8 MiB run between matmuls (`_link_worker`), fitted by `fit_links`. Between idle
+    processes, back-to-back all-reduces cost a half to a third of this (benchmarks/RESULTS.md)."""
+    import multiprocessing
+    import queue as queues
+    import tempfile
+    from pathlib import Path
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="meshlm-links-") as tmp:
+        init = Path(tmp, "rendezvous").as_uri()
+        procs = [ctx.Process(target=_link_worker, args=(r, init, out), daemon=True) for r in range(2)]
+        for proc in procs:
+            proc.start()
+        try:
+            costs = out.get(timeout=timeout_s)
+        except queues.Empty:
+            codes = [proc.exitcode for proc in procs]
+            raise RuntimeError(f"the gloo link probe gave no result in {timeout_s:g} s (exit codes {codes})") from None
+        finally:
+            for proc in procs:
+                proc.join(timeout=30)
+                if proc.is_alive():
+                    proc.kill()
+    return fit_links(costs)
 
 
 def _gemm_curve(peak_tflops: float, width: int = 64, rows: int = 1024) -> tuple[float, float]:

@@ -62,7 +62,7 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
 
 # ---- inputs ------------------------------------------------------------------------------------------------
 def _gpu(args: argparse.Namespace):
-    from meshlm.plan.catalog import get_gpu, measure_this, share_cores, with_overrides
+    from meshlm.plan.catalog import get_gpu, measure_links, measure_this, share_cores, with_overrides
 
     if args.gpu.strip().lower() == "this":
         threads = None
@@ -70,7 +70,9 @@ def _gpu(args: argparse.Namespace):
             threads = 1
         gpu = measure_this(threads, cores=os.cpu_count() if threads == 1 else None)
         if threads == 1:
-            gpu = share_cores(gpu)
+            gbps, latency = measure_links()  # gloo between two busy processes on this host
+            gpu = share_cores(with_overrides(gpu, intra_gbps=gbps, inter_gbps=gbps, intra_latency_us=latency,
+                                             inter_latency_us=latency))
     else:
         gpu = get_gpu(args.gpu)
     values = {name.replace("-", "_").replace("memory_gb", "memory_gib"): getattr(args, "gpu_" + name.replace("-", "_"))

@@ -112,3 +112,19 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):
 def test_console_script_exit_code_and_catalog():
     proc = run_cli("plan", "--config", "gpt-tiny", "--gpu", "nope")
     assert proc.returncode == 2 and all(name in proc.stderr for name in CATALOG)
+
+
+def test_trials_on_this_machine_measure_the_top_layouts_and_rerank_them():
+    """`--gpu this --gpus 2 --trial 2`: this machine measured (matmul rate, op overhead, gloo between two busy
+    processes), the search over 2 processes, then the top 2 layouts run for real with torchrun; the JSON
+    rows carry both times and come back sorted by the measured one."""
+    proc = run_cli("plan", "--config", "gpt-tiny", "--model.n_layers=2", "--model.seq_len=64", "--gpus", "2",
+                   "--gpus-per-node", "2", "--gpu", "this", "--global-batch-size", "8", "--trial", "2",
+                   "--steps", "3", "--json", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout)
+    assert len(rows) >= 2
+    measured = [r["measured_step_time_s"] for r in rows[:2]]
+    assert all(0 < m < 60 for m in measured), measured  # both ran (a failed trial is inf)
+    assert measured == sorted(measured)
+    assert all(r["tp"] * r["pp"] * r["dp"] == 2 and r["step_time_s"] > 0 for r in rows[:2])

@@ -94,7 +94,7 @@ def test_collectives_outside_the_layers_embedding_head_loss_and_the_tied_copies(
     """At tp > 1 every micro-batch runs the embedding's and the head input's activation-sized all-reduces
     (reduce-scatter / all-gather under SP) and the loss's two small ones (b·s and 2·b·s fp32 values); a
     pipeline with tied embeddings sums the two copies' V·h/tp gradients once per step."""
-    cfg, link = _cfg(), (A100.intra_gbps, A100.intra_latency_us, 0.75)
+    link = (A100.intra_gbps, A100.intra_latency_us, 0.75)
     b, s, h, vocab = 1, 2048, 2048, 51200
     act = b * s * h * 2  # bf16 activations
     assert _est(Candidate(1, 1, 8)).time.get("TP collectives (embedding, head, loss)", 0.0) == 0.0
@@ -165,11 +165,12 @@ def test_published_checks_of_the_validation_benchmark(monkeypatch):
 
 def test_spearman_and_the_measured_step_time_of_a_trial(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    trials = importlib.import_module("plan_trials")
-    spearman = trials.spearman
+    spearman = importlib.import_module("plan_trials").spearman
     # the link probe's α–β fit: 2 ranks' all-reduce costs 2α + n/β; points on that line give α and β back
+    from meshlm.plan.catalog import fit_links
+
     points = {float(n): 2 * 300e-6 + n / 1.5e9 for n in (4, 2 ** 18, 2 ** 21, 2 ** 23)}
-    gbps, latency = trials.fit_links(points)
+    gbps, latency = fit_links(points)
     assert gbps == pytest.approx(1.5) and latency == pytest.approx(300.0)
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
