@@ -249,6 +249,7 @@ LINK_PROBE_NUMELS = (1, 64 * 2 ** 10, 512 * 2 ** 10, 2 * 2 ** 20)
 def _link_worker(rank: int, init: str, queue) -> None:
     """One of two gloo processes of `measure_links`: the cost of an all-reduce of each probe size after ~3 ms
     of matmuls on both ranks (median of matmuls + all-reduce, less the median of the matmuls alone)."""
+    import statistics
     import time
 
     import torch
@@ -262,9 +263,6 @@ def _link_worker(rank: int, init: str, queue) -> None:
         def work():  # about 3 ms of matmuls on one thread, a layer's share of a small model's step
             for _ in range(8):
                 a @ a
-
-        def median(v: list[float]) -> float:
-            return sorted(v)[len(v) // 2]
 
         result = {}
         for numel in LINK_PROBE_NUMELS:
@@ -280,7 +278,7 @@ def _link_worker(rank: int, init: str, queue) -> None:
                 work()
                 dist.all_reduce(x)
                 busy.append(time.perf_counter() - start)
-            result[numel * 4.0] = max(0.0, median(busy) - median(solo))
+            result[numel * 4.0] = max(0.0, statistics.median(busy) - statistics.median(solo))
         if rank == 0:
             queue.put(result)
         dist.barrier()

@@ -70,9 +70,11 @@ def _gpu(args: argparse.Namespace):
             threads = 1
         gpu = measure_this(threads, cores=os.cpu_count() if threads == 1 else None)
         if threads == 1:
-            gbps, latency = measure_links()  # gloo between two busy processes on this host
-            gpu = share_cores(with_overrides(gpu, intra_gbps=gbps, inter_gbps=gbps, intra_latency_us=latency,
-                                             inter_latency_us=latency))
+            if args.gpu_intra_gbps is None or args.gpu_intra_latency_us is None:  # not both given: measure
+                gbps, latency = measure_links()  # gloo between two busy processes on this host
+                gpu = with_overrides(gpu, intra_gbps=gbps, inter_gbps=gbps, intra_latency_us=latency,
+                                     inter_latency_us=latency)
+            gpu = share_cores(gpu)
     else:
         gpu = get_gpu(args.gpu)
     values = {name.replace("-", "_").replace("memory_gb", "memory_gib"): getattr(args, "gpu_" + name.replace("-", "_"))

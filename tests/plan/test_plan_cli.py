@@ -4,6 +4,7 @@ one line). In-process through `meshlm.cli.main` (fast), and once through the con
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -125,6 +126,6 @@ def test_trials_on_this_machine_measure_the_top_layouts_and_rerank_them():
     rows = json.loads(proc.stdout)
     assert len(rows) >= 2
     measured = [r["measured_step_time_s"] for r in rows[:2]]
-    assert all(0 < m < 60 for m in measured), measured  # both ran (a failed trial is inf)
+    assert all(math.isfinite(m) and m > 0 for m in measured), measured  # both ran (a failed trial is inf)
     assert measured == sorted(measured)
     assert all(r["tp"] * r["pp"] * r["dp"] == 2 and r["step_time_s"] > 0 for r in rows[:2])
