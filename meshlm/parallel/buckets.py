@@ -28,8 +28,8 @@ class Bucket:
     starts: list[int]  # offset of each parameter in the flat buffers
     numel: int  # padded to a multiple of dp
     shard: tuple[int, int]  # this dp rank's [lo, hi) of the flat buffers
-    grad: torch.Tensor | None = None  # full-size gradients (ZeRO-2: during backward only)
-    shard_grad: torch.Tensor | None = None  # ZeRO-2: the reduced shard
+    grad: torch.Tensor | None = None  # full-size gradients (ZeRO-2: from the step's first gradient to the reduction)
+    shard_grad: torch.Tensor | None = None  # ZeRO-2: the reduced shard (from the reduction to `zero_grad`)
     param_buf: torch.Tensor | None = None  # ZeRO-1/2: the parameters, flat (each p.data is a view)
     waiting: int = 0  # parameters that have not yet seen the step's last micro-batch
     work: object = None  # the pending collective
@@ -56,9 +56,7 @@ class BucketedDataParallel(GradSync):
             b.waiting = len(b.params)
             if zero >= 1:
                 self._flatten_params(b)
-            if zero == 2:
-                b.shard_grad = b.param_buf.new_zeros(b.shard[1] - b.shard[0])
-            else:
+            if zero < 2:
                 self._bind_grads(b)
         self._shards = self._make_shards() if zero >= 1 else []
         self._shard_of = {id(sh.param): sh for sh in self._shards}
@@ -125,6 +123,7 @@ class BucketedDataParallel(GradSync):
         if b.grad is None:  # no parameter of the bucket got a gradient this step
             b.grad = torch.zeros(b.numel, dtype=b.params[0].dtype, device=b.params[0].device)
         if self.zero == 2:
+            b.shard_grad = b.grad.new_empty(b.shard[1] - b.shard[0])
             b.work = getattr(dist, _REDUCE_SCATTER)(b.shard_grad, b.grad, group=self.group, async_op=True)
         else:
             b.work = dist.all_reduce(b.grad, group=self.group, async_op=True)
@@ -148,6 +147,9 @@ class BucketedDataParallel(GradSync):
             for p in b.params:
                 p.grad = None
             b.grad = None
+        for sh in self._shards:
+            b, lo = sh.bucket, sh.bucket.shard[0]
+            sh.opt_key.grad = b.shard_grad[sh.flat_lo - lo:sh.flat_hi - lo]
         self._finish_shards()
 
     def _finish_shards(self) -> None:
@@ -198,9 +200,10 @@ class BucketedDataParallel(GradSync):
                 if a >= e:
                     continue
                 view = b.param_buf[a:e]
-                view.grad = b.shard_grad[a - lo:e - lo] if self.zero == 2 else b.grad[a:e]
+                if self.zero == 1:  # ZeRO-2 binds the reduced shard's view at each step's `finish`
+                    view.grad = b.grad[a:e]
                 mask = element_mask(p, counted_rows(p, masks, self.dims, self.pipe), a - s, e - s)
-                shards.append(_Shard(p, a - s, e - s, view, mask))
+                shards.append(_Shard(p, a - s, e - s, view, mask, b, a, e))
         return shards
 
     def build_optimizer(self, groups: ParamGroups, make: MakeOptimizer) -> torch.optim.Optimizer:
@@ -225,6 +228,14 @@ class BucketedDataParallel(GradSync):
         if self.zero < 2:
             for b in self.buckets:
                 b.grad.zero_()
+            return
+        # ZeRO-2: the shards have been stepped; they are freed, so that the next step's micro-batches run
+        # beside the full-size gradient buffers alone (8 + 8/dp B/param at fp32, as ZeRO-1), not those and
+        # the shards
+        for sh in self._shards:
+            sh.opt_key.grad = None
+        for b in self.buckets:
+            b.shard_grad = None
 
     def save_ranges(self) -> list[Owned]:
         if self.zero == 0:
@@ -244,6 +255,9 @@ class _Shard:
     hi: int
     opt_key: torch.Tensor  # 1-D view of the flat parameter buffer; .grad is the gradient shard
     norm_mask: torch.Tensor | None
+    bucket: Bucket
+    flat_lo: int  # the same range in the bucket's flat buffers
+    flat_hi: int
 
 
 def _sum_shared_rows(sh: _Shard, shared_rows, group) -> None:
