@@ -241,6 +241,27 @@ def _link(cluster: Cluster, span: int) -> tuple[float, float]:
     return g.inter_gbps, g.inter_latency_us
 
 
+# ---- gradients at the peak --------------------------------------------------------------------------------
+def gradient_bytes(full: float, zero: int, dp: int, microbatches: int, states: str, activations: float) -> float:
+    """The gradient bytes a rank adds to its peak, whose other part is `activations` (the most it holds in
+    flight); `full` is the unsharded gradients' size.
+
+    ZeRO-0/1 keep full-size buffers, and so does Megatron's distributed optimizer (`states="mixed"`) at any
+    stage. meshlm's ZeRO-2 (parallel/buckets.py) builds a bucket's full-size buffer at its first gradient
+    of the step and keeps it to the reduction, which it can only run after the last micro-batch: every
+    forward after the first runs beside them. The reduce-scattered shards (full/dp) come next to them at the
+    end of the backward, when the activations are spent, and live until `zero_grad`: the peak is the larger
+    of the two moments. FSDP2 (ZeRO-3) accumulates unsharded gradients likewise while gradient sync is off
+    (micro-batches before the last); with one micro-batch it reduce-scatters layer by layer during the
+    backward and keeps the shards. `tests/parallel/test_data_parallel.py` measures these states in a step."""
+    if dp <= 1 or zero < 2 or states == "mixed":
+        return full
+    during = full if microbatches > 1 else (full / dp if zero == 3 else 0.0)
+    if zero == 3:
+        return during
+    return max(during, full + full / dp - activations)
+
+
 # ---- the model -------------------------------------------------------------------------------------------
 def for_gpu(cal: Calibration, gpu: Gpu) -> Calibration:
     """`cal` with the GPU's measured GEMM curve, if it has one (`--gpu this`)."""
@@ -386,7 +407,7 @@ def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, op
 
     # -- data parallelism: the fullest rank's parameters and their traffic
     grads = p_max * opts.grad_bytes
-    if dp > 1 and cand.zero < 3:
+    if dp > 1:  # ZeRO-3 too: FSDP2 accumulates unsharded gradients and reduce-scatters in the last backward
         reduce = (gather_time if cand.zero >= 2 else all_reduce_time)(grads, dp, dp_gbps, dp_lat, cal.link_efficiency)
         window = (2 / 3) * (terms["GEMMs (layers)"] + terms["attention"]) \
             if opts.dp_overlap else 0.0
@@ -402,11 +423,12 @@ def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, op
             opts.grad_bytes * m.vocab_size * m.hidden_size / tp, 2, tie_gbps, tie_lat, cal.link_efficiency)
     # the weights the ZeRO all-gathers move: meshlm's are fp32; with 16-bit weights and fp32 master copies
     # ("mixed", Megatron's distributed optimizer) the updated 16-bit weights are gathered
-    weight_bytes = p_max * (2 if opts.states == "mixed" and opts.precision in ("bf16", "fp16") else 4)
+    weight_elem = 2 if opts.states == "mixed" and opts.precision in ("bf16", "fp16") else 4
+    weight_bytes = p_max * weight_elem
     time["ZeRO weight all-gather"] = gather_time(weight_bytes, dp, dp_gbps, dp_lat, cal.link_efficiency) \
         if dp > 1 and cand.zero in (1, 2) else 0.0
-    if dp > 1 and cand.zero == 3:  # per micro-batch: gather weights (forward, backward), reduce-scatter grads
-        per_mb = 3 * gather_time(weight_bytes, dp, dp_gbps, dp_lat, cal.link_efficiency)
+    if dp > 1 and cand.zero == 3:  # per micro-batch: gather the weights in forward and again in backward
+        per_mb = 2 * gather_time(weight_bytes, dp, dp_gbps, dp_lat, cal.link_efficiency)
         compute = terms["GEMMs (layers)"] + terms["attention"]
         time["ZeRO-3 gathers (exposed)"] = mb * max(per_mb - compute, 0.0) + per_mb / max(1, rank_layers[slowest])
     shard = dp if cand.zero >= 1 else 1
@@ -415,14 +437,12 @@ def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, op
 
     # -- memory on each rank; the fullest one counts
     per_param = model_state_bytes_per_param(opts.states, dp, distributed_optimizer=cand.zero >= 1, cfg=cfg)
-    if cand.zero >= 2:
-        per_param["grads"] /= dp
     if cand.zero >= 3:
         per_param["weights"] /= dp
     full_bytes = _layer_bytes(m, b, tp, sp, "full", opts, s)
     factor = pipeline_activation_factor(pp, mb, v) if pp > 1 else 1.0
     def rank_memory(r: int) -> dict[str, float]:
-        mem = {"weights": per_param["weights"] * params[r], "gradients": per_param["grads"] * params[r],
+        mem = {"weights": per_param["weights"] * params[r], "gradients": 0.0,
                "optimizer states": per_param["optimizer"] * params[r]}
         if opts.precision != "fp32" and opts.states == "fp32":
             mem["16-bit weight copies (autocast)"] = 2.0 * params[r]
@@ -435,6 +455,13 @@ def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, op
         mem["activations"] = layer_acts * held
         logits = 0.0 if (tp == 1 and opts.fused_loss) else 4.0 * b * s * m.vocab_size / tp
         mem["logits (last stage)"] = logits if r == pp - 1 else 0.0
+        mem["gradients"] = gradient_bytes(per_param["grads"] * params[r], cand.zero, dp, mb, opts.states,
+                                          mem["activations"] + mem["logits (last stage)"])
+        if cand.zero == 3 and dp > 1:
+            # FSDP2 keeps the root's own weights (embedding, final norm, head) gathered from its forward to
+            # its backward, and gathers each layer whole while it runs: those full copies beside the shards
+            mem["ZeRO-3 gathered weights (embedding, a layer)"] = weight_elem * rank_parameters(
+                m, 1, r == 0, r == pp - 1, tp, pp)
         mem["reserved (context, buffers)"] = cal.reserve_gib * GIB
         return mem
 

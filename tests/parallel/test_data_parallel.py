@@ -5,7 +5,8 @@ gpt-tiny/llama-tiny-shaped small models (dp_harness.py): float64, dropout off, 5
 global batch of 8 samples (1 per micro-batch) read through `BatchLoader`, so each dp rank takes its slice
 of the same global batch. Checked against the single-process run of the same global batches: per-step
 losses and gradient norms within 1e-9 relative, final weights within 1e-9 (every rank its own part; why
-float64 and 1e-9: dp_harness.TOL). Communication overlap and model-state memory are measured in fp32.
+float64 and 1e-9: dp_harness.TOL). Communication overlap and model-state memory are measured in fp32; the
+model states inside a step are measured against the planner's count (plan.cost).
 
 Resharding pairs (train 3 steps under the first layout, save; load under the second, 3 more steps; the 6
 losses within 1e-9 relative of 6 uninterrupted single-process steps, final weights within 1e-9; the
@@ -115,6 +116,58 @@ def _memory(run) -> dict:
             "theory": theory_bytes_per_param(run.sync.zero, run.dims.dp)}
 
 
+def _state_tensors(run) -> tuple[list, int]:
+    """Every tensor of model state on this rank: parameters, gradients, Adam's states, the buckets' flat
+    gradient buffers (ZeRO-2's full-size ones and its shards) and FSDP2's unsharded gradients (ZeRO-3), and
+    how many FSDP2 parameter groups were looked into (so that a torch that renamed them fails here)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    tensors = []
+    for p in list(run.model.parameters()) + [p for g in run.opt.param_groups for p in g["params"]]:
+        tensors += [p, p.grad]
+    tensors += [t for st in run.opt.state.values() for t in st.values() if torch.is_tensor(t)]
+    for b in getattr(run.sync, "buckets", []):
+        tensors += [b.grad, b.shard_grad]
+    groups = 0
+    for module in run.model.modules():
+        if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_group is not None:
+            groups += 1
+            for fp in module._get_fsdp_state()._fsdp_param_group.fsdp_params:
+                tensors += [fp.unsharded_accumulated_grad, getattr(fp._unsharded_param, "grad", None)]
+    return tensors, groups
+
+
+def _in_step_memory(run) -> dict:
+    """Model-state bytes per parameter inside the second step: the most at any module's forward (every
+    micro-batch), after each backward and after the reduction; and the most during the first forward."""
+    from meshlm.parallel.data import _storage_bytes
+
+    H.step(run)  # Adam's states exist from here on
+    n = sum(p.numel() for p in run.model.parameters())
+    peak, first, groups = [0.0], [0.0], [0]
+
+    def measure(*_, into=peak):
+        tensors, g = _state_tensors(run)
+        into[0] = max(into[0], _storage_bytes(tensors) / n)
+        groups[0] = max(groups[0], g)
+
+    hooks = [m.register_forward_pre_hook(measure) for m in run.model.modules()]
+    hooks += [m.register_forward_hook(measure) for m in run.model.modules()]
+    for i in range(run.m):
+        x, y = run.loader.next()
+        run.sync.set_last_microbatch(i == run.m - 1)
+        out = run.model(x)
+        if i == 0:
+            first[0] = peak[0]  # the first micro-batch's forward
+        (run.loss_fn(out, y) / run.m).backward()
+        measure()
+    run.sync.finish()
+    measure()
+    for h in hooks:
+        h.remove()
+    return {"peak": peak[0], "first": first[0], "fsdp_groups": groups[0], "microbatches": run.m}
+
+
 def _worker(rank: int, world: int, out_dir: str) -> dict:
     root = Path(out_dir).parent
     refs = torch.load(root / "references.pt", weights_only=False)  # computed once, by the test process
@@ -136,6 +189,7 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
         for zero in range(4):
             cfg, dims = _run("gpt", 1, 1, 2, zero)
             out[f"memory_zero{zero}"] = _memory(H.build_run(cfg, dims))
+            out[f"in_step_zero{zero}"] = _in_step_memory(H.build_run(cfg, dims))
     if world == 4:
         cfg, dims = _run("gpt", 1, 2, 2, 0)
         run = H.build_run(cfg, dims)
@@ -220,6 +274,35 @@ def test_model_state_memory_matches_theory(worlds, zero):
         mem = res[f"memory_zero{zero}"]
         # within 3%: bucket and FSDP padding, Adam's step counters
         assert abs(mem["per_param"] - mem["theory"]) <= 0.03 * mem["theory"], mem
+
+
+@pytest.mark.parametrize("zero", range(4))
+def test_model_states_inside_a_step_are_what_the_planner_counts(worlds, zero):
+    """The planner's model states of this layout (plan.cost: weights, gradients at the peak, Adam's states,
+    ZeRO-3's gathered weights) against the most this runtime holds at any point of a step of 4 micro-batches:
+    the bucketed ZeRO-2 keeps full-size buffers from the second micro-batch on and its shards beside them
+    after the last backward (the moment the planner pairs with spent activations: activations 0 here);
+    FSDP2 accumulates unsharded gradients while gradient sync is off."""
+    from meshlm.plan.catalog import get_gpu
+    from meshlm.plan.cost import Candidate, Cluster, Options, gradient_bytes
+    from meshlm.plan.search import evaluate
+
+    results, _, _ = worlds
+    cfg = H.config("gpt", dp=2, zero=zero)
+    est = evaluate(cfg, Candidate(1, 1, 2, zero=zero), Cluster(get_gpu("a100-80gb"), 2, 2),
+                   cfg.train.global_batch_size, Options(precision="fp32", device_type="cpu"))
+    n = est.memory["optimizer states"] / (8.0 if zero == 0 else 4.0)  # Adam's 8 B/param, over dp=2 under ZeRO
+    states = {k: v for k, v in est.memory.items()
+              if k not in ("activations", "logits (last stage)", "reserved (context, buffers)")}
+    states["gradients"] = gradient_bytes(4.0 * n, zero, 2, 4, "fp32", activations=0.0)
+    for res in results[2]:
+        got = res[f"in_step_zero{zero}"]
+        assert got["microbatches"] == 4
+        assert got["fsdp_groups"] == (5 if zero == 3 else 0), "FSDP2's parameter groups: 4 layers and the root"
+        # within 1%: bucket padding, Adam's step counters
+        assert got["peak"] == pytest.approx(sum(states.values()) / n, rel=0.01), (got, states)
+    if zero == 2:  # no gradient buffer lives between steps: the first micro-batch runs beside 4 + 8/2 B/param
+        assert all(res["in_step_zero2"]["first"] == pytest.approx(8.0, rel=0.01) for res in results[2])
 
 
 def test_report_max_diffs(worlds, capsys):
