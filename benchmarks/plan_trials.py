@@ -13,7 +13,8 @@ are most of the step, as in a real model; fp32 and AdamW, the precision and opti
 The planner's "GPU" is this machine, measured here first: the one-thread matmul rate, the memory bandwidth
 and the per-op host time (`catalog.measure_this(threads=1)`: torchrun gives each process one thread), and
 gloo's all-reduce latency and bandwidth between 2 processes, fitted to all-reduces of 4 B to 8 MiB run
-between matmuls as a training step runs them (`catalog.measure_links`, as `meshlm plan --gpu this` does). n
+between matmuls as a training step runs them, and its all-gathers' and reduce-scatters' cost against
+those all-reduces' (`catalog.measure_links`, as `meshlm plan --gpu this` does). n
 busy processes on c cores each get min(1, c/n) of a core (`catalog.share_cores`, `cost.estimate`). Each layout then runs
 `meshlm train` under torchrun for --steps steps; its measured step time is the minimum of the logged step
 times without the first (the least disturbed by other jobs on a shared machine; --statistic median), over
@@ -94,14 +95,16 @@ def main() -> int:
     cfg = load_config(config, overrides)
     cores = os.cpu_count() or 1
     one = measure_this(threads=1, cores=cores)
-    gbps, latency = measure_links()
-    one = with_overrides(one, intra_gbps=gbps, inter_gbps=gbps, intra_latency_us=latency, inter_latency_us=latency)
+    gbps, latency, gather = measure_links()
+    one = with_overrides(one, intra_gbps=gbps, inter_gbps=gbps, intra_latency_us=latency, inter_latency_us=latency,
+                         gather_cost=gather)
     gpu = share_cores(one, cores)
     print(f"this machine ({cores} cores), one thread: {one.tflops * 1e3:.1f} GFLOP/s fp32 matmul (GEMM curve "
           f"{one.gemm_max_efficiency:.2f}·w/(w + {one.gemm_half_width:.0f})), "
           f"{one.hbm_gbps:.1f} GB/s copy, {one.op_overhead_us:.1f} µs per op, softmax {one.softmax_ns_per_element:.1f} "
           f"ns per logit (fused head {one.fused_softmax_ns_per_element:.1f}), {one.busy_slowdown:.2f}x slower on "
-          f"all {cores} cores at once; gloo {gbps:.2f} GB/s, {latency:.0f} µs; load average {os.getloadavg()[0]:.2f}")
+          f"all {cores} cores at once; gloo {gbps:.2f} GB/s, {latency:.0f} µs, all-gather / reduce-scatter "
+          f"{gather:.2f}× an all-reduce; load average {os.getloadavg()[0]:.2f}")
     opts = Options(precision="fp32", device_type="cpu", fused_loss=cfg.train.fused_loss)
     rows = []
     for cand in LAYOUTS:

@@ -12,7 +12,10 @@ has it, fp16 on V100), stated per GPU:
 * `intra_latency_us`, `inter_latency_us`: the α of the α–β model, the fixed cost of one step of a collective
   on that link (a few µs: the usual order of magnitude for NVLink and InfiniBand, not a datasheet figure);
 * `op_overhead_us`: host time per launched operation that is *not* hidden behind the device's work. GPUs
-  launch asynchronously (0); on a CPU every eager op costs its dispatch (measured by `--gpu this`).
+  launch asynchronously (0); on a CPU every eager op costs its dispatch (measured by `--gpu this`);
+* `gather_cost`: what an all-gather or a reduce-scatter of a tensor costs, as a fraction of an all-reduce
+  of it. A ring runs half an all-reduce's steps (0.5, NCCL); gloo's are slower than that (measured by
+  `--gpu this`).
 
 Any field can be overridden (`with_overrides`, the `--gpu-*` options of `meshlm plan`).
 """
@@ -54,6 +57,9 @@ class Gpu:
     # None: a device per process (GPUs).
     host_cores: int | None = None
     busy_slowdown: float = 1.0
+    # An all-gather's or reduce-scatter's cost as a fraction of an all-reduce's of the same tensor (module
+    # docstring): a ring's 0.5; measured on gloo by `measure_links`.
+    gather_cost: float = 0.5
 
     def describe(self) -> str:
         return (f"{self.name}: {self.tflops:g} TFLOP/s, {self.memory_gib:g} GiB, HBM {self.hbm_gbps:g} GB/s, "
@@ -77,7 +83,7 @@ CATALOG: dict[str, Gpu] = {g.name: g for g in [
 ]}
 
 OVERRIDABLE = ("tflops", "memory_gib", "hbm_gbps", "intra_gbps", "inter_gbps", "intra_latency_us",
-               "inter_latency_us", "op_overhead_us")
+               "inter_latency_us", "op_overhead_us", "gather_cost")
 
 
 def get_gpu(name: str) -> Gpu:
@@ -244,16 +250,20 @@ def _busy_slowdown(cores: int, alone_ns: float) -> float:
 
 # fp32 values of the link probe's all-reduces: 4 B, 256 KiB, 2 MiB, 8 MiB
 LINK_PROBE_NUMELS = (1, 64 * 2 ** 10, 512 * 2 ** 10, 2 * 2 ** 20)
+GATHER_PROBE_NUMELS = LINK_PROBE_NUMELS[2:]  # where bandwidth, not latency, sets the cost
 
 
 def _link_worker(rank: int, init: str, queue) -> None:
     """One of two gloo processes of `measure_links`: the cost of an all-reduce of each probe size after ~3 ms
-    of matmuls on both ranks (median of matmuls + all-reduce, less the median of the matmuls alone)."""
+    of matmuls on both ranks (median of matmuls + all-reduce, less the median of the matmuls alone), and of
+    an all-gather and a reduce-scatter of the larger tensors (the calls tensor parallelism makes)."""
     import statistics
     import time
 
     import torch
     import torch.distributed as dist
+
+    from meshlm.parallel.tensor_layers import _ALL_GATHER, _REDUCE_SCATTER
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
@@ -264,11 +274,9 @@ def _link_worker(rank: int, init: str, queue) -> None:
             for _ in range(8):
                 a @ a
 
-        result = {}
-        for numel in LINK_PROBE_NUMELS:
-            x = torch.ones(numel)
+        def cost(collective) -> float:
             for _ in range(3):
-                dist.all_reduce(x)
+                collective()
             solo, busy = [], []
             for _ in range(30):
                 start = time.perf_counter()
@@ -276,9 +284,18 @@ def _link_worker(rank: int, init: str, queue) -> None:
                 solo.append(time.perf_counter() - start)
                 start = time.perf_counter()
                 work()
-                dist.all_reduce(x)
+                collective()
                 busy.append(time.perf_counter() - start)
-            result[numel * 4.0] = max(0.0, statistics.median(busy) - statistics.median(solo))
+            return max(0.0, statistics.median(busy) - statistics.median(solo))
+
+        result = {"all_reduce": {}, "all_gather": {}, "reduce_scatter": {}}
+        for numel in LINK_PROBE_NUMELS:
+            x = torch.ones(numel)
+            result["all_reduce"][numel * 4.0] = cost(lambda x=x: dist.all_reduce(x))
+            if numel in GATHER_PROBE_NUMELS:  # the same full tensor, gathered from halves or scattered into them
+                half = torch.ones(numel // 2)
+                result["all_gather"][numel * 4.0] = cost(lambda x=x, h=half: getattr(dist, _ALL_GATHER)(x, h))
+                result["reduce_scatter"][numel * 4.0] = cost(lambda x=x, h=half: getattr(dist, _REDUCE_SCATTER)(h, x))
         if rank == 0:
             queue.put(result)
         dist.barrier()
@@ -298,10 +315,22 @@ def fit_links(costs: dict[float, float]) -> tuple[float, float]:
     return 1 / slope / 1e9, max(my - slope * mx, 0.0) / 2 * 1e6
 
 
-def measure_links(timeout_s: float = 120.0) -> tuple[float, float]:
-    """(GB/s, latency µs) of gloo between two busy processes on this host, as a training step sees it: all-
-    reduces of 4 B to 8 MiB run between matmuls (`_link_worker`), fitted by `fit_links`. Between idle
-    processes, back-to-back all-reduces cost a half to a third of this (benchmarks/RESULTS.md)."""
+def gather_cost_of(costs: dict[str, dict[float, float]]) -> float:
+    """An all-gather's and a reduce-scatter's mean cost over an all-reduce's of the same tensors (the sizes
+    measured for all three), kept within [0.25, 2]: tensor parallelism with SP runs about as many of each."""
+    sizes = [n for n in costs["all_gather"] if n in costs["reduce_scatter"] and n in costs["all_reduce"]]
+    reduce = sum(costs["all_reduce"][n] for n in sizes)
+    if not sizes or reduce <= 0:
+        return 0.5
+    gathers = sum(costs["all_gather"][n] + costs["reduce_scatter"][n] for n in sizes) / 2
+    return min(2.0, max(0.25, gathers / reduce))
+
+
+def measure_links(timeout_s: float = 120.0) -> tuple[float, float, float]:
+    """(GB/s, latency µs, `gather_cost`) of gloo between two busy processes on this host, as a training step
+    sees it: all-reduces of 4 B to 8 MiB run between matmuls (`_link_worker`), fitted by `fit_links`, and
+    all-gathers and reduce-scatters of 2 and 8 MiB against the all-reduces of those sizes (`gather_cost_of`).
+    Between idle processes, back-to-back all-reduces cost a half to a third of this (benchmarks/RESULTS.md)."""
     import multiprocessing
     import queue as queues
     import tempfile
@@ -324,7 +353,7 @@ def measure_links(timeout_s: float = 120.0) -> tuple[float, float]:
                 proc.join(timeout=30)
                 if proc.is_alive():
                     proc.kill()
-    return fit_links(costs)
+    return (*fit_links(costs["all_reduce"]), gather_cost_of(costs))
 
 
 def _gemm_curve(peak_tflops: float, width: int = 64, rows: int = 1024) -> tuple[float, float]:

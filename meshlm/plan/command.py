@@ -25,7 +25,8 @@ GIB = 2 ** 30
 GPU_FIELDS = [("tflops", "dense 16-bit peak TFLOP/s"), ("memory-gb", "memory per GPU, GiB"),
               ("hbm-gbps", "memory bandwidth, GB/s"), ("intra-gbps", "intra-node link per GPU, GB/s"),
               ("inter-gbps", "inter-node link per GPU, GB/s"), ("intra-latency-us", "intra-node latency, µs"),
-              ("inter-latency-us", "inter-node latency, µs"), ("op-overhead-us", "host time per op, µs")]
+              ("inter-latency-us", "inter-node latency, µs"), ("op-overhead-us", "host time per op, µs"),
+              ("gather-cost", "all-gather / reduce-scatter cost as a fraction of an all-reduce's")]
 LAYOUT_KEYS = {"tp", "pp", "dp", "vpp", "sp", "mbs", "micro_batch_size", "recompute", "zero"}
 
 
@@ -71,9 +72,9 @@ def _gpu(args: argparse.Namespace):
         gpu = measure_this(threads, cores=os.cpu_count() if threads == 1 else None)
         if threads == 1:
             if args.gpu_intra_gbps is None or args.gpu_intra_latency_us is None:  # not both given: measure
-                gbps, latency = measure_links()  # gloo between two busy processes on this host
+                gbps, latency, gather = measure_links()  # gloo between two busy processes on this host
                 gpu = with_overrides(gpu, intra_gbps=gbps, inter_gbps=gbps, intra_latency_us=latency,
-                                     inter_latency_us=latency)
+                                     inter_latency_us=latency, gather_cost=gather)
             gpu = share_cores(gpu)
     else:
         gpu = get_gpu(args.gpu)

@@ -228,9 +228,10 @@ def all_reduce_time(nbytes: float, n: int, gbps: float, latency_us: float, eff: 
     return 2 * (n - 1) / n * nbytes / (gbps * 1e9 * eff) + 2 * (n - 1) * latency_us * 1e-6
 
 
-def gather_time(nbytes: float, n: int, gbps: float, latency_us: float, eff: float) -> float:
-    """Ring all-gather or reduce-scatter of `nbytes` (the full tensor): half an all-reduce."""
-    return all_reduce_time(nbytes, n, gbps, latency_us, eff) / 2
+def gather_time(nbytes: float, n: int, gbps: float, latency_us: float, eff: float, cost: float = 0.5) -> float:
+    """All-gather or reduce-scatter of `nbytes` (the full tensor): `cost` of an all-reduce (`Gpu.gather_cost`;
+    a ring's half by default)."""
+    return all_reduce_time(nbytes, n, gbps, latency_us, eff) * cost
 
 
 def _link(cluster: Cluster, span: int) -> tuple[float, float]:
@@ -324,8 +325,11 @@ def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, op
     # two in forward (after attention, after the MLP), two in backward (their conjugates), unless those
     # hide behind the weight-gradient GEMMs (a third of the layer's GEMM time)
     n_coll = 2 if opts.tp_backward_overlap else 4
-    t_coll = all_reduce_time(act_msg, tp, tp_gbps, tp_lat, cal.link_efficiency)
-    t_regather = 2 * gather_time(act_msg, tp, tp_gbps, tp_lat, cal.link_efficiency) if sp and opts.sp_regather else 0.0
+    # under SP each all-reduce is an all-gather and a reduce-scatter, each `gather_cost` of an all-reduce
+    gathered = gpu.gather_cost
+    t_coll = all_reduce_time(act_msg, tp, tp_gbps, tp_lat, cal.link_efficiency) * (2 * gathered if sp else 1.0)
+    t_regather = 2 * gather_time(act_msg, tp, tp_gbps, tp_lat, cal.link_efficiency, gathered) \
+        if sp and opts.sp_regather else 0.0
     if opts.tp_backward_overlap:
         t_regather = max(0.0, 2 * t_coll + t_regather - t_gemm / 3)
     t_ops = cal.layer_ops * gpu.op_overhead_us * 1e-6
@@ -370,8 +374,7 @@ def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, op
     # target logit), b·s and 2·b·s fp32 values
     t_embed_coll = t_head_coll = 0.0
     if tp > 1:
-        edge = gather_time if sp else all_reduce_time
-        t_embed_coll = edge(act_msg, tp, tp_gbps, tp_lat, cal.link_efficiency)
+        t_embed_coll = all_reduce_time(act_msg, tp, tp_gbps, tp_lat, cal.link_efficiency) * (gathered if sp else 1.0)
         t_head_coll = t_embed_coll + all_reduce_time(4.0 * b * s, tp, tp_gbps, tp_lat, cal.link_efficiency) \
             + all_reduce_time(8.0 * b * s, tp, tp_gbps, tp_lat, cal.link_efficiency)
     edge_coll = [(t_embed_coll if r == 0 else 0.0) + (t_head_coll if r == pp - 1 else 0.0) for r in range(pp)]
@@ -408,7 +411,7 @@ def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, op
     # -- data parallelism: the fullest rank's parameters and their traffic
     grads = p_max * opts.grad_bytes
     if dp > 1:  # ZeRO-3 too: FSDP2 accumulates unsharded gradients and reduce-scatters in the last backward
-        reduce = (gather_time if cand.zero >= 2 else all_reduce_time)(grads, dp, dp_gbps, dp_lat, cal.link_efficiency)
+        reduce = all_reduce_time(grads, dp, dp_gbps, dp_lat, cal.link_efficiency) * (gathered if cand.zero >= 2 else 1.0)
         window = (2 / 3) * (terms["GEMMs (layers)"] + terms["attention"]) \
             if opts.dp_overlap else 0.0
         tail = all_reduce_time(min(grads, cfg.parallel.bucket_mb * 2 ** 20), dp, dp_gbps, dp_lat, cal.link_efficiency)
@@ -425,10 +428,10 @@ def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, op
     # ("mixed", Megatron's distributed optimizer) the updated 16-bit weights are gathered
     weight_elem = 2 if opts.states == "mixed" and opts.precision in ("bf16", "fp16") else 4
     weight_bytes = p_max * weight_elem
-    time["ZeRO weight all-gather"] = gather_time(weight_bytes, dp, dp_gbps, dp_lat, cal.link_efficiency) \
+    time["ZeRO weight all-gather"] = gather_time(weight_bytes, dp, dp_gbps, dp_lat, cal.link_efficiency, gathered) \
         if dp > 1 and cand.zero in (1, 2) else 0.0
     if dp > 1 and cand.zero == 3:  # per micro-batch: gather the weights in forward and again in backward
-        per_mb = 2 * gather_time(weight_bytes, dp, dp_gbps, dp_lat, cal.link_efficiency)
+        per_mb = 2 * gather_time(weight_bytes, dp, dp_gbps, dp_lat, cal.link_efficiency, gathered)
         compute = terms["GEMMs (layers)"] + terms["attention"]
         time["ZeRO-3 gathers (exposed)"] = mb * max(per_mb - compute, 0.0) + per_mb / max(1, rank_layers[slowest])
     shard = dp if cand.zero >= 1 else 1

@@ -178,6 +178,31 @@ def test_published_checks_of_the_validation_benchmark(monkeypatch):
     assert not tp2.fits and tp2.memory["gradients"] == pytest.approx(4.0 * tp2.memory["weights"] / 2.0)
 
 
+def test_gather_cost_prices_sequence_parallel_and_zero_gathers_against_an_all_reduce():
+    """A link whose all-gathers and reduce-scatters cost a whole all-reduce (gloo, measured: gather_cost ≈ 1)
+    doubles SP's per-layer collectives and the ZeRO gathers against a ring's half; without SP nothing moves."""
+    from meshlm.plan.catalog import gather_cost_of
+
+    slow = with_overrides(A100, gather_cost=1.0)
+    for cand, keys in ((Candidate(4, 1, 2, sp=True), ("TP collectives", "TP collectives (embedding, head, loss)")),
+                       (Candidate(2, 1, 4, zero=1), ("ZeRO weight all-gather",))):
+        ring, whole = _est(cand), _est(cand, gpu=slow)
+        for key in keys:
+            if key == "TP collectives (embedding, head, loss)":  # the loss's two small all-reduces stay
+                link = (A100.intra_gbps, A100.intra_latency_us, 0.75)
+                small = 32 * (all_reduce_time(4 * 2048, 4, *link) + all_reduce_time(8 * 2048, 4, *link))
+                assert whole.time[key] - small == pytest.approx(2 * (ring.time[key] - small))
+            else:
+                assert whole.time[key] == pytest.approx(2 * ring.time[key]), key
+    plain = Candidate(4, 1, 2)
+    assert _est(plain, gpu=slow).time["TP collectives"] == pytest.approx(_est(plain).time["TP collectives"])
+    # the measured ratio: the mean of an all-gather's and a reduce-scatter's cost over an all-reduce's
+    costs = {"all_reduce": {2e6: 2e-3, 8e6: 6e-3, 4.0: 5e-4}, "all_gather": {2e6: 1e-3, 8e6: 5e-3},
+             "reduce_scatter": {2e6: 3e-3, 8e6: 7e-3}}
+    assert gather_cost_of(costs) == pytest.approx((1e-3 + 5e-3 + 3e-3 + 7e-3) / 2 / 8e-3)
+    assert gather_cost_of({"all_reduce": {}, "all_gather": {}, "reduce_scatter": {}}) == 0.5
+
+
 def test_spearman_and_the_measured_step_time_of_a_trial(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     spearman = importlib.import_module("plan_trials").spearman
