@@ -187,14 +187,15 @@ def explain(e, cfg: Config) -> str:
              f"global batch {cfg.train.global_batch_size} × {cfg.model.seq_len} tokens"
              + (f", {parameter_count(cfg.model) / 1e9:.2f}B parameters" if cfg.model.family == "gpt" else ""),
              "", "memory per GPU (the fullest pipeline rank):"]
+    w = max(36, *(len(k) for k in [*e.memory, *e.time]))
     for k, v in e.memory.items():
-        lines.append(f"  {k:<36} {v / GIB:>10.3f} GiB")
-    lines.append(f"  {'total':<36} {e.memory_bytes / GIB:>10.3f} GiB of {e.memory_limit / GIB:g} GiB: "
+        lines.append(f"  {k:<{w}} {v / GIB:>10.3f} GiB")
+    lines.append(f"  {'total':<{w}} {e.memory_bytes / GIB:>10.3f} GiB of {e.memory_limit / GIB:g} GiB: "
                  f"{'fits' if e.fits else 'DOES NOT FIT'}")
     lines += ["", "time per step (the slowest pipeline rank):"]
     for k, v in e.time.items():
-        lines.append(f"  {k:<36} {v:>12.6f} s  {100 * v / e.step_time_s:5.1f}%")
-    lines.append(f"  {'step':<36} {e.step_time_s:>12.6f} s")
+        lines.append(f"  {k:<{w}} {v:>12.6f} s  {100 * v / e.step_time_s:5.1f}%")
+    lines.append(f"  {'step':<{w}} {e.step_time_s:>12.6f} s")
     lines.append(f"\n{e.tokens_per_s:,.0f} tokens/s, {_tflops(e.tflops_per_gpu)} TFLOP/s per GPU, MFU "
                  f"{100 * e.mfu:.1f}%, HFU {100 * e.hfu:.1f}%")
     return "\n".join(lines)

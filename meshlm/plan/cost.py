@@ -463,7 +463,7 @@ def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, op
         if cand.zero == 3 and dp > 1:
             # FSDP2 keeps the root's own weights (embedding, final norm, head) gathered from its forward to
             # its backward, and gathers each layer whole while it runs: those full copies beside the shards
-            mem["ZeRO-3 gathered weights (embedding, a layer)"] = weight_elem * rank_parameters(
+            mem["ZeRO-3 gathered weights"] = weight_elem * rank_parameters(
                 m, 1, r == 0, r == pp - 1, tp, pp)
         mem["reserved (context, buffers)"] = cal.reserve_gib * GIB
         return mem
