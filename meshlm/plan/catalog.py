@@ -328,9 +328,16 @@ def gather_cost_of(costs: dict[str, dict[float, float]]) -> float:
 
 def measure_links(timeout_s: float = 120.0) -> tuple[float, float, float]:
     """(GB/s, latency µs, `gather_cost`) of gloo between two busy processes on this host, as a training step
-    sees it: all-reduces of 4 B to 8 MiB run between matmuls (`_link_worker`), fitted by `fit_links`, and
-    all-gathers and reduce-scatters of 2 and 8 MiB against the all-reduces of those sizes (`gather_cost_of`).
-    Between idle processes, back-to-back all-reduces cost a half to a third of this (benchmarks/RESULTS.md)."""
+    sees it: all-reduces of 4 B to 8 MiB run between matmuls (`measure_link_costs`), fitted by `fit_links`,
+    and all-gathers and reduce-scatters of 2 and 8 MiB against the all-reduces of those sizes
+    (`gather_cost_of`). Between idle processes, back-to-back all-reduces cost a half to a third of this
+    (benchmarks/RESULTS.md)."""
+    costs = measure_link_costs(timeout_s)
+    return (*fit_links(costs["all_reduce"]), gather_cost_of(costs))
+
+
+def measure_link_costs(timeout_s: float = 120.0) -> dict[str, dict[float, float]]:
+    """{collective: {full tensor bytes: seconds}} from two spawned gloo processes (`_link_worker`)."""
     import multiprocessing
     import queue as queues
     import tempfile
@@ -353,7 +360,7 @@ def measure_links(timeout_s: float = 120.0) -> tuple[float, float, float]:
                 proc.join(timeout=30)
                 if proc.is_alive():
                     proc.kill()
-    return (*fit_links(costs["all_reduce"]), gather_cost_of(costs))
+    return costs
 
 
 def _gemm_curve(peak_tflops: float, width: int = 64, rows: int = 1024) -> tuple[float, float]:

@@ -374,7 +374,8 @@ def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, op
     # target logit), b·s and 2·b·s fp32 values
     t_embed_coll = t_head_coll = 0.0
     if tp > 1:
-        t_embed_coll = all_reduce_time(act_msg, tp, tp_gbps, tp_lat, cal.link_efficiency) * (gathered if sp else 1.0)
+        t_embed_coll = gather_time(act_msg, tp, tp_gbps, tp_lat, cal.link_efficiency, gathered) if sp else \
+            all_reduce_time(act_msg, tp, tp_gbps, tp_lat, cal.link_efficiency)
         t_head_coll = t_embed_coll + all_reduce_time(4.0 * b * s, tp, tp_gbps, tp_lat, cal.link_efficiency) \
             + all_reduce_time(8.0 * b * s, tp, tp_gbps, tp_lat, cal.link_efficiency)
     edge_coll = [(t_embed_coll if r == 0 else 0.0) + (t_head_coll if r == pp - 1 else 0.0) for r in range(pp)]
@@ -411,7 +412,8 @@ def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, op
     # -- data parallelism: the fullest rank's parameters and their traffic
     grads = p_max * opts.grad_bytes
     if dp > 1:  # ZeRO-3 too: FSDP2 accumulates unsharded gradients and reduce-scatters in the last backward
-        reduce = all_reduce_time(grads, dp, dp_gbps, dp_lat, cal.link_efficiency) * (gathered if cand.zero >= 2 else 1.0)
+        reduce = gather_time(grads, dp, dp_gbps, dp_lat, cal.link_efficiency, gathered) if cand.zero >= 2 else \
+            all_reduce_time(grads, dp, dp_gbps, dp_lat, cal.link_efficiency)
         window = (2 / 3) * (terms["GEMMs (layers)"] + terms["attention"]) \
             if opts.dp_overlap else 0.0
         tail = all_reduce_time(min(grads, cfg.parallel.bucket_mb * 2 ** 20), dp, dp_gbps, dp_lat, cal.link_efficiency)

@@ -314,9 +314,12 @@ def test_report_max_diffs(worlds, capsys):
     results, _, _ = worlds
     mem = [f"ZeRO-{z}: {results[2][0][f'memory_zero{z}']['per_param']:.2f} B/param (theory "
            f"{results[2][0][f'memory_zero{z}']['theory']:.2f})" for z in range(4)]
+    inside = [f"ZeRO-{z}: {results[2][0][f'in_step_zero{z}']['first']:.2f} in the first forward, "
+              f"{results[2][0][f'in_step_zero{z}']['peak']:.2f} at most" for z in range(4)]
     with capsys.disabled():
         print("\nworst differences from one process (loss, grad_norm relative; weights absolute):\n"
-              + "\n".join(lines) + "\nmodel states at dp=2: " + "; ".join(mem))
+              + "\n".join(lines) + "\nmodel states at dp=2: " + "; ".join(mem)
+              + "\ninside a step of 4 micro-batches, B/param: " + "; ".join(inside))
 
 
 def test_layouts_data_parallelism_cannot_serve_are_refused_with_the_reason():

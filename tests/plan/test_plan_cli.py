@@ -57,6 +57,35 @@ def test_layout_evaluates_one_layout_as_the_search_does(capsys):
         est.memory_bytes / 2 ** 30, abs=1e-3)
 
 
+def test_gpu_gather_cost_reprices_sequence_parallel_layouts(capsys):
+    """`--gpu-gather-cost 1` (gloo's measured ratio) makes an SP layout's collectives slower; a layout
+    without SP or ZeRO gathers does not move."""
+    def step(layout: str, *extra: str) -> float:
+        rc, out, _ = _run(capsys, *CLUSTER, "--layout", layout, "--json", *extra)
+        assert rc == 0
+        return json.loads(out)[0]["step_time_s"]
+
+    sp, plain = "tp=2,pp=2,dp=4,sp=true,mbs=2,recompute=selective,zero=0", "tp=2,pp=2,dp=4,mbs=2,zero=0"
+    assert step(sp, "--gpu-gather-cost", "1.0") > step(sp)
+    assert step(plain, "--gpu-gather-cost", "1.0") == pytest.approx(step(plain))
+
+
+def test_gloo_collectives_benchmark_prints_every_probe_size(monkeypatch, capsys):
+    """benchmarks/gloo_collectives.py: one run of the probe `--gpu this` uses, a row per size and the fit."""
+    import importlib
+    import sys
+
+    from meshlm.plan.catalog import LINK_PROBE_NUMELS
+    from tests.conftest import ROOT
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.setattr(sys, "argv", ["gloo_collectives.py", "--runs", "1"])
+    importlib.import_module("gloo_collectives").main()
+    out = capsys.readouterr().out
+    assert len(re.findall(r"^\| 1 \| ", out, re.MULTILINE)) == len(LINK_PROBE_NUMELS)
+    assert re.search(r"gather_cost \d+\.\d\d \(a ring: 0\.50\)", out), out
+
+
 def test_explain_prints_terms_that_add_up(capsys):
     rc, out, _ = _run(capsys, *CLUSTER, "--explain", "tp=2,pp=4,dp=2,vpp=2,mbs=1,recompute=full")
     assert rc == 0
@@ -102,6 +131,7 @@ def test_inference_meets_the_latency_target(capsys):
      "GPUs of this type would fit it"),
     (["--layout", "tp=2,pp=2,dp=3"], "the world has 8 processes; set parallel.dp=2"),
     (["--layout", "tp=2,banana=1"], "is not key=value"),
+    (["--gpu-gather-cost", "0"], "--gpu-gather-cost=0.0 must be positive"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):
     base = ["--config", "gpt2-1.3b", "--gpus", "8"]
