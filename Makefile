@@ -13,6 +13,8 @@ demo: setup
 	$(PY) -m meshlm train --config demo
 
 test: setup-test
+	.venv/bin/lint-imports
+	$(PY) -m ruff check meshlm tests benchmarks
 	$(PY) -m pytest tests
 
 lint: setup-test

@@ -2,8 +2,8 @@
 the throughput cost of recomputation on CPU, in the same run.
 
 Measured: the bytes autograd saves for backward in each layer during one training forward (loss
-included) on rank 0, counted by `meshlm.plan.activations` (saved_tensors_hooks, each storage once,
-parameters excluded). Formula: `meshlm.plan.memory.layer_activation_bytes`, derived term by term in
+included) on rank 0, counted by `meshlm.models.activations` (saved_tensors_hooks, each storage once,
+parameters excluded). Formula: `meshlm.core.memory.layer_activation_bytes`, derived term by term in
 docs/memory.md for what our code saves. Beside them, Korthikanti et al. 2022's Table 2 for the same shape
 (16-bit, 1-byte masks, the shard kept by SP's linears): the GPU accounting ours departs from.
 Exits 1 if any measured value is off the formula by more than 5%.
@@ -25,14 +25,15 @@ import time
 import torch
 from world import run_world  # benchmarks/world.py, beside this script
 
-from meshlm.config import Config, build
+from meshlm.core.config import Config, build
+from meshlm.core.flops import model_flops, recompute_flops
+from meshlm.core.layout import recomputed_layers
+from meshlm.core.memory import korthikanti_bytes, layer_activation_bytes
+from meshlm.families.registry import spec_of
+from meshlm.models.activations import measure_model_activations
 from meshlm.models.gpt import GPT
 from meshlm.parallel import TPRNGTracker, parallelize
 from meshlm.parallel.mesh import ParallelDims
-from meshlm.plan.activations import measure_model_activations
-from meshlm.plan.flops import model_flops, recompute_flops
-from meshlm.plan.layout import recomputed_layers
-from meshlm.plan.memory import korthikanti_bytes, layer_activation_bytes
 
 MODES = ("none", "selective", "full")
 TOLERANCE = 0.05
@@ -58,7 +59,7 @@ def measure_layout(args: argparse.Namespace, dims: ParallelDims) -> list[tuple]:
             torch.manual_seed(0)
             model = GPT(cfg.model)
             rng = TPRNGTracker(0, dims.tp_rank)
-            loss_fn = parallelize(model, dims, cfg, rng=rng)
+            loss_fn = parallelize(model, dims, cfg, rng=rng, spec=spec_of(model))
             autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
             report = measure_model_activations(model, loss_fn, args.batch, args.seq, args.vocab, autocast, rng)
             formula = sum(layer_activation_bytes(cfg)) / args.layers
@@ -83,7 +84,7 @@ def throughput(args: argparse.Namespace) -> dict[str, list[float]]:
         cfg = make_config(args, 1, False, recompute)
         torch.manual_seed(0)
         model = GPT(cfg.model)
-        loss_fn = parallelize(model, ParallelDims(), cfg)
+        loss_fn = parallelize(model, ParallelDims(), cfg, spec=spec_of(model))
         setups[recompute] = (model, loss_fn, torch.optim.AdamW(model.parameters(), lr=1e-4))
     batch = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from meshlm.config import config_from_dict
+from meshlm.checkpoint import single as ckpt
+from meshlm.core.config import config_from_dict
 from meshlm.data.bert_build import build_bert_datasets
-from meshlm.train import checkpoint as ckpt
 
 
 def masked_labels(dataset, n_samples: int) -> np.ndarray:

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from train_step import RefGPT
 
-from meshlm.config import load_config
+from meshlm.core.config import load_config
 from meshlm.data.assets import shakespeare_files
 from meshlm.data.gpt_dataset import split_documents
 from meshlm.data.tokenizers import get_tokenizer

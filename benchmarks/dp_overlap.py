@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from world import run_world  # benchmarks/world.py, beside this script
 
-from meshlm.config import build
+from meshlm.core.config import build
 from meshlm.models.gpt import GPT
 from meshlm.models.loss import cross_entropy
 from meshlm.parallel.buckets import BucketedDataParallel

@@ -18,7 +18,7 @@ import json
 import numpy as np
 import torch
 
-from meshlm.config import load_config
+from meshlm.core.config import load_config
 from meshlm.data.assets import shakespeare_files
 from meshlm.data.gpt_dataset import split_documents
 from meshlm.data.tokenizers import get_tokenizer

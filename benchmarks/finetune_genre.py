@@ -109,9 +109,9 @@ def logistic_regression(x: torch.Tensor, y: torch.Tensor, classes: int, l2: floa
 
 def random_base(like: str, out: Path) -> Path:
     """A fresh model of the base's shape and tokenizer, saved as a run directory."""
+    from meshlm.checkpoint.single import save_checkpoint
     from meshlm.cli import checkpoint_config
     from meshlm.models.bert import BERT
-    from meshlm.train.checkpoint import save_checkpoint
 
     cfg = checkpoint_config(like)
     torch.manual_seed(cfg.train.seed)

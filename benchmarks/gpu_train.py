@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
-from meshlm.config import Config, load_config
+from meshlm.core.config import Config, load_config
+from meshlm.core.layout import recomputed_layers
+from meshlm.core.memory import layer_activation_bytes
 from meshlm.data.synthetic import assets_present, synthetic_overrides
-from meshlm.plan.layout import recomputed_layers
-from meshlm.plan.memory import layer_activation_bytes
 from meshlm.train.metrics import measure_peak_tflops
 from meshlm.train.optim import build_optimizer
 from meshlm.train.trainer import Trainer

@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import torch.distributed as dist
 
-from meshlm.config import load_config
+from meshlm.core.config import load_config
+from meshlm.families.registry import get_spec
 
 GiB = 2 ** 30
 
@@ -57,9 +58,9 @@ def _build(args, world: int) -> list[dict]:
     base = _peak()
     torch.manual_seed(0)
     if how == "whole":
-        par = parallelize(GPT(cfg.model), dims, cfg)
+        par = parallelize(GPT(cfg.model), dims, cfg, spec=get_spec(cfg.model.family))
     else:
-        par = build_model(cfg, dims)
+        par = build_model(cfg, dims, spec=get_spec(cfg.model.family))
     local = sum(q.numel() * q.element_size() for q in par.model.parameters())
     row = {"rank": dims.rank, "base": base, "peak": _peak(), "local": local}
     rows = [None] * world
@@ -69,8 +70,8 @@ def _build(args, world: int) -> list[dict]:
 
 def _plan_70b() -> dict:
     """A 70B Llama shape at tp=8 × pp=8, rank 0's shards on the meta device: bytes, no allocation."""
-    from meshlm.config import build
-    from meshlm.models.registry import get_spec
+    from meshlm.core.config import build
+    from meshlm.families.registry import get_spec
     from meshlm.parallel.mesh import ParallelDims
     from meshlm.parallel.pipeline import cut_stages
     from meshlm.parallel.tensor import apply_tensor_parallel
@@ -103,7 +104,7 @@ def main() -> None:
     args = parser.parse_args()
     from world import run_world
 
-    from meshlm.models.registry import get_spec
+    from meshlm.families.registry import get_spec
 
     cfg = load_config(args.config)
     whole = get_spec(cfg.model.family).parameter_count(cfg.model) * 4

@@ -32,11 +32,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from meshlm.config import load_config
+from meshlm.core.config import load_config
 from meshlm.plan.catalog import measure_links, measure_this, share_cores, with_overrides
-from meshlm.plan.command import measured_step_time, trial_command
 from meshlm.plan.cost import Candidate, Cluster, Options
 from meshlm.plan.search import evaluate
+from meshlm.plan.trials import measured_step_time, trial_command
 
 MODELS = {  # name: (bundled config, overrides)
     "gpt-tiny": ("gpt-tiny", ["--model.n_layers=4", "--model.seq_len=128", "--train.global_batch_size=16",

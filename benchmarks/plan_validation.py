@@ -1,4 +1,4 @@
-"""The planner's cost model against published Megatron-LM measurements (pure arithmetic, under a second).
+"""The planner's cost model against published Megatron-LM measurements (pure arithmetic, a few seconds with start-up).
 
     python benchmarks/plan_validation.py            # the three tables; exit status 1 if a check fails
 
@@ -24,10 +24,10 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 
-from meshlm.config import build
+from meshlm.core.config import build
+from meshlm.core.memory import KORTHIKANTI_DTYPES
 from meshlm.plan.catalog import get_gpu
 from meshlm.plan.cost import Calibration, Candidate, Cluster, Estimate, Options
-from meshlm.plan.memory import KORTHIKANTI_DTYPES
 from meshlm.plan.search import distinct, evaluate, search
 
 TOLERANCE = 0.15

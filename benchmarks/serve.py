@@ -58,9 +58,9 @@ def meshlm_cli(*args: str) -> None:
 
 
 def save_random(config: str, out: Path, **model) -> Path:
-    from meshlm.config import load_config
-    from meshlm.models.registry import get_spec
-    from meshlm.train.checkpoint import save_checkpoint
+    from meshlm.checkpoint.single import save_checkpoint
+    from meshlm.core.config import load_config
+    from meshlm.families.registry import get_spec
 
     cfg = load_config(config, [f"--model.{k}={v}" for k, v in model.items()] + [f"--train.out_dir={out}"])
     torch.manual_seed(0)
@@ -134,9 +134,9 @@ def serving(ckpt: Path, args) -> list[dict]:
 def decode_speed(ckpt: Path, hf_dir: Path, args) -> dict:
     import transformers
 
+    from meshlm.checkpoint.load import load_model_from_checkpoint
     from meshlm.infer.engine import Engine, SamplingParams
-    from meshlm.infer.generate import generate
-    from meshlm.infer.load import load_model_from_checkpoint
+    from meshlm.models.generate import generate
 
     model, tok, _ = load_model_from_checkpoint(str(ckpt))
     hf = transformers.GPT2LMHeadModel.from_pretrained(str(hf_dir)).eval()
@@ -172,10 +172,10 @@ def decode_speed(ckpt: Path, hf_dir: Path, args) -> dict:
 def bert_latency(ckpt: Path, hf_dir: Path, args) -> dict:
     import transformers
 
-    from meshlm.infer.load import checkpoint_config
+    from meshlm.checkpoint.load import checkpoint_config
+    from meshlm.checkpoint.single import resolve_checkpoint
     from meshlm.interop.convert import load_checkpoint_model
     from meshlm.models.bert import pack_inputs
-    from meshlm.train.checkpoint import resolve_checkpoint
 
     cfg = checkpoint_config(str(ckpt))
     model = load_checkpoint_model(resolve_checkpoint(ckpt), cfg.model)

@@ -24,9 +24,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from meshlm.checkpoint.load import checkpoint_config, load_model_from_checkpoint
 from meshlm.infer.adapters import AdapterSet
 from meshlm.infer.engine import Engine, SamplingParams
-from meshlm.infer.load import checkpoint_config, load_model_from_checkpoint
 from meshlm.tune.export import apply_adapter, read_adapter
 
 

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from world import run_world  # benchmarks/world.py, beside this script
 
-from meshlm.config import ModelConfig
+from meshlm.core.config import ModelConfig
+from meshlm.families.registry import spec_of
 from meshlm.models.gpt import GPT
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.tensor import apply_tensor_parallel, finish_grads
@@ -77,7 +78,7 @@ def _one_step(cfg: ModelConfig, dims: ParallelDims, sp: bool, batch: int) -> tup
     """(collectives of the forward, of the backward, of `finish_grads`) for one micro-batch."""
     torch.manual_seed(0)
     model = GPT(cfg)
-    loss_fn = apply_tensor_parallel(model, dims, sp)
+    loss_fn = apply_tensor_parallel(model, dims, sp, spec=spec_of(model))
     ids = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
     with CommCounter() as forward:
         loss = loss_fn(model(ids[:, :-1]), ids[:, 1:])

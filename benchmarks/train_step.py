@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshlm.config import load_config
+from meshlm.core.config import load_config
 from meshlm.train.trainer import Trainer
 
 WIDTHS = (128, 384, 768, 1024)

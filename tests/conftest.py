@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshlm.config import Config, build
+from meshlm.core.config import Config, build
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,6 +1,6 @@
 import pytest
 
-from meshlm.config import ConfigError, apply_overrides, build, bundled_configs, load_config
+from meshlm.core.config import ConfigError, apply_overrides, build, bundled_configs, load_config
 
 
 def test_bundled_configs_load_and_validate():

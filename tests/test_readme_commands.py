@@ -168,7 +168,7 @@ def test_readme_plan_commands_print_what_the_readme_shows():
 def test_make_demo_trains_the_demo_config_and_prints_a_sample(tmp_path):
     """`make demo` is `meshlm train --config demo` (the README's first command): its tokenizer trained on the
     corpus, Muon, a sample at the end; narrowed here to a few steps of a small shape."""
-    from meshlm.train import checkpoint as ckpt
+    from meshlm.checkpoint import single as ckpt
     from tests.conftest import ROOT
 
     demo = [ln for ln in (ROOT / "Makefile").read_text().splitlines() if "meshlm train" in ln]

@@ -2,7 +2,7 @@
 
 Layout: OUT_DIR/checkpoints/step_0000100/ holds the parts (one process: `model.pt`, `optim.pt`, `state.pt`;
 a parallel run: `index.json`, `state.pt`, `shards/rank*.safetensors`, `shards/rank*.pt`, see
-`dist_checkpoint.py`), `config.json`, and, written last, `manifest.json`: every other file's relative
+`sharded.py`), `config.json`, and, written last, `manifest.json`: every other file's relative
 path, size and CRC-32 (zlib), computed while the bytes were written. OUT_DIR/checkpoints/latest names the
 newest published checkpoint, but readers do not trust it alone: `find_valid` scans every `step_*`
 directory, newest first, and takes the first whose files match its manifest.
@@ -12,7 +12,7 @@ If `step_N` already exists (a re-save), it is first renamed aside (`.aside-step_
 into place, `latest` moved, and only then the old copy deleted; `find_valid` counts an aside copy as a
 candidate too, so a crash at any moment leaves a complete checkpoint of the newest step findable.
 
-This module is the low level both `checkpoint.py` (one process, "load any format") and `dist_checkpoint.py`
+This module is the low level both `single.py` (one process, "load any format") and `sharded.py`
 (sharded) use; it imports neither.
 """
 
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from meshlm.errors import CheckpointError, CheckpointWriteError
+from meshlm.core.errors import CheckpointError, CheckpointWriteError
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -133,21 +133,14 @@ def publish_checkpoint(out_dir: str | Path, step: int, tmp: Path, config: dict, 
     if final.exists():  # a re-save of the same step (resumed and stopped at once, a finished run rerun)
         aside = Path(tempfile.mkdtemp(dir=root, prefix=f".aside-{final.name}-"))
         os.rename(final, aside / "old")  # the aside directory's name carries the step, for `find_valid`
-        _hook("aside")
     os.rename(tmp, final)
-    _hook("renamed")
     pointer = root / f".{LATEST}.tmp"
     pointer.write_text(final.name + "\n")
     os.replace(pointer, root / LATEST)
     fsync_dir(root)
-    _hook("pointed")
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     return final
-
-
-def _hook(point: str) -> None:
-    """Fault injection for tests (monkeypatched): called between the steps of a publish."""
 
 
 def space_error(err: BaseException) -> bool:
@@ -338,3 +331,12 @@ def load_torch(path: Path, map_location: str | torch.device = "cpu") -> Any:
     except Exception as err:  # noqa: BLE001 (torch.load raises RuntimeError, EOFError, UnpicklingError, ...)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"{path} cannot be read ({first}); the checkpoint is corrupt") from None
+
+
+def load_config_dict(ckpt: Path) -> dict:
+    """The run config saved in checkpoint directory `ckpt` (its config.json), as a dict."""
+    try:
+        return json.loads((Path(ckpt) / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{Path(ckpt) / 'config.json'} cannot be read ({err}); the checkpoint is "
+                              "incomplete") from None

@@ -19,7 +19,7 @@ boundaries; a tp rank's qkv rows are three blocks (its q heads, its k heads, its
 are held by a subset of the tp group; the vocabulary rows are padded. DCP would need a gather over dp
 (the memory ZeRO saves) and extra meshes per tensor. Our pieces are plain boxes, a few per tensor and rank.
 
-Publishing is atomic as in `ckpt_files.py` (which both this module and `checkpoint.py` use): everything goes into a temporary directory; every rank
+Publishing is atomic as in `files.py` (which both this module and `single.py` use): everything goes into a temporary directory; every rank
 reports success (one all-reduce), and only if all did does rank 0 rename it into place and move
 `latest`. A rank that fails or dies leaves `latest` on the previous checkpoint.
 
@@ -42,11 +42,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.config import ModelConfig
-from meshlm.errors import CheckpointError, CheckpointWriteError, TrainingError
-from meshlm.models.registry import get_spec
+from meshlm.checkpoint import files as ckpt_files
+from meshlm.core.config import ModelConfig
+from meshlm.core.errors import CheckpointError, CheckpointWriteError, TrainingError
+from meshlm.families.registry import get_spec
+from meshlm.models.params import param_groups
 from meshlm.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from meshlm.train import ckpt_files
 
 FORMAT = "meshlm-logical-v1"
 INDEX = "index.json"
@@ -396,15 +397,14 @@ def check_same_optimizer(path: Path, trained_muon: bool, optimizer) -> None:
     not what `optimizer` keeps: switching `optim.name` between muon and another optimizer cannot resume."""
     if trained_muon == steps_muon(optimizer):
         return
-    from meshlm.train.checkpoint import load_config_dict
-    from meshlm.train.lamb import Lamb
+    from meshlm.checkpoint.files import load_config_dict
 
     try:
         named = load_config_dict(path).get("optim", {}).get("name", "adamw")
     except CheckpointError:
         named = None
     trained = named if named and (named == "muon") == trained_muon else ("muon" if trained_muon else "adamw")
-    asked = "muon" if steps_muon(optimizer) else ("lamb" if isinstance(optimizer, Lamb) else "adamw")
+    asked = "muon" if steps_muon(optimizer) else getattr(optimizer, "config_name", "adamw")
     held = "Muon's momentum buffers" if trained_muon else "Adam's two moments"
     raise CheckpointError(
         f"checkpoint {path} was trained with optim.name={trained} but this run asks for optim.name={asked}: its "
@@ -416,8 +416,6 @@ def check_same_optimizer(path: Path, trained_muon: bool, optimizer) -> None:
 def _single_process_source(path: Path, cfg: ModelConfig) -> _TensorSource:
     """`model.pt` + `optim.pt` of a one-process run → logical tensors (its AdamW's state, by parameter; with
     `optim.name=muon`, Muon's buffer for the matrices it steps: param groups marked `"muon"` in `optim.pt`)."""
-    from meshlm.train.optim import param_groups
-
     tensors = {("weight", k): v for k, v in split_plain(ckpt_files.load_torch(path / "model.pt"), cfg).items()}
     adam_step = None
     if (path / "optim.pt").exists():

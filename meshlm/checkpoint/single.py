@@ -1,8 +1,8 @@
 """Checkpoints of one process, and reading a checkpoint of any format.
 
 One process writes OUT_DIR/checkpoints/step_0000100/{model.pt, optim.pt, state.pt, config.json,
-manifest.json}; a parallel run writes per-rank pieces instead (`dist_checkpoint.py`). Both go through
-`ckpt_files.py`: written into a temporary directory with a CRC-32 of every file, the manifest last,
+manifest.json}; a parallel run writes per-rank pieces instead (`sharded.py`). Both go through
+`files.py`: written into a temporary directory with a CRC-32 of every file, the manifest last,
 fsynced, renamed into place, then `checkpoints/latest` moved. Readers (`resolve_checkpoint`,
 `latest_checkpoint`, training's `train.resume=auto`) take the newest checkpoint whose files match its
 manifest, whatever `latest` says, and say which one they passed over and why.
@@ -10,7 +10,6 @@ manifest, whatever `latest` says, and say which one they passed over and why.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -18,16 +17,17 @@ from typing import Any
 
 import torch
 
-from meshlm.errors import CheckpointError, TrainingError  # callers catch ckpt.CheckpointError
-from meshlm.train import ckpt_files
-from meshlm.train.ckpt_files import (  # noqa: F401 (re-exported: the names callers have always used)
+from meshlm.checkpoint import files as ckpt_files
+from meshlm.checkpoint.files import (  # noqa: F401 (re-exported: the names callers have always used)
     LATEST,
     MANIFEST,
     begin_checkpoint,
     checkpoints_dir,
+    load_config_dict,
     prune_temporaries,
     step_name,
 )
+from meshlm.core.errors import CheckpointError, TrainingError  # callers catch ckpt.CheckpointError
 
 MODEL_FILES = ("model.pt", "model.safetensors", "index.json")  # one process, `meshlm convert`, a parallel run
 
@@ -109,7 +109,7 @@ def load_part(ckpt: Path, name: str, map_location: str | torch.device = "cpu") -
 
 def load_model_state(ckpt: Path, map_location: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """The whole model's state dict: `model.pt`, `model.safetensors` (`meshlm convert --to-single`), or the
-    pieces of a parallel run (`index.json`, assembled by `dist_checkpoint.full_model_state` in this process).
+    pieces of a parallel run (`index.json`, assembled by `sharded.full_model_state` in this process).
     File sizes are checked against the manifest first (checksums: `resolve_checkpoint`)."""
     ckpt = Path(ckpt)
     _check_sizes(ckpt)
@@ -120,17 +120,11 @@ def load_model_state(ckpt: Path, map_location: str | torch.device = "cpu") -> di
 
         return load_file(str(ckpt / "model.safetensors"), device=str(map_location))
     if (ckpt / "index.json").exists():
-        from meshlm.config import config_from_dict
-        from meshlm.train.dist_checkpoint import full_model_state
+        from meshlm.checkpoint.sharded import full_model_state
+        from meshlm.core.config import config_from_dict
 
         state = full_model_state(ckpt, config_from_dict(load_config_dict(ckpt)).model)
         return {k: v.to(map_location) for k, v in state.items()}
     raise CheckpointError(f"checkpoint {str(ckpt)!r} holds none of {', '.join(MODEL_FILES)}; it is incomplete")
 
 
-def load_config_dict(ckpt: Path) -> dict:
-    try:
-        return json.loads((Path(ckpt) / "config.json").read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{Path(ckpt) / 'config.json'} cannot be read ({err}); the checkpoint is "
-                              "incomplete") from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from meshlm.config import ConfigError, check_output_dir
+from meshlm.core.config import ConfigError, check_output_dir
 
 VOCAB_MAX = 2 ** 31 - 1  # token ids are int32 in the .bin at most
 

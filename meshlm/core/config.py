@@ -17,12 +17,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+from meshlm.core.errors import ConfigError
+from meshlm.core.layout import check_config, divisors  # the layout rules live there, once (torch-free)
+
+# The evaluation sets meshlm ships (built by `eval/sets.py`), by name → the task that scores them; named here so
+# that `train.eval_tasks` is validated with the rest of the config.
+EVAL_SETS = {"shakespeare-cloze": "cloze", "shakespeare-choice": "choice"}
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"  # the repository's configs/
 DEFAULT_CONFIG = "gpt-tiny"
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration error: the message names the key and the fix."""
 
 
 def _check(cond: bool, message: str) -> None:
@@ -36,13 +38,6 @@ def _choices(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 INT_MAX = 2 ** 63 - 1  # torch and numpy hold counts in int64
 SEED_MAX = 2 ** 32 - 1  # numpy's seeds are 32-bit
-
-
-def _divisors(n: int, most: int = 12) -> str:
-    """The divisors of `n` (without enumerating up to n: it may be huge), at most `most` of them."""
-    small = [d for d in range(1, min(math.isqrt(n), 10 ** 6) + 1) if n % d == 0]
-    found = sorted(set(small + [n // d for d in small]))
-    return ", ".join(map(str, found[:most])) + (", ..." if len(found) > most else "")
 
 
 def _default(obj: object, key: str) -> Any:
@@ -86,7 +81,7 @@ def check_output_dir(key: str, path: str) -> None:
 class ModelConfig:
     """Shape and flavour of the transformer (GPT-2 style by default, Llama style by switches).
 
-    `family` names the model family (`meshlm.models.registry`): its model class and how it is parallelised."""
+    `family` names the model family (`meshlm.families.registry`): its model class and how it is parallelised."""
 
     family: str = "gpt"
     vocab_size: int = 50257
@@ -138,7 +133,7 @@ class ModelConfig:
         _check(self.init_std <= 1, f"model.init_std={self.init_std} must be at most 1 (typically 0.02)")
         _check(self.hidden_size % self.n_heads == 0,
                f"model.hidden_size={self.hidden_size} is not divisible by model.n_heads={self.n_heads}; "
-               f"choose n_heads among {_divisors(self.hidden_size)}")
+               f"choose n_heads among {divisors(self.hidden_size)}")
         _check(self.n_kv_heads is None or (self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0),
                f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
         _check(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)")
@@ -160,7 +155,7 @@ class TrainConfig:
     seed: int = 1234
     # auto | fp32 | bf16 | fp16. auto: bf16 where the device computes it natively (CUDA with bf16, a CPU with
     # AVX512-BF16 or AMX-BF16) and the shape is large enough to gain from it, fp32 elsewhere
-    # (train/precision.py `resolve_precision`); the run prints and records what it resolved to.
+    # (core/precision.py `resolve_precision`); the run prints and records what it resolved to.
     precision: str = "auto"
     out_dir: str = "runs/gpt-tiny"
     save_every: int = 0  # 0: only at the end
@@ -217,13 +212,11 @@ class TrainConfig:
                f"(got {self.recompute!r}); drop it or set train.recompute=full")
 
     def _check_eval_tasks(self) -> None:
-        from meshlm.eval.sets import SETS  # (no import cycle: meshlm.eval.sets imports config lazily)
-
         kinds = ("perplexity", "cloze", "choice")
         for task in self.eval_tasks:
             kind, _, path = task.partition(":")
-            _check(task in SETS or (kind in kinds and path.strip() != ""),
-                   f"train.eval_tasks entry {task!r} is neither a shipped set ({', '.join(SETS)}) nor KIND:FILE with "
+            _check(task in EVAL_SETS or (kind in kinds and path.strip() != ""),
+                   f"train.eval_tasks entry {task!r} is neither a shipped set ({', '.join(EVAL_SETS)}) nor KIND:FILE with "
                    f"KIND one of {', '.join(kinds)}; e.g. train.eval_tasks=['shakespeare-cloze', 'choice:my.jsonl']")
 
 
@@ -376,8 +369,6 @@ class Config:
     def validate(self) -> Config:
         for f in fields(self):
             getattr(self, f.name).validate()
-        from meshlm.plan.layout import check_config  # the layout rules live there, once (torch-free)
-
         check_config(self)
         return self
 

@@ -1,7 +1,11 @@
-"""User-facing errors that are not configuration errors (those are `meshlm.config.ConfigError`).
+"""User-facing errors: a bad configuration or argument, a missing checkpoint, a failed write, a run that cannot go on.
 
 Kept free of heavy imports so the CLI can catch them without loading torch.
 """
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error: the message names the key and the fix."""
 
 
 class CheckpointError(FileNotFoundError):

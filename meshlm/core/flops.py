@@ -8,7 +8,7 @@ MFU = F / (time · peak). HFU adds the forward FLOPs that recomputation does aga
 
 from __future__ import annotations
 
-from meshlm.config import ModelConfig
+from meshlm.core.config import ModelConfig
 
 
 def layer_flops_per_token(m: ModelConfig) -> float:
@@ -44,7 +44,7 @@ def finetune_flops(m: ModelConfig, batch: int, seq_len: int | None = None, loss_
 def recompute_flops(m: ModelConfig, batch: int, recompute: str, seq_len: int | None = None,
                     layers: int | None = None) -> float:
     """Extra forward FLOPs done again by activation recomputation (for HFU), over `layers` recomputed
-    layers (default every layer; `plan.layout.recomputed_layers` counts them)."""
+    layers (default every layer; `core.layout.recomputed_layers` counts them)."""
     s = seq_len or m.seq_len
     n = m.n_layers if layers is None else layers
     if recompute == "full":

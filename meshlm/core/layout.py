@@ -12,9 +12,15 @@ from __future__ import annotations
 
 import functools
 import heapq
+import math
 from dataclasses import dataclass
+from typing import Any
 
-from meshlm.config import Config, ConfigError, ModelConfig, _divisors
+from meshlm.core.errors import ConfigError
+
+# `core/config.py` imports this module (its `Config.validate` runs `check_config`), so this one names the config
+# dataclasses in annotations without importing them: a `Config` and its `ModelConfig` section.
+Config = ModelConfig = Any
 
 
 # ---- the world --------------------------------------------------------------------------------------------
@@ -38,7 +44,7 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, sp: bool) -> None:
     sequence parallelism) the sequence divisible by tp."""
     if cfg.n_heads % tp:
         raise ConfigError(f"parallel.tp={tp} does not divide model.n_heads={cfg.n_heads}; "
-                          f"use one of {_divisors(cfg.n_heads)}")
+                          f"use one of {divisors(cfg.n_heads)}")
     kv = cfg.kv_heads
     if kv % tp and tp % kv:
         ok = [d for d in range(1, min(cfg.n_heads, 4096) + 1)
@@ -122,6 +128,14 @@ def _balanced(n_layers: int, stages: int, first_cost: float, last_cost: float) -
         counts[-neg] += 1
         heapq.heappush(heap, (counts[-neg] + extra[-neg], neg))
     return tuple(counts)
+
+
+def divisors(n: int, most: int = 12) -> str:
+    """The divisors of `n` (without enumerating up to n: it may be huge), at most `most` of them."""
+    small = [d for d in range(1, min(math.isqrt(n), 10 ** 6) + 1) if n % d == 0]
+    found = sorted(set(small + [n // d for d in small]))
+    return ", ".join(map(str, found[:most])) + (", ..." if len(found) > most else "")
+
 
 
 def stage_layer_ranges(counts: list[int]) -> list[range]:
@@ -216,7 +230,7 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"parallel.zero={p.zero} with tune.method={cfg.tune.method!r}: an adapter's optimizer state is "
                           "tiny and is kept whole on every rank; set parallel.zero=0")
     counts = partition_layers(m.n_layers, p.pp, p.vpp, p.pp_layers or None) if m.n_layers <= 10 ** 5 else \
-        [m.n_layers // (p.pp * p.vpp)]  # (a size this large is refused before allocation anyway: plan/fit.py)
+        [m.n_layers // (p.pp * p.vpp)]  # (a size this large is refused before allocation anyway: core/fit.py)
     if t.recompute_num_layers > min(counts):
         raise ConfigError(f"train.recompute_num_layers={t.recompute_num_layers} exceeds the {min(counts)} layers of a "
                           f"pipeline stage (model.n_layers={m.n_layers} over parallel.pp={p.pp} × vpp={p.vpp}); use "

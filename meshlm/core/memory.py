@@ -3,7 +3,7 @@
 Model states (docs/formulas.md): bytes per parameter for weights, gradients and Adam states (or, under
 `optim.name=muon`, Muon's one buffer on the hidden matrices), with and without the distributed optimizer
 (ZeRO-1). Activations: Korthikanti et al. 2022, Table 2 (`korthikanti_bytes`, verbatim) and *our* variant
-(`activation_terms`), derived term by term from what meshlm's code saves for backward, so that the measured bytes (`meshlm.plan.activations`, `meshlm bench memory`,
+(`activation_terms`), derived term by term from what meshlm's code saves for backward, so that the measured bytes (`meshlm.models.activations`, `meshlm bench memory`,
 `benchmarks/activation_memory.py`) can be held to it. docs/memory.md walks through the derivation.
 
 Notation: s sequence length, b micro-batch size, h hidden size, a heads, g KV heads, k = h/a head dim,
@@ -14,12 +14,10 @@ per rank, else s·b.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from functools import lru_cache
 
-from meshlm.config import Config, ModelConfig
-from meshlm.plan.layout import full_recompute_chunks
+from meshlm.core.config import Config, ModelConfig
+from meshlm.core.layout import full_recompute_chunks
 
 # ---- model states --------------------------------------------------------------------------------------
 
@@ -43,39 +41,8 @@ def narayanan_parameter_count(h: int, n_layers: int, vocab: int, seq_len: int) -
     return 12 * n_layers * h ** 2 * (1 + 13 / (12 * h) + (vocab + seq_len) / (12 * n_layers * h))
 
 
-def muon_fraction(cfg: Config | None) -> float:
-    """The share of the model's parameters that `optim.name=muon` steps with Muon (the hidden layers'
-    matrices, one fp32 momentum buffer each instead of Adam's two): the first group of
-    `train.optim.param_groups`, counted on the meta device. 0 for any other optimizer (or no config)."""
-    if cfg is None or cfg.optim.name != "muon":
-        return 0.0
-    return _hidden_matrix_share(cfg.model)
-
-
-@lru_cache(maxsize=64)
-def _hidden_matrix_share(m: ModelConfig) -> float:
-    """Muon's share for `m`, from one- and two-layer meta models (both counts are linear in the layers, so
-    a model of any depth costs the same)."""
-    import torch
-
-    from meshlm.models.registry import get_spec
-    from meshlm.train.optim import param_groups
-
-    counts = []
-    for n_layers in (1, 2):
-        with torch.device("meta"):
-            model = get_spec(m.family).model_class(dataclasses.replace(m, n_layers=n_layers))
-        groups = param_groups(model, 0.0, muon=True)
-        sizes = [sum(p.numel() for p in g["params"]) for g in groups]
-        counts.append((sizes[0], sum(sizes)))
-    (h1, t1), (h2, t2) = counts
-    hidden = h1 + (m.n_layers - 1) * (h2 - h1)
-    total = t1 + (m.n_layers - 1) * (t2 - t1)
-    return hidden / total if total else 0.0
-
-
 def model_state_bytes_per_param(scheme: str, dp: int = 1, distributed_optimizer: bool = False,
-                                cfg: Config | None = None) -> dict[str, float]:
+                                muon_share: float = 0.0) -> dict[str, float]:
     """Bytes per parameter of weights, gradients and optimizer states on one data-parallel rank.
 
     * `mixed` (Megatron's bf16/fp16 with Adam): 16-bit weights 2 + fp32 gradients 4 + fp32 master weights 4
@@ -85,12 +52,12 @@ def model_state_bytes_per_param(scheme: str, dp: int = 1, distributed_optimizer:
       weights (no separate master copy), so its states are this scheme too, plus the transient 16-bit casts
       of the weights that autocast makes during the forward (`ActivationReport.param_copy_bytes`).
 
-    With `cfg` the optimizer is `cfg.optim.name`'s: under `muon` the share of parameters in the hidden
-    matrices (`muon_fraction`) keeps one fp32 buffer instead of Adam's two, 4·(2 − share) B for the states
+    `muon_share`: the share of parameters that `optim.name=muon` steps with Muon (the hidden matrices;
+    `families.registry.muon_share(cfg)`, 0 for any other optimizer) keeps one fp32 buffer instead of Adam's two, 4·(2 − share) B for the states
     (fp32: 16 − 4·share).
     """
     d = dp if distributed_optimizer else 1
-    states = 4.0 * (2.0 - muon_fraction(cfg))  # fp32 optimizer states per parameter: Adam's 8 B, Muon's 4
+    states = 4.0 * (2.0 - muon_share)  # fp32 optimizer states per parameter: Adam's 8 B, Muon's 4
     if scheme == "mixed":
         return {"weights": 2.0, "grads": 4.0, "optimizer": (4.0 + states) / d}
     if scheme == "fp32":
@@ -99,8 +66,8 @@ def model_state_bytes_per_param(scheme: str, dp: int = 1, distributed_optimizer:
 
 
 def model_state_bytes(n_params: int, scheme: str, dp: int = 1, distributed_optimizer: bool = False,
-                      cfg: Config | None = None) -> dict[str, float]:
-    per = model_state_bytes_per_param(scheme, dp, distributed_optimizer, cfg)
+                      muon_share: float = 0.0) -> dict[str, float]:
+    per = model_state_bytes_per_param(scheme, dp, distributed_optimizer, muon_share)
     out = {k: v * n_params for k, v in per.items()}
     out["total"] = sum(out.values())
     return out
@@ -157,7 +124,7 @@ def activation_dtypes(precision: str, device_type: str, hidden_size: int | None 
     if precision == "auto":
         import torch
 
-        from meshlm.train.precision import resolve_precision
+        from meshlm.core.precision import resolve_precision
 
         precision = "bf16" if cuda else resolve_precision(precision, torch.device("cpu"), hidden_size)[0]
     if precision == "fp32":

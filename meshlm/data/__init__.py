@@ -2,6 +2,8 @@
 
 `build_datasets` is the trainer's one entry point; `meshlm prepare` and `meshlm tokenizer train` are the
 user's (docs/data.md).
+
+May import: core (not models: data and models are siblings).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 
-from meshlm.config import Config, ConfigError
+from meshlm.core.config import Config, ConfigError
 from meshlm.data.bert_dataset import SPECIALS, BertDataset, BlendedBertDataset, wordpiece_continuations
 from meshlm.data.build import _open_prefix, blend_splits, resolve_sources
 from meshlm.data.indexed import IndexedDataset

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshlm.config import Config, ConfigError
+from meshlm.core.config import Config, ConfigError
 from meshlm.data.assets import default_cache_dir, shakespeare_files
 from meshlm.data.gpt_dataset import BlendedDataset, GPTDataset, split_documents
 from meshlm.data.indexed import IndexedDataset, is_prefix, paths_of, strip_suffix

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshlm.config import ConfigError
+from meshlm.core.config import ConfigError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1

@@ -482,7 +482,7 @@ class _Output:
 
 
 def main(args) -> int:
-    """`meshlm prepare` (arguments from meshlm.data.commands)."""
+    """`meshlm prepare` (arguments from meshlm.commands.data)."""
     try:
         prepare(args.input, args.tokenizer, args.output, workers=args.workers, append_eod=args.append_eod,
                 json_key=args.json_key, on_error=args.on_error, split_paragraphs=args.split_paragraphs,

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
-from meshlm.config import ConfigError
+from meshlm.core.config import ConfigError
 from meshlm.data.assets import default_cache_dir, gpt2_ranks_file, minilm_dir, shakespeare_files
 
 # GPT-2's pre-tokenizer split pattern (the r50k_base pattern).

@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshlm.config import ConfigError
+from meshlm.core.config import ConfigError
 from meshlm.data.items import DataError
 from meshlm.eval.tasks import classify_metrics
-from meshlm.train.finetune import INFO_FILE, Encoder, FinetuneDataset, Labels, _short, encode_classify, read_jsonl
+from meshlm.train.finetune import INFO_FILE, Encoder, FinetuneDataset, Labels, encode_classify, read_jsonl
+from meshlm.train.finetune import short_json as _short
 
 
 def finetune_info(checkpoint: str) -> dict:

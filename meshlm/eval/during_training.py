@@ -4,7 +4,8 @@
 or, for `cloze:FILE`, `val_cloze_accuracy`.
 
 The files are read (and shipped sets built) at the first evaluation; a bad file stops the run there with one
-error line. The trainer calls `run_eval_tasks(trainer)` from its evaluation (every rank).
+error line. The trainer runs them as an extension (`train/extension.py`) given to it: `eval_extensions(cfg)`,
+whose `evaluate(trainer)` it calls from each evaluation (every rank).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import re
 
 import torch
 
-from meshlm.config import ConfigError
+from meshlm.core.config import Config, ConfigError
 from meshlm.eval import tasks
 from meshlm.eval.scorer import Scorer, parallel_forward
+from meshlm.train.extension import Extension
 
 LOGGED = {"perplexity": ("perplexity", "word_perplexity", "bits_per_byte"),
           "cloze": ("accuracy", "accuracy_last_token", "perplexity"),
@@ -74,14 +76,27 @@ class TrainingTasks:
         return out
 
 
-@torch.no_grad()
-def run_eval_tasks(trainer) -> dict:
-    """The metrics of `train.eval_tasks` on the trainer's model now (every rank calls it)."""
-    if getattr(trainer, "_training_tasks", None) is None:
-        trainer._training_tasks = TrainingTasks(trainer)
-    was_training = trainer.model.training
-    trainer.model.eval()
-    try:
-        return trainer._training_tasks()
-    finally:
-        trainer.model.train(was_training)
+class EvalTasks(Extension):
+    """`train.eval_tasks` at each of the trainer's evaluations: the tasks read at the first one."""
+
+    implements = ("train.eval_tasks",)
+
+    def __init__(self):
+        self.tasks: TrainingTasks | None = None
+
+    @torch.no_grad()
+    def evaluate(self, trainer) -> dict:
+        """The metrics of `train.eval_tasks` on the trainer's model now (every rank calls it)."""
+        if self.tasks is None:
+            self.tasks = TrainingTasks(trainer)
+        was_training = trainer.model.training
+        trainer.model.eval()
+        try:
+            return self.tasks()
+        finally:
+            trainer.model.train(was_training)
+
+
+def eval_extensions(cfg: Config) -> list[Extension]:
+    """[EvalTasks()] when `cfg` sets train.eval_tasks, else []."""
+    return [EvalTasks()] if cfg.train.eval_tasks else []

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import sys
 
-from meshlm.config import ConfigError
+from meshlm.core.config import ConfigError
 
 INSTALL = "pip install 'meshlm[eval]'"
 

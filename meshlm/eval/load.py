@@ -7,14 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
-from meshlm.config import ConfigError, apply_overrides, build
+from meshlm.core.config import ConfigError, apply_overrides, build
 from meshlm.eval.scorer import Scorer, parallel_forward, plain_forward, world_size
+from meshlm.families.registry import get_spec
 
 
 @dataclass
 class Loaded:
     scorer: Scorer | None  # None for an encoder (BERT) checkpoint
-    cfg: object  # meshlm.config.Config
+    cfg: object  # meshlm.core.config.Config
     tokenizer: object
     model: torch.nn.Module | None  # the whole model (one process), for heads other than a language model
     dims: object | None = None  # ParallelDims under torchrun
@@ -57,8 +58,8 @@ def load(checkpoint: str, overrides: list[str] | None = None, batch_size: int = 
          device: str | None = None, adapter: str | None = None, adapter_task: str | None = None) -> Loaded:
     """The model of `checkpoint` for evaluation; with `adapter`, a `meshlm tune` (or PEFT) adapter on it (one
     process): LoRA merged into the weights, virtual tokens before every row (`adapter_task` picks a task's)."""
-    from meshlm.cli import checkpoint_config, load_model_from_checkpoint
-    from meshlm.models.registry import get_spec
+    from meshlm.checkpoint.load import checkpoint_config, load_model_from_checkpoint
+    from meshlm.families.registry import get_spec
 
     overrides = check_overrides(overrides or [])
     if batch_size < 1:
@@ -102,10 +103,10 @@ def _without_layout(cfg) -> dict:
 
 
 def _load_parallel(checkpoint, cfg, overrides, batch_size, progress, device) -> Loaded:
+    from meshlm.checkpoint import sharded as dist_checkpoint
+    from meshlm.checkpoint import single as ckpt
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.parallel import build_model, init_distributed
-    from meshlm.train import checkpoint as ckpt
-    from meshlm.train import dist_checkpoint
 
     values = apply_overrides(_without_layout(cfg), overrides)
     dp = max(1, world_size() // (values["parallel"].get("tp", 1) * values["parallel"].get("pp", 1)))
@@ -116,7 +117,7 @@ def _load_parallel(checkpoint, cfg, overrides, batch_size, progress, device) -> 
     eval_cfg = build(values)
     dev = pick_device(device)
     dims = init_distributed(eval_cfg.parallel, dev if dev.type == "cpu" else None)
-    parallelized = build_model(eval_cfg, dims)
+    parallelized = build_model(eval_cfg, dims, spec=get_spec(eval_cfg.model.family))
     source = ckpt.resolve_checkpoint(checkpoint)
     missing = dist_checkpoint.load_matching_weights(source, parallelized.grad_sync, cfg.model)
     if missing:

@@ -88,7 +88,7 @@ def plain_forward(model: torch.nn.Module, vocab_size: int) -> Forward:
 def parallel_forward(parallelized, vocab_size: int) -> Forward:
     """The forward of this rank's part of a parallel model (`meshlm.parallel.build_model`); results on every
     rank. A last stage that fuses its head into the loss (`train.fused_loss`) gets its logits from the head."""
-    from meshlm.parallel.pipeline import _rank_at
+    from meshlm.parallel.pipeline import rank_at
 
     dims, pipe, model = parallelized.dims, parallelized.pipeline, parallelized.model
 
@@ -112,12 +112,12 @@ def parallel_forward(parallelized, vocab_size: int) -> Forward:
                     act = x
                 else:
                     act = torch.empty(shape, dtype=dtype, device=dims.device)
-                    dist.recv(act, src=_rank_at(dims, (s - 1) % pp), group=dims.pp_group)
+                    dist.recv(act, src=rank_at(dims, (s - 1) % pp), group=dims.pp_group)
                 out = pipe.modules[k](act)
                 if s == pipe.n_stages - 1 and pipe.modules[k].fused_head:  # (a training run's pipeline)
                     out = pipe.modules[k]._head(out)  # the hidden states → logits
                 if s < pipe.n_stages - 1:
-                    dist.send(out.to(dtype).contiguous(), dst=_rank_at(dims, (s + 1) % pp), group=dims.pp_group)
+                    dist.send(out.to(dtype).contiguous(), dst=rank_at(dims, (s + 1) % pp), group=dims.pp_group)
                 else:
                     lp, best = stats(out, y)
                     logp = lp.to(torch.float32)
@@ -137,7 +137,7 @@ class Scorer:
     def __init__(self, forward: Forward, seq_len: int, tokenizer=None, batch_size: int = 8,
                  device: torch.device | str = "cpu", progress: bool = False, is_main: bool = True):
         if batch_size < 1:
-            from meshlm.config import ConfigError
+            from meshlm.core.config import ConfigError
 
             raise ConfigError(f"--batch-size {batch_size} must be >= 1")
         self.forward, self.seq_len, self.tokenizer = forward, seq_len, tokenizer

@@ -33,13 +33,15 @@ import random
 import re
 from pathlib import Path
 
+from meshlm.core.config import EVAL_SETS
+
 VERSION = 1
 SEED = 16
 CLOZE_WORDS = (30, 60)
 CHOICE_CONTEXT_LINES = 6
 CHOICE_EVERY = 12
 MIN_LINE_WORDS = 4
-SETS = {"shakespeare-cloze": "cloze", "shakespeare-choice": "choice"}  # name → the task that scores it
+SETS = EVAL_SETS  # name → the task that scores it (`core.config` validates train.eval_tasks against it)
 FUNCTION_WORDS = frozenset(["about", "above", "after", "again", "against", "also", "among", "another", "because", "been", "before", "being", "below", "between", "both", "could", "does", "doing", "down", "during", "each", "either", "every", "from", "further", "have", "having", "here", "hers", "herself", "himself", "into", "itself", "just", "like", "made", "make", "many", "more", "most", "much", "must", "myself", "neither", "never", "only", "other", "ought", "ours", "ourselves", "over", "same", "shall", "should", "some", "such", "than", "that", "their", "theirs", "them", "themselves", "then", "there", "these", "they", "this", "those", "thou", "thee", "thine", "thus", "thy", "till", "under", "until", "upon", "very", "well", "were", "what", "when", "where", "which", "while", "whom", "whose", "will", "with", "would", "your", "yours", "yourself", "yourselves", "even", "most", "hath", "doth", "art", "shalt", "wilt"])
 
 HEADING = re.compile(r"^[A-Z][A-Z' .,&-]*\.$")
@@ -47,7 +49,7 @@ HEADING = re.compile(r"^[A-Z][A-Z' .,&-]*\.$")
 
 def held_out_files() -> list[Path]:
     """The bundled texts past the training split of every bundled config that reads the bundled corpus."""
-    from meshlm.config import bundled_configs, load_config
+    from meshlm.core.config import bundled_configs, load_config
     from meshlm.data.assets import shakespeare_files
     from meshlm.data.gpt_dataset import split_documents
 

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from meshlm.config import ConfigError
+from meshlm.core.config import ConfigError
 from meshlm.data.items import DataError
 from meshlm.eval.scorer import Scorer, windows
-from meshlm.train.finetune import Line, _short, read_jsonl
+from meshlm.train.finetune import Line, read_jsonl
+from meshlm.train.finetune import short_json as _short
 
 LN2 = math.log(2)
 

@@ -1,4 +1,4 @@
-"""The model families meshlm knows: `model.family` → its `ModelSpec` (`models/spec.py`).
+"""The model families meshlm knows: `model.family` → its `ModelSpec` (`families/spec.py`).
 
 A family is added by writing its plain model (`models/NAME.py`) and one spec, and registering the spec
 here (built-in families) or from outside with `register` (a test's toy family, a user's plug-in).
@@ -6,10 +6,15 @@ here (built-in families) or from outside with `register` (a test's toy family, a
 
 from __future__ import annotations
 
+import dataclasses
+from functools import lru_cache
+
+import torch
 from torch import nn
 
-from meshlm.config import ConfigError
-from meshlm.models.spec import ModelSpec
+from meshlm.core.config import ConfigError
+from meshlm.families.spec import ModelSpec
+from meshlm.models.params import param_groups
 
 _FAMILIES: dict[str, ModelSpec] = {}
 
@@ -22,11 +27,11 @@ def register(spec: ModelSpec) -> ModelSpec:
 
 def _builtins() -> None:
     if "gpt" not in _FAMILIES:
-        from meshlm.models.gpt import GPT_SPEC
+        from meshlm.families.gpt import GPT_SPEC
 
         register(GPT_SPEC)
     if "bert" not in _FAMILIES:
-        from meshlm.models.bert import BERT_SPEC
+        from meshlm.families.bert import BERT_SPEC
 
         register(BERT_SPEC)
 
@@ -50,3 +55,29 @@ def spec_of(model: nn.Module) -> ModelSpec:
         if isinstance(model, spec.model_class):
             return spec
     raise TypeError(f"{type(model).__name__} belongs to no registered model family; register its ModelSpec")
+
+
+def muon_share(cfg) -> float:
+    """The share of the model's parameters that `optim.name=muon` steps with Muon (the hidden layers'
+    matrices, one fp32 momentum buffer each instead of Adam's two): the first group of
+    `models.params.param_groups`, counted on the meta device. 0 for any other optimizer (or no config)."""
+    if cfg is None or cfg.optim.name != "muon":
+        return 0.0
+    return _hidden_matrix_share(cfg.model)
+
+
+@lru_cache(maxsize=64)
+def _hidden_matrix_share(m) -> float:
+    """Muon's share for `m`, from one- and two-layer meta models (both counts are linear in the layers, so
+    a model of any depth costs the same)."""
+    counts = []
+    for n_layers in (1, 2):
+        with torch.device("meta"):
+            model = get_spec(m.family).model_class(dataclasses.replace(m, n_layers=n_layers))
+        groups = param_groups(model, 0.0, muon=True)
+        sizes = [sum(p.numel() for p in g["params"]) for g in groups]
+        counts.append((sizes[0], sum(sizes)))
+    (h1, t1), (h2, t2) = counts
+    hidden = h1 + (m.n_layers - 1) * (h2 - h1)
+    total = t1 + (m.n_layers - 1) * (t2 - t1)
+    return hidden / total if total else 0.0

@@ -1,4 +1,4 @@
-"""What a model family tells the rest of meshlm: one `ModelSpec` per family (`models/registry.py`).
+"""What a model family tells the rest of meshlm: one `ModelSpec` per family (`families/registry.py`).
 
 `parallel/`, `train/`, checkpoints, conversion, `bench memory` and the CLI read a family only through
 its spec; none names a family's attributes. A family's plain model class must offer this small protocol,
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from meshlm.config import ModelConfig
+from meshlm.core.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class ModelSpec:
     recompute_flops: Callable  # (cfg, batch, mode, seq_len=None, layers=) → extra forward FLOPs of recomputation
     stage_costs: Callable[[ModelConfig], tuple[float, float]]  # first/last stage extra work, in layers
     parameter_count: Callable[[ModelConfig], int]  # exact, from the config
-    activation_bytes: Callable | None  # (Config, device_type=) → per-layer saved bytes (plan/memory.py); None: none
+    activation_bytes: Callable | None  # (Config, device_type=) → per-layer saved bytes (core/memory.py); None: none
     build_datasets: Callable  # (Config, progress=) → (tokenizer, train, valid)
     # Optional, for families whose loss is more than the token cross-entropy of `loss`:
     loss_for: Callable | None = None  # (ModelConfig, models.loss.TokenOps) → loss fn; tp>1 gets vocab-split ops
@@ -68,7 +68,16 @@ class ModelSpec:
     # Adapters (`meshlm tune`, tune/): LoRA targets, name → (linear path pattern, rows of its weight or None),
     # and whether virtual tokens (prompt tuning, p-tuning) can go before the input (the model's `embed(ids, start)`).
     lora_targets: Callable | None = None  # (ModelConfig) → {target: (pattern, (lo, hi) | None)}
-    virtual_tokens: bool = False
+    virtual_tokens: bool = False  # the model has a `prompt` slot its `embed` runs (tune/prompt.py fills it)
+    # What commands ask of a family (only families/ compares family names; the rest reads these):
+    task_heads: bool = False  # fine-tunes with task heads: `meshlm finetune` (classify, span, tokens)
+    sentence_embeddings: bool = False  # `meshlm embed`, sentence-transformers files on conversion
+    default_tokenizer: str = "gpt2"  # the bundled tokenizer a checkpoint without tokenizer files gets
+    special_tokens: Callable | None = None  # (ModelConfig) → names of special tokens its tokenizer must have
+    peft_task_type: Callable | None = None  # (ModelConfig) → PEFT's task_type of an exported LoRA adapter
+    hf_architecture: Callable | None = None  # (ModelConfig) → the Hugging Face architecture it converts to
+    hf_table: Callable | None = None  # (ModelConfig) → [common.Entry]: each tensor's Hugging Face names
+    hf_prefix: Callable = lambda cfg: ""  # (ModelConfig) → the prefix of the HF model's keys (BERT: 'bert.')
 
 
 def family_loss(spec: ModelSpec, cfg: ModelConfig, ops=None) -> Callable:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshlm.config import ConfigError
+from meshlm.core.config import ConfigError
 
 
 @dataclass
@@ -46,14 +46,14 @@ class AdapterSet:
     """The adapters served over `model` (a plain one-process decoder), by name; index 0 is the base."""
 
     def __init__(self, model: torch.nn.Module, cfg, adapters: list[tuple[str, object]]):
-        from meshlm.models.registry import get_spec
+        from meshlm.families.registry import get_spec
 
         self.model, self.cfg = model, cfg
         self.spec = get_spec(cfg.model.family)
         self.served: list[ServedAdapter] = []
         self.rows: dict[int, torch.Tensor | None] = {}  # adapter index → rows of this forward (None: all)
         self.virtual: torch.Tensor | None = None  # this prefill's virtual tokens (n, h)
-        self._hooked: set[int] = set()
+        self._loras: dict[int, list[tuple[int, torch.nn.Module]]] = {}  # id(linear) → its (adapter index, LoRA)
         self._embedding_hooked = False
         for name, adapter in adapters:
             self._add(name, adapter)
@@ -76,22 +76,19 @@ class AdapterSet:
     @torch.no_grad()
     def _add_lora(self, served: ServedAdapter, adapter) -> None:
         from meshlm.tune.export import apply_adapter
+        from meshlm.tune.lora import detach_lora
 
         index = len(self.served) + 1
         apply_adapter(self.model, self.cfg, adapter, merge=False)  # checks every tensor's name and shape
         for _, linear in list(self.model.named_modules()):
-            if not hasattr(linear, "_lora_hook"):
+            lora = detach_lora(linear)  # detached: this adapter's update now runs only on its own rows
+            if lora is None:
                 continue
-            lora = linear.lora
-            linear._lora_hook.remove()  # detached: this adapter's update now runs only on its own rows
-            del linear._lora_hook
-            del linear.lora
             lora.eval().requires_grad_(False)  # no dropout
-            if id(linear) not in self._hooked:
-                self._hooked.add(id(linear))
-                linear._served_loras = []
+            if id(linear) not in self._loras:
+                self._loras[id(linear)] = []
                 linear.register_forward_hook(self._lora_hook)
-            linear._served_loras.append((index, lora))
+            self._loras[id(linear)].append((index, lora))
             served.loras.append(lora)
 
     def _add_prompt(self, served: ServedAdapter, adapter) -> None:
@@ -118,7 +115,7 @@ class AdapterSet:
         if not self.rows:
             return output
         x = args[0]
-        for index, lora in linear._served_loras:
+        for index, lora in self._loras[id(linear)]:
             if index not in self.rows:
                 continue
             rows = self.rows[index]

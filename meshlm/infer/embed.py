@@ -1,4 +1,5 @@
-"""Sentence embeddings from a BERT checkpoint: `meshlm embed --checkpoint RUN --input FILE --output OUT`.
+"""Sentence embeddings from a BERT checkpoint: `meshlm embed --checkpoint RUN --input FILE --output OUT`
+(`embed_file`; the command line is `meshlm/commands/embed.py`).
 
 Each text is tokenized as [CLS] text [SEP] (one segment) and cut to `max_length` tokens; batches are padded
 with [PAD] and masked, texts sorted by length so a batch pads little, and the rows put back in input order.
@@ -14,13 +15,12 @@ its line, unless `truncate`; nothing is written then. The output file is written
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
 from pathlib import Path
 
-from meshlm.config import ConfigError
+from meshlm.core.config import ConfigError
 
 
 def read_texts(path: str | Path) -> list[str]:
@@ -150,55 +150,42 @@ def _check_output(output: str) -> None:
         raise ConfigError(f"--output {output!r}: directory {str(out.parent)!r} is not writable")
 
 
-def _embed(args: argparse.Namespace, overrides: list[str]) -> int:
-    if overrides:
-        raise ConfigError(f"embed takes no config overrides (got {overrides[0]!r}); see meshlm embed -h")
-    if args.batch_size < 1:
-        raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
-    _check_output(args.output)
-    from meshlm.cli import checkpoint_config
+def embed_file(checkpoint: str, input_path: str, output: str, batch_size: int = 32, max_length: int | None = None,
+               truncate: bool = False) -> Path:
+    """`meshlm embed`: the sentence embeddings of the texts of `input_path` (`read_texts`) by the BERT
+    `checkpoint`, written to `output` (`write_embeddings`); `max_length` None: the default of the module's
+    docstring. Prints what it wrote and returns its path."""
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size {batch_size} must be >= 1")
+    _check_output(output)
+    from meshlm.checkpoint.load import checkpoint_config
+    from meshlm.checkpoint.single import resolve_checkpoint
     from meshlm.data.tokenizers import get_tokenizer
+    from meshlm.families.registry import get_spec
     from meshlm.interop.convert import load_checkpoint_model
     from meshlm.interop.hf_files import checkpoint_files, max_seq_length
-    from meshlm.train.checkpoint import resolve_checkpoint
 
-    source = resolve_checkpoint(args.checkpoint)
+    source = resolve_checkpoint(checkpoint)
     cfg = checkpoint_config(str(source))
     m = cfg.model
-    if m.family != "bert":
-        raise ConfigError(f"meshlm embed needs a BERT checkpoint (model.family='bert'); {args.checkpoint} is "
+    if not get_spec(m.family).sentence_embeddings:
+        raise ConfigError(f"meshlm embed needs a BERT checkpoint (model.family='bert'); {checkpoint} is "
                           f"model.family={m.family!r}")
     carried = max_seq_length(checkpoint_files(source, cfg.data.tokenizer))
-    max_length = args.max_length or min(carried or m.seq_len, m.seq_len)
+    max_length = max_length or min(carried or m.seq_len, m.seq_len)
     if not 3 <= max_length <= m.seq_len:
         raise ConfigError(f"--max-length {max_length} must be in 3..{m.seq_len} (model.seq_len: [CLS], at least one "
                           "token, [SEP])")
-    texts, numbers = read_numbered_texts(args.input)
+    texts, numbers = read_numbered_texts(input_path)
     tokenizer = get_tokenizer(cfg.data.tokenizer)
-    ids = tokenize(tokenizer, texts, max_length, m.seq_len, args.truncate,
-                   [f"--input {args.input!r} line {n}" for n in numbers])
+    ids = tokenize(tokenizer, texts, max_length, m.seq_len, truncate,
+                   [f"--input {input_path!r} line {n}" for n in numbers])
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_checkpoint_model(source, m, device)
-    vectors = embed_ids(model, ids, tokenizer.special_ids["pad"], args.batch_size, m.pooling, m.normalize_embeddings)
-    path = write_embeddings(vectors, args.output)
+    vectors = embed_ids(model, ids, tokenizer.special_ids["pad"], batch_size, m.pooling, m.normalize_embeddings)
+    path = write_embeddings(vectors, output)
     print(f"wrote {len(texts)} embeddings of {vectors.shape[1]} dims ({m.pooling} pooling"
           f"{', normalised' if m.normalize_embeddings else ''}) to {path}")
-    return 0
-
-
-def add_embed_command(sub) -> None:
-    """Register `meshlm embed` on the CLI's subparsers."""
-    p = sub.add_parser("embed", help="sentence embeddings of texts from a BERT checkpoint")
-    p.add_argument("--checkpoint", required=True, help="run directory (its latest checkpoint) or a step directory")
-    p.add_argument("--input", required=True, help=".txt (one text per line) or .jsonl (a 'text' field per line)")
-    p.add_argument("--output", required=True, help="OUT.npy (float32 rows) or OUT.jsonl ({\"embedding\": [...]} "
-                                                   "per line), in input order")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-length", type=int, default=None,
-                   help="tokens per text with [CLS] and [SEP], longer texts cut (default: sentence-transformers' "
-                        "max_seq_length when the checkpoint carries it, else model.seq_len)")
-    p.add_argument("--truncate", action="store_true",
-                   help="cut texts longer than model.seq_len too, instead of stopping with an error")
-    p.set_defaults(func=_embed)
+    return path

@@ -1,7 +1,10 @@
 """Conversions between meshlm models and other frameworks' checkpoints (Hugging Face GPT-2, Llama, BERT).
 
-The names below are loaded on first use (PEP 562), so importing `meshlm.interop.convert` for the CLI's
-argument parser does not import torch: `meshlm prepare` and `meshlm tokenizer` start without it.
+`hf.py` (GPT-2 and Llama weights, through the families' name tables), `hf_bert.py`, `hf_config.py`
+(configs both ways), `hf_files.py` (tokenizer and sentence-transformers files), `convert.py` (`meshlm
+convert`). The names below are loaded on first use (PEP 562): importing the package loads no torch.
+
+May import: core, data, models, families, parallel, checkpoint, train.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ failure leaves nothing half-written; the target must be new or empty.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -34,7 +33,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from meshlm.config import ConfigError, check_output_dir
+from meshlm.core.config import ConfigError, check_output_dir
+from meshlm.families.registry import get_spec
 
 WEIGHTS = "model.safetensors"
 
@@ -48,7 +48,7 @@ def convert_to_single(checkpoint: str | Path, out_dir: str | Path) -> Path:
     import torch  # here, not at the top: the CLI imports this module to build its parser
     from safetensors.torch import save_file
 
-    from meshlm.train import checkpoint as ckpt
+    from meshlm.checkpoint import single as ckpt
 
     source = ckpt.resolve_checkpoint(checkpoint)
     config = ckpt.load_config_dict(source)
@@ -67,8 +67,7 @@ def load_checkpoint_model(source: Path, cfg, device: str = "cpu"):
     checkpoint overwrites."""
     import torch
 
-    from meshlm.models.registry import get_spec
-    from meshlm.train import checkpoint as ckpt
+    from meshlm.checkpoint import single as ckpt
 
     state = ckpt.load_model_state(source, device)  # any format: one process, a parallel run's pieces
     with torch.device("meta"):
@@ -110,7 +109,7 @@ def _pick_tokenizer(cfg, carried: Path, final: Path, tokenizer: str | None) -> t
         return tokenizer, tokenizer, None
     if (carried / "tokenizer.json").exists() or (carried / "tokenizer.model").exists():
         return str(final), str(carried), None
-    bundled = "bert" if cfg.family == "bert" else "gpt2"
+    bundled = get_spec(cfg.family).default_tokenizer
     return bundled, bundled, (f"note: no tokenizer files (tokenizer.json, tokenizer.model, vocab.txt, vocab.json + "
                               f"merges.txt) in the directory; data.tokenizer={bundled!r}, meshlm's bundled one "
                               "(--tokenizer chooses another)")
@@ -123,8 +122,9 @@ def _check_tokenizer(cfg, spec: str, shown: str):
     if tok.vocab_size > cfg.vocab_size:
         raise ConfigError(f"tokenizer {shown!r} has {tok.vocab_size} tokens, more than the model's vocab_size="
                           f"{cfg.vocab_size}; pass --tokenizer with the model's own tokenizer")
-    if cfg.family == "bert":
-        need = ["cls", "sep", "pad"] + (["mask"] if cfg.bert_head in ("pretrain", "mlm") else [])
+    special_tokens = get_spec(cfg.family).special_tokens
+    if special_tokens is not None:
+        need = special_tokens(cfg)
         absent = [n for n in need if n not in tok.special_ids]
         if absent:
             raise ConfigError(f"tokenizer {shown!r} has no {', '.join(f'[{n.upper()}]' for n in absent)} token, "
@@ -137,19 +137,19 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, tokenizer: str | None = N
     """Convert the Hugging Face directory `hf_dir` into the meshlm run directory `out_dir` (new or empty):
     checkpoints/step_0000000 with the model, a fresh optimizer and the config; the tokenizer and
     sentence-transformers files in out_dir/hf. Returns the checkpoint directory."""
-    from meshlm.config import Config, DataConfig, TrainConfig
+    from meshlm.checkpoint import single as ckpt
+    from meshlm.core.config import Config, DataConfig, TrainConfig
+    from meshlm.core.rng import rng_state, seed_everything
     from meshlm.interop.hf import load_hf
     from meshlm.interop.hf_files import CARRIED, carry_files, read_sentence_modules
-    from meshlm.train import checkpoint as ckpt
     from meshlm.train.optim import build_optimizer
-    from meshlm.train.trainer import rng_state, seed_everything
 
     source = Path(hf_dir).expanduser()
     target = _check_new_dir("--out", out_dir)
     notes: list[str] = []  # told once the run is written (an error is the one line the user sees)
     model = load_hf(source, notes.append)  # every check of the config and the weights, before anything is written
     cfg = model.cfg
-    modules = read_sentence_modules(source) if cfg.family == "bert" else None
+    modules = read_sentence_modules(source) if get_spec(cfg.family).sentence_embeddings else None
     if modules is not None:
         cfg = replace(cfg, pooling=modules.pooling, normalize_embeddings=modules.normalize)
         if modules.max_seq_length and modules.max_seq_length > cfg.seq_len:
@@ -182,7 +182,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, tokenizer: str | None = N
 def export_hf(checkpoint: str | Path, hf_dir: str | Path, log: Callable[[str], None] = _note) -> Path:
     """Write the model of `checkpoint` (any layout) as a Hugging Face directory `hf_dir` (new or empty):
     config.json, model.safetensors, the tokenizer files and, for a BERT encoder, sentence-transformers'."""
-    from meshlm.config import config_from_dict
+    from meshlm.checkpoint import single as ckpt
+    from meshlm.core.config import config_from_dict
     from meshlm.interop.hf import save_hf
     from meshlm.interop.hf_config import hf_config_dict
     from meshlm.interop.hf_files import (
@@ -192,7 +193,6 @@ def export_hf(checkpoint: str | Path, hf_dir: str | Path, log: Callable[[str], N
         write_sentence_modules,
         write_tokenizer_files,
     )
-    from meshlm.train import checkpoint as ckpt
 
     target = _check_new_dir("--to-hf", hf_dir)
     source = ckpt.resolve_checkpoint(checkpoint)
@@ -205,55 +205,12 @@ def export_hf(checkpoint: str | Path, hf_dir: str | Path, log: Callable[[str], N
     def write(tmp: Path) -> None:
         save_hf(model, tmp)
         labels = carried_labels(carried, cfg.num_labels) if cfg.bert_head in ("classify", "tokens") else None
-        if cfg.family == "bert" and labels is not None:
+        if get_spec(cfg.family).task_heads and labels is not None:
             hf_config = json.loads((tmp / "config.json").read_text())
             (tmp / "config.json").write_text(json.dumps({**hf_config, **labels}, indent=2, sort_keys=True) + "\n")
         write_tokenizer_files(spec, tmp, cfg.seq_len, log)
-        if cfg.family == "bert" and cfg.bert_head == "encoder":
+        if get_spec(cfg.family).sentence_embeddings and cfg.bert_head == "encoder":
             write_sentence_modules(cfg, tmp, max_seq_length(carried))
 
     _publish(target, write)
     return target
-
-
-# ---- the command ------------------------------------------------------------------------------------------
-def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
-    if overrides:
-        raise ConfigError(f"convert takes no config overrides (got {overrides[0]!r}); see meshlm convert -h")
-    modes = {"--to-single": args.to_single, "--to-hf": args.to_hf, "--from-hf": args.from_hf}
-    given = [flag for flag, value in modes.items() if value is not None]
-    if len(given) != 1:
-        raise ConfigError(f"meshlm convert takes one of --to-single, --to-hf, --from-hf (got "
-                          f"{', '.join(given) or 'none'}); see meshlm convert -h")
-    if args.from_hf is not None:
-        if args.out is None or args.checkpoint is not None:
-            raise ConfigError("--from-hf HF_DIR takes --out RUN_DIR (the new run directory), not --checkpoint")
-        path = import_hf(args.from_hf, args.out, args.tokenizer)
-        print(f"wrote {path}")
-        return 0
-    if args.checkpoint is None or args.out is not None or args.tokenizer is not None:
-        raise ConfigError(f"{given[0]} takes --checkpoint RUN (not --out or --tokenizer); see meshlm convert -h")
-    if args.to_hf is not None:
-        print(f"wrote {export_hf(args.checkpoint, args.to_hf)}")
-        return 0
-    check_output_dir("--to-single", args.to_single)
-    path = convert_to_single(args.checkpoint, args.to_single)
-    print(f"wrote {path} and {path.parent / 'config.json'}")
-    return 0
-
-
-def add_convert_command(sub) -> None:
-    """Register `meshlm convert` on the CLI's subparsers."""
-    p = sub.add_parser("convert", help="a checkpoint to one safetensors file or a Hugging Face directory, or "
-                                       "a Hugging Face directory to a checkpoint")
-    p.add_argument("--checkpoint", help="run directory (its latest checkpoint) or a step directory")
-    p.add_argument("--to-single", metavar="OUT_DIR",
-                   help=f"directory for {WEIGHTS} (the plain state dict) and config.json")
-    p.add_argument("--to-hf", metavar="HF_DIR", help="new directory for config.json, model.safetensors and the "
-                                                     "tokenizer files, which transformers' from_pretrained loads")
-    p.add_argument("--from-hf", metavar="HF_DIR", help="a local Hugging Face GPT-2, Llama or BERT directory "
-                                                       "(config.json, model.safetensors or pytorch_model.bin)")
-    p.add_argument("--out", metavar="RUN_DIR", help="with --from-hf: the new run directory")
-    p.add_argument("--tokenizer", help="with --from-hf: data.tokenizer to record (default: the directory's "
-                                       "tokenizer files, else the bundled gpt2 or bert)")
-    p.set_defaults(func=_convert)

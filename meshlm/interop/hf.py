@@ -28,13 +28,15 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from meshlm.config import ConfigError, ModelConfig
+from meshlm.core.config import ConfigError, ModelConfig
+from meshlm.families.common import split_sizes
+from meshlm.families.registry import get_spec
 from meshlm.interop.hf_config import (
     check_representable,
     hf_architecture,
@@ -49,65 +51,18 @@ _IGNORED = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"
                       r"|model\.layers\.\d+\.self_attn\.rotary_emb\..*")
 
 
-class _Entry(NamedTuple):
-    ours: str
-    theirs: tuple[str, ...]  # concatenated along dim 0 into `ours`
-    transposed: bool = False  # GPT-2 Conv1D
-
-
-# ---------------------------------------------------------------------------------------------- weights
-
-def _gpt2_table(cfg: ModelConfig) -> list[_Entry]:
-    table = [_Entry("tok_emb.weight", ("transformer.wte.weight",)),
-             _Entry("pos_emb.weight", ("transformer.wpe.weight",))]
-    for i in range(cfg.n_layers):
-        ours, theirs = f"layers.{i}.", f"transformer.h.{i}."
-        for a, b in (("norm1", "ln_1"), ("norm2", "ln_2")):
-            table += [_Entry(f"{ours}{a}.{p}", (f"{theirs}{b}.{p}",)) for p in ("weight", "bias")]
-        for a, b in (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"),
-                     ("mlp.proj", "mlp.c_proj")):
-            table += [_Entry(f"{ours}{a}.weight", (f"{theirs}{b}.weight",), True),
-                      _Entry(f"{ours}{a}.bias", (f"{theirs}{b}.bias",))]
-    return table + [_Entry("norm.weight", ("transformer.ln_f.weight",)),
-                    _Entry("norm.bias", ("transformer.ln_f.bias",)), _Entry("lm_head.weight", ("lm_head.weight",))]
-
-
-def _llama_table(cfg: ModelConfig) -> list[_Entry]:
-    table = [_Entry("tok_emb.weight", ("model.embed_tokens.weight",))]
-    for i in range(cfg.n_layers):
-        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        table += [_Entry(f"{ours}norm1.weight", (f"{theirs}input_layernorm.weight",)),
-                  _Entry(f"{ours}norm2.weight", (f"{theirs}post_attention_layernorm.weight",))]
-        for p in ("weight", "bias") if cfg.bias else ("weight",):
-            attn, mlp = f"{theirs}self_attn.", f"{theirs}mlp."
-            table += [_Entry(f"{ours}attn.qkv.{p}", tuple(f"{attn}{x}_proj.{p}" for x in "qkv")),
-                      _Entry(f"{ours}attn.proj.{p}", (f"{attn}o_proj.{p}",)),
-                      _Entry(f"{ours}mlp.fc.{p}", (f"{mlp}gate_proj.{p}", f"{mlp}up_proj.{p}")),
-                      _Entry(f"{ours}mlp.proj.{p}", (f"{mlp}down_proj.{p}",))]
-    return table + [_Entry("norm.weight", ("model.norm.weight",)), _Entry("lm_head.weight", ("lm_head.weight",))]
-
-
-_TABLES = {"gpt2": _gpt2_table, "llama": _llama_table}
-
-
-def _split_sizes(cfg: ModelConfig, n_parts: int) -> list[int]:
-    if n_parts == 3:  # [q; k; v]
-        return [cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim]
-    return [cfg.ffn_size, cfg.ffn_size]  # [gate; up]
-
-
 def _to_hf_state(model: GPT, arch: str) -> dict[str, torch.Tensor]:
     """HF state dict (fresh tensors); when tied, lm_head.weight is the embedding tensor, as in HF's own."""
     cfg = model.cfg
     check_representable(cfg, arch)
     ours = model.state_dict()
-    table, out = _TABLES[arch](cfg), {}
+    table, out = get_spec(cfg.family).hf_table(cfg), {}
     for entry in table:
         if entry.ours == "lm_head.weight" and cfg.tie_embeddings:
             out["lm_head.weight"] = out[table[0].theirs[0]]
             continue
         tensor = ours[entry.ours].detach()
-        parts = tensor.split(_split_sizes(cfg, len(entry.theirs))) if len(entry.theirs) > 1 else [tensor]
+        parts = tensor.split(split_sizes(cfg, len(entry.theirs))) if len(entry.theirs) > 1 else [tensor]
         for key, part in zip(entry.theirs, parts):
             out[key] = (part.t() if entry.transposed else part).contiguous().clone()
     return out
@@ -122,7 +77,7 @@ def _normalise_keys(state: dict[str, torch.Tensor], arch: str) -> dict[str, torc
 
 def _from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], arch: str) -> GPT:
     state = _normalise_keys(state, arch)
-    table = _TABLES[arch](cfg)
+    table = get_spec(cfg.family).hf_table(cfg)
     ours, used, missing = {}, set(), []
     for entry in table:
         if entry.ours == "lm_head.weight" and cfg.tie_embeddings:

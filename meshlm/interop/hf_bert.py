@@ -34,55 +34,15 @@ from typing import Any
 
 import torch
 
-from meshlm.config import ConfigError, ModelConfig
-from meshlm.interop.hf import _Entry, _split_sizes
+from meshlm.core.config import ConfigError, ModelConfig
+from meshlm.families.bert import bert_table, hf_prefix
+from meshlm.families.common import split_sizes
 from meshlm.interop.hf_config import hf_config_from_model_config, model_config_from_hf
-from meshlm.models.bert import BERT, MLM_HEADS, POOLED_HEADS
+from meshlm.models.bert import BERT, MLM_HEADS
 
 _BUFFERS = re.compile(r"embeddings\.(position_ids|token_type_ids)")
 _TOP_LEVEL = ("cls.", "classifier.", "qa_outputs.")  # head keys: never under the `bert.` prefix
 _HEAD_PREFIXES = ("pooler.", *_TOP_LEVEL)  # the parts a class may leave out
-
-
-def _pairs(ours: str, theirs: str) -> list[_Entry]:
-    return [_Entry(f"{ours}.{p}", (f"{theirs}.{p}",)) for p in ("weight", "bias")]
-
-
-def bert_table(cfg: ModelConfig) -> list[_Entry]:
-    """(meshlm key, HF keys without the `bert.` prefix) for every tensor of a `BERT` with this config."""
-    table = [_Entry("tok_emb.weight", ("embeddings.word_embeddings.weight",)),
-             _Entry("pos_emb.weight", ("embeddings.position_embeddings.weight",)),
-             _Entry("type_emb.weight", ("embeddings.token_type_embeddings.weight",)),
-             *_pairs("emb_norm", "embeddings.LayerNorm")]
-    for i in range(cfg.n_layers):
-        ours, theirs = f"layers.{i}.", f"encoder.layer.{i}."
-        table += [_Entry(f"{ours}attn.qkv.{p}", tuple(f"{theirs}attention.self.{x}.{p}" for x in ("query", "key", "value")))
-                  for p in ("weight", "bias")]
-        table += (_pairs(f"{ours}attn.proj", f"{theirs}attention.output.dense")
-                  + _pairs(f"{ours}norm1", f"{theirs}attention.output.LayerNorm")
-                  + _pairs(f"{ours}mlp.fc", f"{theirs}intermediate.dense")
-                  + _pairs(f"{ours}mlp.proj", f"{theirs}output.dense")
-                  + _pairs(f"{ours}norm2", f"{theirs}output.LayerNorm"))
-    head = cfg.bert_head
-    if head in POOLED_HEADS:
-        table += _pairs("pooler", "pooler.dense")
-    if head in MLM_HEADS:
-        table += (_pairs("mlm_dense", "cls.predictions.transform.dense")
-                  + _pairs("mlm_norm", "cls.predictions.transform.LayerNorm")
-                  + [_Entry("lm_head.weight", ("cls.predictions.decoder.weight",)),
-                     _Entry("lm_head.bias", ("cls.predictions.bias",))])
-    if head == "pretrain":
-        table += _pairs("sop_head", "cls.seq_relationship")
-    if head in ("classify", "tokens"):
-        table += _pairs("task_head", "classifier")
-    if head == "span":
-        table += _pairs("task_head", "qa_outputs")
-    return table
-
-
-def hf_prefix(cfg: ModelConfig) -> str:
-    """The prefix of the encoder's keys: none in `BertModel`, `bert.` in the classes with a head."""
-    return "" if cfg.bert_head == "encoder" else "bert."
 
 
 def _canonical(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -122,7 +82,7 @@ def to_hf_bert_state(model: BERT) -> dict[str, torch.Tensor]:
     ours, prefix, out = model.state_dict(), hf_prefix(cfg), {}
     for entry in bert_table(cfg):
         tensor = ours[entry.ours].detach()
-        parts = tensor.split(_split_sizes(cfg, 3)) if len(entry.theirs) == 3 else [tensor]
+        parts = tensor.split(split_sizes(cfg, 3)) if len(entry.theirs) == 3 else [tensor]
         for key, part in zip(entry.theirs, parts):
             full = key if key.startswith(_TOP_LEVEL) else prefix + key
             out[full] = part.contiguous().clone()

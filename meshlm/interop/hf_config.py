@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from meshlm.config import ConfigError, ModelConfig
+from meshlm.core.config import ConfigError, ModelConfig
 
 _GPT2_DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
                   "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": 0.1, "embd_pdrop": 0.1,
@@ -177,15 +177,18 @@ def _model_config_from_bert(d: dict[str, Any]) -> ModelConfig:
 
 
 def hf_architecture(cfg: ModelConfig) -> str:
-    """'bert' for the BERT family; else 'gpt2' for learned positions, 'llama' for RoPE
-    (`hf_config_dict` checks the other switches)."""
-    if cfg.family == "bert":
-        return "bert"
-    return "llama" if cfg.position == "rope" else "gpt2"
+    """The family's Hugging Face architecture: 'bert' for BERT; 'gpt2' for a GPT with learned positions, 'llama'
+    with RoPE (`hf_config_dict` checks the other switches)."""
+    from meshlm.families.registry import get_spec
+
+    arch = get_spec(cfg.family).hf_architecture
+    if arch is None:
+        raise ConfigError(f"model.family={cfg.family!r} has no Hugging Face conversion")
+    return arch(cfg)
 
 
 def check_representable(cfg: ModelConfig, arch: str) -> None:
-    if (arch == "bert") != (cfg.family == "bert"):
+    if (arch == "bert") != (hf_architecture(cfg) == "bert"):
         raise ConfigError(f"a meshlm model.family={cfg.family!r} model cannot be written as Hugging Face {arch}; "
                           f"use {hf_architecture(cfg)!r}")
     if arch == "bert":

@@ -49,7 +49,7 @@ class ActivationReport:
         return self.layers_total + self.outside_bytes
 
     def summary(self, formula: list[float] | None = None) -> str:
-        """One line for the training log; `formula`: the per-layer bytes `plan.memory` predicts."""
+        """One line for the training log; `formula`: the per-layer bytes `core.memory` predicts."""
         per = self.per_layer
         same = len(set(per)) == 1
         layer_text = f"{_mib(per[0])}/layer × {len(per)}" if same and per else \

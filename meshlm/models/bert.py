@@ -37,11 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshlm.config import Config, ModelConfig
+from meshlm.core.config import ModelConfig
 from meshlm.models.init import InitRule, draw_base_seed, init_parameters
-from meshlm.models.layers import MLP, Attention, lora_targets, make_norm
+from meshlm.models.layers import MLP, Attention, make_norm
 from meshlm.models.loss import IGNORE_INDEX, PartsLoss, TokenOps, accumulation_dtype
-from meshlm.models.spec import ModelSpec, PipelinePlan
 
 PREDICTED = 2  # attention-mask value of a real token the MLM head predicts (1: real, 0: padding)
 MASKED_FRACTION = 0.15  # tokens predicted by MLM pretraining (Megatron's default; the FLOPs count)
@@ -397,7 +396,7 @@ def eval_metrics(parts: dict, loss: float) -> dict:
 
 def example_batch(cfg: ModelConfig, micro_batch: int, generator: torch.Generator):
     """Random full-length inputs (two segments, no padding) and pretraining targets (15% of the tokens
-    predicted, a random order label), for measuring a step (`plan/activations.py`)."""
+    predicted, a random order label), for measuring a step (`models/activations.py`)."""
     T = cfg.seq_len
     ids = torch.randint(0, cfg.vocab_size, (micro_batch, T), generator=generator)
     types = (torch.arange(T) >= T // 2).long().expand(micro_batch, T)
@@ -414,7 +413,6 @@ def example_batch(cfg: ModelConfig, micro_batch: int, generator: torch.Generator
     return inputs, torch.randint(0, cfg.num_labels, (micro_batch, 1), generator=generator)
 
 
-# ---- the family's spec ------------------------------------------------------------------------------------
 def init_rule(name: str, shape: tuple, cfg: ModelConfig) -> InitRule:
     """Megatron's BERT init: N(0, std) everywhere, the layers' output projections N(0, std/√(2L)), biases 0,
     norms 1."""
@@ -423,122 +421,3 @@ def init_rule(name: str, shape: tuple, cfg: ModelConfig) -> InitRule:
     if name.startswith("layers.") and name.endswith("proj.weight"):
         return InitRule("normal", cfg.init_std / math.sqrt(2 * cfg.n_layers))
     return InitRule("normal", cfg.init_std)
-
-
-def tp_plan(cfg: ModelConfig) -> dict:
-    """GPT's split for the layers and the word embedding; positions and token types per token under SP;
-    the heads on the gathered sequence (`pool_gather`): the MLM transform, pooler and task heads
-    replicated, the MLM decoder over the vocabulary (its input already whole: no sequence gather)."""
-    from meshlm.parallel.styles import (
-        ColumnParallel,
-        HeadParallelAttention,
-        RowParallel,
-        SequenceDropout,
-        SequenceGathered,
-        SequenceParallel,
-        SequenceShardedPositions,
-        VocabParallel,
-    )
-
-    return {
-        "tok_emb": VocabParallel(),
-        "pos_emb": SequenceShardedPositions(),
-        "type_emb": SequenceShardedPositions(),
-        "emb_norm": SequenceParallel(),
-        "drop": SequenceDropout(),
-        "layers.*.norm[12]": SequenceParallel(),
-        "layers.*.attn": HeadParallelAttention(qkv="qkv", proj="proj", core="core"),
-        "layers.*.attn.resid_dropout": SequenceDropout(),
-        "layers.*.mlp.fc": ColumnParallel(),
-        "layers.*.mlp.proj": RowParallel(),
-        "layers.*.mlp.dropout": SequenceDropout(),
-        "pool_gather": SequenceGathered(),
-        "lm_head": ColumnParallel(vocab_of="tok_emb", gather_sequence=False),
-    }
-
-
-def logical_blocks(name: str, cfg: ModelConfig) -> list[tuple[str, int]]:
-    """Checkpoint tensors: `attn.qkv` → q, k, v (as GPT); the rest whole."""
-    prefix, attr = name.rsplit(".", 1)
-    if prefix.endswith("attn.qkv"):
-        base, hd = prefix[:-len("qkv")], cfg.head_dim
-        return [(f"{base}q.{attr}", cfg.n_heads * hd), (f"{base}k.{attr}", cfg.kv_heads * hd),
-                (f"{base}v.{attr}", cfg.kv_heads * hd)]
-    return [(name, -1)]
-
-
-def _check_tp(cfg: ModelConfig, tp: int, sp: bool) -> None:
-    from meshlm.plan.layout import check_tensor_parallel
-
-    check_tensor_parallel(cfg, tp, sp)
-
-
-def _datasets(cfg: Config, progress: bool = False):
-    from meshlm.data.bert_build import build_bert_datasets
-
-    return build_bert_datasets(cfg, progress=progress)
-
-
-def parameter_count(cfg: ModelConfig) -> int:
-    """Exact, from the config (each tied tensor once)."""
-    h, V, L, f, head = cfg.hidden_size, cfg.vocab_size, cfg.n_layers, cfg.ffn_size, cfg.bert_head
-    norm = 2 * h  # LayerNorm weight and bias
-    layer = (3 * h * h + 3 * h) + (h * h + h) + norm + (h * f + f) + (f * h + h) + norm
-    n = V * h + cfg.seq_len * h + cfg.type_vocab_size * h + norm + L * layer
-    if head in POOLED_HEADS:
-        n += h * h + h
-    if head in MLM_HEADS:
-        n += h * h + h + norm + V + (0 if cfg.tie_embeddings else V * h)
-    if head == "pretrain":
-        n += 2 * h + 2
-    if head in ("classify", "tokens"):
-        n += cfg.num_labels * (h + 1)
-    if head == "span":
-        n += 2 * (h + 1)
-    return n
-
-
-def _flops(cfg: ModelConfig, batch: int, seq_len: int | None = None) -> float:
-    """Model FLOPs of a training step (forward + backward = 3× forward): GPT's count of the layers, plus
-    the half of the s × s scores a causal count leaves out (an encoder attends both ways: QKᵀ and ·V are
-    2·2·b·s²·h forward), plus the MLM head (transform h × h and decoder h × V) on the predicted tokens
-    (`MASKED_FRACTION` of them: the head runs on those alone), where GPT counts its output layer on every
-    token."""
-    from meshlm.plan.flops import model_flops
-
-    s = seq_len or cfg.seq_len
-    h, d, V = cfg.head_dim * cfg.n_heads, cfg.hidden_size, cfg.vocab_size
-    gpt_output_layer = 6.0 * batch * s * d * V
-    bidirectional = 6.0 * batch * s * s * cfg.n_layers * h
-    mlm = 6.0 * batch * s * MASKED_FRACTION * (d * d + d * V) if cfg.bert_head in MLM_HEADS else 0.0
-    return model_flops(cfg, batch, seq_len) - gpt_output_layer + bidirectional + mlm
-
-
-def _recompute_flops(cfg: ModelConfig, batch: int, mode: str, seq_len: int | None = None, layers=None) -> float:
-    from meshlm.plan.flops import recompute_flops
-
-    return recompute_flops(cfg, batch, mode, seq_len, layers)
-
-
-def _stage_costs(cfg: ModelConfig) -> tuple[float, float]:
-    from meshlm.plan.flops import stage_costs
-
-    return stage_costs(cfg)
-
-
-def _activation_bytes(cfg: Config, **kw):
-    from meshlm.plan.memory import layer_activation_bytes
-
-    return layer_activation_bytes(cfg, **kw)
-
-
-BERT_SPEC = ModelSpec(
-    name="bert", model_class=BERT, tp_plan=tp_plan, check_tensor_parallel=_check_tp,
-    pipeline=PipelinePlan(first=("tok_emb", "pos_emb", "type_emb", "emb_norm", "drop"), layers="layers",
-                          last=("pool_gather", "pooler", "mlm_dense", "mlm_norm", "lm_head", "sop_head",
-                                "head_drop", "task_head")),
-    selective_recompute=("attn.core",), init_rule=init_rule, logical_blocks=logical_blocks,
-    loss=None, fused_loss=False, flops=_flops, recompute_flops=_recompute_flops, stage_costs=_stage_costs,
-    parameter_count=parameter_count, activation_bytes=_activation_bytes, build_datasets=_datasets,
-    loss_for=loss_for, stage_inputs=True, eval_metrics=eval_metrics, example_batch=example_batch, decoder=False,
-    lora_targets=lora_targets)

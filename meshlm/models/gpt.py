@@ -4,7 +4,7 @@
 vocab-parallel cross-entropy without touching this file. `forward(idx, targets=y)` returns the mean loss
 through the fused chunked head + cross-entropy (`models/loss.py`), which never builds the logits; it needs
 the whole (tp=1) output layer. The forward is three steps, `embed` → `run_layers` → `head` (or
-`head_loss`), which the pipeline stages call on their part of the model (`models/spec.py`).
+`head_loss`), which the pipeline stages call on their part of the model (`families/spec.py`).
 
 Initialisation is per parameter and seeded (`models/init.py`): `GPT(cfg)` draws one base seed from the
 global generator and fills every parameter from it, so a model built on the meta device and materialised
@@ -19,14 +19,24 @@ import math
 import torch
 from torch import nn
 
-from meshlm.config import Config, ModelConfig
+from meshlm.core.config import ModelConfig
 from meshlm.models.init import InitRule, draw_base_seed, init_parameters
-from meshlm.models.layers import Block, KVCache, lora_targets, make_norm, positions_of, rope_tables
-from meshlm.models.loss import cross_entropy, linear_cross_entropy
-from meshlm.models.spec import ModelSpec, PipelinePlan
+from meshlm.models.layers import Block, KVCache, make_norm, positions_of, rope_tables
+from meshlm.models.loss import linear_cross_entropy
 
 
 class GPT(nn.Module):
+    """Besides the family protocol (`families/spec.py`), two switches a trainer or tuner sets:
+
+    * `loss_on_target_rows` (default False): `head_loss` runs the output layer on the rows whose target is
+      not ignored only (fine-tuning rows, mostly prompt and padding); the loss is the same;
+    * `prompt`: a submodule slot, empty by default; a module put there (`add_module("prompt", m)`, e.g.
+      `meshlm tune`'s virtual tokens) is called by `embed` as `m(idx, token_embeddings, start)` and returns
+      the token embeddings to use, before positions are added and dropout drawn.
+    """
+
+    loss_on_target_rows: bool
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -40,6 +50,8 @@ class GPT(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        self.register_module("prompt", None)  # empty: no virtual tokens (see the class doc)
+        self.loss_on_target_rows = False
         self.rope_len = 0
         self.init_buffers()
         if not self.tok_emb.weight.is_meta:
@@ -69,6 +81,8 @@ class GPT(nn.Module):
 
     def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
         x = self.tok_emb(idx)  # (B, T, h), or (B, T/t, h) under sequence parallelism
+        if self.prompt is not None:  # virtual tokens in place of their placeholders' embeddings
+            x = self.prompt(idx, x, start)
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions_of(start, idx.shape[1], idx.device))  # start: int, or (B,) per row
         return self.drop(x)
@@ -96,8 +110,7 @@ class GPT(nn.Module):
         if type(self.lm_head) is not nn.Linear:
             raise RuntimeError("forward(targets=...) fuses the whole output layer; with parallel.tp > 1 compute "
                                "the vocab-parallel loss on forward(idx)'s logits")
-        return linear_cross_entropy(self.norm(x), self.lm_head.weight, targets,
-                                    target_rows=getattr(self, "loss_on_target_rows", False))
+        return linear_cross_entropy(self.norm(x), self.lm_head.weight, targets, target_rows=self.loss_on_target_rows)
 
     def forward(self, idx: torch.Tensor, caches: list[KVCache] | None = None, start: int = 0,
                 targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -116,7 +129,6 @@ class GPT(nn.Module):
                 for layer in self.layers]
 
 
-# ---- the family's spec ------------------------------------------------------------------------------------
 def init_rule(name: str, shape: tuple, cfg: ModelConfig) -> InitRule:
     """GPT-2/Megatron init: N(0, std) everywhere, output projections N(0, std/√(2L)), biases 0, norms 1."""
     if len(shape) == 1:
@@ -124,97 +136,3 @@ def init_rule(name: str, shape: tuple, cfg: ModelConfig) -> InitRule:
     if name.endswith("proj.weight"):
         return InitRule("normal", cfg.init_std / math.sqrt(2 * cfg.n_layers))
     return InitRule("normal", cfg.init_std)
-
-
-def tp_plan(cfg: ModelConfig) -> dict:
-    """Megatron's split: embedding and head over the vocabulary, attention by heads, the MLP's fc by columns
-    (each of [W_gate; W_up] alike) and its proj by rows; norms, dropout and positions per token under SP."""
-    from meshlm.parallel.styles import (
-        ColumnParallel,
-        HeadParallelAttention,
-        RowParallel,
-        SequenceDropout,
-        SequenceParallel,
-        SequenceShardedPositions,
-        VocabParallel,
-    )
-
-    ffn = cfg.ffn_size
-    return {
-        "tok_emb": VocabParallel(),
-        "pos_emb": SequenceShardedPositions(),
-        "drop": SequenceDropout(),
-        "layers.*.norm[12]": SequenceParallel(),
-        "layers.*.attn": HeadParallelAttention(qkv="qkv", proj="proj", core="core"),
-        "layers.*.attn.resid_dropout": SequenceDropout(),
-        "layers.*.mlp.fc": ColumnParallel(blocks=(ffn, ffn) if cfg.activation == "swiglu" else None),
-        "layers.*.mlp.proj": RowParallel(),
-        "layers.*.mlp.dropout": SequenceDropout(),
-        "norm": SequenceParallel(),
-        "lm_head": ColumnParallel(vocab_of="tok_emb"),
-    }
-
-
-def logical_blocks(name: str, cfg: ModelConfig) -> list[tuple[str, int]]:
-    """Layout-free checkpoint tensors stacked along dim 0 of parameter `name`, with their row counts:
-    `attn.qkv` → q, k, v; SwiGLU's `mlp.fc` → gate, up; others whole (embedding/head: the vocabulary)."""
-    prefix, attr = name.rsplit(".", 1)
-    if prefix.endswith("attn.qkv"):
-        base, hd = prefix[:-len("qkv")], cfg.head_dim
-        return [(f"{base}q.{attr}", cfg.n_heads * hd), (f"{base}k.{attr}", cfg.kv_heads * hd),
-                (f"{base}v.{attr}", cfg.kv_heads * hd)]
-    if prefix.endswith("mlp.fc") and cfg.activation == "swiglu":
-        base = prefix[:-len("fc")]
-        return [(f"{base}gate.{attr}", cfg.ffn_size), (f"{base}up.{attr}", cfg.ffn_size)]
-    return [(name, -1)]  # whole: the rows of the plain parameter
-
-
-def _check_tp(cfg: ModelConfig, tp: int, sp: bool) -> None:
-    from meshlm.plan.layout import check_tensor_parallel
-
-    check_tensor_parallel(cfg, tp, sp)
-
-
-def _datasets(cfg: Config, progress: bool = False):
-    from meshlm.data import build_datasets
-
-    return build_datasets(cfg, progress=progress)
-
-
-def _activation_bytes(cfg: Config, **kw):
-    from meshlm.plan.memory import layer_activation_bytes
-
-    return layer_activation_bytes(cfg, **kw)
-
-
-def _parameter_count(cfg: ModelConfig) -> int:
-    from meshlm.plan.memory import parameter_count
-
-    return parameter_count(cfg)
-
-
-def _flops(cfg: ModelConfig, batch: int, seq_len: int | None = None) -> float:
-    from meshlm.plan.flops import model_flops
-
-    return model_flops(cfg, batch, seq_len)
-
-
-def _recompute_flops(cfg: ModelConfig, batch: int, mode: str, seq_len: int | None = None, layers=None) -> float:
-    from meshlm.plan.flops import recompute_flops
-
-    return recompute_flops(cfg, batch, mode, seq_len, layers)
-
-
-def _stage_costs(cfg: ModelConfig) -> tuple[float, float]:
-    from meshlm.plan.flops import stage_costs
-
-    return stage_costs(cfg)
-
-
-GPT_SPEC = ModelSpec(
-    name="gpt", model_class=GPT, tp_plan=tp_plan, check_tensor_parallel=_check_tp,
-    pipeline=PipelinePlan(first=("tok_emb", "pos_emb", "drop"), layers="layers", last=("norm", "lm_head")),
-    selective_recompute=("attn.core",), init_rule=init_rule, logical_blocks=logical_blocks, loss=cross_entropy,
-    fused_loss=True, flops=_flops, recompute_flops=_recompute_flops, stage_costs=_stage_costs,
-    parameter_count=_parameter_count, activation_bytes=_activation_bytes, build_datasets=_datasets,
-    lora_targets=lora_targets, virtual_tokens=True)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshlm.config import ModelConfig
+from meshlm.core.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

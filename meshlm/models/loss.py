@@ -146,7 +146,7 @@ def use_fused_loss(cfg, device: torch.device) -> bool:
     setting = cfg.train.fused_loss
     if setting != "auto":
         return bool(setting)
-    from meshlm.train.precision import DTYPES, resolve_precision
+    from meshlm.core.precision import DTYPES, resolve_precision
 
     precision, _ = resolve_precision(cfg.train.precision, device, cfg.model.hidden_size)
     return fused_head_wins(cfg.model.vocab_size, cfg.model.hidden_size, device, DTYPES[precision])

@@ -1,30 +1,38 @@
 """Parallelism applied from outside a plain model: `build_model(cfg, dims)` and `parallelize(model, dims, cfg)`.
 
 Each parallelism is one `apply_*` transform in its own module, driven by the model family's `ModelSpec`
-(`models/registry.py`); `parallelize` runs them in a fixed order and returns one `Parallelized` object
+(`families/registry.py`); `parallelize` runs them in a fixed order and returns one `Parallelized` object
 holding everything a training step needs. `build_model` builds the family's model on the meta device
 first, so each rank only ever allocates and initialises its own shards (`materialize.py`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from meshlm.config import Config
-from meshlm.parallel.data import GradSync, apply_data_parallel
+from meshlm.core.config import Config
+from meshlm.core.layout import Layout, plan_layout
+from meshlm.families.spec import ModelSpec
+from meshlm.parallel.data import GradSync
+from meshlm.parallel.dp import apply_data_parallel
 from meshlm.parallel.materialize import materialize
 from meshlm.parallel.mesh import ParallelDims, destroy, init_distributed
 from meshlm.parallel.pipeline import Pipeline, build_pipeline, cut_stages, fused_head
 from meshlm.parallel.recompute import apply_recompute
 from meshlm.parallel.rng import TPRNGTracker
 from meshlm.parallel.tensor import LossFn, apply_tensor_parallel, clip_grad_norm_, finish_grads, full_state_dict
-from meshlm.plan.layout import Layout, plan_layout
 
-__all__ = ["GradSync", "ParallelDims", "Parallelized", "TPRNGTracker", "build_model", "clip_grad_norm_", "destroy",
-           "finish_grads", "full_state_dict", "init_distributed", "parallelize"]
+__all__ = ["GradSync", "ParallelDims", "Parallelized", "TPRNGTracker", "Transform", "build_model", "clip_grad_norm_",
+           "destroy", "finish_grads", "full_state_dict", "init_distributed", "parallelize"]
+
+# A transform of this rank's materialised part of the model, in place: (model, spec, cfg, dims, rng) → None.
+# `parallelize` applies the ones it is given after materialisation, before the pipeline schedule, so every
+# later step (schedule, recomputation, data parallelism) sees what they add (`meshlm tune`'s adapters).
+Transform = Callable[[nn.Module, ModelSpec, Config, ParallelDims, TPRNGTracker | None], None]
 
 
 @dataclass
@@ -39,7 +47,7 @@ class Parallelized:
     """
 
     model: nn.Module
-    spec: object  # models.spec.ModelSpec
+    spec: ModelSpec
     dims: ParallelDims
     loss_fn: LossFn
     pipeline: Pipeline | None
@@ -48,8 +56,8 @@ class Parallelized:
     layout: Layout  # the layout's numbers: micro-batches per rank and step, layers per virtual stage
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, rng: TPRNGTracker | None = None,
-                spec=None) -> Parallelized:
+def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, rng: TPRNGTracker | None = None, *,
+                spec: ModelSpec, transforms: Sequence[Transform] = ()) -> Parallelized:
     """Transform a plain model (initialised, or built on the meta device) into this rank's part of the layout.
 
     Order matters:
@@ -59,8 +67,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, rng: TPRNGTra
        prunes the rest. Before recomputation, whose chunks and `block` counts are per stage, as in Megatron.
     3. materialisation of a meta-built model: only now is it known what this rank holds, so only that is
        allocated and initialised (to its slices of the single-process initialisation).
-       Then adapters (`tune.method`: LoRA on the parallel linears, virtual tokens on the first stage's
-       embedding) and the base frozen: every later transform sees the adapter and only it trains.
+       Then `transforms`, each called as `transform(model, spec, cfg, dims, rng)`: the caller's changes to
+       this rank's part (`meshlm tune`'s adapters: LoRA on the parallel linears, virtual tokens on the first
+       stage's embedding, the base frozen), which every later transform sees.
     4. the pipeline schedule and the tied-embedding group, over the real parameters.
     5. activation recomputation (`train.recompute`): it wraps the parallel layers' forwards (full) or
        attention core (selective), so a recomputed region replays the sharded computation, its collectives
@@ -69,10 +78,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, rng: TPRNGTra
     6. data parallelism last (`parallel.dp`, `parallel.zero`): its gradient hooks, flat buffers or FSDP2
        shards must hold the final parameters of this rank's stages.
     """
-    from meshlm.models.registry import spec_of
-
-    spec = spec or spec_of(model)
-    # Every layout rule at once, for this world (plan/layout.py), before anything is transformed.
+    # Every layout rule at once, for this world (core/layout.py), before anything is transformed.
     layout = plan_layout(cfg, dims.pp, dims.dp, dims.tp, spec.stage_costs(cfg.model))
     if rng is None and dims.tp > 1:  # one TP dropout stream, shared by TP and the recomputation that replays it
         rng = TPRNGTracker(torch.initial_seed(), dims.tp_rank, dims.device)
@@ -80,24 +86,21 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, rng: TPRNGTra
     cut = cut_stages(model, spec, cfg, dims.pp_rank, fused_head(cfg, dims, spec)) if dims.pp > 1 else None
     if any(p.is_meta for p in model.parameters()):
         materialize(model, spec, dims.device)
-    if cfg.tune.method != "none":  # adapters on the (parallel) linears or the embedding; the base frozen
-        from meshlm.tune.adapters import apply_adapters
-
-        apply_adapters(model, spec, cfg, dims, rng)
+    for transform in transforms:  # e.g. adapters on the (parallel) linears or the embedding; the base frozen
+        transform(model, spec, cfg, dims, rng)
     pipe = build_pipeline(model, spec, dims, cfg, loss_fn, cut) if cut is not None else None
     for stage in pipe.modules if pipe is not None else [model]:
-        apply_recompute(stage, cfg, rng, spec)
-    sync = apply_data_parallel(model, dims, cfg, layout.microbatches, pipe)
+        apply_recompute(stage, cfg, rng, spec=spec)
+    sync = apply_data_parallel(model, dims, cfg, layout.microbatches, pipe, spec=spec)
     return Parallelized(model, spec, dims, loss_fn, pipe, sync, rng, layout)
 
 
-def build_model(cfg: Config, dims: ParallelDims, rng: TPRNGTracker | None = None, spec=None) -> Parallelized:
+def build_model(cfg: Config, dims: ParallelDims, rng: TPRNGTracker | None = None, *, spec: ModelSpec,
+                transforms: Sequence[Transform] = ()) -> Parallelized:
     """`cfg.model.family`'s model for this rank: built on the meta device (one draw from the global
     generator, as a whole build makes), parallelised, and only this rank's shards allocated on `dims.device`
-    and initialised, equal to the slices of `spec.model_class(cfg.model)` built whole from the same seed."""
-    from meshlm.models.registry import get_spec
-
-    spec = spec or get_spec(cfg.model.family)
+    and initialised, equal to the slices of `spec.model_class(cfg.model)` built whole from the same seed;
+    then `transforms` (see `parallelize`)."""
     with torch.device("meta"):
         model = spec.model_class(cfg.model)
-    return parallelize(model, dims, cfg, rng, spec)
+    return parallelize(model, dims, cfg, rng, spec=spec, transforms=transforms)

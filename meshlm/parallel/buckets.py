@@ -19,7 +19,7 @@ from meshlm.parallel.grads import (
     shared_row_layers,
 )
 from meshlm.parallel.mesh import ParallelDims
-from meshlm.parallel.tensor_layers import _ALL_GATHER, _REDUCE_SCATTER
+from meshlm.parallel.tensor_layers import ALL_GATHER, REDUCE_SCATTER
 
 
 @dataclass
@@ -124,7 +124,7 @@ class BucketedDataParallel(GradSync):
             b.grad = torch.zeros(b.numel, dtype=b.params[0].dtype, device=b.params[0].device)
         if self.zero == 2:
             b.shard_grad = b.grad.new_empty(b.shard[1] - b.shard[0])
-            b.work = getattr(dist, _REDUCE_SCATTER)(b.shard_grad, b.grad, group=self.group, async_op=True)
+            b.work = getattr(dist, REDUCE_SCATTER)(b.shard_grad, b.grad, group=self.group, async_op=True)
         else:
             b.work = dist.all_reduce(b.grad, group=self.group, async_op=True)
         self._next += 1
@@ -219,7 +219,7 @@ class BucketedDataParallel(GradSync):
         works = []
         for b in self.buckets:  # every rank's updated shard into everyone's parameters
             lo, hi = b.shard
-            works.append(getattr(dist, _ALL_GATHER)(b.param_buf, b.param_buf[lo:hi].clone(), group=self.group,
+            works.append(getattr(dist, ALL_GATHER)(b.param_buf, b.param_buf[lo:hi].clone(), group=self.group,
                                                     async_op=True))
         for w in works:
             w.wait()

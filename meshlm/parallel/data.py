@@ -52,11 +52,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.config import Config
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.tensor import clip_grad_norm_ as tp_clip_grad_norm_
 from meshlm.parallel.tensor import finish_grads
-from meshlm.plan.layout import check_data_parallel
 
 ParamGroups = list[dict]  # torch.optim param groups over the model's parameters
 MakeOptimizer = Callable[[ParamGroups], torch.optim.Optimizer]
@@ -185,7 +183,7 @@ def _storage_bytes(tensors) -> int:
 def theory_bytes_per_param(zero: int, dp: int, states: float = 2.0) -> float:
     """Model-state bytes per parameter with fp32 weights (= master weights) over dp ranks, for an optimizer
     that keeps `states` fp32 tensors per parameter (Adam's m and v: 2; `optim.name=muon`: 1 on the hidden
-    matrices, 2 elsewhere, `train.optim.state_tensors_per_param`)."""
+    matrices, 2 elsewhere, `state_tensors_per_param`)."""
     opt = 4.0 * states
     return {0: 8 + opt, 1: 8 + opt / dp, 2: 4 + (4 + opt) / dp, 3: (8 + opt) / dp}[zero]
 
@@ -199,11 +197,19 @@ def theory_formula(zero: int, dp: int, states: float = 2.0) -> str:
     return {0: f"8 + {opt}", 1: f"8 + {opt}/{dp}", 2: f"4 + (4 + {opt})/{dp}", 3: f"(8 + {opt})/{dp}"}[zero]
 
 
+def state_tensors_per_param(optimizer: torch.optim.Optimizer) -> float:
+    """The fp32 state tensors `optimizer` keeps per parameter, weighted by size: 1 (Muon's momentum buffer)
+    on the groups marked `"muon"`, 2 (Adam's or LAMB's two moments) on the others; 2.0 for no parameters.
+    What the model-state memory formulas take (`parallel.data.theory_bytes_per_param`)."""
+    sizes = [(sum(p.numel() for p in g["params"]), 1 if g.get("muon") else 2) for g in optimizer.param_groups]
+    total = sum(n for n, _ in sizes)
+    return sum(n * k for n, k in sizes) / total if total else 2.0
+
+
+
 def memory_report(sync: GradSync, optimizer: torch.optim.Optimizer) -> str:
     """One line for rank 0's log (a collective over the world: the largest rank's total is included). The
-    theory counts the states the optimizer built keeps (`train.optim.state_tensors_per_param`)."""
-    from meshlm.train.optim import state_tensors_per_param
-
+    theory counts the states the optimizer built keeps (`state_tensors_per_param`)."""
     b = sync.state_bytes(optimizer)
     total = b["params"] + b["grads"] + b["optim"]
     worst = torch.tensor([float(total)])
@@ -220,22 +226,3 @@ def memory_report(sync: GradSync, optimizer: torch.optim.Optimizer) -> str:
             f"{total / max(1, b['n_params']):.2f} B/param (theory, ZeRO-{zero} over dp={dp}, fp32 weights as "
             f"master weights{which}: {theory_formula(zero, dp, states)} = "
             f"{theory_bytes_per_param(zero, dp, states):.2f} B/param); largest rank {float(worst) / mib:.2f} MiB")
-
-
-def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: Config, microbatches: int, pipe=None,
-                        overlap: bool = True) -> GradSync:
-    """The gradient synchronisation for this layout; call after every other transform (it hooks, flattens
-    or shards the final parameters), then build the optimizer with `sync.build_optimizer`.
-
-    `microbatches`: backward passes per step on this rank (the accumulation count, or the pipeline's m).
-    """
-    check_data_parallel(cfg, dims.tp)
-    if dims.dp == 1:
-        return GradSync(model, dims, pipe)
-    if cfg.parallel.zero == 3:
-        from meshlm.parallel.fsdp import FullyShardedDataParallel
-
-        return FullyShardedDataParallel(model, dims, pipe)
-    from meshlm.parallel.buckets import BucketedDataParallel
-
-    return BucketedDataParallel(model, dims, microbatches, cfg.parallel.zero, pipe, cfg.parallel.bucket_mb, overlap)

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshlm.families.spec import ModelSpec
 from meshlm.parallel.data import GradSync, Owned, _flat, _local
 from meshlm.parallel.grads import NONE, counted_rows
 from meshlm.parallel.mesh import ParallelDims
@@ -17,15 +18,13 @@ class FullyShardedDataParallel(GradSync):
 
     zero = 3
 
-    def __init__(self, model: nn.Module, dims: ParallelDims, pipe=None):
+    def __init__(self, model: nn.Module, dims: ParallelDims, pipe=None, *, spec: ModelSpec):
         from torch.distributed.fsdp import fully_shard
-
-        from meshlm.models.registry import spec_of
 
         super().__init__(model, dims, pipe)
         mesh = dims.mesh["dp"]
         self.roots = list(pipe.modules) if pipe is not None else [model]
-        layers_attr = spec_of(model).pipeline.layers
+        layers_attr = spec.pipeline.layers
         for root in self.roots:
             for layer in (root.layers if pipe is not None else getattr(root, layers_attr)):
                 if layer is not None:

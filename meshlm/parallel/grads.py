@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from meshlm.parallel.mesh import ParallelDims
-from meshlm.parallel.tensor_layers import ColumnParallelLinear, _Sharded
+from meshlm.parallel.tensor_layers import ColumnParallelLinear, Sharded
 
 ALL, NONE = "all", "none"  # `counted_rows` for every row / no row
 
@@ -43,7 +43,7 @@ def sharded_row_masks(model: nn.Module) -> dict[int, torch.Tensor | None]:
     """id(parameter) → the rows this rank counts (None: all) for every tp-sharded parameter (rule a)."""
     masks = {}
     for m in model.modules():
-        if isinstance(m, _Sharded):
+        if isinstance(m, Sharded):
             for name in m.sharded_names:
                 if getattr(m, name, None) is not None:
                     masks[id(getattr(m, name))] = m.norm_row_mask()

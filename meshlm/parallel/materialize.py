@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from meshlm.models.init import fill_
-from meshlm.parallel.tensor_layers import _Sharded
+from meshlm.parallel.tensor_layers import Sharded
 
 
 def plain_shapes(spec, cfg) -> dict[str, tuple[int, ...]]:
@@ -57,8 +57,8 @@ def materialize(model: nn.Module, spec, device: torch.device, seed: int | None =
             continue
         prefix, _, attr = name.rpartition(".")
         owner = model.get_submodule(prefix) if prefix else model
-        rows, cols = owner.shard_index(attr) if isinstance(owner, _Sharded) else (None, None)
+        rows, cols = owner.shard_index(attr) if isinstance(owner, Sharded) else (None, None)
         fill_(p.data, spec.init_rule(name, full[name], cfg), seed, name, full[name], rows, cols)
-    model.init_buffers(device)  # the family's protocol (models/spec.py): every buffer, computed
+    model.init_buffers(device)  # the family's protocol (families/spec.py): every buffer, computed
     return model
 

@@ -20,8 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshlm.config import ParallelConfig
-from meshlm.plan.layout import factor_world  # the world's factorisation is a layout rule (torch-free)
+from meshlm.core.config import ParallelConfig
+from meshlm.core.layout import factor_world  # the world's factorisation is a layout rule (torch-free)
 
 DIM_NAMES = ("pp", "dp", "tp")
 

@@ -4,9 +4,9 @@ through them by `torch.distributed.pipelining`'s 1F1B or interleaved-1F1B schedu
 Layout. The model is cut into S = pp·vpp *virtual stages* of consecutive layers; stage s lives on pipeline
 rank s mod pp (with vpp = 1 that is just stage r on rank r). Stage 0 also holds the modules the family's
 `PipelinePlan.first` names (embeddings), stage S−1 those of `last` (final norm, output layer).
-`plan.layout.partition_layers` balances the layer counts with that extra work counted (the family's
+`core.layout.partition_layers` balances the layer counts with that extra work counted (the family's
 `stage_costs`), or takes `parallel.pp_layers` as given. A stage runs the model's own `embed`,
-`run_layers` and `head` (`models/spec.py`) on its part: there is no second copy of the model's forward.
+`run_layers` and `head` (`families/spec.py`) on its part: there is no second copy of the model's forward.
 
 Schedules. With m micro-batches per step (m = global_batch / (micro_batch · dp)), 1F1B runs on stage r
 min(m, pp − r) forwards (warm-up), then alternates one backward and one forward (steady state), then the
@@ -46,11 +46,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.config import Config
+from meshlm.core.config import Config
+from meshlm.core.layout import microbatches_per_step, partition_layers, stage_ids, stage_layer_ranges
+from meshlm.families.spec import ModelSpec
 from meshlm.parallel.grads import local_square_sum
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.tensor_layers import LossFn
-from meshlm.plan.layout import microbatches_per_step, partition_layers, stage_ids, stage_layer_ranges
 
 
 def pipeline_layers(cfg: Config, spec) -> list[int]:
@@ -156,7 +157,7 @@ def cut_stages(model: nn.Module, spec, cfg: Config, pp_rank: int, fused: bool):
     return counts, ids, modules, tied
 
 
-def _rank_at(dims: ParallelDims, pp_rank: int, dp_rank: int | None = None, tp_rank: int | None = None) -> int:
+def rank_at(dims: ParallelDims, pp_rank: int, dp_rank: int | None = None, tp_rank: int | None = None) -> int:
     """Global rank at mesh coordinate (pp, dp, tp), by mesh.py's layout r = (pp·D + dp)·T + tp."""
     dp_rank = dims.dp_rank if dp_rank is None else dp_rank
     tp_rank = dims.tp_rank if tp_rank is None else tp_rank
@@ -171,7 +172,7 @@ def embedding_group(dims: ParallelDims, timeout_s: float) -> dist.ProcessGroup |
     mine = None
     for d in range(dims.dp):
         for t in range(dims.tp):
-            ranks = [_rank_at(dims, 0, d, t), _rank_at(dims, dims.pp - 1, d, t)]
+            ranks = [rank_at(dims, 0, d, t), rank_at(dims, dims.pp - 1, d, t)]
             group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
             if dims.rank in ranks:
                 mine = group
@@ -231,7 +232,7 @@ class Pipeline:
     @property
     def last_rank(self) -> int:
         """Global rank holding the last stage in this rank's pipeline (same dp and tp coordinates)."""
-        return _rank_at(self.dims, self.dims.pp - 1)
+        return rank_at(self.dims, self.dims.pp - 1)
 
     @contextlib.contextmanager
     def _peers(self, what: str) -> Iterator[None]:
@@ -315,10 +316,10 @@ class Pipeline:
                     act = x
                 else:
                     act = torch.empty(shape, dtype=dtype, device=d.device)
-                    dist.recv(act, src=_rank_at(d, (s - 1) % pp), group=d.pp_group)
+                    dist.recv(act, src=rank_at(d, (s - 1) % pp), group=d.pp_group)
                 out = self.modules[k](act, inputs=x) if self.stage_inputs else self.modules[k](act)
                 if s < self.n_stages - 1:
-                    dist.send(out.to(dtype).contiguous(), dst=_rank_at(d, (s + 1) % pp), group=d.pp_group)
+                    dist.send(out.to(dtype).contiguous(), dst=rank_at(d, (s + 1) % pp), group=d.pp_group)
                 else:
                     loss = self.loss_fn(out, y).detach().to(loss.dtype)
             dist.broadcast(loss, src=self.last_rank, group=d.pp_group)
@@ -332,13 +333,10 @@ def _is_comm_error(err: BaseException) -> bool:
     return any(word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
 
 
-def apply_pipeline(model: nn.Module, dims: ParallelDims, cfg: Config, loss_fn: LossFn, spec=None) -> Pipeline:
+def apply_pipeline(model: nn.Module, dims: ParallelDims, cfg: Config, loss_fn: LossFn, *, spec: ModelSpec) -> Pipeline:
     """Cut the (possibly tensor-parallel) plain model into this rank's stages, prune it to them, and build
     the schedule: `cut_stages` then `build_pipeline` (which `parallel.parallelize` calls apart, to
     materialise a meta-built model's shards in between). Every rank must call this (collective)."""
-    from meshlm.models.registry import spec_of
-
-    spec = spec or spec_of(model)
     return build_pipeline(model, spec, dims, cfg, loss_fn, cut_stages(model, spec, cfg, dims.pp_rank,
                                                                       fused_head(cfg, dims, spec)))
 

@@ -36,6 +36,7 @@ Checkpointing is skipped when gradients are off (evaluation, generation) and for
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -43,10 +44,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
-from meshlm.config import Config, ConfigError
+from meshlm.core.config import Config, ConfigError
+from meshlm.core.layout import RECOMPUTE_MODES as MODES
+from meshlm.core.layout import check_compiled_recompute, full_recompute_chunks
+from meshlm.families.spec import ModelSpec
 from meshlm.parallel.rng import TPRNGTracker
-from meshlm.plan.layout import RECOMPUTE_MODES as MODES
-from meshlm.plan.layout import check_compiled_recompute, full_recompute_chunks
 
 
 def _replay_tp_stream(rng: TPRNGTracker) -> Callable[[], tuple]:
@@ -143,7 +145,10 @@ def _recompute_chunk(chunk: list[nn.Module], context_fn) -> None:
         layer.forward = functools.wraps(forward)(tail)
 
 
-def apply_recompute(model: nn.Module, cfg: Config, rng: TPRNGTracker | None = None, spec=None) -> None:
+_RECOMPUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model → its mode (applied once)
+
+
+def apply_recompute(model: nn.Module, cfg: Config, rng: TPRNGTracker | None = None, *, spec: ModelSpec) -> None:
     """Wrap the layers of a model (its family's `PipelinePlan.layers`) or of a pipeline stage (`layers`)
     for `cfg.train.recompute`.
 
@@ -155,20 +160,16 @@ def apply_recompute(model: nn.Module, cfg: Config, rng: TPRNGTracker | None = No
         raise ConfigError(f"train.recompute={t.recompute!r} is not one of {', '.join(MODES)}; pick one of them")
     if t.recompute == "none":
         return
-    if getattr(model, "recompute", "none") != "none":
-        raise RuntimeError(f"recomputation is already applied to this model ({model.recompute})")
-    if spec is None:
-        from meshlm.models.registry import spec_of
-
-        spec = getattr(model, "spec", None) or spec_of(model)  # a pipeline stage knows its model's spec
+    if model in _RECOMPUTED:
+        raise RuntimeError(f"recomputation is already applied to this model ({_RECOMPUTED[model]})")
     container = model.layers if getattr(model, "is_stage", False) else getattr(model, spec.pipeline.layers)
     layers = [m for m in container if m is not None]
     # No TP stream, or no dropout to draw from it: the plain checkpoint (which torch.compile also takes).
     context_fn = _replay_tp_stream(rng) if rng is not None and cfg.model.dropout > 0 else noop_context_fn
-    check_compiled_recompute(cfg, context_fn is not noop_context_fn)  # (plan/layout.py: plan_layout asks it too)
+    check_compiled_recompute(cfg, context_fn is not noop_context_fn)  # (core/layout.py: plan_layout asks it too)
     if t.recompute == "selective":
         _recompute_methods(layers, spec.selective_recompute, context_fn)
     else:
         for chunk in full_recompute_chunks(len(layers), t.recompute_method, t.recompute_num_layers):
             _recompute_chunk([layers[i] for i in chunk], context_fn)
-    model.recompute = t.recompute
+    _RECOMPUTED[model] = t.recompute

@@ -1,7 +1,7 @@
 """Tensor parallelism applied from outside a plain model, by its family's plan (Megatron; Korthikanti).
 
 The math and the layers are in `tensor_layers.py`; which submodule becomes which is the model family's
-`tp_plan` (`models/registry.py`, styles in `styles.py`). `apply_tensor_parallel` walks that plan and swaps
+`tp_plan` (`families/registry.py`, styles in `styles.py`). `apply_tensor_parallel` walks that plan and swaps
 the modules of a plain model in place, keeping their names (`layers.3.attn.qkv` stays the path of the
 parallel layer), so the pipeline, recomputation, data parallelism and checkpoints see plain names.
 
@@ -22,12 +22,12 @@ import functools
 import torch
 from torch import nn
 
+from meshlm.families.spec import ModelSpec, family_loss
 from meshlm.models.loss import TokenOps
-from meshlm.models.spec import family_loss
 from meshlm.parallel.grads import local_square_sum, sequence_parallel_params, shared_row_layers
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.rng import TPRNGTracker
-from meshlm.parallel.styles import TPContext
+from meshlm.parallel.styles import TPContext, apply_style
 from meshlm.parallel.tensor_layers import (
     ColumnParallelLinear,
     LossFn,
@@ -46,7 +46,7 @@ def plan_targets(model: nn.Module, pattern: str) -> list[str]:
 
 
 def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, sp: bool = False,
-                          rng: TPRNGTracker | None = None, spec=None) -> LossFn:
+                          rng: TPRNGTracker | None = None, *, spec: ModelSpec) -> LossFn:
     """Turn a plain model (initialised, or on the meta device) into this rank's tensor-parallel shard, in
     place, following its family's `tp_plan`.
 
@@ -57,9 +57,6 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, sp: bool = False
     then the shards are made but cannot communicate (`benchmarks/init_memory.py`).
     Call `finish_grads(model, dims)` after backward and before clipping; use `grad_norm` for the norm.
     """
-    from meshlm.models.registry import spec_of
-
-    spec = spec or spec_of(model)
     cfg = model.cfg
     if dims.tp == 1:
         return family_loss(spec, cfg)
@@ -79,7 +76,7 @@ def apply_plan(model: nn.Module, plan: dict, ctx: TPContext) -> TPContext:
         for path in plan_targets(model, pattern):
             parent_path, _, attr = path.rpartition(".")
             parent = model.get_submodule(parent_path) if parent_path else model
-            style.apply(model, parent, attr, path, ctx)
+            apply_style(style, model, parent, attr, path, ctx)
     return ctx
 
 

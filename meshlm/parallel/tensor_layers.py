@@ -49,10 +49,11 @@ SEQ_DIM = 1  # activations are (B, T, h): the sequence is dim 1
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-# torch 2.12 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names warn).
-# Looked up on `dist` at call time, so benchmarks/tp_comm.py can wrap them to count bytes.
-_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-_REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+# The names on `torch.distributed` of the tensor all-gather and reduce-scatter (`getattr(dist, ALL_GATHER)(out,
+# inp, group=...)`): torch 2.12 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old
+# names warn). Looked up on `dist` at call time, so benchmarks/tp_comm.py can wrap them to count bytes.
+ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
 
 # ---- collectives as autograd functions -------------------------------------------------------------------
@@ -73,7 +74,7 @@ def _start_gather_seq_first(x: torch.Tensor, group, async_op: bool):
     with `async_op` the result is valid only after the returned work handle's `wait()`."""
     part = x.movedim(SEQ_DIM, 0).contiguous()  # (T/t, B, …): the gathered dim must lead
     out = part.new_empty((group.size() * part.shape[0], *part.shape[1:]))  # (T, B, …)
-    work = getattr(dist, _ALL_GATHER)(out, part, group=group, async_op=async_op)
+    work = getattr(dist, ALL_GATHER)(out, part, group=group, async_op=async_op)
     return out, work
 
 
@@ -90,7 +91,7 @@ def _start_reduce_scatter_seq_first(full: torch.Tensor, group, async_op: bool):
     if full.shape[0] % t:
         raise ValueError(f"sequence length {full.shape[0]} is not divisible by tp={t}")
     out = full.new_empty((full.shape[0] // t, *full.shape[1:]))  # (T/t, B, …)
-    work = getattr(dist, _REDUCE_SCATTER)(out, full, group=group, async_op=async_op)
+    work = getattr(dist, REDUCE_SCATTER)(out, full, group=group, async_op=async_op)
     return out, work
 
 
@@ -294,7 +295,7 @@ def group_size_rank(group, t: int | None = None, rank: int | None = None) -> tup
     return t, rank
 
 
-class _Sharded(nn.Module):
+class Sharded(nn.Module):
     """Shared by the parallel layers: the group, tp size and rank, and how to put the full weight back."""
 
     group: dist.ProcessGroup | None
@@ -320,7 +321,7 @@ class _Sharded(nn.Module):
         return None
 
 
-class ColumnParallelLinear(_Sharded):
+class ColumnParallelLinear(Sharded):
     """Y_i = X A_i (+ b_i): this rank's output rows `rows[rank]` of the full (out, in) weight.
 
     Input: replicated (B, T, in) through `f`, or with `sequence_parallel` (B, T/t, in) gathered along
@@ -386,7 +387,7 @@ class ColumnParallelLinear(_Sharded):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(_Sharded):
+class RowParallelLinear(Sharded):
     """Y = Σ_i X_i A_i + b: this rank's input columns `cols[rank]`; `g` (or a reduce-scatter along the
     sequence) sums the partial products. The bias is added once, after the sum."""
 
@@ -436,7 +437,7 @@ class RowParallelLinear(_Sharded):
                f"tp={self.tp}, sequence_parallel={self.sequence_parallel}"
 
 
-class VocabParallelEmbedding(_Sharded):
+class VocabParallelEmbedding(Sharded):
     """Rows [i·V/t, (i+1)·V/t) of the (padded) table. Ids outside give zeros; `g` sums the one rank that
     holds each id (with `sequence_parallel`, a reduce-scatter leaves each rank its tokens: (B, T/t, h))."""
 
@@ -522,7 +523,7 @@ def _take_rows(full: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 def _all_gather_stacked(x: torch.Tensor, group) -> torch.Tensor:
     """Plain (no autograd) all-gather of equal shapes → (t, *x.shape)."""
     out = x.new_empty((group.size() * x.shape[0], *x.shape[1:]))  # gathered along dim 0
-    getattr(dist, _ALL_GATHER)(out, x.contiguous(), group=group)
+    getattr(dist, ALL_GATHER)(out, x.contiguous(), group=group)
     return out.view(group.size(), *x.shape)
 
 

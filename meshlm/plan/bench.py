@@ -1,68 +1,34 @@
-"""`meshlm bench memory`: measured activation memory per layer beside the formula, and model states.
-
-    meshlm bench memory --config llama-tiny --train.recompute=selective
-    torchrun --nproc-per-node 2 -m meshlm bench memory --config gpt-tiny --parallel.tp=2 --parallel.sp=true
+"""`meshlm bench memory` (its parser: `commands/bench.py`): measured activation memory per layer beside the
+formula, and model states.
 
 Builds the model as training does (whole from the seed, `parallelize`: tensor parallelism, then
 recomputation), runs one forward and loss on a micro-batch of random tokens under the saved-tensor counter
-(`plan.activations`) and prints, on rank 0, each layer's measured bytes next to `plan.memory`'s formula,
+(`models.activations`) and prints, on rank 0, each layer's measured bytes next to `core.memory`'s formula,
 the formula's terms, and the bytes of weights, gradients and the optimizer's states (`optim.name`'s) per
 rank.
 """
 
 from __future__ import annotations
 
-import argparse
+import torch
 
-from meshlm.config import DEFAULT_CONFIG, Config, ConfigError, bundled_configs
-
-
-def add_bench_commands(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="measurements of this build (meshlm bench memory)")
-    kinds = bench.add_subparsers(dest="bench", required=True)
-    memory = kinds.add_parser("memory", help="activation bytes saved for backward per layer, measured and by "
-                                             "formula; extra --section.key=value override the config")
-    memory.add_argument("--config", default=DEFAULT_CONFIG,
-                        help=f"bundled name ({', '.join(bundled_configs())}) or path to a .toml file")
-    memory.set_defaults(func=_bench_memory)
-
-
-def _bench_memory(args: argparse.Namespace, overrides: list[str]) -> int:
-    from meshlm.config import load_config
-    from meshlm.parallel import destroy
-    from meshlm.plan.fit import check_bench_fits
-
-    cfg = load_config(args.config, overrides)
-    check_bench_fits(cfg)
-    try:
-        text = bench_memory(cfg)
-    except BaseException:
-        destroy()
-        raise
-    destroy(wait_for_all=True)
-    if text:
-        print(text)
-    return 0
+from meshlm.core.config import Config, ConfigError
+from meshlm.core.memory import (
+    activation_dtypes,
+    activation_terms,
+    attention_backend,
+    korthikanti_bytes,
+    model_state_bytes,
+)
+from meshlm.core.precision import Precision, resolve_precision
+from meshlm.families.registry import get_spec, muon_share
+from meshlm.models.activations import measure_model_activations
+from meshlm.models.loss import use_fused_loss
+from meshlm.parallel import TPRNGTracker, build_model, init_distributed
 
 
 def bench_memory(cfg: Config) -> str:
     """The report (on rank 0; "" elsewhere). Every rank of the layout must call it."""
-    import torch
-
-    from meshlm.models.loss import use_fused_loss
-    from meshlm.models.registry import get_spec
-    from meshlm.parallel import TPRNGTracker, build_model, init_distributed
-    from meshlm.plan.activations import measure_model_activations
-    from meshlm.plan.memory import (
-        activation_dtypes,
-        activation_terms,
-        attention_backend,
-        korthikanti_bytes,
-        model_state_bytes,
-        muon_fraction,
-    )
-    from meshlm.train.precision import Precision, resolve_precision
-
     m, t, p = cfg.model, cfg.train, cfg.parallel
     if p.pp > 1 or p.dp > 1:
         raise ConfigError(f"meshlm bench memory measures one tensor-parallel model; set parallel.pp=1 and "
@@ -104,9 +70,10 @@ def bench_memory(cfg: Config) -> str:
     lines.append(f"Korthikanti et al. 2022 Table 2 for this shape (16-bit, dropout, GeLU, MHA): {paper:,.0f} "
                  "bytes/layer")
     local = sum(q.numel() for q in model.parameters())
-    states = model_state_bytes(local, "fp32", cfg=cfg)  # the optimizer's states: optim.name's (Muon: fewer)
+    # the optimizer's states: optim.name's (Muon: fewer)
+    states = model_state_bytes(local, "fp32", muon_share=muon_share(cfg))
     optimizer = "Adam" if cfg.optim.name != "muon" else \
-        f"Muon + AdamW, {100 * muon_fraction(cfg):.1f}% of parameters in Muon's hidden matrices"
+        f"Muon + AdamW, {100 * muon_share(cfg):.1f}% of parameters in Muon's hidden matrices"
     lines.append(f"model states on this rank: {local:,} parameters (model {spec.parameter_count(m):,}) × "
                  f"{states['total'] / max(1, local):.2f} B = {states['total'] / 2 ** 20:,.1f} MiB (weights "
                  f"{states['weights'] / 2 ** 20:,.1f}, grads {states['grads'] / 2 ** 20:,.1f}, {optimizer} "

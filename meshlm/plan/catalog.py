@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
-from meshlm.config import ConfigError
+from meshlm.core.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def measure_this(threads: int | None = None, cores: int | None = None) -> Gpu:
 
     import torch
 
-    from meshlm.plan.fit import machine_memory
+    from meshlm.core.fit import machine_memory
     from meshlm.train.metrics import measure_peak_tflops
 
     cuda = torch.cuda.is_available()
@@ -263,7 +263,7 @@ def _link_worker(rank: int, init: str, queue) -> None:
     import torch
     import torch.distributed as dist
 
-    from meshlm.parallel.tensor_layers import _ALL_GATHER, _REDUCE_SCATTER
+    from meshlm.parallel.tensor_layers import ALL_GATHER, REDUCE_SCATTER
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
@@ -294,8 +294,8 @@ def _link_worker(rank: int, init: str, queue) -> None:
             result["all_reduce"][numel * 4.0] = cost(lambda x=x: dist.all_reduce(x))
             if numel in GATHER_PROBE_NUMELS:  # the same full tensor, gathered from halves or scattered into them
                 half = torch.ones(numel // 2)
-                result["all_gather"][numel * 4.0] = cost(lambda x=x, h=half: getattr(dist, _ALL_GATHER)(x, h))
-                result["reduce_scatter"][numel * 4.0] = cost(lambda x=x, h=half: getattr(dist, _REDUCE_SCATTER)(h, x))
+                result["all_gather"][numel * 4.0] = cost(lambda x=x, h=half: getattr(dist, ALL_GATHER)(x, h))
+                result["reduce_scatter"][numel * 4.0] = cost(lambda x=x, h=half: getattr(dist, REDUCE_SCATTER)(h, x))
         if rank == 0:
             queue.put(result)
         dist.barrier()

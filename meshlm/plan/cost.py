@@ -1,6 +1,7 @@
-"""The planner's cost model: memory per GPU and time per training step of one layout, term by term (torch-free).
+"""The planner's cost model: memory per GPU and time per training step of one layout, term by term
+(arithmetic, no tensors).
 
-Memory reuses `plan.memory` (model states per parameter with ZeRO, the activation formula that
+Memory reuses `core.memory` (model states per parameter with ZeRO, the activation formula that
 `meshlm bench memory` validates, the pipeline's in-flight micro-batches); time is a sum of named terms:
 
     step = m · t_mb(slowest pipeline rank r*) + Σ_{r ≠ r*} t_mb(r) / v    (1F1B; interleaved over v chunks)
@@ -18,11 +19,10 @@ import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
-from meshlm.config import Config, ModelConfig
-from meshlm.plan.catalog import Gpu, shared_rates
-from meshlm.plan.flops import layer_flops_per_token, model_flops, recompute_flops
-from meshlm.plan.layout import Layout, full_recompute_chunks, recomputed_layers
-from meshlm.plan.memory import (
+from meshlm.core.config import Config, ModelConfig
+from meshlm.core.flops import layer_flops_per_token, model_flops, recompute_flops
+from meshlm.core.layout import Layout, full_recompute_chunks, recomputed_layers
+from meshlm.core.memory import (
     ActivationDtypes,
     activation_dtypes,
     activation_terms,
@@ -30,6 +30,8 @@ from meshlm.plan.memory import (
     model_state_bytes_per_param,
     pipeline_activation_factor,
 )
+from meshlm.families.registry import get_spec, muon_share
+from meshlm.plan.catalog import Gpu, shared_rates
 
 GIB = 2 ** 30
 
@@ -64,7 +66,7 @@ class Calibration:
 @dataclass(frozen=True)
 class Options:
     """What runs: the precision, the device kind (element sizes and attention backend of
-    `plan.memory`), and the model-state scheme: meshlm's fp32 weights under autocast ("fp32": 16 B/param)
+    `core.memory`), and the model-state scheme: meshlm's fp32 weights under autocast ("fp32": 16 B/param)
     or Megatron's 16-bit weights with fp32 master copies ("mixed": 18 B/param)."""
 
     precision: str = "bf16"
@@ -189,20 +191,10 @@ class Estimate:
 @lru_cache(maxsize=64)
 def _parameter_split(m: ModelConfig) -> tuple[float, float, float]:
     """(per layer, outside the layers, word embedding V·h) parameters, from the family's exact count."""
-    count = _family_count(m.family)
+    count = get_spec(m.family).parameter_count
     one = count(dataclasses.replace(m, n_layers=1))
     two = count(dataclasses.replace(m, n_layers=2))
     return float(two - one), float(2 * one - two), float(m.vocab_size * m.hidden_size)
-
-
-def _family_count(family: str):
-    if family == "gpt":  # torch-free
-        from meshlm.plan.memory import parameter_count
-
-        return parameter_count
-    from meshlm.models.registry import get_spec
-
-    return get_spec(family).parameter_count
 
 
 def rank_parameters(m: ModelConfig, layers: int, first: bool, last: bool, tp: int, pp: int) -> float:
@@ -299,53 +291,131 @@ def estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opt
     return _estimate(cfg, layout, cand, dataclasses.replace(cluster, gpu=shared_rates(gpu, busy)), opts, cal)
 
 
-def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opts: Options | None,
-              cal: Calibration | None) -> Estimate:
-    opts, cal = opts or Options(), for_gpu(cal or Calibration(), cluster.gpu)
-    m, gpu = cfg.model, cluster.gpu
-    s, b, tp, pp, dp, v = m.seq_len, cand.micro_batch_size, cand.tp, cand.pp, cand.dp, (cand.vpp if cand.pp > 1 else 1)
-    sp = cand.sp and tp > 1
-    mb = layout.microbatches
-    peak = gpu.tflops * 1e12
-    hbm = gpu.hbm_gbps * 1e9
-    c_bytes = 2 if opts.precision in ("bf16", "fp16") else 4
-    tp_gbps, tp_lat = _link(cluster, tp)
-    dp_gbps, dp_lat = _link(cluster, tp * dp)
-    pp_gbps, pp_lat = _link(cluster, tp * dp * 2) if pp > 1 else (1.0, 0.0)
+@dataclass(frozen=True)
+class _Run:
+    """What every step of `_estimate` reads: the layout's sizes, the GPU's rates and the groups' links."""
 
-    # -- one layer, one micro-batch, forward + backward, on one tp rank
+    cfg: Config
+    cand: Candidate
+    cluster: Cluster
+    opts: Options
+    cal: Calibration
+    s: int  # sequence length
+    b: int  # micro-batch size
+    tp: int
+    pp: int
+    dp: int
+    v: int  # virtual stages (1 without a pipeline)
+    sp: bool  # sequence parallelism (tp > 1)
+    mb: int  # micro-batches per step
+    peak: float  # FLOP/s
+    hbm: float  # B/s
+    c_bytes: int  # bytes of a 16-bit or fp32 activation element
+    tp_link: tuple[float, float]  # (GB/s, latency µs) of each group
+    dp_link: tuple[float, float]
+    pp_link: tuple[float, float]
+
+    @property
+    def m(self) -> ModelConfig:
+        return self.cfg.model
+
+    @property
+    def gpu(self) -> Gpu:
+        return self.cluster.gpu
+
+    @property
+    def act_msg(self) -> float:
+        """The bytes of one micro-batch's residual stream (a TP collective's message)."""
+        return self.b * self.s * self.m.hidden_size * self.c_bytes
+
+    @property
+    def weight_elem(self) -> int:
+        """Bytes per weight the ZeRO all-gathers move: meshlm's are fp32; with 16-bit weights and fp32 master
+        copies ("mixed", Megatron's distributed optimizer) the updated 16-bit weights are gathered."""
+        return 2 if self.opts.states == "mixed" and self.opts.precision in ("bf16", "fp16") else 4
+
+    def all_reduce(self, nbytes: float, n: int, link: tuple[float, float]) -> float:
+        return all_reduce_time(nbytes, n, link[0], link[1], self.cal.link_efficiency)
+
+    def gather(self, nbytes: float, n: int, link: tuple[float, float]) -> float:
+        """An all-gather or reduce-scatter, `gather_cost` of an all-reduce."""
+        return gather_time(nbytes, n, link[0], link[1], self.cal.link_efficiency, self.gpu.gather_cost)
+
+
+def _run(cfg: Config, cand: Candidate, cluster: Cluster, layout: Layout, opts: Options | None,
+         cal: Calibration | None) -> _Run:
+    """The common quantities of `cand` on `cluster` (defaults: `Options()`, the GPU's `Calibration`)."""
+    opts, cal = opts or Options(), for_gpu(cal or Calibration(), cluster.gpu)
+    tp, pp, dp = cand.tp, cand.pp, cand.dp
+    gpu = cluster.gpu
+    return _Run(cfg, cand, cluster, opts, cal, s=cfg.model.seq_len, b=cand.micro_batch_size, tp=tp, pp=pp, dp=dp,
+                v=cand.vpp if pp > 1 else 1, sp=cand.sp and tp > 1, mb=layout.microbatches, peak=gpu.tflops * 1e12,
+                hbm=gpu.hbm_gbps * 1e9, c_bytes=2 if opts.precision in ("bf16", "fp16") else 4,
+                tp_link=_link(cluster, tp), dp_link=_link(cluster, tp * dp),
+                pp_link=_link(cluster, tp * dp * 2) if pp > 1 else (1.0, 0.0))
+
+
+@dataclass(frozen=True)
+class _LayerTimes:
+    """One layer, one micro-batch, forward + backward, on one tp rank: seconds by term, and the bytes it stores."""
+
+    gemm: float
+    attn: float
+    elem: float
+    n_coll: int  # TP collectives waited for
+    coll: float  # one of them
+    regather: float  # SP's backward re-gathers (or, overlapped, what of the collectives stays exposed)
+    ops: float  # host op overhead
+    full_extra: float  # full recomputation's replayed forward
+    sel_extra: float  # selective recomputation's
+    stored: float  # bytes saved for backward (selective: without the attention core)
+
+    @property
+    def unit(self) -> float:
+        return self.gemm + self.attn + self.elem + self.n_coll * self.coll + self.regather + self.ops
+
+
+def _layer_times(r: _Run) -> _LayerTimes:
+    m, cal, opts, b, s, tp, sp = r.m, r.cal, r.opts, r.b, r.s, r.tp, r.sp
     eff = gemm_efficiency(m.hidden_size / tp, cal)
     dense = layer_flops_per_token(m) * b * s / tp
     attn = 6.0 * b * s * s * m.head_dim * m.n_heads / tp
-    t_gemm = dense / (peak * eff)
-    t_attn = attn / (peak * eff * cal.attention_efficiency)
-    stored = _layer_bytes(m, b, tp, sp, "selective" if cand.recompute == "selective" else "none", opts, s)
-    t_elem = cal.elementwise_passes * _layer_bytes(m, b, tp, sp, "none", opts, s) / hbm
-    act_msg = b * s * m.hidden_size * c_bytes
+    t_gemm = dense / (r.peak * eff)
+    t_attn = attn / (r.peak * eff * cal.attention_efficiency)
+    stored = _layer_bytes(m, b, tp, sp, "selective" if r.cand.recompute == "selective" else "none", opts, s)
+    t_elem = cal.elementwise_passes * _layer_bytes(m, b, tp, sp, "none", opts, s) / r.hbm
     # two in forward (after attention, after the MLP), two in backward (their conjugates), unless those
     # hide behind the weight-gradient GEMMs (a third of the layer's GEMM time)
     n_coll = 2 if opts.tp_backward_overlap else 4
     # under SP each all-reduce is an all-gather and a reduce-scatter, each `gather_cost` of an all-reduce
-    gathered = gpu.gather_cost
-    t_coll = all_reduce_time(act_msg, tp, tp_gbps, tp_lat, cal.link_efficiency) * (2 * gathered if sp else 1.0)
-    t_regather = 2 * gather_time(act_msg, tp, tp_gbps, tp_lat, cal.link_efficiency, gathered) \
-        if sp and opts.sp_regather else 0.0
+    t_coll = r.all_reduce(r.act_msg, tp, r.tp_link) * (2 * r.gpu.gather_cost if sp else 1.0)
+    t_regather = 2 * r.gather(r.act_msg, tp, r.tp_link) if sp and opts.sp_regather else 0.0
     if opts.tp_backward_overlap:
         t_regather = max(0.0, 2 * t_coll + t_regather - t_gemm / 3)
-    t_ops = cal.layer_ops * gpu.op_overhead_us * 1e-6
+    t_ops = cal.layer_ops * r.gpu.op_overhead_us * 1e-6
     # recomputation: full replays the layer's forward (GEMMs, attention, elementwise, its two collectives);
     # selective the attention core
     full_extra = t_gemm / 3 + t_attn / 3 + t_elem / cal.elementwise_passes + 2 * t_coll + t_ops / 3
     # selective: the attention core's GEMMs and the elementwise work on what it no longer stores (one pass)
     sel_extra = t_attn / 3 + (_layer_bytes(m, b, tp, sp, "none", opts, s)
-                              - _layer_bytes(m, b, tp, sp, "selective", opts, s)) / hbm
+                              - _layer_bytes(m, b, tp, sp, "selective", opts, s)) / r.hbm
+    return _LayerTimes(t_gemm, t_attn, t_elem, n_coll, t_coll, t_regather, t_ops, full_extra, sel_extra, stored)
 
-    # -- which layers recompute, per rank
+
+@dataclass(frozen=True)
+class _Stages:
+    """Per pipeline rank: its layers (over its virtual chunks), those that redo their forward, and (full) its
+    checkpoint regions, whose inputs stay stored."""
+
+    layers: list[int]
+    recomputed: list[int]
+    regions: list[int]
+
+
+def _stages(layout: Layout, cand: Candidate, pp: int, v: int) -> _Stages:
     counts = list(layout.stage_layers)
     rank_layers = [sum(counts[r + k * pp] for k in range(v)) for r in range(pp)]
-
     method = "block" if cand.recompute_num_layers else "uniform"
-    # per rank: layers that redo their forward, and (full) checkpoint regions, whose inputs stay stored
     regions = [0] * pp
     recomputed = [0] * pp
     for r in range(pp):
@@ -356,13 +426,26 @@ def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, op
                 chunks = full_recompute_chunks(counts[r + k * pp], method, cand.recompute_num_layers)
                 regions[r] += len(chunks)
                 recomputed[r] += sum(len(ch) for ch in chunks)
+    return _Stages(rank_layers, recomputed, regions)
 
-    # -- the head and loss (last rank), the sends (every rank but alone)
+
+@dataclass(frozen=True)
+class _Edges:
+    """Per micro-batch, outside the layers: the head and loss (last rank), the TP collectives of the
+    embedding (first rank) and of the head and loss (last rank), the sends (every rank but alone)."""
+
+    head: float
+    coll: list[float]  # per pipeline rank
+    p2p: float
+
+
+def _edges(r: _Run) -> _Edges:
+    m, cal, opts, gpu, b, s, tp, pp, sp = r.m, r.cal, r.opts, r.gpu, r.b, r.s, r.tp, r.pp, r.sp
     head_flops = 6.0 * b * s * m.hidden_size * m.vocab_size / tp
     # the fused head + loss (tp = 1) works chunk by chunk in cache; otherwise the fp32 logits go to memory
     # and back like any saved tensor
     logits_bytes = 0.0 if (tp == 1 and opts.fused_loss) else b * s * m.vocab_size / tp * 4
-    t_head = head_flops / (peak * gemm_efficiency(m.hidden_size, cal)) + cal.elementwise_passes * logits_bytes / hbm
+    t_head = head_flops / (r.peak * gemm_efficiency(m.hidden_size, cal)) + cal.elementwise_passes * logits_bytes / r.hbm
     # a measured CPU: the softmax's elementwise work on every logit, at the measured rate of the path taken
     fused = tp == 1 and opts.fused_loss
     per_logit = (gpu.fused_softmax_ns_per_element if fused else None) or gpu.softmax_ns_per_element
@@ -374,112 +457,132 @@ def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, op
     # target logit), b·s and 2·b·s fp32 values
     t_embed_coll = t_head_coll = 0.0
     if tp > 1:
-        t_embed_coll = gather_time(act_msg, tp, tp_gbps, tp_lat, cal.link_efficiency, gathered) if sp else \
-            all_reduce_time(act_msg, tp, tp_gbps, tp_lat, cal.link_efficiency)
-        t_head_coll = t_embed_coll + all_reduce_time(4.0 * b * s, tp, tp_gbps, tp_lat, cal.link_efficiency) \
-            + all_reduce_time(8.0 * b * s, tp, tp_gbps, tp_lat, cal.link_efficiency)
-    edge_coll = [(t_embed_coll if r == 0 else 0.0) + (t_head_coll if r == pp - 1 else 0.0) for r in range(pp)]
-    send = b * s * m.hidden_size * c_bytes / (tp if sp else 1)
-    t_p2p = 2 * v * (pp_lat * 1e-6 + send / (pp_gbps * 1e9 * cal.link_efficiency)) if pp > 1 else 0.0
+        t_embed_coll = r.gather(r.act_msg, tp, r.tp_link) if sp else r.all_reduce(r.act_msg, tp, r.tp_link)
+        t_head_coll = t_embed_coll + r.all_reduce(4.0 * b * s, tp, r.tp_link) \
+            + r.all_reduce(8.0 * b * s, tp, r.tp_link)
+    edge_coll = [(t_embed_coll if k == 0 else 0.0) + (t_head_coll if k == pp - 1 else 0.0) for k in range(pp)]
+    send = b * s * m.hidden_size * r.c_bytes / (tp if sp else 1)
+    pp_gbps, pp_lat = r.pp_link
+    t_p2p = 2 * r.v * (pp_lat * 1e-6 + send / (pp_gbps * 1e9 * cal.link_efficiency)) if pp > 1 else 0.0
+    return _Edges(t_head, edge_coll, t_p2p)
 
-    def rank_terms(r: int) -> dict[str, float]:
-        n = rank_layers[r]
-        rec = recomputed[r]
-        extra = rec * (full_extra if cand.recompute == "full" else sel_extra)
-        return {"GEMMs (layers)": n * t_gemm, "attention": n * t_attn, "elementwise (memory-bound)": n * t_elem,
-                "recompute (extra forward)": extra, "TP collectives": n * (n_coll * t_coll + t_regather),
-                "LM head + loss": t_head if r == pp - 1 else 0.0, "PP point-to-point": t_p2p,
-                "TP collectives (embedding, head, loss)": edge_coll[r],
-                "op overhead (host)": n * t_ops}
 
+def _rank_terms(r: _Run, lt: _LayerTimes, st: _Stages, edges: _Edges, rank: int) -> dict[str, float]:
+    """One micro-batch on pipeline rank `rank`, by named term."""
+    n = st.layers[rank]
+    extra = st.recomputed[rank] * (lt.full_extra if r.cand.recompute == "full" else lt.sel_extra)
+    return {"GEMMs (layers)": n * lt.gemm, "attention": n * lt.attn, "elementwise (memory-bound)": n * lt.elem,
+            "recompute (extra forward)": extra, "TP collectives": n * (lt.n_coll * lt.coll + lt.regather),
+            "LM head + loss": edges.head if rank == r.pp - 1 else 0.0, "PP point-to-point": edges.p2p,
+            "TP collectives (embedding, head, loss)": edges.coll[rank],
+            "op overhead (host)": n * lt.ops}
+
+
+def _pipeline_time(r: _Run, lt: _LayerTimes, st: _Stages, edges: _Edges
+                   ) -> tuple[dict[str, float], dict[str, float], list[float], int]:
+    """(the step's time by term so far: the slowest rank's m micro-batches and the bubble; that rank's one
+    micro-batch by term; every rank's micro-batch time; the slowest rank)."""
+    pp = r.pp
     # the slowest rank from scalar totals (pp can be 64), then its terms by name
-    unit = t_gemm + t_attn + t_elem + n_coll * t_coll + t_regather + t_ops
-    extra_unit = full_extra if cand.recompute == "full" else sel_extra
-    rank_time = [rank_layers[r] * unit + recomputed[r] * extra_unit + (t_head if r == pp - 1 else 0.0)
-                 + t_p2p + edge_coll[r] for r in range(pp)]
-    slowest = max(range(pp), key=lambda r: rank_time[r])
-    terms = rank_terms(slowest)
-    time = {k: mb * val for k, val in terms.items()}
+    extra_unit = lt.full_extra if r.cand.recompute == "full" else lt.sel_extra
+    rank_time = [st.layers[k] * lt.unit + st.recomputed[k] * extra_unit + (edges.head if k == pp - 1 else 0.0)
+                 + edges.p2p + edges.coll[k] for k in range(pp)]
+    slowest = max(range(pp), key=lambda k: rank_time[k])
+    terms = _rank_terms(r, lt, st, edges, slowest)
+    time = {k: r.mb * val for k, val in terms.items()}
     # fill and drain: while the slowest rank is busy with its m micro-batches, every other rank does one
     # micro-batch's forward and backward outside that window, each in v chunks (equal stages: (p − 1)/v · t)
     others = sum(rank_time) - rank_time[slowest]
-    time["pipeline bubble"] = others / v if pp > 1 else 0.0
-    params = [rank_parameters(m, rank_layers[r], r == 0, r == pp - 1, tp, pp) for r in range(pp)]
-    p_max = max(params)
-    time["gradient accumulation"] = 0.0 if opts.fused_grad_accumulation else \
-        (mb - 1) * 3 * opts.grad_bytes * p_max / hbm
+    time["pipeline bubble"] = others / r.v if pp > 1 else 0.0
+    return time, terms, rank_time, slowest
 
-    # -- data parallelism: the fullest rank's parameters and their traffic
+
+def _update_time(r: _Run, terms: dict[str, float], p_max: float, slowest_layers: int) -> dict[str, float]:
+    """After the micro-batches: gradient accumulation, the data-parallel reduction, the tied embedding's
+    all-reduce, the ZeRO gathers and the optimizer step, for the fullest rank's `p_max` parameters."""
+    cal, opts, cand, dp, mb = r.cal, r.opts, r.cand, r.dp, r.mb
+    time = {"gradient accumulation": 0.0 if opts.fused_grad_accumulation else
+            (mb - 1) * 3 * opts.grad_bytes * p_max / r.hbm}
     grads = p_max * opts.grad_bytes
     if dp > 1:  # ZeRO-3 too: FSDP2 accumulates unsharded gradients and reduce-scatters in the last backward
-        reduce = gather_time(grads, dp, dp_gbps, dp_lat, cal.link_efficiency, gathered) if cand.zero >= 2 else \
-            all_reduce_time(grads, dp, dp_gbps, dp_lat, cal.link_efficiency)
+        reduce = r.gather(grads, dp, r.dp_link) if cand.zero >= 2 else r.all_reduce(grads, dp, r.dp_link)
         window = (2 / 3) * (terms["GEMMs (layers)"] + terms["attention"]) \
             if opts.dp_overlap else 0.0
-        tail = all_reduce_time(min(grads, cfg.parallel.bucket_mb * 2 ** 20), dp, dp_gbps, dp_lat, cal.link_efficiency)
+        tail = r.all_reduce(min(grads, r.cfg.parallel.bucket_mb * 2 ** 20), dp, r.dp_link)
         time["DP gradient reduction (exposed)"] = max(reduce - window, tail)
     else:
         time["DP gradient reduction (exposed)"] = 0.0
     # the tied word embedding's two copies (first and last pipeline rank) sum their gradients after the
     # backward, over the pair's link, before the optimizer can step
-    if pp > 1 and m.tie_embeddings:
-        tie_gbps, tie_lat = _link(cluster, cand.world)
-        time["tied embedding all-reduce (first, last stage)"] = all_reduce_time(
-            opts.grad_bytes * m.vocab_size * m.hidden_size / tp, 2, tie_gbps, tie_lat, cal.link_efficiency)
-    # the weights the ZeRO all-gathers move: meshlm's are fp32; with 16-bit weights and fp32 master copies
-    # ("mixed", Megatron's distributed optimizer) the updated 16-bit weights are gathered
-    weight_elem = 2 if opts.states == "mixed" and opts.precision in ("bf16", "fp16") else 4
-    weight_bytes = p_max * weight_elem
-    time["ZeRO weight all-gather"] = gather_time(weight_bytes, dp, dp_gbps, dp_lat, cal.link_efficiency, gathered) \
-        if dp > 1 and cand.zero in (1, 2) else 0.0
+    if r.pp > 1 and r.m.tie_embeddings:
+        time["tied embedding all-reduce (first, last stage)"] = r.all_reduce(
+            opts.grad_bytes * r.m.vocab_size * r.m.hidden_size / r.tp, 2, _link(r.cluster, cand.world))
+    weight_bytes = p_max * r.weight_elem
+    time["ZeRO weight all-gather"] = r.gather(weight_bytes, dp, r.dp_link) if dp > 1 and cand.zero in (1, 2) else 0.0
     if dp > 1 and cand.zero == 3:  # per micro-batch: gather the weights in forward and again in backward
-        per_mb = 2 * gather_time(weight_bytes, dp, dp_gbps, dp_lat, cal.link_efficiency, gathered)
+        per_mb = 2 * r.gather(weight_bytes, dp, r.dp_link)
         compute = terms["GEMMs (layers)"] + terms["attention"]
-        time["ZeRO-3 gathers (exposed)"] = mb * max(per_mb - compute, 0.0) + per_mb / max(1, rank_layers[slowest])
+        time["ZeRO-3 gathers (exposed)"] = mb * max(per_mb - compute, 0.0) + per_mb / max(1, slowest_layers)
     shard = dp if cand.zero >= 1 else 1
-    time["optimizer step"] = cal.optimizer_bytes_per_param * p_max / shard / hbm
-    step = sum(time.values())
+    time["optimizer step"] = cal.optimizer_bytes_per_param * p_max / shard / r.hbm
+    return time
 
-    # -- memory on each rank; the fullest one counts
-    per_param = model_state_bytes_per_param(opts.states, dp, distributed_optimizer=cand.zero >= 1, cfg=cfg)
+
+def _memory(r: _Run, stored: float, st: _Stages, params: list[float]) -> dict[str, float]:
+    """Memory on the fullest rank, by term: the first, the last and the fullest middle rank can be the fullest
+    one (ranks in between hold fewer micro-batches than the first and no embedding or head)."""
+    m, opts, cand, b, s, tp, pp, dp, mb, v = r.m, r.opts, r.cand, r.b, r.s, r.tp, r.pp, r.dp, r.mb, r.v
+    per_param = model_state_bytes_per_param(opts.states, dp, distributed_optimizer=cand.zero >= 1,
+                                            muon_share=muon_share(r.cfg))
     if cand.zero >= 3:
         per_param["weights"] /= dp
-    full_bytes = _layer_bytes(m, b, tp, sp, "full", opts, s)
+    full_bytes = _layer_bytes(m, b, tp, r.sp, "full", opts, s)
     factor = pipeline_activation_factor(pp, mb, v) if pp > 1 else 1.0
-    def rank_memory(r: int) -> dict[str, float]:
-        mem = {"weights": per_param["weights"] * params[r], "gradients": 0.0,
-               "optimizer states": per_param["optimizer"] * params[r]}
+
+    def rank_memory(k: int) -> dict[str, float]:
+        mem = {"weights": per_param["weights"] * params[k], "gradients": 0.0,
+               "optimizer states": per_param["optimizer"] * params[k]}
         if opts.precision != "fp32" and opts.states == "fp32":
-            mem["16-bit weight copies (autocast)"] = 2.0 * params[r]
+            mem["16-bit weight copies (autocast)"] = 2.0 * params[k]
         if cand.recompute == "full":
-            layer_acts = (rank_layers[r] - recomputed[r]) * stored + regions[r] * full_bytes
+            layer_acts = (st.layers[k] - st.recomputed[k]) * stored + st.regions[k] * full_bytes
         else:
-            layer_acts = rank_layers[r] * stored
-        # rank r of 1F1B holds min(p − r, m) micro-batches; the first rank the most
-        held = factor if r == 0 else (min(pp - r, mb) * (1 + (pp - 1) / (pp * v)) if v > 1 else min(pp - r, mb))
+            layer_acts = st.layers[k] * stored
+        # rank k of 1F1B holds min(p − k, m) micro-batches; the first rank the most
+        held = factor if k == 0 else (min(pp - k, mb) * (1 + (pp - 1) / (pp * v)) if v > 1 else min(pp - k, mb))
         mem["activations"] = layer_acts * held
         logits = 0.0 if (tp == 1 and opts.fused_loss) else 4.0 * b * s * m.vocab_size / tp
-        mem["logits (last stage)"] = logits if r == pp - 1 else 0.0
-        mem["gradients"] = gradient_bytes(per_param["grads"] * params[r], cand.zero, dp, mb, opts.states,
+        mem["logits (last stage)"] = logits if k == pp - 1 else 0.0
+        mem["gradients"] = gradient_bytes(per_param["grads"] * params[k], cand.zero, dp, mb, opts.states,
                                           mem["activations"] + mem["logits (last stage)"])
         if cand.zero == 3 and dp > 1:
             # FSDP2 keeps the root's own weights (embedding, final norm, head) gathered from its forward to
             # its backward, and gathers each layer whole while it runs: those full copies beside the shards
-            mem["ZeRO-3 gathered weights"] = weight_elem * rank_parameters(
-                m, 1, r == 0, r == pp - 1, tp, pp)
-        mem["reserved (context, buffers)"] = cal.reserve_gib * GIB
+            mem["ZeRO-3 gathered weights"] = r.weight_elem * rank_parameters(m, 1, k == 0, k == pp - 1, tp, pp)
+        mem["reserved (context, buffers)"] = r.cal.reserve_gib * GIB
         return mem
 
-    # the first, the last and the fullest middle rank can be the fullest one (ranks in between hold fewer
-    # micro-batches than the first and no embedding or head)
-    middle = [r for r in range(1, pp - 1) if rank_layers[r] > rank_layers[0]][:1]
-    memory = max((rank_memory(r) for r in sorted({0, pp - 1, *middle})), key=lambda d: sum(d.values()))
-    limit = gpu.memory_gib * GIB
+    middle = [k for k in range(1, pp - 1) if st.layers[k] > st.layers[0]][:1]
+    return max((rank_memory(k) for k in sorted({0, pp - 1, *middle})), key=lambda d: sum(d.values()))
 
-    gbs = mb * b * dp
-    flops = model_flops(m, gbs, s)
-    hw = flops + recompute_flops(m, gbs, cand.recompute, s, layers=recomputed_layers(cfg))
-    world = cand.world
-    return Estimate(cand, memory, time, step, gbs * s / step, flops / step / world / 1e12,
+
+def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opts: Options | None,
+              cal: Calibration | None) -> Estimate:
+    r = _run(cfg, cand, cluster, layout, opts, cal)
+    m, tp, pp = r.m, r.tp, r.pp
+    lt = _layer_times(r)
+    st = _stages(layout, cand, pp, r.v)
+    time, terms, rank_time, slowest = _pipeline_time(r, lt, st, _edges(r))
+    params = [rank_parameters(m, st.layers[k], k == 0, k == pp - 1, tp, pp) for k in range(pp)]
+    time.update(_update_time(r, terms, max(params), st.layers[slowest]))
+    step = sum(time.values())
+    memory = _memory(r, lt.stored, st, params)
+    limit = r.gpu.memory_gib * GIB
+
+    gbs = r.mb * r.b * r.dp
+    flops = model_flops(m, gbs, r.s)
+    hw = flops + recompute_flops(m, gbs, cand.recompute, r.s, layers=recomputed_layers(cfg))
+    world, peak = cand.world, r.peak
+    return Estimate(cand, memory, time, step, gbs * r.s / step, flops / step / world / 1e12,
                     flops / step / world / peak, hw / step / world / peak, sum(memory.values()) <= limit, limit,
                     stage_load=sum(rank_time) / (pp * rank_time[slowest]) if rank_time[slowest] else 1.0)

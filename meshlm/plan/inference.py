@@ -1,4 +1,4 @@
-"""Serving plan: tensor parallelism and batch size for a model on a GPU type (torch-free).
+"""Serving plan: tensor parallelism and batch size for a model on a GPU type (arithmetic, no tensors).
 
 A replica of `tp` GPUs serves `batch` requests at a time, each a prompt of P tokens and O generated ones
 (static batching: the batch is prefilled together, then decoded together):
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshlm.config import ConfigError, ModelConfig
+from meshlm.core.config import ConfigError, ModelConfig
+from meshlm.core.fit import kv_cache_bytes
+from meshlm.core.layout import check_tensor_parallel
 from meshlm.plan.cost import GIB, Calibration, _parameter_split, all_reduce_time, for_gpu, gemm_efficiency
-from meshlm.plan.fit import kv_cache_bytes
-from meshlm.plan.layout import check_tensor_parallel
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 

@@ -1,9 +1,7 @@
-"""`meshlm plan`: the layout for a model on a cluster, for training (ranked, explained, tried) or serving.
-
-    meshlm plan --config gpt2-1.3b --gpus 16 --gpus-per-node 8 --gpu a100-80gb --global-batch-size 512
-    meshlm plan --config gpt2-1.3b --gpus 16 --gpu a100-80gb --explain tp=2,pp=1,dp=8,mbs=4
-    meshlm plan --config gpt-tiny --gpus 2 --gpu this --trial 3 --steps 6
-    meshlm plan --config gpt2-1.3b --gpu h100-80gb --inference --tpot-ms 20
+"""`meshlm plan` (its parser: `commands/plan.py`): the layout for a model on a cluster, for training (ranked,
+explained, tried) or serving: `run_plan` reads the inputs, runs the search (`plan/search.py`), prints the
+table, one layout's terms (`--explain`) or the serving plan, runs the trials (`plan/trials.py`) and writes the
+winner's config.
 
 docs/plan.md describes the cost model; `benchmarks/plan_validation.py` holds it to published measurements.
 """
@@ -12,59 +10,33 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from meshlm.config import DEFAULT_CONFIG, Config, ConfigError, bundled_configs
+from meshlm.core.config import Config, ConfigError, load_config
+from meshlm.core.layout import factor_world
+from meshlm.families.registry import get_spec
+from meshlm.plan.catalog import (
+    CATALOG,
+    OVERRIDABLE,
+    get_gpu,
+    measure_links,
+    measure_this,
+    share_cores,
+    with_overrides,
+)
+from meshlm.plan.cost import Candidate, Cluster, Options
+from meshlm.plan.inference import plan_serving
+from meshlm.plan.search import candidates, check, distinct, divisors, evaluate, search
+from meshlm.plan.trials import run_trials
 
 GIB = 2 ** 30
-GPU_FIELDS = [("tflops", "dense 16-bit peak TFLOP/s"), ("memory-gb", "memory per GPU, GiB"),
-              ("hbm-gbps", "memory bandwidth, GB/s"), ("intra-gbps", "intra-node link per GPU, GB/s"),
-              ("inter-gbps", "inter-node link per GPU, GB/s"), ("intra-latency-us", "intra-node latency, µs"),
-              ("inter-latency-us", "inter-node latency, µs"), ("op-overhead-us", "host time per op, µs"),
-              ("gather-cost", "all-gather / reduce-scatter cost as a fraction of an all-reduce's")]
 LAYOUT_KEYS = {"tp", "pp", "dp", "vpp", "sp", "mbs", "micro_batch_size", "recompute", "zero"}
-
-
-def add_plan_command(sub: argparse._SubParsersAction) -> None:
-    plan = sub.add_parser("plan", help="choose the parallel layout for a model on a cluster (training or "
-                                       "serving); extra --section.key=value override the config")
-    plan.add_argument("--config", default=DEFAULT_CONFIG,
-                      help=f"bundled name ({', '.join(bundled_configs())}) or path to a .toml file")
-    plan.add_argument("--gpus", type=int, default=8, help="GPUs in the cluster (training)")
-    plan.add_argument("--gpus-per-node", type=int, default=8)
-    plan.add_argument("--gpu", default="a100-80gb", help="catalog name, or 'this' to measure this machine")
-    for name, text in GPU_FIELDS:
-        plan.add_argument(f"--gpu-{name}", type=float, default=None, help=f"override the GPU's {text}")
-    plan.add_argument("--global-batch-size", type=int, default=None, help="sequences per step (default: the config's)")
-    plan.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the config's)")
-    plan.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
-                      help="default: bf16 on a catalog GPU, the config's on --gpu this")
-    plan.add_argument("--top", type=int, default=10, help="rows of the ranked table")
-    plan.add_argument("--all", action="store_true", help="every fitting variant, not the best of each layout")
-    plan.add_argument("--json", action="store_true", help="print the ranked layouts as a JSON list")
-    plan.add_argument("--layout", default=None, help="evaluate one layout: tp=8,pp=8,dp=16,vpp=1,sp=true,mbs=1,"
-                                                      "recompute=selective|full|full:N|none,zero=1")
-    plan.add_argument("--explain", default=None, metavar="LAYOUT", help="print every memory and time term of a layout")
-    plan.add_argument("--write-config", default=None, metavar="PATH", help="write the winning layout's config (.toml)")
-    plan.add_argument("--trial", type=int, default=0, metavar="K", help="run the top K layouts with torchrun here")
-    plan.add_argument("--steps", type=int, default=6, help="steps per trial (the first is not timed)")
-    plan.add_argument("--inference", action="store_true", help="plan serving: tp and batch size")
-    plan.add_argument("--prompt-tokens", type=int, default=512)
-    plan.add_argument("--output-tokens", type=int, default=128)
-    plan.add_argument("--ttft-ms", type=float, default=None, help="target time to first token")
-    plan.add_argument("--tpot-ms", type=float, default=None, help="target time per output token")
-    plan.set_defaults(func=_plan)
 
 
 # ---- inputs ------------------------------------------------------------------------------------------------
 def _gpu(args: argparse.Namespace):
-    from meshlm.plan.catalog import get_gpu, measure_links, measure_this, share_cores, with_overrides
-
     if args.gpu.strip().lower() == "this":
         threads = None
         if args.gpus > 1:  # torchrun gives each process one thread (OMP_NUM_THREADS=1)
@@ -78,14 +50,12 @@ def _gpu(args: argparse.Namespace):
             gpu = share_cores(gpu)
     else:
         gpu = get_gpu(args.gpu)
-    values = {name.replace("-", "_").replace("memory_gb", "memory_gib"): getattr(args, "gpu_" + name.replace("-", "_"))
-              for name, _ in GPU_FIELDS}
+    # the --gpu-NAME options of commands/plan.py, one per overridable field (--gpu-memory-gb: memory_gib)
+    values = {key: getattr(args, "gpu_" + key.replace("memory_gib", "memory_gb")) for key in OVERRIDABLE}
     return with_overrides(gpu, **values)
 
 
 def _config(args: argparse.Namespace, overrides: list[str]) -> Config:
-    from meshlm.config import load_config
-
     extra = []
     if args.seq_len is not None:
         extra.append(f"--model.seq_len={args.seq_len}")
@@ -94,28 +64,8 @@ def _config(args: argparse.Namespace, overrides: list[str]) -> Config:
     return load_config(args.config, [*overrides, *extra])
 
 
-def _check_cluster(args: argparse.Namespace) -> None:
-    if args.gpus < 1:
-        raise ConfigError(f"--gpus {args.gpus} must be >= 1")
-    if args.gpus_per_node < 1:
-        raise ConfigError(f"--gpus-per-node {args.gpus_per_node} must be >= 1")
-    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
-        below = args.gpus // args.gpus_per_node * args.gpus_per_node
-        raise ConfigError(f"--gpus {args.gpus} is not a multiple of --gpus-per-node {args.gpus_per_node}: whole nodes "
-                          f"only; use --gpus {below} or {below + args.gpus_per_node}")
-    for name, value in (("--top", args.top), ("--steps", args.steps), ("--prompt-tokens", args.prompt_tokens),
-                        ("--output-tokens", args.output_tokens)):
-        if value < 1:
-            raise ConfigError(f"{name} {value} must be >= 1")
-    if args.trial < 0:
-        raise ConfigError(f"--trial {args.trial} must be >= 0")
-
-
 def parse_layout(text: str, gpus: int, cfg: Config):
     """'tp=8,pp=8,dp=16,sp=true,mbs=1,recompute=selective,zero=1' → Candidate (dp defaults to fill --gpus)."""
-    from meshlm.plan.cost import Candidate
-    from meshlm.plan.layout import factor_world
-
     values: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, eq, value = part.partition("=")
@@ -134,7 +84,7 @@ def parse_layout(text: str, gpus: int, cfg: Config):
         return int(raw)
 
     tp, pp = integer("tp", 1), integer("pp", 1)
-    try:  # the world's rule (plan.layout.factor_world), for the --gpus of the cluster; dp defaults to fill it
+    try:  # the world's rule (core.layout.factor_world), for the --gpus of the cluster; dp defaults to fill it
         pp, dp, tp = factor_world(gpus, tp, pp, integer("dp", 0) if "dp" in values else 0)
     except ConfigError as err:
         raise ConfigError(f"--layout {text!r} on --gpus {gpus}: {err}") from None
@@ -151,8 +101,6 @@ def parse_layout(text: str, gpus: int, cfg: Config):
 
 
 def _options(args: argparse.Namespace, cfg: Config, gpu):
-    from meshlm.plan.cost import Options
-
     this = gpu.name.startswith("this")
     device = "cpu" if gpu.name == "this (cpu)" else "cuda"
     precision = args.precision or (cfg.train.precision if this else "bf16")
@@ -180,12 +128,10 @@ TABLE_HEAD = [("| rank | tp | pp | vpp | dp | sp | mbs | recompute | zero | memo
 
 
 def explain(e, cfg: Config) -> str:
-    from meshlm.plan.memory import parameter_count
-
     c = e.candidate
     lines = [f"layout {c.label()}: {cfg.model.n_layers} layers of hidden {cfg.model.hidden_size}, "
              f"global batch {cfg.train.global_batch_size} × {cfg.model.seq_len} tokens"
-             + (f", {parameter_count(cfg.model) / 1e9:.2f}B parameters" if cfg.model.family == "gpt" else ""),
+             + f", {get_spec(cfg.model.family).parameter_count(cfg.model) / 1e9:.2f}B parameters",
              "", "memory per GPU (the fullest pipeline rank):"]
     w = max(36, *(len(k) for k in [*e.memory, *e.time]))
     for k, v in e.memory.items():
@@ -229,15 +175,13 @@ def write_config(cfg: Config, path: str) -> Path:
 
 
 # ---- the command -------------------------------------------------------------------------------------------
-def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
-    _check_cluster(args)
+def run_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    """`meshlm plan` with the parsed `args` (commands/plan.py has checked the cluster's numbers) and the config
+    `overrides`: the exit status."""
     cfg = _config(args, overrides)
     gpu = _gpu(args)
     if args.inference:
         return _inference(args, cfg, gpu)
-    from meshlm.plan.cost import Cluster
-    from meshlm.plan.search import distinct, evaluate, search
-
     cluster = Cluster(gpu, args.gpus, args.gpus_per_node)
     opts = _options(args, cfg, gpu)
     gbs = cfg.train.global_batch_size
@@ -262,7 +206,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     ranked = result.ranked if args.all else distinct(result.ranked)
     best = ranked[0]
     if args.trial:
-        ranked = _trials(args, cfg, ranked[:args.trial], overrides)
+        ranked = run_trials(args, ranked[:args.trial], overrides)
         best = ranked[0]
     if args.json:
         print(json.dumps([e.to_dict() for e in ranked[:max(args.top, args.trial)]], indent=1))
@@ -285,19 +229,14 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _describe(cfg: Config) -> str:
-    from meshlm.plan.cost import _family_count
-
     m = cfg.model
-    n = _family_count(m.family)(m)
+    n = get_spec(m.family).parameter_count(m)
     size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
     return f"{m.family} {size} ({m.n_layers} layers, hidden {m.hidden_size}, {m.n_heads} heads, seq {m.seq_len})"
 
 
 def _nothing_fits(cfg: Config, cluster, opts, result) -> str:
     """One line: why no layout works, and what would (more GPUs of this type, or another type)."""
-    from meshlm.plan.catalog import CATALOG
-    from meshlm.plan.cost import Cluster
-
     if not result.too_big:
         _count, reason, cand = result.rejection_summary(1)[0]
         near = _valid_counts(cfg, cluster.gpus, cluster.gpus_per_node)
@@ -317,8 +256,6 @@ def _nothing_fits(cfg: Config, cluster, opts, result) -> str:
 
 def _valid_counts(cfg: Config, gpus: int, gpus_per_node: int) -> list[int]:
     """The nearest GPU counts below and above `gpus` with a valid layout (validity only, not memory)."""
-    from meshlm.plan.search import candidates, check
-
     def valid(n: int) -> bool:
         for cand in candidates(cfg, n, gpus_per_node, cfg.train.global_batch_size):
             try:
@@ -335,9 +272,6 @@ def _valid_counts(cfg: Config, gpus: int, gpus_per_node: int) -> list[int]:
 
 def _lean_space(cfg: Config, gpus: int, gpus_per_node: int) -> list:
     """The memory-leanest variant of every tp × pp: micro-batch 1, full recomputation, SP, the deepest ZeRO."""
-    from meshlm.plan.cost import Candidate
-    from meshlm.plan.search import divisors
-
     out = []
     for tp in [d for d in divisors(gpus) if d <= max(1, min(gpus_per_node, 8))]:
         for pp in [d for d in divisors(gpus // tp) if d <= cfg.model.n_layers]:
@@ -347,15 +281,11 @@ def _lean_space(cfg: Config, gpus: int, gpus_per_node: int) -> list:
 
 
 def _fits_on(cfg: Config, cluster, opts, result=None) -> bool:
-    from meshlm.plan.search import search
-
     return bool(search(cfg, cluster, cfg.train.global_batch_size, opts,
                        space=_lean_space(cfg, cluster.gpus, cluster.gpus_per_node)).ranked)
 
 
 def _smallest_cluster(cfg: Config, cluster, opts) -> int | None:
-    from meshlm.plan.cost import Cluster
-
     gpus = cluster.gpus
     for _ in range(6):
         gpus *= 2
@@ -364,59 +294,8 @@ def _smallest_cluster(cfg: Config, cluster, opts) -> int | None:
     return None
 
 
-# ---- trials ------------------------------------------------------------------------------------------------
-def trial_command(config: str, cand, world: int, steps: int, out_dir: str, overrides: list[str]) -> list[str]:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"] \
-        if world > 1 else [sys.executable]
-    return [*launcher, "-m", "meshlm", "train", "--config", config, *overrides, *cand.overrides(),
-            f"--train.max_steps={steps}", "--train.log_every=1", "--train.eval_every=0", "--train.eval_iters=1",
-            "--train.save_every=0", "--train.sample_tokens=0", "--train.progress=false", "--train.device=cpu",
-            "--train.peak_tflops=1.0", "--train.resume=never", f"--train.out_dir={out_dir}"]
-
-
-def measured_step_time(out_dir: str, statistic: str = "median") -> float:
-    """The median (or the minimum: the least disturbed by other work on a shared machine) step time of a
-    run's metrics.jsonl, without its first step (warm-up)."""
-    times = [json.loads(line)["step_time_s"] for line in Path(out_dir, "metrics.jsonl").read_text().splitlines()
-             if '"kind": "train"' in line]
-    times = sorted(times[1:] or times)
-    return times[0] if statistic == "min" else times[len(times) // 2]
-
-
-def _trials(args: argparse.Namespace, cfg: Config, top: list, overrides: list[str]) -> list:
-    """Run each layout with torchrun for --steps steps, measure, re-rank by measurement."""
-    if args.gpu.strip().lower() != "this":
-        print(f"note: --trial runs on this machine, not on {args.gpu}; the measured times are this machine's",
-              file=sys.stderr)
-    extra = [*overrides]
-    if args.seq_len is not None:
-        extra.append(f"--model.seq_len={args.seq_len}")
-    if args.global_batch_size is not None:
-        extra.append(f"--train.global_batch_size={args.global_batch_size}")
-    for est in top:
-        with tempfile.TemporaryDirectory(prefix="meshlm-plan-trial-") as tmp:
-            cmd = trial_command(args.config, est.candidate, est.candidate.world, args.steps, tmp, extra)
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if proc.returncode != 0:
-                tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-                print(f"trial {est.candidate.label()} failed: {tail}", file=sys.stderr)
-                est.measured_step_time_s = math.inf
-                continue
-            est.measured_step_time_s = measured_step_time(tmp)
-    if not args.json:
-        print("trials (this machine): predicted vs measured step time\n")
-        print("| layout | predicted s | measured s | measured / predicted |\n|---|---|---|---|")
-        for est in top:
-            m = est.measured_step_time_s
-            print(f"| {est.candidate.label()} | {est.step_time_s:.4f} | {m:.4f} | {m / est.step_time_s:.2f} |")
-        print()
-    return sorted(top, key=lambda e: e.measured_step_time_s)
-
-
 # ---- serving -----------------------------------------------------------------------------------------------
 def _inference(args: argparse.Namespace, cfg: Config, gpu) -> int:
-    from meshlm.plan.inference import plan_serving
-
     precision = args.precision or ("bf16" if not gpu.name.startswith("this") else cfg.train.precision)
     elem = 4 if precision == "fp32" else 2
     ttft = args.ttft_ms / 1e3 if args.ttft_ms is not None else None

@@ -1,15 +1,16 @@
 """The layout search: every tp × pp × dp factorisation of the cluster with its virtual stages, sequence
 parallelism, micro-batch size, recomputation and ZeRO stage; each checked by the validity rules of
-`plan.layout` (the ones `parallelize` applies) and costed by `plan.cost`; ranked by predicted throughput
-among those that fit in memory (torch-free)."""
+`core.layout` (the ones `parallelize` applies) and costed by `plan.cost`; ranked by predicted throughput
+among those that fit in memory (arithmetic, no tensors)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from meshlm.config import Config, ConfigError
+from meshlm.core.config import Config, ConfigError
+from meshlm.core.layout import Layout, check_config, plan_layout
+from meshlm.families.registry import get_spec
 from meshlm.plan.cost import Calibration, Candidate, Cluster, Estimate, Options, estimate
-from meshlm.plan.layout import Layout, check_config, plan_layout
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 VIRTUAL_STAGES = (1, 2, 3, 4, 6, 8)
@@ -17,16 +18,6 @@ VIRTUAL_STAGES = (1, 2, 3, 4, 6, 8)
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _stage_costs(m) -> tuple[float, float]:
-    if m.family == "gpt":
-        from meshlm.plan.flops import stage_costs
-
-        return stage_costs(m)
-    from meshlm.models.registry import get_spec
-
-    return get_spec(m.family).stage_costs(m)
 
 
 def check(cfg: Config, cand: Candidate, global_batch_size: int | None = None,
@@ -41,7 +32,7 @@ def check(cfg: Config, cand: Candidate, global_batch_size: int | None = None,
     for section in (run.train, run.parallel):
         _validated(section, memo)
     check_config(run)
-    return run, plan_layout(run, cand.pp, cand.dp, cand.tp, _stage_costs(run.model))
+    return run, plan_layout(run, cand.pp, cand.dp, cand.tp, get_spec(run.model.family).stage_costs(run.model))
 
 
 def _validated(section, memo: dict | None) -> None:

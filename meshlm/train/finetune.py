@@ -39,27 +39,33 @@ import math
 import os
 import shutil
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from meshlm.config import ConfigError, apply_overrides, build, check_output_dir
+from meshlm.core.config import Config, ConfigError, apply_overrides, build, check_output_dir
 from meshlm.data.items import DataError
 
-TASKS = ("classify", "span", "tokens")
+if TYPE_CHECKING:
+    from meshlm.train.extension import Extension
+
 IGNORE = -100
 MAX_ANSWERS = 3  # gold answers kept per span example (SQuAD's validation set has up to 5; scores take the best)
-DEFAULT_EPOCHS = 3
 INFO_FILE = "finetune.json"
+# A config → the trainer's extensions for it (`train/extension.py`), given by the command.
+Extensions = Callable[[Config], "list[Extension]"]
 
 
-def _is_main() -> bool:
+def is_main() -> bool:
+    """Whether this process is rank 0 of its torchrun world (or runs alone): the one that prints and writes."""
     return int(os.environ.get("RANK", "0")) == 0
 
 
 def say(text: str) -> None:
-    if _is_main():
+    if is_main():
         print(text, flush=True)
 
 
@@ -100,7 +106,9 @@ def read_jsonl(path: str, flag: str) -> list[Line]:
     return out
 
 
-def _field(line: Line, key: str, kind, task: str, optional: bool = False):
+def get_field(line: Line, key: str, kind, task: str, optional: bool = False):
+    """`line`'s value of `key`, of type `kind` (a type or a tuple of types; a bool is none of them); a
+    DataError naming the file:line when it is missing (unless `optional`: None) or of another type."""
     if key not in line.obj:
         if optional:
             return None
@@ -108,11 +116,12 @@ def _field(line: Line, key: str, kind, task: str, optional: bool = False):
     value = line.obj[key]
     if not isinstance(value, kind) or isinstance(value, bool):
         names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise DataError(f"{line.where}: {key!r} is {type(value).__name__} {_short(value)}, not {names}")
+        raise DataError(f"{line.where}: {key!r} is {type(value).__name__} {short_json(value)}, not {names}")
     return value
 
 
-def _short(value) -> str:
+def short_json(value) -> str:
+    """`value` as JSON, cut to 40 characters (for an error message)."""
     text = json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
@@ -131,7 +140,7 @@ class Labels:
             return float(raw)
         if self.names is not None:
             if raw not in self._index:
-                raise DataError(f"{where}: label {_short(raw)} does not occur in {flag_train}; the head's classes "
+                raise DataError(f"{where}: label {short_json(raw)} does not occur in {flag_train}; the head's classes "
                                 f"are {', '.join(self.names[:10])}{', ...' if len(self.names) > 10 else ''}")
             return self._index[raw]
         return raw
@@ -150,29 +159,29 @@ def resolve_labels(train: list[tuple[str, object]], valid: list[tuple[str, objec
     everything = train + valid
     for where, raw in everything:
         if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
-            raise DataError(f"{where}: label {_short(raw)} is neither a class id, a class name nor a number")
+            raise DataError(f"{where}: label {short_json(raw)} is neither a class id, a class name nor a number")
     if given == 1:
         for where, raw in everything:
             if isinstance(raw, str) or not math.isfinite(raw):
-                raise DataError(f"{where}: label {_short(raw)} is not a finite number; model.num_labels=1 is "
+                raise DataError(f"{where}: label {short_json(raw)} is not a finite number; model.num_labels=1 is "
                                 "a regression head")
         return Labels(1, regression=True)
     first = train[0][1]
     if isinstance(first, str):
         for where, raw in train:
             if not isinstance(raw, str):
-                raise DataError(f"{where}: label {_short(raw)} is not a string like the first line's {_short(first)}"
+                raise DataError(f"{where}: label {short_json(raw)} is not a string like the first line's {short_json(first)}"
                                 "; use class names or class ids throughout")
         names = sorted({raw for _, raw in train})
         if given is not None and given != len(names):
             raise DataError(f"{train_flag} has {len(names)} class names but model.num_labels={given}; drop "
                             "--model.num_labels or make them agree")
         if len(names) < 2:
-            raise DataError(f"{train_flag} has one class only ({_short(names[0])}); a classifier needs two or more")
+            raise DataError(f"{train_flag} has one class only ({short_json(names[0])}); a classifier needs two or more")
         return Labels(len(names), names=names)
     for where, raw in everything:
         if isinstance(raw, str) or raw != int(raw) or raw < 0:
-            raise DataError(f"{where}: label {_short(raw)} is not a class id (an integer >= 0) like the first line's "
+            raise DataError(f"{where}: label {short_json(raw)} is not a class id (an integer >= 0) like the first line's "
                             f"of {train_flag}; for regression pass --model.num_labels=1")
     top = max(int(raw) for _, raw in train)
     num = given if given is not None else top + 1
@@ -245,8 +254,8 @@ class Encoded:
 
 
 def encode_classify(lines: list[Line], labels: Labels, enc: Encoder, train_flag: str) -> Encoded:
-    texts = [_field(x, "text", str, "classify") for x in lines]
-    pairs = [_field(x, "text_pair", str, "classify", optional=True) for x in lines]
+    texts = [get_field(x, "text", str, "classify") for x in lines]
+    pairs = [get_field(x, "text_pair", str, "classify", optional=True) for x in lines]
     raw = [(x.where, x.obj["label"]) for x in lines]
     a_ids = enc.ids(texts)
     has_b = [i for i, p in enumerate(pairs) if p is not None]
@@ -271,7 +280,7 @@ def encode_classify(lines: list[Line], labels: Labels, enc: Encoder, train_flag:
 
 def _answers(line: Line, context: str) -> list[tuple[int, int]]:
     """The answers' character spans [start, end) in the context, checked against their text."""
-    answers = _field(line, "answers", dict, "span")
+    answers = get_field(line, "answers", dict, "span")
     texts, starts = answers.get("text"), answers.get("answer_start")
     if not isinstance(texts, list) or not isinstance(starts, list) or len(texts) != len(starts):
         raise DataError(f"{line.where}: 'answers' must hold lists 'text' and 'answer_start' of the same length")
@@ -280,15 +289,15 @@ def _answers(line: Line, context: str) -> list[tuple[int, int]]:
         if not isinstance(text, str) or not text or isinstance(start, bool) or not isinstance(start, int):
             raise DataError(f"{line.where}: an answer needs a non-empty 'text' and an integer 'answer_start'")
         if context[start:start + len(text)] != text:
-            raise DataError(f"{line.where}: answer {_short(text)} is not at character {start} of the context "
-                            f"(found {_short(context[start:start + len(text)])}); fix answer_start")
+            raise DataError(f"{line.where}: answer {short_json(text)} is not at character {start} of the context "
+                            f"(found {short_json(context[start:start + len(text)])}); fix answer_start")
         spans.append((start, start + len(text)))
     return spans
 
 
 def encode_span(lines: list[Line], enc: Encoder) -> Encoded:
-    questions = [_field(x, "question", str, "span") for x in lines]
-    contexts = [_field(x, "context", str, "span") for x in lines]
+    questions = [get_field(x, "question", str, "span") for x in lines]
+    contexts = [get_field(x, "context", str, "span") for x in lines]
     spans = [_answers(x, c) for x, c in zip(lines, contexts)]
     q_ids = enc.ids(questions)
     c_enc = enc.with_offsets(contexts)
@@ -326,8 +335,8 @@ def encode_span(lines: list[Line], enc: Encoder) -> Encoded:
 def encode_tokens(lines: list[Line], labels: Labels, enc: Encoder, train_flag: str) -> Encoded:
     words, tags = [], []
     for x in lines:
-        w = _field(x, "tokens", list, "tokens")
-        t = _field(x, "labels", list, "tokens")
+        w = get_field(x, "tokens", list, "tokens")
+        t = get_field(x, "labels", list, "tokens")
         if len(w) != len(t):
             raise DataError(f"{x.where}: {len(w)} tokens but {len(t)} labels; give one label per token")
         if not all(isinstance(v, str) for v in w):
@@ -358,10 +367,10 @@ def encode_tokens(lines: list[Line], labels: Labels, enc: Encoder, train_flag: s
 
 def _raw_labels(lines: list[Line], task: str) -> list[tuple[str, object]]:
     if task == "classify":
-        return [(x.where, _field(x, "label", (int, float, str), "classify")) for x in lines]
+        return [(x.where, get_field(x, "label", (int, float, str), "classify")) for x in lines]
     out = []
     for x in lines:
-        for v in _field(x, "labels", list, "tokens"):
+        for v in get_field(x, "labels", list, "tokens"):
             out.append((x.where, v))
     return out
 
@@ -499,8 +508,9 @@ def _class_counts(data: Encoded, labels: Labels) -> str:
 def prepare(args: argparse.Namespace, overrides: list[str]):
     """Everything before training, without writing anything: (config, tokenizer, train set, padded valid
     set, info for DIR/finetune.json)."""
-    from meshlm.cli import checkpoint_config
+    from meshlm.checkpoint.load import checkpoint_config
     from meshlm.data.tokenizers import get_tokenizer
+    from meshlm.families.registry import get_spec
 
     if args.epochs < 1:
         raise ConfigError(f"--epochs {args.epochs} must be >= 1")
@@ -508,7 +518,7 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
     train_lines = read_jsonl(args.train, "--train")
     valid_lines = read_jsonl(args.valid, "--valid")
     base = checkpoint_config(args.checkpoint)
-    if base.model.family != "bert":
+    if not get_spec(base.model.family).task_heads:
         raise ConfigError(f"--checkpoint {args.checkpoint!r} holds a model.family={base.model.family!r} model; "
                           "meshlm finetune needs a BERT checkpoint (model.family=bert)")
     given = _given_num_labels(overrides)
@@ -561,23 +571,25 @@ def write_info(out: Path, info: dict, name: str = INFO_FILE, keep: tuple[str, ..
     tmp.replace(path)
 
 
-def train_prepared(cfg, datasets: tuple, out_dir: str, write) -> tuple[object, dict]:
+def train_prepared(cfg, datasets: tuple, out_dir: str, write, extensions: Extensions) -> tuple[object, dict]:
     """Run the Trainer on datasets a command prepared: DIR made and `write(DIR)` (its info file) on rank 0
-    first; a run that cannot start leaves no new DIR. Returns (trainer, its result)."""
+    first; a run that cannot start leaves no new DIR. `extensions(cfg)`: the trainer's extensions for the
+    run's config (`train/extension.py`; `meshlm.commands.train.trainer_extensions`). Returns (trainer, its
+    result)."""
     from meshlm.parallel import destroy
-    from meshlm.plan.fit import check_training_fits
     from meshlm.train import trainer as trainer_module
+    from meshlm.train.fit import check_training_fits
 
     check_training_fits(cfg)
     out = Path(out_dir)
     created = not out.exists()
     try:
-        if _is_main():
+        if is_main():
             out.mkdir(parents=True, exist_ok=True)
             write(out)
-        trainer = trainer_module.Trainer(cfg, datasets=datasets)
+        trainer = trainer_module.Trainer(cfg, datasets=datasets, extensions=extensions(cfg))
     except BaseException:
-        if created and _is_main():  # nothing half-way: a run that could not start leaves no DIR
+        if created and is_main():  # nothing half-way: a run that could not start leaves no DIR
             shutil.rmtree(out, ignore_errors=True)
         destroy()
         raise
@@ -590,34 +602,17 @@ def train_prepared(cfg, datasets: tuple, out_dir: str, write) -> tuple[object, d
     return trainer, result
 
 
-def run_finetune(args: argparse.Namespace, overrides: list[str]) -> int:
+def run_finetune(args: argparse.Namespace, overrides: list[str], extensions: Extensions) -> int:
+    """`meshlm finetune` (parsed by `meshlm.commands.finetune`), with the trainer's `extensions(cfg)`."""
     cfg, tokenizer, train, valid, info = prepare(args, overrides)
     t = cfg.train
     say(f"fine-tuning {info['task']} (model.num_labels={cfg.model.num_labels}) from {args.checkpoint}: "
         f"{t.max_steps} steps of {t.global_batch_size} examples, lr {cfg.optim.lr:g}, evaluation every "
         f"{t.eval_every} steps over {info['valid_examples']} examples ({t.eval_iters} micro-batches)")
-    trainer, result = train_prepared(cfg, (tokenizer, train, valid), args.out, lambda out: write_info(out, info))
+    trainer, result = train_prepared(cfg, (tokenizer, train, valid), args.out, lambda out: write_info(out, info),
+                                     extensions)
     shown = {k: v for k, v in result.items() if k.startswith("val_")}
     if shown:
         say(f"finetune: step {result['step']}: " + " | ".join(f"{k} {v:.4f}" for k, v in shown.items()))
     return trainer.exit_code
-
-
-def add_finetune_command(sub) -> None:
-    """Register `meshlm finetune` on the CLI's subparsers."""
-    p = sub.add_parser("finetune", help="fine-tune a BERT checkpoint on a classify, span or tokens task",
-                       description="Fine-tune a BERT checkpoint on labelled .jsonl data (docs/finetune.md); "
-                                   "extra --section.key=value override the config.")
-    p.add_argument("--checkpoint", required=True, help="the base run directory (its latest checkpoint) or a step dir")
-    p.add_argument("--task", required=True, choices=TASKS)
-    p.add_argument("--train", required=True, metavar="FILE.jsonl")
-    p.add_argument("--valid", required=True, metavar="FILE.jsonl")
-    p.add_argument("--out", required=True, metavar="DIR", help="the run directory (the same DIR again resumes)")
-    p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS,
-                   help=f"passes over the training set (default {DEFAULT_EPOCHS}; --train.max_steps overrides)")
-    p.add_argument("--max-length", type=int, default=None, metavar="N",
-                   help="tokens per example, padding included (default model.seq_len; shorter runs faster)")
-    p.add_argument("--truncate", action="store_true",
-                   help="cut examples longer than model.seq_len instead of refusing them")
-    p.set_defaults(func=run_finetune)
 

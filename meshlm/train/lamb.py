@@ -35,6 +35,8 @@ class Lamb(torch.optim.Optimizer):
     bias_correction). `reduce_squares(squares, params) -> squares`: see the module docstring; None keeps
     the local norms (right whenever every parameter is whole on this rank)."""
 
+    config_name = "lamb"  # its `optim.name` (named in checkpoint errors)
+
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0,
                  bias_correction: bool = True, reduce_squares: ReduceSquares | None = None):

@@ -1,5 +1,5 @@
 """Throughput accounting: the measured peak, peak memory. The FLOPs formulas (Megatron's; MFU, HFU) are
-torch-free in `meshlm/plan/flops.py` and each model family names its own (`ModelSpec.flops`)."""
+torch-free in `meshlm/core/flops.py` and each model family names its own (`ModelSpec.flops`)."""
 
 from __future__ import annotations
 

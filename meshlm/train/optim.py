@@ -8,38 +8,14 @@ what the regularisation is for. Schedules: linear warmup, then cosine, linear or
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 from torch import nn
 
-from meshlm.config import OptimConfig
-from meshlm.plan.layout import check_optimizer_sharding
+from meshlm.core.config import OptimConfig
+from meshlm.core.layout import check_optimizer_sharding
+from meshlm.models.params import param_groups
 from meshlm.train.lamb import Lamb
-
-# The hidden layers' weight matrices (attention's qkv and output, the MLP's two linears): what Muon steps.
-# Embeddings, the output layer, norms, biases and adapters stay with AdamW, as in Jordan et al.'s Muon.
-HIDDEN_MATRIX = re.compile(r"(^|\.)layers\.\d+\.(attn|mlp)\.[A-Za-z_]+\.weight$")
-
-
-def param_groups(model: nn.Module, weight_decay: float, muon: bool = False) -> list[dict]:
-    """AdamW's two groups (decayed matrices; norms, biases and embeddings undecayed); with `muon`, a third
-    group first, the hidden matrices (`HIDDEN_MATRIX`), marked `"muon": True`."""
-    hidden, decay, no_decay, seen = [], [], [], set()
-    for name, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        is_embedding = "emb" in name.rsplit(".", 1)[0]  # tok_emb, pos_emb (also once parallelized)
-        if muon and p.dim() == 2 and HIDDEN_MATRIX.search(name):
-            hidden.append(p)
-        else:
-            (no_decay if p.dim() < 2 or is_embedding else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if muon:
-        groups = [{"params": hidden, "weight_decay": weight_decay, "muon": True}] + [{**g, "muon": False}
-                                                                                     for g in groups]
-    return groups
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -79,15 +55,6 @@ class MuonAdamW(torch.optim.Optimizer):
             if any(p.grad is not None for g in part.param_groups for p in g["params"]):
                 part.step()
         return loss
-
-
-def state_tensors_per_param(optimizer: torch.optim.Optimizer) -> float:
-    """The fp32 state tensors `optimizer` keeps per parameter, weighted by size: 1 (Muon's momentum buffer)
-    on the groups marked `"muon"`, 2 (Adam's or LAMB's two moments) on the others; 2.0 for no parameters.
-    What the model-state memory formulas take (`parallel.data.theory_bytes_per_param`)."""
-    sizes = [(sum(p.numel() for p in g["params"]), 1 if g.get("muon") else 2) for g in optimizer.param_groups]
-    total = sum(n for n, _ in sizes)
-    return sum(n * k for n, k in sizes) / total if total else 2.0
 
 
 def adamw_kernel(groups: list[dict]) -> dict[str, bool]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meshlm.errors import CheckpointError
+from meshlm.core.errors import CheckpointError
 
 
 def plot_losses(out_dir: str | Path) -> Path:

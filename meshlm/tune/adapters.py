@@ -6,7 +6,7 @@ parameter of the base: only the adapter, and any parameter the base checkpoint d
 head), train. Gradients, the optimizer, gradient synchronisation and the tune checkpoint then hold only
 those (`trainable`); the base's weights stay bit-identical.
 
-Adapter parameters carry `p.adapter = True`; the base's checkpoint machinery (`train/dist_checkpoint.py`)
+Adapter parameters carry `p.adapter = True`; the base's checkpoint machinery (`checkpoint/sharded.py`)
 skips them, and `tune/state.py` saves them as whole tensors instead.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshlm.config import Config, ConfigError
+from meshlm.core.config import Config, ConfigError
 
 
 def is_adapter(p: torch.Tensor) -> bool:
@@ -88,14 +88,14 @@ def apply_prompt(model: nn.Module, spec, cfg: Config, dims) -> bool:
     prompt = VirtualPrompt(t.method, max(1, len(t.tasks)), t.virtual_tokens, m.hidden_size, t.encoder,
                            t.encoder_hidden, cfg.train.seed, None, dims.tp_rank, cfg.parallel.sp, p.device,
                            torch.float32)
-    attach_prompt(model, embedding, prompt)
+    attach_prompt(model, prompt)
     return True
 
 
 def new_parameter_names(cfg: Config) -> set[str]:
     """Plain parameters of this model that the base checkpoint lacks (a new task head): they train too."""
-    from meshlm.cli import checkpoint_config
-    from meshlm.train.dist_checkpoint import fused_blocks, logical_shapes, plain_shapes
+    from meshlm.checkpoint.load import checkpoint_config
+    from meshlm.checkpoint.sharded import fused_blocks, logical_shapes, plain_shapes
 
     base = checkpoint_config(cfg.tune.base).model
     have = logical_shapes(base)
@@ -141,9 +141,9 @@ def vocab_rows(cfg: Config, tokenizer, generator: torch.Generator) -> list[int]:
 def init_virtual_tokens(trainer) -> None:
     """A fresh prompt-tuning run: the table from the base's word embeddings (`tune.prompt_init`), read
     from the base checkpoint (the same rows whatever the layout)."""
-    from meshlm.cli import checkpoint_config
-    from meshlm.train import checkpoint as ckpt
-    from meshlm.train.dist_checkpoint import open_source
+    from meshlm.checkpoint import single as ckpt
+    from meshlm.checkpoint.load import checkpoint_config
+    from meshlm.checkpoint.sharded import open_source
     from meshlm.tune.lora import seeded
 
     cfg = trainer.cfg

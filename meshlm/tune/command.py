@@ -7,8 +7,9 @@ whole model fine-tuned on the same data (`--method full`).
                 [--section.key=value ...]       (tune.lora_rank, tune.virtual_tokens, optim.lr, parallel.tp, ...)
 
 The run's config is the base checkpoint's with `tune.method`, `tune.base=BASE` and tuning defaults
-(`tune_values`), then the user's overrides. The ordinary `Trainer` runs it: resuming (the same command
-again), parallel layouts under torchrun, metrics.jsonl and the log are those of pretraining. At the end DIR
+(`tune_values`), then the user's overrides. The ordinary `Trainer` runs it, the adapter given to it as an
+extension (`tune/extension.py`): resuming (the same command again), parallel layouts under torchrun,
+metrics.jsonl and the log are those of pretraining. At the end DIR
 holds the adapter for `meshlm generate --adapter DIR` and for Hugging Face PEFT (`tune/export.py`).
 """
 
@@ -17,11 +18,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from meshlm.config import ConfigError, apply_overrides, build, check_output_dir
+from meshlm.core.config import ConfigError, apply_overrides, build, check_output_dir
 from meshlm.data.items import DataError
-from meshlm.train.finetune import DEFAULT_EPOCHS, TASKS, _is_main, read_jsonl, say, with_schedule
+from meshlm.train.finetune import Extensions, is_main, read_jsonl, say, with_schedule
 
-METHODS = ("prompt", "ptuning", "lora", "full")  # full: every weight trains (supervised fine-tuning), no adapter
 INFO_FILE = "tune.json"
 # Learning rates that work for each method on small models (docs/tune.md): prompt tables move slowly.
 DEFAULT_LR = {"prompt": 3e-2, "ptuning": 1e-3, "lora": 1e-3, "full": 3e-4}
@@ -69,8 +69,9 @@ def _max_length(args: argparse.Namespace, seq_len: int) -> int:
 
 def prepare(args: argparse.Namespace, overrides: list[str]):
     """Everything before training, writing nothing: (config, tokenizer, train set, valid set, info)."""
-    from meshlm.cli import checkpoint_config
+    from meshlm.checkpoint.load import checkpoint_config
     from meshlm.data.tokenizers import get_tokenizer
+    from meshlm.families.registry import get_spec
     from meshlm.tune.data import encode, examples, parse_templates
     from meshlm.tune.export import base_fingerprint
 
@@ -78,7 +79,7 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
         raise ConfigError(f"--epochs {args.epochs} must be >= 1")
     check_output_dir("--out", args.out)
     base = checkpoint_config(args.checkpoint)
-    if not base.model.family == "gpt":
+    if not get_spec(base.model.family).decoder:
         raise ConfigError(f"--checkpoint {args.checkpoint!r} holds a model.family={base.model.family!r} model; for it "
                           "give --task classify|span|tokens (meshlm finetune's data) with --method lora")
     if args.task is not None:
@@ -114,16 +115,18 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
     return cfg, tokenizer, train, valid, info
 
 
-def run_tune(args: argparse.Namespace, overrides: list[str]) -> int:
+def run_tune(args: argparse.Namespace, overrides: list[str], extensions: Extensions) -> int:
+    """`meshlm tune` (parsed by `meshlm.commands.tune`), with the trainer's `extensions(cfg)` (the adapter's
+    and any evaluation tasks': `meshlm.commands.train.trainer_extensions`)."""
     if args.task is not None:  # BERT: meshlm finetune's data and heads, with the adapter on the frozen encoder
         from meshlm.train.finetune import run_finetune
 
         if args.method == "full":  # that is meshlm finetune itself
-            return run_finetune(args, overrides)
+            return run_finetune(args, overrides, extensions)
         extra = [f"--tune.method={args.method}", f"--tune.base={args.checkpoint}", "--train.init_from=",
                  f"--optim.lr={DEFAULT_LR[args.method]}"]
-        code = run_finetune(args, extra + overrides)
-        if code == 0 and _is_main():
+        code = run_finetune(args, extra + overrides, extensions)
+        if code == 0 and is_main():
             from meshlm.tune.export import export_run
 
             export_run(Path(args.out))
@@ -137,8 +140,9 @@ def run_tune(args: argparse.Namespace, overrides: list[str]) -> int:
         f"{cfg.optim.lr:g}, evaluation every {t.eval_every} steps over {info['valid_examples']} examples")
     out = Path(args.out)
     trainer, result = train_prepared(cfg, (tokenizer, train, valid), args.out,
-                                     lambda d: write_info(d, info, INFO_FILE, ("method", "tasks", "base_fingerprint")))
-    if _is_main() and trainer.stop_signal is None:
+                                     lambda d: write_info(d, info, INFO_FILE, ("method", "tasks", "base_fingerprint")),
+                                     extensions)
+    if is_main() and trainer.stop_signal is None:
         done = f"tune: step {result['step']}: val loss {result.get('val_loss', float('nan')):.4f}"
         if args.method == "full":
             say(f"{done}; the fine-tuned model is {out}'s checkpoint")
@@ -147,24 +151,3 @@ def run_tune(args: argparse.Namespace, overrides: list[str]) -> int:
             say(f"{done}; adapter in {', '.join(str(p.name) for p in written)} of {out}")
     return trainer.exit_code
 
-
-def add_tune_command(sub) -> None:
-    """Register `meshlm tune` on the CLI's subparsers."""
-    p = sub.add_parser("tune", help="train an adapter (prompt tuning, p-tuning, LoRA) on a frozen checkpoint",
-                       description="Prompt tuning, p-tuning or LoRA of a frozen checkpoint on .jsonl data "
-                                   "(docs/tune.md); extra --section.key=value override the config.")
-    p.add_argument("--checkpoint", required=True, help="the frozen base: a run directory (its latest checkpoint) or "
-                                                       "a step dir")
-    p.add_argument("--method", required=True, choices=METHODS)
-    p.add_argument("--train", required=True, metavar="FILE.jsonl")
-    p.add_argument("--valid", required=True, metavar="FILE.jsonl")
-    p.add_argument("--out", required=True, metavar="DIR", help="the run directory (the same DIR again resumes)")
-    p.add_argument("--template", action="append", metavar="[TASK=]TEXT",
-                   help="a prompt template ending in {answer}, per task; lines then hold taskname, fields and answer")
-    p.add_argument("--task", choices=TASKS, default=None, help="BERT checkpoints: the task of meshlm finetune")
-    p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS,
-                   help=f"passes over the training set (default {DEFAULT_EPOCHS}; --train.max_steps overrides)")
-    p.add_argument("--max-length", type=int, default=None, metavar="N",
-                   help="tokens per example row (default model.seq_len)")
-    p.add_argument("--truncate", action="store_true", help="cut the start of inputs too long for a row")
-    p.set_defaults(func=run_tune)

@@ -23,7 +23,7 @@ import string
 import numpy as np
 
 from meshlm.data.items import DataError
-from meshlm.train.finetune import IGNORE, Line, _field
+from meshlm.train.finetune import IGNORE, Line, get_field
 
 ANSWER = "answer"
 
@@ -86,8 +86,8 @@ def examples(lines: list[Line], templates: dict[str, Template], flag: str) -> li
             text, answer = template.split(line)
             out.append((task, text, answer))
         else:
-            text = _field(line, "input", str, "tune")
-            answer = _field(line, "output", str, "tune")
+            text = get_field(line, "input", str, "tune")
+            answer = get_field(line, "output", str, "tune")
             task = line.obj.get("taskname", "")
             if not isinstance(task, str):
                 raise DataError(f"{line.where}: 'taskname' is {type(task).__name__}, not text")

@@ -24,8 +24,8 @@ from types import SimpleNamespace
 
 import torch
 
-from meshlm.config import Config, ConfigError, TuneConfig, config_from_dict
-from meshlm.errors import CheckpointError
+from meshlm.core.config import Config, ConfigError, TuneConfig, config_from_dict
+from meshlm.core.errors import CheckpointError
 
 META = "adapter.json"
 WEIGHTS = "adapter.safetensors"
@@ -39,8 +39,8 @@ PEFT_PREFIX = "base_model.model."
 def base_fingerprint(checkpoint: str | Path) -> str:
     """A short hash of the base checkpoint's weights files (their sizes and CRC-32s, from its manifest when
     it has one): an adapter records it, and loading it onto other weights is refused."""
-    from meshlm.train import checkpoint as ckpt
-    from meshlm.train import ckpt_files
+    from meshlm.checkpoint import files as ckpt_files
+    from meshlm.checkpoint import single as ckpt
 
     path = ckpt.resolve_checkpoint(checkpoint, log=None)
     try:
@@ -65,14 +65,14 @@ class HFModule:
 
 def hf_linears(cfg: Config) -> list[HFModule]:
     """The Hugging Face modules of every linear a LoRA target can sit on (the interop tables' weights)."""
-    from meshlm.interop.hf import _TABLES, _split_sizes
-    from meshlm.interop.hf_bert import bert_table, hf_prefix
+    from meshlm.families.common import split_sizes
+    from meshlm.families.registry import get_spec
     from meshlm.interop.hf_config import hf_architecture
 
     m = cfg.model
     arch = hf_architecture(m)
-    table = bert_table(m) if arch == "bert" else _TABLES[arch](m)
-    prefix = hf_prefix(m) if arch == "bert" else ""
+    spec = get_spec(m.family)
+    table, prefix = spec.hf_table(m), spec.hf_prefix(m)
     out = []
     for entry in table:
         ours = entry.ours
@@ -81,7 +81,7 @@ def hf_linears(cfg: Config) -> list[HFModule]:
         path = ours[:-len(".weight")]
         theirs = [t[:-len(".weight")] for t in entry.theirs]
         sizes = [m.hidden_size] * 3 if arch == "bert" and len(theirs) == 3 else \
-            _split_sizes(m, len(theirs)) if len(theirs) > 1 else [-1]
+            split_sizes(m, len(theirs)) if len(theirs) > 1 else [-1]
         lo = 0
         for name, n in zip(theirs, sizes):
             out.append(HFModule(prefix + name, path, lo, lo + n if n > 0 else -1))
@@ -91,7 +91,7 @@ def hf_linears(cfg: Config) -> list[HFModule]:
 
 def _blocks_by_path(cfg: Config) -> dict[str, list[tuple[str, int, int]]]:
     """meshlm linear path → [(target, lo, hi)] of the run's LoRA targets (hi −1: the whole linear)."""
-    from meshlm.models.registry import get_spec
+    from meshlm.families.registry import get_spec
 
     known = get_spec(cfg.model.family).lora_targets(cfg.model)
     out: dict[str, list] = {}
@@ -115,7 +115,7 @@ def peft_lora(cfg: Config, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict
     t = cfg.tune
     blocks = _blocks_by_path(cfg)
     out, targets, rank_pattern, alpha_pattern = {}, set(), {}, {}
-    from meshlm.train.dist_checkpoint import plain_shapes
+    from meshlm.checkpoint.sharded import plain_shapes
 
     for hf in hf_linears(cfg):
         mine = blocks.get(hf.path, [])
@@ -139,7 +139,9 @@ def peft_lora(cfg: Config, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict
         out[f"{PEFT_PREFIX}{hf.name}.lora_A.weight"] = a.float().contiguous()
         out[f"{PEFT_PREFIX}{hf.name}.lora_B.weight"] = b.float().contiguous()
         targets.add(hf.name.rsplit(".", 1)[1])
-    arch_gpt2 = cfg.model.family == "gpt" and cfg.model.position == "learned"
+    from meshlm.interop.hf_config import hf_architecture
+
+    arch_gpt2 = hf_architecture(cfg.model) == "gpt2"  # GPT-2's Conv1D holds its weights transposed
     config = {"peft_type": "LORA", "task_type": _task_type(cfg), "r": t.lora_rank, "lora_alpha": t.lora_alpha,
               "lora_dropout": t.lora_dropout, "target_modules": sorted(targets), "fan_in_fan_out": arch_gpt2,
               "bias": "none", "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "inference_mode": True,
@@ -148,10 +150,11 @@ def peft_lora(cfg: Config, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict
 
 
 def _task_type(cfg: Config) -> str:
-    if cfg.model.family == "gpt":
-        return "CAUSAL_LM"
-    return {"classify": "SEQ_CLS", "tokens": "TOKEN_CLS", "span": "QUESTION_ANS"}.get(cfg.model.bert_head,
-                                                                                       "FEATURE_EXTRACTION")
+    """PEFT's task_type of an adapter on this model (the family's `peft_task_type`)."""
+    from meshlm.families.registry import get_spec
+
+    task_type = get_spec(cfg.model.family).peft_task_type
+    return task_type(cfg.model) if task_type is not None else "FEATURE_EXTRACTION"
 
 
 def peft_prompt(cfg: Config, table: torch.Tensor) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -195,8 +198,8 @@ def table_of(cfg: Config, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def export_run(out: str | Path) -> list[Path]:
     """Write DIR's adapter files from its newest checkpoint; returns the paths written."""
-    from meshlm.train import checkpoint as ckpt
-    from meshlm.train import ckpt_files
+    from meshlm.checkpoint import files as ckpt_files
+    from meshlm.checkpoint import single as ckpt
 
     out = Path(out)
     source = ckpt.resolve_checkpoint(out, log=None)
@@ -319,7 +322,7 @@ def import_peft(d: Path, cfg: Config) -> Adapter:
     if peft.get("use_rslora"):
         alpha = alpha * r ** 0.5  # rsLoRA scales by α/√r: the same update with α' = α√r over r
     by_name = {h.name: h for h in hf_linears(cfg)}
-    from meshlm.models.registry import get_spec
+    from meshlm.families.registry import get_spec
 
     known = get_spec(cfg.model.family).lora_targets(cfg.model)
     tensors, targets = {}, []
@@ -343,7 +346,7 @@ def import_peft(d: Path, cfg: Config) -> Adapter:
 def apply_adapter(model: torch.nn.Module, cfg: Config, adapter: Adapter, merge: bool = True) -> torch.nn.Module:
     """Put `adapter` onto a plain (one-process) model: LoRA merged into the weights (or kept as an
     unmerged update with `merge=False`), virtual tokens attached; new heads' weights copied in."""
-    from meshlm.models.registry import get_spec
+    from meshlm.families.registry import get_spec
     from meshlm.tune.adapters import apply_lora, apply_prompt
 
     spec = get_spec(cfg.model.family)

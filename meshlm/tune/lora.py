@@ -38,7 +38,7 @@ from torch import nn
 from meshlm.parallel.tensor_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
-    _Sharded,
+    Sharded,
     copy_to_tensor_region,
     gather_from_sequence_region,
     reduce_from_tensor_region,
@@ -72,7 +72,7 @@ def kaiming_a(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
     return torch.empty(rows, cols).uniform_(-bound, bound, generator=generator)
 
 
-class LoRA(_Sharded):
+class LoRA(Sharded):
     """The A and B matrices of the targets on one linear (`lora.A_q`, `lora.B_q`, ...) and their forward.
 
     `kind` is how the linear is split: "dense" (tp = 1), "column" or "row". `sharded_names` lists the
@@ -224,3 +224,16 @@ def merge_lora(linear: nn.Module) -> None:
     linear._lora_hook.remove()
     del linear._lora_hook
     del linear.lora
+
+
+def detach_lora(linear: nn.Module) -> LoRA | None:
+    """Take the unmerged LoRA that `attach_lora` put on `linear` off it (its hook and submodule removed, the
+    weight unchanged) and return it, for a caller that runs its update itself (meshlm serve: on some rows of a
+    batch); None when `linear` has none."""
+    if not hasattr(linear, "_lora_hook"):
+        return None
+    lora = linear.lora
+    linear._lora_hook.remove()
+    del linear._lora_hook
+    del linear.lora
+    return lora

@@ -4,9 +4,9 @@ A tuned example's ids start with `virtual_tokens` placeholder positions, each ho
 index (0 … tasks − 1; `tune/data.py` writes them, their targets are ignored). The token embedding's output
 at those positions is replaced by the task's virtual-token embeddings, before positions are added and
 dropout drawn, so a virtual token is treated like any other token from there on. The word embedding of
-the placeholder ids is computed and discarded: the base model is untouched (a forward hook on its token
-embedding; the model's `embed(ids, start)` is wrapped only to know the first position of the call, so a
-decoding step past the virtual tokens is left alone).
+the placeholder ids is computed and discarded: the base model is untouched (the prompt sits in the model's
+`prompt` slot, which its `embed(ids, start)` calls with the token embeddings and the first position of the
+call, so a decoding step past the virtual tokens is left alone).
 
 * prompt tuning: the virtual embeddings are the parameters, a (tasks, n, h) table, started from the
   embeddings of random vocabulary tokens, of a text's tokens, or N(0, init_std);
@@ -33,7 +33,6 @@ class VirtualPrompt(nn.Module):
         super().__init__()
         self.method, self.tasks, self.n, self.hidden = method, tasks, n, hidden
         self.tp_rank, self.sp = tp_rank, sequence_parallel
-        self.start = 0  # the first position of the current call (set by the wrapped `embed`)
         if init is None:
             init = torch.empty(tasks, n, hidden).normal_(0.0, 0.02, generator=seeded(seed, "prompt.table"))
         if method == "prompt":
@@ -76,10 +75,10 @@ class VirtualPrompt(nn.Module):
     def export_table(self) -> torch.Tensor:
         return self.embeddings().detach().float().cpu().clone()
 
-    def replace(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The token embedding's output `out` (B, T or T/t under SP, h) for `ids` (B, T) with the virtual
-        positions replaced."""
-        n, start = self.n, self.start
+    def forward(self, ids: torch.Tensor, out: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """The token embedding's output `out` (B, T or T/t under SP, h) for `ids` (B, T) at positions from
+        `start`, with the virtual positions replaced."""
+        n = self.n
         if start >= n:
             return out
         if start:
@@ -95,19 +94,6 @@ class VirtualPrompt(nn.Module):
         return torch.cat([out[:, :lo - offset], virtual, out[:, hi - offset:]], dim=1)
 
 
-def _embedding_hook(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
-    return module._virtual_prompt.replace(args[0], output)
-
-
-def attach_prompt(model: nn.Module, embedding: nn.Module, prompt: VirtualPrompt) -> None:
-    """Attach `prompt` to `model` (as `model.prompt`) and its token `embedding`."""
+def attach_prompt(model: nn.Module, prompt: VirtualPrompt) -> None:
+    """Put `prompt` into `model`'s `prompt` slot (parameters `prompt.*`), which its `embed` calls."""
     model.add_module("prompt", prompt)
-    object.__setattr__(embedding, "_virtual_prompt", prompt)  # a reference, not a submodule
-    embedding.register_forward_hook(_embedding_hook)
-    inner = model.embed
-
-    def embed(ids, start: int = 0, *args, **kwargs):
-        prompt.start = start
-        return inner(ids, start, *args, **kwargs)
-
-    model.embed = embed

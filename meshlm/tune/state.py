@@ -1,7 +1,7 @@
 """A tune run's checkpoints: the trainable tensors only, whole, so they load under any layout.
 
 An adapter is small (LoRA at rank 8 on q and v of gpt-tiny: 16k numbers), so a tune checkpoint is written
-by rank 0 in the one-process format (`train/checkpoint.py`: `model.pt`, `optim.pt`, `state.pt`, atomic,
+by rank 0 in the one-process format (`checkpoint/single.py`: `model.pt`, `optim.pt`, `state.pt`, atomic,
 with a manifest): `model.pt` holds every trainable tensor whole (tensor-parallel parts gathered, the
 pipeline stages' tensors collected), `optim.pt` the optimizer's state of each, whole as well, by name.
 Loading, every rank takes its part of each whole tensor (`local_part`), whatever the layout was. The
@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.errors import CheckpointError, CheckpointWriteError, TrainingError
-from meshlm.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _Sharded
+from meshlm.core.errors import CheckpointError, CheckpointWriteError, TrainingError
+from meshlm.core.rng import rng_state, set_rng_state
+from meshlm.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear, Sharded, VocabParallelEmbedding
 from meshlm.tune.adapters import trainable
 from meshlm.tune.lora import LoRA
 
@@ -49,7 +50,7 @@ def local_part(model: nn.Module, name: str, full: torch.Tensor, like: torch.Tens
     owner, attr = _owner(model, name)
     if isinstance(owner, LoRA):
         part = owner.local_slice(attr, full)
-    elif isinstance(owner, _Sharded):
+    elif isinstance(owner, Sharded):
         rows, cols = owner.shard_index(attr)
         part = full
         if rows is not None:
@@ -94,8 +95,7 @@ def gather_to_main(obj, dims):
 
 def save(trainer) -> Path:
     """Publish the trainable tensors, their optimizer states and the run state (a collective)."""
-    from meshlm.train import checkpoint as ckpt
-    from meshlm.train.trainer import rng_state
+    from meshlm.checkpoint import single as ckpt
 
     dims = trainer.dims
     weights, states = _collect(trainer.sync, trainer.optimizer)
@@ -106,10 +106,7 @@ def save(trainer) -> Path:
         for w, s, _, _ in gathered:
             all_w.update(w)
             all_s.update(s)
-        state = {"step": trainer.step, "tokens_seen": trainer.tokens_seen, "loader": trainer.loader.state_dict(),
-                 "skipped_steps": trainer.skipped_steps, "scaler": trainer.precision.state_dict(),
-                 "tokenizer": trainer.tokenizer.name, "layout": trainer._layout(),
-                 "rng": [g[2] for g in gathered], "tp_rng": [g[3] for g in gathered]}
+        state = {**trainer.run_state(), "rng": [g[2] for g in gathered], "tp_rng": [g[3] for g in gathered]}
         try:
             box[0] = str(ckpt.save_checkpoint(trainer.out_dir, trainer.step,
                                               {"model": all_w, "optim": all_s, "state": state}, trainer.cfg.to_dict()))
@@ -125,9 +122,8 @@ def save(trainer) -> Path:
 @torch.no_grad()
 def load(trainer, path: Path) -> None:
     """The trainable tensors, their optimizer states and the run state of tune checkpoint `path`."""
-    from meshlm.train import checkpoint as ckpt
-    from meshlm.train import ckpt_files
-    from meshlm.train.trainer import set_rng_state
+    from meshlm.checkpoint import files as ckpt_files
+    from meshlm.checkpoint import single as ckpt
 
     model, optimizer, dims = trainer.model, trainer.optimizer, trainer.dims
     weights = ckpt_files.load_torch(path / "model.pt")
@@ -154,11 +150,11 @@ def load(trainer, path: Path) -> None:
     if extra and dims.is_main and dims.pp == 1:
         trainer.log(f"note: {path} holds tensors this run does not train ({', '.join(extra[:3])}); ignored")
     saved = state.get("layout")
-    if saved == trainer._layout() and len(state.get("rng", [])) == dims.world_size:
+    if saved == trainer.layout_summary() and len(state.get("rng", [])) == dims.world_size:
         set_rng_state(state["rng"][dims.rank])
         trainer.tp_rng.set_state(state["tp_rng"][dims.rank])
     elif saved is not None:
-        trainer.log(f"resuming a tune checkpoint of layout {saved} under {trainer._layout()}: adapter, optimizer and "
+        trainer.log(f"resuming a tune checkpoint of layout {saved} under {trainer.layout_summary()}: adapter, optimizer and "
                     "data position carry over; dropout masks start new streams")
     trainer.restore_position(state)
 

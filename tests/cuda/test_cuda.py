@@ -16,14 +16,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshlm.config import ModelConfig, OptimConfig
+from meshlm.checkpoint import single as ckpt
+from meshlm.commands.train import build_trainer
+from meshlm.core.config import ModelConfig, OptimConfig
 from meshlm.data.dataset import BatchLoader
 from meshlm.data.prefetch import PrefetchLoader
 from meshlm.data.synthetic import synthetic_corpus
+from meshlm.families.registry import get_spec
 from meshlm.models.gpt import GPT
 from meshlm.models.loss import IGNORE_INDEX, chunk_rows, linear_cross_entropy
 from meshlm.parallel import ParallelDims, build_model
-from meshlm.train import checkpoint as ckpt
 from meshlm.train.optim import build_optimizer
 from meshlm.train.trainer import Trainer
 from tests.conftest import tiny_config
@@ -69,7 +71,7 @@ def test_meta_built_model_materialised_on_cuda_equals_the_cpu_build(tmp_path, fl
 
     def build(device: torch.device):
         torch.manual_seed(3)
-        return build_model(cfg, ParallelDims.build(device=device)).model
+        return build_model(cfg, ParallelDims.build(device=device), spec=get_spec(cfg.model.family)).model
 
     cpu, gpu = build(torch.device("cpu")), build(CUDA)
     cpu_params, gpu_params = dict(cpu.named_parameters()), dict(gpu.named_parameters())
@@ -288,7 +290,7 @@ def test_lora_tune_on_cuda_in_bf16_resumes_with_fused_adamw(tmp_path, data):
     def trainer(out, resume="auto"):
         cfg = tiny_config(out, model=SMALL, train={"max_steps": 8, "save_every": 4, "precision": "bf16",
                                                    "resume": resume}, optim={"lr": 1e-2}, data=data, tune=tune)
-        return Trainer(cfg)
+        return build_trainer(cfg)
 
     straight = trainer(tmp_path / "straight")
     assert straight.optimizer.defaults["fused"] is True

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshlm.config import ConfigError
+from meshlm.core.config import ConfigError
 from meshlm.data import bert_dataset
 from meshlm.data.assets import shakespeare_files
 from meshlm.data.bert_build import build_bert_datasets

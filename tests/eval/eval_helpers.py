@@ -11,9 +11,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from meshlm.config import build
+from meshlm.checkpoint.single import save_checkpoint
+from meshlm.core.config import build
 from meshlm.models.gpt import GPT
-from meshlm.train.checkpoint import save_checkpoint
 
 ALPHABET = "ab c\n"  # ids 0..4; the end-of-document token is 5
 
@@ -119,7 +119,7 @@ PROMPTS = ["To be, or not to be", "Now is the winter of our", "Friends, Romans, 
 def make_task_files(checkpoint: Path, out: Path) -> dict[str, Path]:
     """Task files for the tiny model: cloze passages = prompt + 6 greedily generated tokens (so some last words
     are the model's own predictions), choices among those passages, and a text for perplexity."""
-    from meshlm.cli import load_model_from_checkpoint
+    from meshlm.checkpoint.load import load_model_from_checkpoint
 
     model, tok, _ = load_model_from_checkpoint(str(checkpoint))
     texts = []

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from meshlm.cli import load_model_from_checkpoint, main
+from meshlm.checkpoint.load import load_model_from_checkpoint
+from meshlm.cli import main
 from tests.eval.eval_helpers import close, last_logprob, write_jsonl
 
 

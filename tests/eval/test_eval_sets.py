@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from meshlm.config import bundled_configs, load_config
+from meshlm.core.config import bundled_configs, load_config
 from meshlm.data.assets import shakespeare_files
 from meshlm.data.gpt_dataset import split_documents
 from meshlm.eval import sets

@@ -20,9 +20,10 @@ import pytest
 import toy_family  # noqa: F401 (registers the family, here and in the spawned workers)
 from parallel_world import run_world
 
-from meshlm.config import build
+from meshlm.checkpoint import single as ckpt
+from meshlm.core.config import build
+from meshlm.families.registry import get_spec
 from meshlm.parallel import ParallelDims, build_model
-from meshlm.train import checkpoint as ckpt
 from meshlm.train.trainer import Trainer
 
 TOL = 1e-5
@@ -75,7 +76,7 @@ def test_toy_family_trains_like_one_process(reference, tmp_path, name):
 
 def test_toy_family_has_no_gpt_names():
     """The toy model's parameters share no name with GPT's: the transforms found them through the spec."""
-    model = build_model(_config(Path("unused")), ParallelDims(pp=1, dp=1, tp=2, rank=1)).model  # planned: no group
+    model = build_model(_config(Path("unused")), ParallelDims(pp=1, dp=1, tp=2, rank=1), spec=get_spec(_config(Path("unused")).model.family)).model  # planned: no group
     names = [n for n, _ in model.named_parameters()]
     assert not any(w in n for n in names for w in ("tok_emb", "lm_head", "layers.", "qkv", "mlp"))
     assert type(model.blocks[0].attn.in_proj).__name__ == "ColumnParallelLinear"

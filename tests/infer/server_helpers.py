@@ -26,8 +26,8 @@ BERT_MODEL = {"family": "bert", "vocab_size": 30522, "n_layers": 2, "hidden_size
 
 def save_gpt_checkpoint(out: Path, seed: int = 0, **model) -> Path:
     """A randomly initialised tiny GPT-2-style checkpoint (gpt2 tokenizer), as `meshlm train` would save it."""
+    from meshlm.checkpoint.single import save_checkpoint
     from meshlm.models.gpt import GPT
-    from meshlm.train.checkpoint import save_checkpoint
 
     cfg = tiny_config(out, model={**GPT_MODEL, **model})
     torch.manual_seed(seed)
@@ -36,8 +36,8 @@ def save_gpt_checkpoint(out: Path, seed: int = 0, **model) -> Path:
 
 
 def save_bert_checkpoint(out: Path, seed: int = 0) -> Path:
-    from meshlm.models.registry import get_spec
-    from meshlm.train.checkpoint import save_checkpoint
+    from meshlm.checkpoint.single import save_checkpoint
+    from meshlm.families.registry import get_spec
 
     cfg = tiny_config(out, model=BERT_MODEL, data={"tokenizer": "bert"})
     torch.manual_seed(seed)

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshlm.config import ModelConfig
+from meshlm.core.config import ModelConfig
 from meshlm.infer.engine import Engine, InvalidRequest, QueueFull, Request, SamplingParams, apply_penalties
-from meshlm.infer.generate import generate
+from meshlm.models.generate import generate
 from meshlm.models.gpt import GPT
 
 CONFIGS = {

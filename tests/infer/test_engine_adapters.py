@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from meshlm.config import ConfigError, TuneConfig, build
+from meshlm.core.config import ConfigError, TuneConfig, build
+from meshlm.families.registry import get_spec
 from meshlm.infer.adapters import AdapterSet, parse_adapter_args
 from meshlm.infer.engine import Engine, InvalidRequest, SamplingParams
-from meshlm.models.registry import get_spec
 from meshlm.tune.adapters import apply_lora, is_adapter
 from meshlm.tune.export import Adapter, apply_adapter
 from tests.infer.test_engine import CONFIGS, CharTokenizer, alone, model_of, prompts_of

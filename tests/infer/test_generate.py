@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from meshlm.config import ModelConfig
-from meshlm.infer.generate import generate, sample_next
+from meshlm.core.config import ModelConfig
+from meshlm.models.generate import generate, sample_next
 from meshlm.models.gpt import GPT
 
 CONFIGS = {

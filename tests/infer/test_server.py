@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshlm.infer.generate import generate
-from meshlm.infer.load import load_model_from_checkpoint
+from meshlm.checkpoint.load import load_model_from_checkpoint
+from meshlm.models.generate import generate
 from tests.infer.server_helpers import ServeProcess, http, save_bert_checkpoint, save_gpt_checkpoint
 
 KEY = "sk-test-123"
@@ -112,7 +112,7 @@ def test_streaming_completion_and_chat(gpt):
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who are you?"}]
     reply = c.chat.completions.create(model="tiny-gpt", messages=messages, max_tokens=8, temperature=0)
-    from meshlm.infer.server import CHAT_STOP, chat_prompt
+    from meshlm.infer.protocol import CHAT_STOP, chat_prompt
 
     expected = greedy_alone(model, tokenizer, chat_prompt(messages), 8).split(CHAT_STOP)[0]
     assert reply.choices[0].message.role == "assistant" and reply.choices[0].message.content == expected
@@ -235,11 +235,11 @@ def test_metrics_count_requests_tokens_and_latency(gpt):
 
 def test_embeddings_with_the_openai_client_and_the_api_key(bert):
     server, ckpt = bert
+    from meshlm.checkpoint.load import checkpoint_config
+    from meshlm.checkpoint.single import resolve_checkpoint
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.infer.embed import embed_ids, tokenize
-    from meshlm.infer.load import checkpoint_config
     from meshlm.interop.convert import load_checkpoint_model
-    from meshlm.train.checkpoint import resolve_checkpoint
 
     texts = ["A man is eating food.", "Two men pushed carts through the woods.", "short"]
     out = client(server, KEY).embeddings.create(model="tiny-bert", input=texts)  # the client asks for base64

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from meshlm.cli import load_model_from_checkpoint
+from meshlm.checkpoint.load import load_model_from_checkpoint
 from meshlm.tune.export import apply_adapter, read_adapter
 from tests.conftest import run_cli
 from tests.infer.server_helpers import ServeProcess, http

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from meshlm.config import ModelConfig
+from meshlm.core.config import ModelConfig
 from meshlm.data.tokenizers import get_tokenizer
 from meshlm.infer.engine import Engine
 from meshlm.infer.server import Server, build_app

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
+from meshlm.checkpoint.load import load_model_from_checkpoint
 from meshlm.infer.engine import Engine, SamplingParams
-from meshlm.infer.load import load_model_from_checkpoint
 from tests.infer.server_helpers import ServeProcess, http, save_gpt_checkpoint
 
 LLAMA = {"position": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False, "tie_embeddings": False,

@@ -8,6 +8,7 @@ import io
 import torch
 
 from meshlm.cli import main
+from meshlm.families.registry import get_spec
 
 SENTENCES = [
     "A man is eating food.",
@@ -73,7 +74,7 @@ SHARDED_MODELS = {
 
 
 def sharded_config(family: str, tp: int = 2):
-    from meshlm.config import build
+    from meshlm.core.config import build
 
     return build({"model": SHARDED_MODELS[family], "parallel": {"tp": tp, "timeout_s": 60},
                   "data": {"tokenizer": "bert" if family == "bert" else "gpt2"},
@@ -88,10 +89,10 @@ def _save_sharded(rank: int, world: int, out_dir: str, family: str) -> None:
 
     import torch.distributed as dist
 
+    from meshlm.checkpoint import sharded as dist_checkpoint
     from meshlm.parallel import build_model
     from meshlm.parallel.mesh import ParallelDims
     from meshlm.parallel.rng import TPRNGTracker
-    from meshlm.train import dist_checkpoint
     from meshlm.train.optim import build_optimizer
 
     torch.set_num_threads(1)
@@ -101,7 +102,7 @@ def _save_sharded(rank: int, world: int, out_dir: str, family: str) -> None:
         cfg = sharded_config(family, world)
         dims = ParallelDims.build(tp=world, pp=1, dp=1, timeout_s=60)
         torch.manual_seed(SHARDED_SEED)
-        par = build_model(cfg, dims, rng=TPRNGTracker(SHARDED_SEED, dims.tp_rank))
+        par = build_model(cfg, dims, rng=TPRNGTracker(SHARDED_SEED, dims.tp_rank), spec=get_spec(cfg.model.family))
         opt = build_optimizer(par.grad_sync, cfg.optim)
         layout = {"world_size": world, "tp": world, "pp": 1, "dp": 1, "sp": False, "zero": 0}
         dist_checkpoint.save(Path(out_dir) / "run", 0, par.grad_sync, opt, {"step": 0, "layout": layout},

@@ -15,7 +15,7 @@ import torch
 from interop_helpers import assert_same_state, ok, perturbed
 from safetensors.torch import load_file
 
-from meshlm.cli import load_model_from_checkpoint
+from meshlm.checkpoint.load import load_model_from_checkpoint
 from meshlm.data.tokenizers import get_tokenizer
 from meshlm.interop.hf_files import bpe_merges
 from meshlm.models.bert import pack_inputs

@@ -19,11 +19,11 @@ import pytest
 import torch
 from interop_helpers import SENTENCES, assert_same_state, ok
 
-from meshlm.cli import checkpoint_config, load_model_from_checkpoint
+from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.load import checkpoint_config, load_model_from_checkpoint
 from meshlm.data.assets import minilm_dir
 from meshlm.data.tokenizers import get_tokenizer
 from meshlm.models.bert import pack_inputs
-from meshlm.train import checkpoint as ckpt
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-5

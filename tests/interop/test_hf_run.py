@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.train import checkpoint as ckpt
+from meshlm.checkpoint import single as ckpt
 from tests.conftest import run_cli
 
 transformers = pytest.importorskip("transformers")

@@ -7,8 +7,8 @@ import pytest
 import torch
 from interop_helpers import SHARDED_SEED, ok, save_sharded_checkpoint, sharded_config
 
-from meshlm.models.registry import get_spec
-from meshlm.train import checkpoint as ckpt
+from meshlm.checkpoint import single as ckpt
+from meshlm.families.registry import get_spec
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-5

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from meshlm.config import ModelConfig
+from meshlm.core.config import ModelConfig
 from meshlm.models.gpt import GPT
 from meshlm.models.layers import apply_rope, rope_tables
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from meshlm.config import ModelConfig
+from meshlm.core.config import ModelConfig
 from meshlm.interop import (
     from_hf_gpt2,
     from_hf_llama,
@@ -263,7 +263,7 @@ def test_wrong_model_type_and_incomplete_state_are_rejected():
 def test_interop_runs_without_transformers(tmp_path):
     code = (
         "import sys; sys.modules['transformers'] = None\n"
-        "import torch; from meshlm.config import ModelConfig; from meshlm.models.gpt import GPT\n"
+        "import torch; from meshlm.core.config import ModelConfig; from meshlm.models.gpt import GPT\n"
         "from meshlm.interop import save_hf, load_hf\n"
         "m = GPT(ModelConfig(vocab_size=50, n_layers=1, hidden_size=32, n_heads=4, seq_len=8))\n"
         f"save_hf(m, {str(tmp_path)!r}); b = load_hf({str(tmp_path)!r})\n"

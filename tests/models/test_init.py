@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.config import build
+from meshlm.core.config import build
+from meshlm.families.registry import get_spec
 from meshlm.models.gpt import GPT
 from meshlm.models.init import InitRule, fill_, rows_per_block
 from meshlm.parallel import ParallelDims, build_model
-from meshlm.parallel.tensor_layers import _Sharded
+from meshlm.parallel.tensor_layers import Sharded
 
 SEED = 11
 SHAPES = {
@@ -58,7 +59,7 @@ def test_seed_and_name_decide_the_values():
 def test_meta_build_in_one_process_equals_the_whole_build(model):
     whole = _whole(model)
     torch.manual_seed(SEED)
-    built = build_model(_config(model), ParallelDims()).model
+    built = build_model(_config(model), ParallelDims(), spec=get_spec(_config(model).model.family)).model
     assert all(not p.is_meta for p in built.parameters())
     for name, p in built.named_parameters():
         assert torch.equal(p, whole[name]), name
@@ -67,7 +68,7 @@ def test_meta_build_in_one_process_equals_the_whole_build(model):
 
 
 def _slice(module, attr: str, full: torch.Tensor) -> torch.Tensor:
-    rows, cols = module.shard_index(attr) if isinstance(module, _Sharded) else (None, None)
+    rows, cols = module.shard_index(attr) if isinstance(module, Sharded) else (None, None)
     if rows is not None:
         full = torch.cat([full, full.new_zeros(int(rows.max()) + 1, *full.shape[1:])])[rows]
     return full[:, cols] if cols is not None else full
@@ -84,7 +85,7 @@ def test_every_rank_shards_equal_the_slices_of_the_whole(model, tp, pp):
         torch.manual_seed(SEED)
         dims = ParallelDims(pp=pp, dp=1, tp=tp, rank=rank)
         cfg = _config(model, tp=tp, pp=pp)
-        model_part = build_model(cfg, dims).model if pp == 1 else _cut_only(cfg, dims)
+        model_part = build_model(cfg, dims, spec=get_spec(cfg.model.family)).model if pp == 1 else _cut_only(cfg, dims)
         for name, p in model_part.named_parameters():
             prefix, _, attr = name.rpartition(".")
             want = _slice(model_part.get_submodule(prefix), attr, whole[name])
@@ -95,7 +96,7 @@ def test_every_rank_shards_equal_the_slices_of_the_whole(model, tp, pp):
 
 def _cut_only(cfg, dims):
     """The tp + pp cut and materialisation without the schedule (which needs a process group)."""
-    from meshlm.models.registry import get_spec
+    from meshlm.families.registry import get_spec
     from meshlm.parallel.materialize import materialize
     from meshlm.parallel.pipeline import cut_stages
     from meshlm.parallel.tensor import apply_tensor_parallel

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshlm.config import ModelConfig
+from meshlm.core.config import ModelConfig
 from meshlm.models.gpt import GPT
 from meshlm.models.loss import IGNORE_INDEX, chunk_rows, linear_cross_entropy
 

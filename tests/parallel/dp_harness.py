@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from meshlm.config import OptimConfig, build
+from meshlm.core.config import OptimConfig, build
 from meshlm.data.dataset import BatchLoader
-from meshlm.models.registry import get_spec
-from meshlm.models.spec import family_loss
+from meshlm.families.registry import get_spec, spec_of
+from meshlm.families.spec import family_loss
 from meshlm.parallel import build_model
-from meshlm.parallel.data import apply_data_parallel
+from meshlm.parallel.dp import apply_data_parallel
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.rng import TPRNGTracker
 from meshlm.parallel.tensor import full_state_dict
@@ -134,9 +134,9 @@ def build_run(cfg, dims: ParallelDims | None, consumed: int = 0) -> Run:
         spec = get_spec(cfg.model.family)
         dims, pipe, loss_fn = ParallelDims(), None, family_loss(spec, cfg.model)
         model = spec.model_class(cfg.model)
-        sync = apply_data_parallel(model, dims, cfg, cfg.train.global_batch_size // cfg.train.micro_batch_size)
+        sync = apply_data_parallel(model, dims, cfg, cfg.train.global_batch_size // cfg.train.micro_batch_size, spec=spec_of(model))
     else:
-        par = build_model(cfg, dims, rng=TPRNGTracker(SEED, dims.tp_rank) if dims.tp > 1 else None)
+        par = build_model(cfg, dims, rng=TPRNGTracker(SEED, dims.tp_rank) if dims.tp > 1 else None, spec=get_spec(cfg.model.family))
         model, loss_fn, pipe, sync = par.model, par.loss_fn, par.pipeline, par.grad_sync
     m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
     opt = build_optimizer(sync, OptimConfig(lr=LR, name=cfg.optim.name))
@@ -213,7 +213,7 @@ def compare(ref: dict, got: Run) -> dict:
 
 def save(run: Run, out_dir, config: dict | None = None):
     """A checkpoint of this layout after `len(run.losses)` steps (data position included)."""
-    from meshlm.train import dist_checkpoint
+    from meshlm.checkpoint import sharded as dist_checkpoint
 
     state = {"step": len(run.losses), "loader": run.loader.state_dict(), "losses": list(run.losses),
              "norms": list(run.norms)}
@@ -222,8 +222,8 @@ def save(run: Run, out_dir, config: dict | None = None):
 
 def resume(cfg, dims: ParallelDims | None, path) -> Run:
     """A fresh layout (possibly another one) that continues from checkpoint `path`."""
-    from meshlm.train import checkpoint as ckpt
-    from meshlm.train import dist_checkpoint
+    from meshlm.checkpoint import sharded as dist_checkpoint
+    from meshlm.checkpoint import single as ckpt
 
     state = ckpt.load_part(path, "state")
     run = build_run(cfg, dims, consumed=state["loader"]["consumed"])

@@ -29,8 +29,8 @@ import pytest
 import torch
 from parallel_world import run_world
 
+from meshlm.checkpoint import single as ckpt
 from meshlm.parallel.data import theory_bytes_per_param
-from meshlm.train import checkpoint as ckpt
 
 STEPS, HALF, TOL = 5, 3, H.TOL
 
@@ -323,8 +323,8 @@ def test_report_max_diffs(worlds, capsys):
 
 
 def test_layouts_data_parallelism_cannot_serve_are_refused_with_the_reason():
-    from meshlm.config import ConfigError
-    from meshlm.plan.layout import microbatches_per_step
+    from meshlm.core.config import ConfigError
+    from meshlm.core.layout import microbatches_per_step
 
     with pytest.raises(ConfigError, match=r"parallel.zero=3 \(FSDP2\) with parallel.tp=2 is not supported"):
         H.config(tp=2, dp=2, zero=3)

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshlm.config import config_from_dict, load_config
+from meshlm.checkpoint import single as ckpt
+from meshlm.core.config import config_from_dict, load_config
 from meshlm.models.gpt import GPT
-from meshlm.train import checkpoint as ckpt
 from meshlm.train.trainer import Trainer
 from tests.conftest import ROOT
 

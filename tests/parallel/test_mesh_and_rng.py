@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshlm.config import ConfigError, ParallelConfig
+from meshlm.core.config import ConfigError, ParallelConfig
 from meshlm.parallel.mesh import ParallelDims, factor_world, init_distributed
 from meshlm.parallel.rng import TPRNGTracker
 

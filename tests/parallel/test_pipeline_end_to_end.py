@@ -19,10 +19,10 @@ import torch
 from parallel_world import run_world
 from pipeline_orders import expected_1f1b, expected_interleaved, max_in_flight
 
-from meshlm.config import OptimConfig, build
+from meshlm.core.config import OptimConfig, build
+from meshlm.families.registry import get_spec, spec_of
 from meshlm.models.gpt import GPT
 from meshlm.models.loss import cross_entropy
-from meshlm.models.registry import get_spec
 from meshlm.parallel.materialize import materialize
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.pipeline import build_pipeline, cut_stages, fused_head
@@ -119,7 +119,7 @@ def _pipelined(layout: str) -> dict:
     spec = get_spec("gpt")
     loss_fn = cross_entropy
     if tp > 1:
-        loss_fn = apply_tensor_parallel(model, dims, cfg.parallel.sp, TPRNGTracker(SEED, dims.tp_rank))
+        loss_fn = apply_tensor_parallel(model, dims, cfg.parallel.sp, TPRNGTracker(SEED, dims.tp_rank), spec=spec_of(model))
     cut = cut_stages(model, spec, cfg, dims.pp_rank, fused_head(cfg, dims, spec))
     materialize(model, spec, dims.device)
     pipe = build_pipeline(model, spec, dims, cfg, loss_fn, cut)

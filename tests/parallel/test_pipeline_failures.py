@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from meshlm.config import build
+from meshlm.core.config import build
+from meshlm.families.registry import get_spec
 from meshlm.models.gpt import GPT
 from meshlm.models.loss import cross_entropy
 from meshlm.parallel.mesh import ParallelDims
@@ -36,7 +37,7 @@ def _entry(rank: int, world: int, out_dir: str, victim: int, how: str, timeout_s
                  "parallel": {"pp": world, "timeout_s": timeout_s}})
     dims = ParallelDims.build(pp=world, timeout_s=timeout_s)
     torch.manual_seed(0)
-    pipe = apply_pipeline(GPT(cfg.model), dims, cfg, cross_entropy)
+    pipe = apply_pipeline(GPT(cfg.model), dims, cfg, cross_entropy, spec=get_spec(cfg.model.family))
     forwards = [0]
 
     def fail(module, args):

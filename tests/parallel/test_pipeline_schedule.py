@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import pytest
 from pipeline_orders import expected_1f1b, expected_interleaved, max_in_flight, simulate_bubble
 
-from meshlm.config import ConfigError, load_config
-from meshlm.models.registry import get_spec
+from meshlm.core.config import ConfigError, load_config
+from meshlm.core.flops import layer_flops_per_token, stage_costs
+from meshlm.core.layout import microbatches_per_step, partition_layers, stage_layer_ranges
+from meshlm.families.registry import get_spec
 from meshlm.parallel.pipeline import pipeline_layers
-from meshlm.plan.flops import layer_flops_per_token, stage_costs
-from meshlm.plan.layout import microbatches_per_step, partition_layers, stage_layer_ranges
 
 GPT_SPEC = get_spec("gpt")
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshlm.config import load_config
-from meshlm.train import checkpoint as ckpt
+from meshlm.checkpoint import single as ckpt
+from meshlm.core.config import load_config
 from meshlm.train.trainer import Trainer
 from tests.conftest import ROOT
 

@@ -12,16 +12,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshlm.config import ConfigError, build
-from meshlm.infer.generate import generate
+from meshlm.core.config import ConfigError, build
+from meshlm.core.flops import model_flops, recompute_flops
+from meshlm.core.layout import full_recompute_chunks, recomputed_layers
+from meshlm.families.registry import get_spec, spec_of
+from meshlm.models.activations import measure_saved_activations
+from meshlm.models.generate import generate
 from meshlm.models.gpt import GPT
 from meshlm.parallel import parallelize
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.recompute import apply_recompute
 from meshlm.parallel.rng import TPRNGTracker
-from meshlm.plan.activations import measure_saved_activations
-from meshlm.plan.flops import model_flops, recompute_flops
-from meshlm.plan.layout import full_recompute_chunks, recomputed_layers
 
 STEPS, SEED, VOCAB = 5, 1234, 101
 LLAMA = {"n_kv_heads": 2, "position": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False,
@@ -43,7 +44,7 @@ def _config(arch: str = "gpt", dropout: float = 0.1, n_layers: int = 4, **train)
 def _train(cfg) -> tuple[list[float], dict]:
     torch.manual_seed(SEED)
     model = GPT(cfg.model)
-    parallelize(model, ParallelDims(), cfg)
+    parallelize(model, ParallelDims(), cfg, spec=spec_of(model))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.Generator().manual_seed(7)
     losses = []
@@ -81,7 +82,7 @@ def test_recomputed_model_evaluates_and_generates_like_the_plain_one():
     plain = GPT(cfg.model)
     wrapped = GPT(cfg.model)
     wrapped.load_state_dict(plain.state_dict())
-    apply_recompute(wrapped, cfg)
+    apply_recompute(wrapped, cfg, spec=spec_of(wrapped))
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(plain(ids), wrapped(ids))
@@ -97,7 +98,7 @@ def test_full_recompute_saves_only_the_region_inputs():
     def per_layer(**train):
         cfg = _config(dropout=0.0, **train)
         model = GPT(cfg.model)
-        apply_recompute(model, cfg)
+        apply_recompute(model, cfg, spec=spec_of(model))
         return measure_saved_activations(model, lambda: model(ids).sum()).per_layer
 
     stored = per_layer()[0]
@@ -162,5 +163,5 @@ def test_trainer_logs_hfu_above_mfu_and_the_measured_activations(tmp_path, capsy
 def test_compile_with_tp_dropout_replay_is_a_clear_error():
     cfg = _config(recompute="selective", compile=True)
     with pytest.raises(ConfigError, match="train.compile=true cannot trace"):
-        apply_recompute(GPT(cfg.model), cfg, rng=TPRNGTracker(0, 0))
-    apply_recompute(GPT(cfg.model), cfg)  # no TP stream: the plain checkpoint, which compile traces
+        apply_recompute(GPT(cfg.model), cfg, rng=TPRNGTracker(0, 0), spec=get_spec(cfg.model.family))
+    apply_recompute(GPT(cfg.model), cfg, spec=get_spec(cfg.model.family))  # no TP stream: the plain checkpoint, which compile traces

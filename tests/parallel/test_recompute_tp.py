@@ -15,15 +15,16 @@ import torch
 import torch.distributed as dist
 from parallel_world import run_world
 
-from meshlm.config import build
+from meshlm.core.config import build
+from meshlm.core.memory import layer_activation_bytes
+from meshlm.families.registry import spec_of
+from meshlm.models.activations import measure_saved_activations
 from meshlm.models.gpt import GPT
 from meshlm.parallel import parallelize
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.recompute import apply_recompute
 from meshlm.parallel.rng import TPRNGTracker
 from meshlm.parallel.tensor import apply_tensor_parallel, finish_grads
-from meshlm.plan.activations import measure_saved_activations
-from meshlm.plan.memory import layer_activation_bytes
 
 STEPS, SEED, VOCAB, TOL = 5, 1234, 101, 1e-6
 LLAMA = {"n_kv_heads": 2, "position": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False}
@@ -42,10 +43,10 @@ def _build(cfg, dims: ParallelDims, replay: bool = True):
     model = GPT(cfg.model)
     rng = TPRNGTracker(SEED, dims.tp_rank)
     if replay:
-        loss_fn = parallelize(model, dims, cfg, rng=rng).loss_fn
+        loss_fn = parallelize(model, dims, cfg, rng=rng, spec=spec_of(model)).loss_fn
     else:  # negative control: TP draws from `rng`, the recomputation is not told about it
-        loss_fn = apply_tensor_parallel(model, dims, cfg.parallel.sp, rng)
-        apply_recompute(model, cfg, rng=None)
+        loss_fn = apply_tensor_parallel(model, dims, cfg.parallel.sp, rng, spec=spec_of(model))
+        apply_recompute(model, cfg, rng=None, spec=spec_of(model))
     return model, loss_fn
 
 

@@ -1,4 +1,4 @@
-"""The resharding checkpoint format itself (meshlm/train/dist_checkpoint.py): logical tensors, the pieces a
+"""The resharding checkpoint format itself (meshlm/checkpoint/sharded.py): logical tensors, the pieces a
 local range maps to, and atomic publishing when a rank fails or dies while writing.
 
 Resuming across layouts end to end is tested in test_data_parallel.py (spawned worlds) and
@@ -16,9 +16,9 @@ import pytest
 import torch
 from parallel_world import run_world
 
+from meshlm.checkpoint import sharded as dc
+from meshlm.checkpoint import single as ckpt
 from meshlm.models.gpt import GPT
-from meshlm.train import checkpoint as ckpt
-from meshlm.train import dist_checkpoint as dc
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from parallel_world import run_world
 from torch import nn
 
-from meshlm.config import ModelConfig
-from meshlm.models.gpt import tp_plan
+from meshlm.core.config import ModelConfig
+from meshlm.families.gpt import tp_plan
 from meshlm.models.layers import Block
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.rng import TPRNGTracker

@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 from parallel_world import run_world
 
-from meshlm.config import ConfigError, OptimConfig, load_config
+from meshlm.core.config import ConfigError, OptimConfig, load_config
+from meshlm.core.layout import check_tensor_parallel
+from meshlm.families.registry import get_spec, spec_of
 from meshlm.models.gpt import GPT
 from meshlm.models.loss import cross_entropy
-from meshlm.models.registry import get_spec
 from meshlm.parallel.materialize import materialize
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.rng import TPRNGTracker
@@ -29,7 +30,6 @@ from meshlm.parallel.tensor import (
     finish_grads,
     full_state_dict,
 )
-from meshlm.plan.layout import check_tensor_parallel
 from meshlm.train.optim import build_optimizer
 
 SMALL = ["--model.n_layers=2", "--model.hidden_size=32", "--model.seq_len=16", "--model.vocab_size=101"]
@@ -57,7 +57,7 @@ def _train(mcfg, dims: ParallelDims | None, sp: bool) -> dict:
     else:  # on the meta device, sliced, then only this rank's shards made: equal to the reference's slices
         with torch.device("meta"):
             model = GPT(mcfg)
-        loss_fn = apply_tensor_parallel(model, dims, sp, TPRNGTracker(SEED, dims.tp_rank))
+        loss_fn = apply_tensor_parallel(model, dims, sp, TPRNGTracker(SEED, dims.tp_rank), spec=spec_of(model))
         materialize(model, get_spec("gpt"), dims.device)
     opt = build_optimizer(model, OptimConfig(lr=LR, weight_decay=0.1))
     # The same two micro-batches every step: random tokens have nothing to learn across batches, but a
@@ -107,7 +107,7 @@ def _rng_facts(dims: ParallelDims) -> dict:
     torch.manual_seed(SEED)
     model = GPT(mcfg)
     rng = TPRNGTracker(SEED, dims.tp_rank)
-    apply_tensor_parallel(model, dims, sp=False, rng=rng)
+    apply_tensor_parallel(model, dims, sp=False, rng=rng, spec=spec_of(model))
     model.train()
     attn = model.layers[0].attn
     q = torch.ones(1, attn.n_heads, 8, attn.head_dim)  # equal on every rank: only the mask can differ
@@ -119,7 +119,7 @@ def _rng_facts(dims: ParallelDims) -> dict:
     model.norm.register_forward_pre_hook(lambda m, args: residual.setdefault("x", args[0].detach()))
     model(torch.randint(0, mcfg.vocab_size, (2, mcfg.seq_len), generator=torch.Generator().manual_seed(0)))
     sp_model = GPT(mcfg)
-    apply_tensor_parallel(sp_model, dims, sp=True, rng=TPRNGTracker(SEED, dims.tp_rank))
+    apply_tensor_parallel(sp_model, dims, sp=True, rng=TPRNGTracker(SEED, dims.tp_rank), spec=spec_of(sp_model))
     sp_mask = sp_model.drop(torch.ones(64))  # embedding dropout on this rank's tokens
     peers = [None] * dims.tp
     dist.all_gather_object(peers, (inside, residual["x"], sp_mask), group=dims.tp_group)

@@ -16,9 +16,9 @@ import sys
 import pytest
 import torch
 
+from meshlm.checkpoint import files as ckpt_files
+from meshlm.checkpoint import single as ckpt
 from meshlm.cli import main
-from meshlm.train import checkpoint as ckpt
-from meshlm.train import ckpt_files
 from tests.tune.tune_helpers import LLAMA, QUIET, metrics, repeat_rows, save_base, train_losses, write_jsonl
 
 TOL = 1e-5

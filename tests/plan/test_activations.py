@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshlm.config import build
+from meshlm.core.config import build
+from meshlm.models.activations import measure_model_activations, measure_saved_activations
 from meshlm.models.gpt import GPT
 from meshlm.models.loss import cross_entropy
 from meshlm.parallel.rng import TPRNGTracker
-from meshlm.plan.activations import measure_model_activations, measure_saved_activations
 from tests.conftest import run_cli
 
 

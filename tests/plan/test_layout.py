@@ -1,12 +1,12 @@
-"""plan/layout.py: one torch-free answer to "is this layout valid, and what are its numbers"."""
+"""core/layout.py: one torch-free answer to "is this layout valid, and what are its numbers"."""
 
 from __future__ import annotations
 
 import pytest
 
-from meshlm.config import ConfigError, load_config
-from meshlm.models.registry import get_spec
-from meshlm.plan.layout import plan_layout
+from meshlm.core.config import ConfigError, load_config
+from meshlm.core.layout import plan_layout
+from meshlm.families.registry import get_spec
 
 
 def test_a_valid_layout_gives_its_micro_batches_and_stages():

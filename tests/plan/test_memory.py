@@ -8,11 +8,8 @@ import contextlib
 import pytest
 import torch
 
-from meshlm.config import ModelConfig, build, load_config
-from meshlm.models.gpt import GPT
-from meshlm.parallel.recompute import apply_recompute
-from meshlm.plan.activations import measure_saved_activations
-from meshlm.plan.memory import (
+from meshlm.core.config import ModelConfig, build, load_config
+from meshlm.core.memory import (
     KORTHIKANTI_DTYPES,
     activation_dtypes,
     activation_terms,
@@ -24,6 +21,10 @@ from meshlm.plan.memory import (
     parameter_count,
     pipeline_activation_factor,
 )
+from meshlm.families.registry import spec_of
+from meshlm.models.activations import measure_saved_activations
+from meshlm.models.gpt import GPT
+from meshlm.parallel.recompute import apply_recompute
 
 MEGATRON_TABLE = [((2304, 24, 24), 1.7), ((3072, 32, 30), 3.6), ((4096, 32, 36), 7.5), ((6144, 48, 40), 18.4),
                   ((8192, 64, 48), 39.1), ((10240, 80, 60), 76.1), ((12288, 96, 80), 145.6),
@@ -101,7 +102,7 @@ def test_measured_saved_bytes_equal_our_formula(changes, b, precision, recompute
                                                    "global_batch_size": b}})
     torch.manual_seed(0)
     gpt = GPT(cfg.model)
-    apply_recompute(gpt, cfg)
+    apply_recompute(gpt, cfg, spec=spec_of(gpt))
     ids = torch.randint(0, 101, (b, 24), generator=torch.Generator().manual_seed(0))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
 
@@ -128,20 +129,20 @@ def test_predicted_model_states_follow_optim_name_and_match_the_measured_bytes(o
     """The planner's model states (`model_state_bytes_per_param` with the config, as `meshlm plan`, the
     fit check and `meshlm bench memory` take them) against the bytes allocated after a real optimizer step
     in one process, within the 3% of the dp tests (tests/parallel/test_data_parallel.py)."""
-    from meshlm.plan.commands import bench_memory
-    from meshlm.plan.memory import muon_fraction
-    from meshlm.train.optim import param_groups
+    from meshlm.families.registry import muon_share
+    from meshlm.models.params import param_groups
+    from meshlm.plan.bench import bench_memory
     from tests.train.test_muon import one_step_model_states
 
     cfg, sync, opt = one_step_model_states(optim, **extra)
     b = sync.state_bytes(opt)
     measured = (b["params"] + b["grads"] + b["optim"]) / b["n_params"]
-    predicted = model_state_bytes_per_param("fp32", cfg=cfg)
+    predicted = model_state_bytes_per_param("fp32", muon_share=muon_share(cfg))
     assert abs(sum(predicted.values()) - measured) <= 0.03 * measured, (predicted, measured)
     assert predicted["optimizer"] * b["n_params"] == pytest.approx(b["optim"], rel=0.03)
     groups = param_groups(sync.model, 0.0, muon=True)  # the optimizer's own grouping, on the trained model
     share = sum(p.numel() for p in groups[0]["params"]) / sum(p.numel() for g in groups for p in g["params"])
-    assert muon_fraction(cfg) == (pytest.approx(share, rel=1e-12) if optim == "muon" else 0.0)
+    assert muon_share(cfg) == (pytest.approx(share, rel=1e-12) if optim == "muon" else 0.0)
     if optim == "muon":
         assert sum(predicted.values()) < 14, "most of this model is hidden matrices: well below Adam's 16"
     # `meshlm bench memory` prints the same prediction for this config
@@ -151,26 +152,26 @@ def test_predicted_model_states_follow_optim_name_and_match_the_measured_bytes(o
 
 @pytest.mark.parametrize("layers", [1, 3, 48])
 def test_muon_fraction_of_deep_models_is_the_optimizers_grouping(layers):
-    """`muon_fraction` extrapolates from one and two layers: exact at any depth (gpt2-1.3b's shape)."""
-    from meshlm.plan.memory import muon_fraction
-    from meshlm.train.optim import param_groups
+    """`muon_share` extrapolates from one and two layers: exact at any depth (gpt2-1.3b's shape)."""
+    from meshlm.families.registry import muon_share
+    from meshlm.models.params import param_groups
 
     cfg = build({"model": {"n_layers": layers, "hidden_size": 256, "n_heads": 4, "seq_len": 64, "vocab_size": 1000},
                  "optim": {"name": "muon"}})
     with torch.device("meta"):
         groups = param_groups(GPT(cfg.model), 0.0, muon=True)
     sizes = [sum(p.numel() for p in g["params"]) for g in groups]
-    assert muon_fraction(cfg) == pytest.approx(sizes[0] / sum(sizes), rel=1e-12)
+    assert muon_share(cfg) == pytest.approx(sizes[0] / sum(sizes), rel=1e-12)
 
 
 def test_plan_and_fit_check_count_muons_one_buffer():
     """`meshlm plan`'s memory (plan.cost) and the start-of-training fit check (plan.fit): Muon's optimizer
     states are 4·(2 − share) B per parameter, Adam's 8."""
+    from meshlm.families.registry import muon_share
     from meshlm.plan.catalog import get_gpu
     from meshlm.plan.cost import Candidate, Cluster, Options
-    from meshlm.plan.fit import training_bytes
-    from meshlm.plan.memory import muon_fraction
     from meshlm.plan.search import evaluate
+    from meshlm.train.fit import training_bytes
 
     def cfg(optim):
         return build({"model": {"n_layers": 24, "hidden_size": 2048, "n_heads": 16, "seq_len": 2048,
@@ -178,7 +179,7 @@ def test_plan_and_fit_check_count_muons_one_buffer():
                       "train": {"precision": "bf16", "global_batch_size": 64}})
 
     adam, muon = cfg("adamw"), cfg("muon")
-    share = muon_fraction(muon)
+    share = muon_share(muon)
     assert 0.9 < share < 1.0  # the layers' matrices are most of a 1.3B model
     cluster = Cluster(get_gpu("a100-80gb"), 8, 8)
     est = {c.optim.name: evaluate(c, Candidate(1, 1, 8), cluster, 64, Options()) for c in (adam, muon)}

@@ -10,10 +10,10 @@ import re
 import pytest
 
 from meshlm.cli import main
-from meshlm.config import load_config
+from meshlm.core.config import load_config
 from meshlm.plan.catalog import CATALOG, get_gpu
-from meshlm.plan.command import parse_layout
 from meshlm.plan.cost import Cluster, Options
+from meshlm.plan.report import parse_layout
 from meshlm.plan.search import evaluate
 from tests.conftest import run_cli
 
@@ -159,3 +159,12 @@ def test_trials_on_this_machine_measure_the_top_layouts_and_rerank_them():
     assert all(math.isfinite(m) and m > 0 for m in measured), measured  # both ran (a failed trial is inf)
     assert measured == sorted(measured)
     assert all(r["tp"] * r["pp"] * r["dp"] == 2 and r["step_time_s"] > 0 for r in rows[:2])
+
+
+def test_every_gpu_flag_overrides_a_catalog_field():
+    """The --gpu-NAME options (commands/plan.py) are plan.catalog.OVERRIDABLE's fields, in its order, which
+    `run_plan` reads back by name (--gpu-memory-gb: memory_gib)."""
+    from meshlm.commands.plan import GPU_FIELDS
+    from meshlm.plan.catalog import OVERRIDABLE
+
+    assert [n.replace("-", "_").replace("memory_gb", "memory_gib") for n, _ in GPU_FIELDS] == list(OVERRIDABLE)

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from meshlm.config import build
+from meshlm.core.config import build
+from meshlm.core.memory import pipeline_activation_factor
 from meshlm.plan.catalog import get_gpu, with_overrides
 from meshlm.plan.cost import Candidate, Cluster, Options, all_reduce_time
 from meshlm.plan.inference import plan_serving
-from meshlm.plan.memory import pipeline_activation_factor
 from meshlm.plan.search import evaluate, search
 from tests.conftest import ROOT
 
@@ -216,7 +216,7 @@ def test_spearman_and_the_measured_step_time_of_a_trial(monkeypatch, tmp_path):
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 2, 3, 4, 5], [2, 1, 4, 3, 5]) == pytest.approx(0.8)  # 1 − 6·4/(5·24)
     assert spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(0.8660254)  # ties take their mean rank
-    from meshlm.plan.command import measured_step_time
+    from meshlm.plan.trials import measured_step_time
 
     lines = [json.dumps({"kind": "train", "step": i, "step_time_s": t}) for i, t in enumerate([9.0, 3.0, 1.0, 2.0])]
     (tmp_path / "metrics.jsonl").write_text("\n".join([*lines, json.dumps({"kind": "eval", "step": 4})]) + "\n")

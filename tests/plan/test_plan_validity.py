@@ -16,7 +16,8 @@ import re
 
 import pytest
 
-from meshlm.config import ConfigError, build
+from meshlm.core.config import ConfigError, build
+from meshlm.families.registry import get_spec
 from meshlm.plan.catalog import get_gpu
 from meshlm.plan.cost import Candidate, Cluster, Options
 from meshlm.plan.search import candidates, check, evaluate
@@ -54,7 +55,7 @@ def _world(grid: list[Candidate], rank: int, world: int, out_dir: str) -> dict:
     import torch
 
     from meshlm.parallel import ParallelDims, build_model
-    from meshlm.plan.commands import bench_memory
+    from meshlm.plan.bench import bench_memory
 
     torch.manual_seed(0)
     base = _base()
@@ -69,7 +70,7 @@ def _world(grid: list[Candidate], rank: int, world: int, out_dir: str) -> dict:
                                    "recompute_method": "block" if cand.recompute_num_layers else "uniform",
                                    "recompute_num_layers": cand.recompute_num_layers}})
             dims = ParallelDims.build(cand.tp, cand.pp, cand.dp, timeout_s=60, device=torch.device("cpu"))
-            build_model(run, dims)
+            build_model(run, dims, spec=get_spec(run.model.family))
         built.append(_verdict(build_it))
     reports = []
     for cand in MEMORY_LAYOUTS:
@@ -113,8 +114,8 @@ def test_predicted_memory_of_small_layouts_is_within_10_percent_of_bench_memory(
 
 
 def test_compiled_recompute_of_the_tp_dropout_stream_is_refused_by_the_search_as_by_parallelize():
+    from meshlm.core.layout import check_compiled_recompute
     from meshlm.parallel.recompute import apply_recompute  # noqa: F401 (it asks plan.layout the same question)
-    from meshlm.plan.layout import check_compiled_recompute
 
     cfg = build({"model": {**MODEL, "dropout": 0.1}, "train": {"micro_batch_size": 1, "global_batch_size": 4, "compile": True}})
     with pytest.raises(ConfigError) as search_err:

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshlm.cli import main
-from meshlm.config import ConfigError, load_config
+from meshlm.core.config import ConfigError, load_config
 from meshlm.data.indexed import IndexedDataset, IndexedFormatError, IndexedWriter
 from meshlm.data.prepare import DataError, prepare
 from tests.conftest import run_cli, tiny_config
@@ -41,8 +41,8 @@ def _no_real_work(monkeypatch):
         raise _Accepted(f"accepted: {args} {kwargs}")
 
     monkeypatch.setattr("meshlm.train.trainer.Trainer", accepted)
-    monkeypatch.setattr("meshlm.plan.commands.bench_memory", accepted)
-    monkeypatch.setattr("meshlm.infer.generate.generate", accepted)
+    monkeypatch.setattr("meshlm.plan.bench.bench_memory", accepted)
+    monkeypatch.setattr("meshlm.models.generate.generate", accepted)
 
 
 def _alarm(signum, frame):
@@ -236,7 +236,8 @@ def test_sizes_refused_before_allocation(override, command, tmp_path):
 
 
 def test_bundled_configs_that_fit_are_not_refused():
-    from meshlm.plan.fit import GIB, check_bench_fits, machine_memory, training_bytes
+    from meshlm.core.fit import GIB, machine_memory
+    from meshlm.train.fit import check_bench_fits, training_bytes
 
     for name in ("gpt-tiny", "llama-tiny", "gpt2-124m"):
         assert sum(training_bytes(load_config(name)).values()) < 6 * GIB
@@ -250,8 +251,8 @@ def test_bundled_configs_that_fit_are_not_refused():
 @pytest.fixture(scope="module")
 def rope_checkpoint(tmp_path_factory):
     """A tiny RoPE model's checkpoint (seq_len 16), written directly (no training)."""
+    from meshlm.checkpoint.single import save_checkpoint
     from meshlm.models.gpt import GPT
-    from meshlm.train.checkpoint import save_checkpoint
 
     out = tmp_path_factory.mktemp("ckpt")
     cfg = tiny_config(out, model={"position": "rope", "seq_len": 16, "n_layers": 1, "hidden_size": 16})

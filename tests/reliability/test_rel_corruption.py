@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
+from meshlm.checkpoint import files as ckpt_files
+from meshlm.checkpoint import single as ckpt
 from meshlm.cli import main
-from meshlm.train import checkpoint as ckpt
-from meshlm.train import ckpt_files
 from meshlm.train.trainer import Trainer
 from tests.conftest import ROOT, tiny_config
 from tests.reliability.threads import _one_thread  # noqa: F401 (autouse: one intra-op thread)

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
+from meshlm.checkpoint import single as ckpt
 from meshlm.cli import main
-from meshlm.errors import TrainingError
-from meshlm.train import checkpoint as ckpt
+from meshlm.core.errors import TrainingError
 from meshlm.train.trainer import Trainer
 from tests.conftest import tiny_config
 from tests.reliability.threads import _one_thread  # noqa: F401 (autouse: one intra-op thread)

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from meshlm.train import checkpoint as ckpt
+from meshlm.checkpoint import single as ckpt
 from meshlm.train.trainer import Trainer
 from tests.conftest import tiny_config
 from tests.reliability.threads import _one_thread  # noqa: F401 (autouse: one intra-op thread)

@@ -8,13 +8,14 @@ import json
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
+from meshlm.checkpoint import files as ckpt_files
+from meshlm.checkpoint import single as ckpt
 from meshlm.cli import main
-from meshlm.train import checkpoint as ckpt
-from meshlm.train import ckpt_files
 from meshlm.train.trainer import Trainer
 from tests.conftest import tiny_config
 from tests.reliability.threads import _one_thread  # noqa: F401 (autouse: one intra-op thread)
@@ -44,8 +45,22 @@ def test_a_resave_keeps_a_valid_checkpoint_of_the_step_at_every_moment(tmp_path,
                 raise Injected(point)
             real(src, dst)
         monkeypatch.setattr(ckpt_files.os, "rename", rename)
-    else:
-        monkeypatch.setattr(ckpt_files, "_hook", lambda p: (_ for _ in ()).throw(Injected(p)) if p == point else None)
+    elif point == "renamed":  # the new copy moved in, `latest` not yet rewritten
+        real = os.rename
+
+        def rename(src, dst):
+            real(src, dst)
+            if Path(src).name.startswith(".tmp-") and Path(dst).name == "step_0000001":
+                raise Injected(point)
+        monkeypatch.setattr(ckpt_files.os, "rename", rename)
+    else:  # `latest` rewritten and synced, the old copy not yet removed
+        real_sync = ckpt_files.fsync_dir
+
+        def fsync_dir(path):
+            real_sync(path)
+            if Path(path) == tmp_path / "checkpoints":
+                raise Injected(point)
+        monkeypatch.setattr(ckpt_files, "fsync_dir", fsync_dir)
     with pytest.raises(Injected):
         ckpt.save_checkpoint(tmp_path, 1, parts(2.0), {})
     monkeypatch.undo()

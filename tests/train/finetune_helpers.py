@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from meshlm.config import build
+from meshlm.checkpoint.single import save_checkpoint
+from meshlm.core.config import build
 from meshlm.models.bert import BERT
 from meshlm.models.gpt import GPT
-from meshlm.train.checkpoint import save_checkpoint
 
 GROUPS = {"animal": ["cat", "dog", "horse", "cow", "sheep"], "colour": ["red", "blue", "green", "yellow", "black"],
           "number": ["one", "two", "three", "four", "five"]}

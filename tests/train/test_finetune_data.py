@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshlm.config import ConfigError
+from meshlm.core.config import ConfigError
 from meshlm.data.tokenizers import get_tokenizer
 from meshlm.models.bert import (
     ClassifyLoss,

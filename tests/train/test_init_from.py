@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.config import ConfigError
-from meshlm.train import checkpoint as ckpt
+from meshlm.checkpoint import single as ckpt
+from meshlm.core.config import ConfigError
 from meshlm.train.trainer import Trainer
 from tests.conftest import tiny_config
 

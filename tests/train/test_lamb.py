@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from meshlm.config import Config, ConfigError, ModelConfig, OptimConfig, ParallelConfig
+from meshlm.core.config import Config, ConfigError, ModelConfig, OptimConfig, ParallelConfig
 from meshlm.models.gpt import GPT
 from meshlm.parallel.data import GradSync
 from meshlm.parallel.mesh import ParallelDims

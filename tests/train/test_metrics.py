@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from meshlm.config import ModelConfig
-from meshlm.plan.flops import model_flops, recompute_flops
+from meshlm.core.config import ModelConfig
+from meshlm.core.flops import model_flops, recompute_flops
 from meshlm.train.metrics import measure_peak_tflops
 
 
@@ -37,7 +37,7 @@ def test_measured_peak_is_positive():
 
 
 def test_finetune_flops_term_by_term():
-    from meshlm.plan.flops import finetune_flops, layer_flops_per_token
+    from meshlm.core.flops import finetune_flops, layer_flops_per_token
 
     m = ModelConfig(vocab_size=1000, n_layers=3, hidden_size=64, n_heads=4, seq_len=32)
     assert finetune_flops(m, 5) == pytest.approx(model_flops(m, 5), rel=1e-12)  # pretraining: every target

@@ -8,11 +8,13 @@ import copy
 import pytest
 import torch
 
-from meshlm.config import ConfigError, ModelConfig, OptimConfig
+from meshlm.checkpoint import single as ckpt
+from meshlm.core.config import ConfigError, ModelConfig, OptimConfig
+from meshlm.core.layout import check_optimizer_sharding
+from meshlm.families.registry import spec_of
 from meshlm.models.gpt import GPT
-from meshlm.plan.layout import check_optimizer_sharding
-from meshlm.train import checkpoint as ckpt
-from meshlm.train.optim import build_optimizer, lr_at, param_groups
+from meshlm.models.params import param_groups
+from meshlm.train.optim import build_optimizer, lr_at
 from meshlm.train.trainer import Trainer
 from tests.conftest import tiny_config
 from tests.train.test_resume import train_losses
@@ -136,10 +138,10 @@ def test_bad_muon_momentum_names_the_key():
 def one_step_model_states(optim: str, **extra):
     """A small GPT (most of its parameters in the hidden matrices) in one process, as the trainer builds it,
     after one optimizer step (gradients still held): (config, gradient sync, optimizer)."""
-    from meshlm.config import build
-    from meshlm.models.registry import get_spec
-    from meshlm.models.spec import family_loss
-    from meshlm.parallel.data import apply_data_parallel
+    from meshlm.core.config import build
+    from meshlm.families.registry import get_spec
+    from meshlm.families.spec import family_loss
+    from meshlm.parallel.dp import apply_data_parallel
     from meshlm.parallel.mesh import ParallelDims
 
     model_keys = {"n_layers": 2, "hidden_size": 32, "n_heads": 4, "seq_len": 16, "vocab_size": 64, **extra}
@@ -148,7 +150,7 @@ def one_step_model_states(optim: str, **extra):
     torch.manual_seed(0)
     spec = get_spec(cfg.model.family)
     model = spec.model_class(cfg.model)
-    sync = apply_data_parallel(model, ParallelDims(), cfg, 1)
+    sync = apply_data_parallel(model, ParallelDims(), cfg, 1, spec=spec_of(model))
     opt = build_optimizer(sync, cfg.optim)
     x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
     family_loss(spec, cfg.model)(model(x[:, :-1]), x[:, 1:]).backward()
@@ -164,8 +166,7 @@ def test_model_states_log_line_theory_follows_the_optimizer(optim, extra):
     (Muon: one buffer on the hidden matrices), within the 3% of the measured-against-theory dp tests."""
     import re
 
-    from meshlm.parallel.data import memory_report
-    from meshlm.train.optim import state_tensors_per_param
+    from meshlm.parallel.data import memory_report, state_tensors_per_param
 
     _, sync, opt = one_step_model_states(optim, **extra)
     line = memory_report(sync, opt)

@@ -3,9 +3,10 @@ import math
 import pytest
 import torch
 
-from meshlm.config import ModelConfig, OptimConfig
+from meshlm.core.config import ModelConfig, OptimConfig
 from meshlm.models.gpt import GPT
-from meshlm.train.optim import adamw_kernel, build_optimizer, lr_at, param_groups
+from meshlm.models.params import param_groups
+from meshlm.train.optim import adamw_kernel, build_optimizer, lr_at
 
 
 def test_warmup_is_linear_to_peak():

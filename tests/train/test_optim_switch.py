@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from meshlm.errors import CheckpointError
-from meshlm.train import checkpoint as ckpt
-from meshlm.train import dist_checkpoint
+from meshlm.checkpoint import sharded as dist_checkpoint
+from meshlm.checkpoint import single as ckpt
+from meshlm.core.errors import CheckpointError
 from meshlm.train.trainer import Trainer
 from tests.conftest import ROOT, run_cli, tiny_config
 from tests.train.test_resume import tiny_overrides

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
+from meshlm.core import precision as prec
+from meshlm.core.precision import Precision, resolve_precision, resume_precision
 from meshlm.models.loss import fused_head_wins, use_fused_loss
-from meshlm.train import precision as prec
-from meshlm.train.precision import Precision, resolve_precision, resume_precision
 from meshlm.train.trainer import Trainer
 from tests.conftest import tiny_config
 

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from meshlm.train import checkpoint as ckpt
+from meshlm.checkpoint import single as ckpt
 from meshlm.train.trainer import Trainer
 from tests.conftest import ROOT, tiny_config
 
@@ -59,7 +59,8 @@ def test_checkpoint_holds_everything_needed(tmp_path):
 
 KILLER = textwrap.dedent("""
     import sys, time
-    from meshlm.train import checkpoint as ckpt, ckpt_files
+    from meshlm.checkpoint import single as ckpt
+    from meshlm.checkpoint import files as ckpt_files
     out = sys.argv[1]
     ckpt.save_checkpoint(out, 1, {"model": {"w": list(range(10))}}, {"step": 1})
     real = ckpt_files.save_torch

@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from meshlm.config import TuneConfig
-from meshlm.models.gpt import GPT, GPT_SPEC
+from meshlm.core.config import TuneConfig
+from meshlm.families.gpt import GPT_SPEC
+from meshlm.models.gpt import GPT
 from meshlm.tune.adapters import apply_lora, apply_prompt
 from meshlm.tune.lora import merge_lora
 from tests.tune.tune_helpers import GPT2, LLAMA, base_config

@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-from meshlm.train import checkpoint as ckpt
-from meshlm.train import ckpt_files
+from meshlm.checkpoint import files as ckpt_files
+from meshlm.checkpoint import single as ckpt
 from tests.tune.tune_helpers import (
     LLAMA,
     QUIET,
@@ -47,17 +47,17 @@ def tune_args(data, method: str, out, *extra: str, base: str = "base") -> list[s
 def test_base_bit_identical_and_adapter_learns(data, method, base, tmp_path):
     """The Trainer of `meshlm tune`, kept in hand: every base parameter after training equals the base
     checkpoint's exactly, the adapter moved, the loss fell, and the checkpoint holds only the adapter."""
-    from meshlm.train.trainer import Trainer
+    from meshlm.commands.train import build_trainer
     from meshlm.tune.command import prepare
 
     parser = argparse.ArgumentParser()
-    from meshlm.tune.command import add_tune_command
+    from meshlm.commands.tune import add_tune_command
 
     add_tune_command(parser.add_subparsers())
     args, overrides = parser.parse_known_args(tune_args(data, method, tmp_path / "run", base=base))
     with contextlib.redirect_stdout(io.StringIO()):
         cfg, tok, train, valid, _ = prepare(args, overrides)
-        trainer = Trainer(cfg, datasets=(tok, train, valid))
+        trainer = build_trainer(cfg, datasets=(tok, train, valid))
         assert trainer.model.loss_on_target_rows  # the fused head runs on the answers' rows only
         first = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
         trainer.run()
@@ -121,9 +121,9 @@ def test_several_tasks_with_templates_and_generate(data, tmp_path):
 
 def test_generate_with_lora_adapter_equals_merged_model(data, tmp_path):
     """`meshlm generate --adapter` gives the tokens of the base with the update merged by hand."""
-    from meshlm.cli import load_model_from_checkpoint
+    from meshlm.checkpoint.load import load_model_from_checkpoint
     from meshlm.data.tokenizers import get_tokenizer
-    from meshlm.infer.generate import generate
+    from meshlm.models.generate import generate
     from meshlm.tune.export import apply_adapter, read_adapter
 
     out = tmp_path / "lora"

@@ -12,7 +12,8 @@ import warnings
 import pytest
 import torch
 
-from meshlm.cli import load_model_from_checkpoint, main
+from meshlm.checkpoint.load import load_model_from_checkpoint
+from meshlm.cli import main
 from meshlm.tune.export import apply_adapter, read_adapter
 from tests.tune.tune_helpers import LLAMA, QUIET, repeat_rows, save_base, write_jsonl
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshlm.cli import load_model_from_checkpoint
+from meshlm.checkpoint.load import load_model_from_checkpoint
 from meshlm.tune.export import apply_adapter, read_adapter
 from tests.eval.eval_helpers import last_logprob
 from tests.tune.tune_helpers import QUIET, repeat_rows, run, save_base, write_jsonl

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from meshlm.config import build
+from meshlm.checkpoint.single import save_checkpoint
+from meshlm.core.config import build
 from meshlm.models.gpt import GPT
-from meshlm.train.checkpoint import save_checkpoint
 
 VOCAB = 50257
 QUIET = ["--train.progress=false", "--train.peak_tflops=1", "--train.save_every=0"]

@@ -1,0 +1,106 @@
+"""`meshlm generate`: sample text from a checkpoint (KV cache, temperature, top-k, nucleus; an adapter of
+`meshlm tune` on top)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from meshlm.core.config import ConfigError
+
+
+def _check_sampling(args: argparse.Namespace) -> None:
+    """The sampling arguments of `meshlm generate` (the lengths are checked against the model later)."""
+    from meshlm.core.config import SEED_MAX
+
+    checks = [
+        (args.max_new_tokens >= 0, f"--max-new-tokens {args.max_new_tokens} must be >= 0"),
+        (math.isfinite(args.temperature) and args.temperature >= 0,
+         f"--temperature {args.temperature} must be a finite number >= 0 (0: greedy decoding)"),
+        (args.top_k >= 0, f"--top-k {args.top_k} must be >= 0 (0: keep every token)"),
+        (math.isfinite(args.top_p) and 0 < args.top_p <= 1,
+         f"--top-p {args.top_p} must be in (0, 1] (1: off; e.g. 0.9 keeps the tokens holding 90% of the mass)"),
+        (args.seed is None or 0 <= args.seed <= SEED_MAX, f"--seed {args.seed} must be in 0..{SEED_MAX}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def _check_lengths(cfg, n_prompt: int, max_new_tokens: int) -> int:
+    """How many tokens to generate: a prompt longer than the context is an error; with learned positions,
+    generation stops at model.seq_len (said on stderr); RoPE may go further while the KV cache fits."""
+    from meshlm.core.fit import check_fits, kv_cache_bytes
+    from meshlm.train.fit import weights_bytes
+
+    m = cfg.model
+    if n_prompt > m.seq_len:
+        raise ConfigError(f"--prompt is {n_prompt} tokens, longer than the model's context of model.seq_len="
+                          f"{m.seq_len} tokens; shorten the prompt")
+    if m.position == "learned" and n_prompt + max_new_tokens > m.seq_len:
+        print(f"note: generating {m.seq_len - n_prompt} tokens, not {max_new_tokens}: the prompt "
+              f"({n_prompt} tokens) and the new tokens fill the model's context of model.seq_len={m.seq_len} "
+              "(learned positions)", file=sys.stderr)
+        max_new_tokens = m.seq_len - n_prompt
+    needed = {"weights": weights_bytes(m), "KV cache": kv_cache_bytes(m, 1, n_prompt + max_new_tokens)}
+    check_fits(needed, f"generating {max_new_tokens:,} tokens", "lower --max-new-tokens (at most model.seq_len="
+               f"{m.seq_len} is what the model was trained for)")
+    return max_new_tokens
+
+
+def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
+    if overrides:
+        raise ConfigError(f"generate takes no config overrides (got {overrides[0]!r}); see meshlm generate -h")
+    _check_sampling(args)
+    import torch
+
+    from meshlm.checkpoint.load import checkpoint_config, load_model_from_checkpoint
+    from meshlm.data.tokenizers import get_tokenizer
+    from meshlm.models.generate import generate
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = checkpoint_config(args.checkpoint)
+    from meshlm.families.registry import get_spec
+
+    if not get_spec(cfg.model.family).decoder:
+        raise ConfigError(f"{args.checkpoint} holds a model.family={cfg.model.family!r} model, which does not "
+                          "generate text; use meshlm embed or meshlm finetune with it, or a GPT checkpoint here")
+    tokenizer = get_tokenizer(cfg.data.tokenizer)
+    ids = tokenizer.encode(args.prompt) or [tokenizer.eod_id]
+    adapter, head = None, []
+    if args.adapter is not None:  # checked against this base before anything is loaded
+        from meshlm.tune.export import apply_adapter, read_adapter
+
+        adapter = read_adapter(args.adapter, cfg, args.checkpoint)
+        # As the tuning data lays an example out (tune/data.py): the task's virtual-token placeholders, or
+        # a document start.
+        head = [adapter.task_index(args.task)] * adapter.virtual_tokens or [tokenizer.eod_id]
+    elif args.task is not None:
+        raise ConfigError("--task chooses the virtual prompt of an --adapter; give --adapter DIR")
+    max_new_tokens = _check_lengths(cfg, len(head) + len(ids), args.max_new_tokens)
+    model, _, _ = load_model_from_checkpoint(args.checkpoint, device, cfg)
+    if adapter is not None:
+        apply_adapter(model, cfg, adapter)  # LoRA merged into the weights: no extra work per token
+    prompt = torch.tensor([head + ids], device=device)
+    out = generate(model, prompt, max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, use_cache=not args.no_cache)
+    print(tokenizer.decode(out[0, len(head):].tolist()))
+    return 0
+
+
+def add_generate_command(sub) -> None:
+    """Register `meshlm generate` on the CLI's subparsers."""
+    gen = sub.add_parser("generate", help="sample text from a checkpoint")
+    gen.add_argument("--checkpoint", required=True, help="run directory (uses its latest checkpoint) or a step dir")
+    gen.add_argument("--prompt", default="\n")
+    gen.add_argument("--max-new-tokens", type=int, default=100)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each step")
+    gen.add_argument("--adapter", default=None, metavar="DIR", help="an adapter of meshlm tune (or a PEFT "
+                     "directory) tuned on --checkpoint")
+    gen.add_argument("--task", default=None, help="with a several-task prompt adapter: the task's prompt")
+    gen.set_defaults(func=_generate)

@@ -1,0 +1,61 @@
+"""`meshlm serve`: an OpenAI-compatible HTTP server for a checkpoint (`meshlm/infer/server.py`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from meshlm.core.config import ConfigError
+
+
+def _tp_of(overrides: list[str]) -> int:
+    """The tensor-parallel degree of the only override serve takes, `--parallel.tp=N` (default 1)."""
+    tp = 1
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key != "--parallel.tp":
+            raise ConfigError(f"serve takes only the override --parallel.tp=N (got {o!r}); see meshlm serve -h")
+        try:
+            tp = int(value)
+        except ValueError:
+            raise ConfigError(f"--parallel.tp={value!r} must be an integer >= 1") from None
+        if tp < 1:
+            raise ConfigError(f"--parallel.tp={tp} must be >= 1")
+    return tp
+
+
+def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
+    tp = _tp_of(overrides)
+    from meshlm.infer.server import require_serving_dependencies, serve
+
+    require_serving_dependencies()
+    checks = [(0 <= args.port <= 65535, f"--port {args.port} must be in 0..65535"),
+              (args.max_seqs >= 1, f"--max-seqs {args.max_seqs} must be >= 1"),
+              (args.max_queue >= 1, f"--max-queue {args.max_queue} must be >= 1"),
+              (args.max_len is None or args.max_len >= 2, f"--max-len {args.max_len} must be >= 2"),
+              (args.api_key is None or args.api_key.strip() != "", "--api-key must not be empty")]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    return serve(args.checkpoint, args.host, args.port, args.max_seqs, args.max_len, args.max_queue, args.api_key,
+                 args.served_model_name, tp, args.adapter, args.log_level, args.drain_timeout)
+
+
+def add_serve_command(sub) -> None:
+    """Register `meshlm serve` on the CLI's subparsers."""
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for a checkpoint (needs meshlm[serve])")
+    p.add_argument("--checkpoint", required=True, help="run directory (its latest checkpoint) or a step directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the "
+                                                              "checkpoint directory's name)")
+    p.add_argument("--max-seqs", type=int, default=32, help="sequences decoded together (rows of the KV cache)")
+    p.add_argument("--max-len", type=int, default=None, help="positions per cache row, prompt and output "
+                                                             "(default: model.seq_len)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a row; beyond: 429")
+    p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds SIGTERM waits for open requests")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--adapter", action="append", default=None, metavar="[NAME=]DIR", help="an adapter of meshlm "
+                   "tune (or PEFT; LoRA or prompt tuning) tuned on --checkpoint, served as model NAME (default: DIR's "
+                   "name) next to the base; repeat it for several, chosen per request by the model field")
+    p.set_defaults(func=_serve)

@@ -1,0 +1,39 @@
+"""`meshlm tune`: an adapter (prompt tuning, p-tuning, LoRA) trained on a frozen checkpoint, or the whole
+model fine-tuned on the same data (docs/tune.md); the work is `meshlm.tune.command.run_tune`'s."""
+
+from __future__ import annotations
+
+import argparse
+
+from meshlm.commands.finetune import DEFAULT_EPOCHS, TASKS
+
+METHODS = ("prompt", "ptuning", "lora", "full")  # full: every weight trains (supervised fine-tuning), no adapter
+
+
+def _tune(args: argparse.Namespace, overrides: list[str]) -> int:
+    from meshlm.commands.train import trainer_extensions
+    from meshlm.tune.command import run_tune
+
+    return run_tune(args, overrides, trainer_extensions)
+
+
+def add_tune_command(sub) -> None:
+    """Register `meshlm tune` on the CLI's subparsers."""
+    p = sub.add_parser("tune", help="train an adapter (prompt tuning, p-tuning, LoRA) on a frozen checkpoint",
+                       description="Prompt tuning, p-tuning or LoRA of a frozen checkpoint on .jsonl data "
+                                   "(docs/tune.md); extra --section.key=value override the config.")
+    p.add_argument("--checkpoint", required=True, help="the frozen base: a run directory (its latest checkpoint) or "
+                                                       "a step dir")
+    p.add_argument("--method", required=True, choices=METHODS)
+    p.add_argument("--train", required=True, metavar="FILE.jsonl")
+    p.add_argument("--valid", required=True, metavar="FILE.jsonl")
+    p.add_argument("--out", required=True, metavar="DIR", help="the run directory (the same DIR again resumes)")
+    p.add_argument("--template", action="append", metavar="[TASK=]TEXT",
+                   help="a prompt template ending in {answer}, per task; lines then hold taskname, fields and answer")
+    p.add_argument("--task", choices=TASKS, default=None, help="BERT checkpoints: the task of meshlm finetune")
+    p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS,
+                   help=f"passes over the training set (default {DEFAULT_EPOCHS}; --train.max_steps overrides)")
+    p.add_argument("--max-length", type=int, default=None, metavar="N",
+                   help="tokens per example row (default model.seq_len)")
+    p.add_argument("--truncate", action="store_true", help="cut the start of inputs too long for a row")
+    p.set_defaults(func=_tune)

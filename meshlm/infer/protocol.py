@@ -1,0 +1,152 @@
+"""The OpenAI-compatible API's requests and responses: the chat template, the JSON error body (`APIError`),
+each endpoint's request schema checked field by field (`validate`: unknown fields and wrong types are 400s), and
+the pieces of the response bodies (logprobs, usage). Plain Python: nothing here imports fastapi or torch.
+"""
+
+import json
+import math
+
+CHAT_ROLES = ("system", "user", "assistant")
+CHAT_STOP = "<|"  # a model that starts the next turn's tag has finished its own
+
+
+def chat_prompt(messages: list[dict]) -> str:
+    """The chat template: each message as `<|role|>` newline content newline, then `<|assistant|>` newline
+    for the reply. The reply ends at the end-of-document token or when the model opens a tag (`<|`)."""
+    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+
+
+# ---- errors --------------------------------------------------------------------------------------------------
+class APIError(Exception):
+    """An error answered as OpenAI's JSON `{"error": {"message", "type", "param", "code"}}` with `status`."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None) -> APIError:
+    """A 400 invalid_request_error about `param`."""
+    return APIError(400, message, param=param)
+
+
+# ---- request validation --------------------------------------------------------------------------------------
+INT, NUM, STR, BOOL = "integer", "number", "string", "boolean"
+
+
+def is_kind(value, kind) -> bool:
+    """Whether a JSON value is of a schema kind (INT, NUM, STR, BOOL, "null", "string_list", ...)."""
+    if kind == INT:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == NUM:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if kind == STR:
+        return isinstance(value, str)
+    if kind == BOOL:
+        return isinstance(value, bool)
+    if kind == "null":
+        return value is None
+    if kind == "string_list":
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if kind == "int_list":
+        return isinstance(value, list) and all(is_kind(v, INT) for v in value)
+    if kind == "int_lists":
+        return isinstance(value, list) and all(is_kind(v, "int_list") for v in value)
+    if kind == "object":
+        return isinstance(value, dict)
+    if kind == "list":
+        return isinstance(value, list)
+    raise AssertionError(kind)
+
+
+def validate(body, schema: dict[str, tuple]) -> dict:
+    """`body` checked against {field: (kinds, default)}: unknown fields and wrong types are 400s."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    unknown = sorted(set(body) - set(schema))
+    if unknown:
+        raise bad(f"unknown field {unknown[0]!r}; this endpoint takes {', '.join(sorted(schema))}", unknown[0])
+    out = {}
+    for name, (kinds, default) in schema.items():
+        if name not in body:
+            if default is REQUIRED:
+                raise bad(f"field {name!r} is required", name)
+            out[name] = default
+            continue
+        value = body[name]
+        if not any(is_kind(value, k) for k in kinds):
+            raise bad(f"field {name!r} must be {' or '.join(k.replace('_', ' of ') for k in kinds)}, "
+                      f"not {json.dumps(value)[:80]}", name)
+        out[name] = value
+    return out
+
+
+REQUIRED = object()
+PROMPT_KINDS = (STR, "string_list", "int_list", "int_lists")
+SAMPLING_FIELDS = {
+    "model": ((STR, "null"), None), "max_tokens": ((INT, "null"), None), "temperature": ((NUM, "null"), None),
+    "top_p": ((NUM, "null"), None), "top_k": ((INT, "null"), None), "n": ((INT, "null"), None),
+    "stream": ((BOOL, "null"), False), "stream_options": (("object", "null"), None),
+    "stop": ((STR, "string_list", "null"), None), "seed": ((INT, "null"), None),
+    "presence_penalty": ((NUM, "null"), None), "frequency_penalty": ((NUM, "null"), None),
+    "repetition_penalty": ((NUM, "null"), None), "stop_token_ids": (("int_list", "null"), None),
+    "ignore_eos": ((BOOL, "null"), None), "user": ((STR, "null"), None),
+}
+COMPLETION_SCHEMA = {**SAMPLING_FIELDS, "prompt": (PROMPT_KINDS, REQUIRED), "logprobs": ((INT, "null"), None),
+                     "echo": ((BOOL, "null"), None), "best_of": ((INT, "null"), None)}
+CHAT_SCHEMA = {**SAMPLING_FIELDS, "messages": (("list",), REQUIRED), "logprobs": ((BOOL, "null"), None),
+               "top_logprobs": ((INT, "null"), None), "max_completion_tokens": ((INT, "null"), None)}
+EMBEDDING_SCHEMA = {"model": ((STR, "null"), None), "input": (PROMPT_KINDS, REQUIRED),
+                    "encoding_format": ((STR, "null"), None), "dimensions": ((INT, "null"), None),
+                    "user": ((STR, "null"), None)}
+MEGATRON_SCHEMA = {
+    "prompts": (("string_list",), REQUIRED), "tokens_to_generate": ((INT,), 64), "temperature": ((NUM,), 1.0),
+    "top_k": ((INT,), 0), "top_p": ((NUM,), 0.0), "top_p_decay": ((NUM,), 0.0), "top_p_bound": ((NUM,), 0.0),
+    "logprobs": ((BOOL,), False), "add_BOS": ((BOOL,), False), "stop_on_double_eol": ((BOOL,), False),
+    "stop_on_eol": ((BOOL,), False), "prevent_newline_after_colon": ((BOOL,), False),
+    "random_seed": ((INT,), -1), "no_log": ((BOOL,), False), "beam_width": ((INT, "null"), None),
+    "length_penalty": ((NUM,), 1.0), "stop_token": ((INT, "null"), None),
+}
+
+
+def or_default(value, default):
+    """`value`, or `default` when it is None (a JSON null or an absent field)."""
+    return default if value is None else value
+
+
+# ---- the response bodies ---------------------------------------------------------------------------------------
+def completion_logprobs(tokens, offset: int, decode) -> dict:
+    """The legacy completions' logprobs object of `tokens` (TokenInfo), text offsets from `offset`."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t in tokens:
+        out["tokens"].append(t.text)
+        out["token_logprobs"].append(t.logprob)
+        out["top_logprobs"].append({decode([i]): lp for i, lp in t.top} if t.logprob is not None else None)
+        out["text_offset"].append(offset)
+        offset += len(t.text)
+    return out
+
+
+def chat_logprobs(tokens, decode) -> dict:
+    return {"content": [{"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode()),
+                         "top_logprobs": [{"token": decode(i), "logprob": lp, "bytes": list(decode(i).encode())}
+                                          for i, lp in t.top]} for t in tokens]}
+
+
+def include_usage(f: dict) -> bool:
+    options = f.get("stream_options") or {}
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise bad(f"stream_options has unknown field {unknown[0]!r}", "stream_options")
+    return bool(options.get("include_usage"))
+
+
+def usage(reqs: list) -> dict:
+    p = sum(len(r.prompt_ids) for r in reqs)
+    c = sum(len(r.output_ids) for r in reqs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}

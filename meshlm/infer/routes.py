@@ -1,0 +1,362 @@
+"""The HTTP routes of `meshlm serve` (docs/serving.md): POST /v1/completions, POST /v1/chat/completions (both
+with `stream: true` as server-sent events), POST /v1/embeddings, GET /v1/models, PUT /api (Megatron's
+text-generation server), GET /health and GET /metrics.
+
+Each route is a function of the server state (`infer/server.py`'s `Server`) and the request's JSON body,
+checked by `infer/protocol.py`; `add_routes` registers them on the app. fastapi (the optional extra
+`meshlm[serve]`) and the engine (torch) are imported when a route runs, never at module level.
+"""
+
+import asyncio
+import base64
+import json
+import time
+import uuid
+
+from meshlm.infer.metrics import prometheus
+from meshlm.infer.protocol import (
+    CHAT_ROLES,
+    CHAT_SCHEMA,
+    CHAT_STOP,
+    COMPLETION_SCHEMA,
+    EMBEDDING_SCHEMA,
+    MEGATRON_SCHEMA,
+    APIError,
+    bad,
+    chat_logprobs,
+    chat_prompt,
+    completion_logprobs,
+    include_usage,
+    or_default,
+    usage,
+    validate,
+)
+
+
+def add_routes(app, server) -> None:
+    """Register every route of the API on the FastAPI `app`, answering from `server`."""
+    from fastapi import Request as HTTPRequest
+    from fastapi.responses import PlainTextResponse
+
+    @app.post("/v1/completions")
+    async def completions_route(request: HTTPRequest):
+        return await completions(server, await body_of(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_route(request: HTTPRequest):
+        return await chat_completions(server, await body_of(request))
+
+    @app.post("/v1/embeddings")
+    async def embeddings_route(request: HTTPRequest):
+        return await embeddings(server, await body_of(request))
+
+    @app.get("/v1/models")
+    async def models_route():
+        return models(server)
+
+    @app.put("/api")
+    async def megatron_route(request: HTTPRequest):
+        return await megatron(server, await body_of(request))
+
+    @app.get("/health")
+    async def health_route():
+        return health(server)
+
+    @app.get("/metrics")
+    async def metrics_route():
+        return PlainTextResponse(prometheus(server), media_type="text/plain; version=0.0.4")
+
+
+async def body_of(request):
+    """The request's body as JSON (a 400 when it is not JSON)."""
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as err:
+        raise bad(f"the request body is not valid JSON ({err})") from None
+
+
+# ---- running requests on the engine ----------------------------------------------------------------------------
+def engine_failure(reqs: list) -> APIError | None:
+    """The 503 of requests the engine failed (it has stopped), or None."""
+    errs = [r.error for r in reqs if r.finish_reason == "error"]
+    return APIError(503, f"the engine has stopped ({errs[0]})", "server_error", code="engine_dead") if errs else None
+
+
+def cancel_unfinished(server, reqs: list) -> None:
+    """Cancel the requests not finished (their cache rows are freed)."""
+    for r in reqs:
+        if not r.finished:
+            server.engine.cancel(r)
+
+
+async def run(server, reqs_of, stream: bool, chunks, final, usage_chunk=None):
+    """Submit (via `reqs_of(on_update)`), then either stream `chunks(reqs, sent)` as SSE or return
+    `final(reqs)`; a client that goes away cancels its requests (their rows are freed)."""
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    loop = asyncio.get_running_loop()
+    wake = asyncio.Event()
+
+    def on_update(_req):
+        loop.call_soon_threadsafe(wake.set)
+
+    reqs = reqs_of(on_update)
+    if stream:
+        return StreamingResponse(events(server, reqs, wake, chunks, usage_chunk), media_type="text/event-stream")
+    try:
+        while not all(r.finished for r in reqs):
+            await wake.wait()
+            wake.clear()
+    finally:
+        cancel_unfinished(server, reqs)
+    err = engine_failure(reqs)
+    if err is not None:
+        raise err
+    return JSONResponse(final(reqs))
+
+
+async def events(server, reqs: list, wake: asyncio.Event, chunks, usage_chunk):
+    """The server-sent events of streamed requests: `chunks(i, r, delta, new_tokens, finished=)` of each
+    request's new text and tokens whenever the engine wakes us, the usage chunk, then `[DONE]`."""
+    sent = [0] * len(reqs)  # characters streamed per request
+    done = [False] * len(reqs)
+    tokens = [0] * len(reqs)
+    try:
+        for chunk in chunks(None, None, None, None, first=True):
+            yield f"data: {json.dumps(chunk)}\n\n"
+        while not all(done):
+            await wake.wait()
+            wake.clear()
+            err = engine_failure(reqs)
+            if err is not None:
+                yield f"data: {json.dumps(err.body())}\n\n"
+                break
+            for i, r in enumerate(reqs):
+                if done[i]:
+                    continue
+                finished = r.finished
+                upto = r.emitted
+                delta = r.text[sent[i]:upto]
+                new_tokens = r.output[tokens[i]:len(r.output)]
+                if delta or new_tokens or finished:
+                    for chunk in chunks(i, r, delta, new_tokens, finished=finished):
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                sent[i], tokens[i] = upto, tokens[i] + len(new_tokens)
+                done[i] = finished
+        if usage_chunk is not None and all(done):  # stream_options.include_usage
+            yield f"data: {json.dumps(usage_chunk(reqs))}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        cancel_unfinished(server, reqs)
+
+
+# ---- /v1/completions ---------------------------------------------------------------------------------------------
+async def completions(server, request_body):
+    """POST /v1/completions: one choice per prompt, streamed or whole."""
+    f = validate(request_body, COMPLETION_SCHEMA)
+    adapter = server.check_model(f["model"])
+    model = server.names[adapter]
+    server.need("engine")
+    prompts = server.prompts(f["prompt"])
+    echo = bool(f["echo"])
+    sp = server.sampling(f, 16, f["logprobs"], echo)
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    decode = server.tokenizer.decode
+    echoed: set[int] = set()
+
+    def choice(i, r, text, toks, finish, prompt_part=False):
+        lp = None
+        if sp.logprobs is not None:
+            lp = completion_logprobs(r.prompt_tokens if prompt_part else toks,
+                                     0 if prompt_part else len(decode(r.prompt_ids)) * echo, decode)
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+
+    def body(choices, usage_=None):
+        out = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+        if usage_ is not None:
+            out["usage"] = usage_
+        return out
+
+    def chunks(i, r, delta, toks, first=False, finished=False):
+        if first:
+            return []
+        out = []
+        if echo and i not in echoed:  # the prompt first, as its own chunk
+            echoed.add(i)
+            out.append(body([choice(i, r, decode(r.prompt_ids), [], None, prompt_part=True)]))
+        out.append(body([choice(i, r, delta, toks, r.finish_reason if finished else None)]))
+        return out
+
+    def final(reqs):
+        choices = []
+        for i, r in enumerate(reqs):
+            text = (decode(r.prompt_ids) if echo else "") + r.text
+            c = choice(i, r, text, r.output, r.finish_reason)
+            if echo and sp.logprobs is not None:
+                c["logprobs"] = completion_logprobs(r.prompt_tokens + r.output, 0, decode)
+            choices.append(c)
+        return body(choices, usage(reqs))
+
+    return await run(server, lambda cb: server.submit_all(prompts, [sp] * len(prompts), cb, adapter),
+                     bool(f["stream"]), chunks, final, (lambda reqs: body([], usage(reqs))) if include_usage(f) else None)
+
+
+# ---- /v1/chat/completions ------------------------------------------------------------------------------------------
+def chat_messages(f: dict) -> list[dict]:
+    """The request's `messages`, each checked: a role of CHAT_ROLES and string content."""
+    messages = []
+    for i, m in enumerate(f["messages"]):
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
+            raise bad(f"messages[{i}] must be an object with 'role' ({', '.join(CHAT_ROLES)}) and string "
+                      "'content'", "messages")
+        extra = sorted(set(m) - {"role", "content", "name"})
+        if extra:
+            raise bad(f"messages[{i}] has unknown field {extra[0]!r}", "messages")
+        messages.append(m)
+    if not messages:
+        raise bad("messages is empty", "messages")
+    return messages
+
+
+async def chat_completions(server, request_body):
+    """POST /v1/chat/completions: the assistant's reply to `messages` (chat template: `protocol.chat_prompt`)."""
+    f = validate(request_body, CHAT_SCHEMA)
+    adapter = server.check_model(f["model"])
+    model = server.names[adapter]
+    server.need("engine")
+    ids = server.tokenizer.encode(chat_prompt(chat_messages(f)))
+    if f["max_completion_tokens"] is not None:
+        f["max_tokens"] = f["max_completion_tokens"]
+    top = f["top_logprobs"]
+    if top is not None and not f["logprobs"]:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    room = server.max_len - len(ids) - len(server.engine.head(adapter))  # the rest of the context
+    sp = server.sampling(f, max(1, room), (top or 0) if f["logprobs"] else None)
+    sp.stop = (*sp.stop, CHAT_STOP)
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    decode = server.tokenizer.decode
+
+    def chunk(delta, finish, toks=None):
+        c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        if toks and sp.logprobs is not None:
+            c["logprobs"] = chat_logprobs(toks, lambda t: decode([t]))
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [c]}
+
+    def chunks(i, r, delta, toks, first=False, finished=False):
+        if first:
+            return [chunk({"role": "assistant", "content": ""}, None)]
+        out = [chunk({"content": delta}, None, toks)] if delta or (toks and sp.logprobs is not None) else []
+        if finished:
+            out.append(chunk({}, r.finish_reason))
+        return out
+
+    def final(reqs):
+        r = reqs[0]
+        c = {"index": 0, "message": {"role": "assistant", "content": r.text}, "finish_reason": r.finish_reason,
+             "logprobs": chat_logprobs(r.output, lambda t: decode([t])) if sp.logprobs is not None else None}
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": [c], "usage": usage(reqs)}
+
+    def usage_chunk(reqs):
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [], "usage": usage(reqs)}
+
+    return await run(server, lambda cb: server.submit_all([ids], [sp], cb, adapter), bool(f["stream"]), chunks, final,
+                     usage_chunk if include_usage(f) else None)
+
+
+# ---- /v1/embeddings ----------------------------------------------------------------------------------------------
+async def embeddings(server, request_body):
+    """POST /v1/embeddings: one vector per input (float lists, or base64 of little-endian float32)."""
+    from meshlm.infer.engine import InvalidRequest
+
+    f = validate(request_body, EMBEDDING_SCHEMA)
+    server.check_model(f["model"])
+    server.need("embedder")
+    fmt = or_default(f["encoding_format"], "float")
+    if fmt not in ("float", "base64"):
+        raise bad(f"encoding_format must be 'float' or 'base64', not {fmt!r}", "encoding_format")
+    hidden = server.embedder.model.cfg.hidden_size
+    if f["dimensions"] is not None and f["dimensions"] != hidden:
+        raise bad(f"dimensions must be the model's {hidden} (no truncation)", "dimensions")
+    inputs = f["input"]
+    inputs = [inputs] if isinstance(inputs, str) or (inputs and all(isinstance(x, int) for x in inputs)) \
+        else inputs
+    if not inputs:
+        raise bad("input is empty", "input")
+    try:
+        vectors, n_tokens = await asyncio.to_thread(server.embedder.embed, inputs)
+    except InvalidRequest as err:
+        raise bad(str(err), err.param) from None
+    import numpy as np
+
+    def encode(v):
+        return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode() if fmt == "base64" else v
+
+    return {"object": "list", "model": server.model_name,
+            "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
+
+
+# ---- /v1/models, /health -----------------------------------------------------------------------------------------
+def models(server) -> dict:
+    """GET /v1/models: the base model, then its adapters (each with the base as parent)."""
+    def card(name, parent=None, root=None):
+        return {"id": name, "object": "model", "created": server.created, "owned_by": "meshlm", "root": root,
+                "parent": parent, "max_model_len": server.max_len}
+
+    return {"object": "list", "data": [card(server.model_name)] + [
+        card(a.name, server.model_name, a.source) for a in server.adapters]}
+
+
+def health(server) -> dict:
+    """GET /health: ok while the engine runs (a 503 once it has stopped)."""
+    if server.engine is not None and not server.engine.alive:
+        raise APIError(503, f"the engine has stopped ({server.engine.dead or 'not running'})", "server_error",
+                       code="engine_dead")
+    return {"status": "ok"}
+
+
+# ---- Megatron's PUT /api -----------------------------------------------------------------------------------------
+def check_megatron(f: dict) -> None:
+    """The checks of a validated Megatron request beyond its fields' types."""
+    if not f["prompts"]:
+        raise bad("prompts is empty", "prompts")
+    if f["beam_width"] is not None:
+        raise bad("beam search (beam_width) is not supported", "beam_width")
+    if not 0 <= f["tokens_to_generate"]:
+        raise bad("tokens_to_generate must be >= 0", "tokens_to_generate")
+    if not 0 <= f["top_p"] <= 1:
+        raise bad("top_p must be in [0, 1] (0: off)", "top_p")
+    if f["top_k"] > 0 and f["top_p"] > 0:
+        raise bad("top_k and top_p cannot both be set", "top_p")
+    if f["tokens_to_generate"] == 0 and not f["logprobs"]:
+        raise bad("tokens_to_generate=0 scores the prompts: set logprobs true", "logprobs")
+
+
+async def megatron(server, request_body):
+    """PUT /api: Megatron's text-generation server (texts, segments and, with `logprobs`, the prompts' scores)."""
+    from meshlm.infer.engine import SamplingParams
+
+    f = validate(request_body, MEGATRON_SCHEMA)
+    server.need("engine")
+    check_megatron(f)
+    stop = ("\n\n",) if f["stop_on_double_eol"] else ("\n",) if f["stop_on_eol"] else ()
+    eod = server.tokenizer.eod_id
+    params = SamplingParams(
+        max_tokens=f["tokens_to_generate"], temperature=float(f["temperature"]), top_k=f["top_k"],
+        top_p=float(f["top_p"]) or 1.0, seed=f["random_seed"] if f["random_seed"] >= 0 else None, stop=stop,
+        stop_token_ids=(f["stop_token"],) if f["stop_token"] is not None else (),
+        logprobs=0 if f["logprobs"] else None, echo=bool(f["logprobs"]))
+    prompts = [([eod] if f["add_BOS"] else []) + server.tokenizer.encode(p) for p in f["prompts"]]
+    decode = server.tokenizer.decode
+
+    def final(reqs):
+        out = {"text": [decode(r.prompt_ids) + r.text for r in reqs],
+               "segments": [[decode([t]) for t in r.prompt_ids + r.output_ids] for r in reqs]}
+        if f["logprobs"]:
+            out["logprobs"] = [[t.logprob for t in r.prompt_tokens[1:] + r.output] for r in reqs]
+        return out
+
+    return await run(server, lambda cb: server.submit_all(prompts, [params] * len(prompts), cb), False, None, final)

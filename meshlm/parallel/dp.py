@@ -1,0 +1,29 @@
+"""`apply_data_parallel`: the gradient synchronisation a layout gets (`data.GradSync` without dp; DP
+buckets reduced during backward and ZeRO-1/2 shards, `buckets.py`; ZeRO-3 through FSDP2, `fsdp.py`)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from meshlm.core.config import Config
+from meshlm.core.layout import check_data_parallel
+from meshlm.families.spec import ModelSpec
+from meshlm.parallel.buckets import BucketedDataParallel
+from meshlm.parallel.data import GradSync
+from meshlm.parallel.fsdp import FullyShardedDataParallel
+from meshlm.parallel.mesh import ParallelDims
+
+
+def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: Config, microbatches: int, pipe=None,
+                        overlap: bool = True, *, spec: ModelSpec) -> GradSync:
+    """The gradient synchronisation for this layout; call after every other transform (it hooks, flattens
+    or shards the final parameters), then build the optimizer with `sync.build_optimizer`.
+
+    `microbatches`: backward passes per step on this rank (the accumulation count, or the pipeline's m).
+    """
+    check_data_parallel(cfg, dims.tp)
+    if dims.dp == 1:
+        return GradSync(model, dims, pipe)
+    if cfg.parallel.zero == 3:
+        return FullyShardedDataParallel(model, dims, pipe, spec=spec)
+    return BucketedDataParallel(model, dims, microbatches, cfg.parallel.zero, pipe, cfg.parallel.bucket_mb, overlap)

@@ -1,0 +1,179 @@
+"""The trainer's checkpoints: which one a run resumes, what a checkpoint holds, saving it, and loading it
+back (or a fresh run's weights from `train.init_from`).
+
+One process writes the one-process format (`checkpoint/single.py`: model.pt, optim.pt, state.pt);
+several write per-rank pieces of layout-free tensors (`checkpoint/sharded.py`), which resume under any
+layout and which `single.load_model_state` reads whole in one process (`meshlm generate`). A run whose
+extension owns the checkpoints (`meshlm tune`'s adapter, `train/extension.py`) has that extension save
+and restore them instead.
+
+`CheckpointState` is a part of `train.trainer.Trainer` (its base class): the methods use the trainer's
+attributes (`cfg`, `dims`, `out_dir`, `model`, `optimizer`, `sync`, `loader`, `precision`, `tokenizer`,
+`tp_rng`, `step`, `tokens_seen`, `skipped_steps`, `legacy_resume`, `checkpoints`, `log`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch.distributed as dist
+
+from meshlm.checkpoint import files as ckpt_files
+from meshlm.checkpoint import sharded as dist_checkpoint
+from meshlm.checkpoint import single as ckpt
+from meshlm.core.config import Config, ConfigError, config_from_dict
+from meshlm.core.errors import CheckpointError
+from meshlm.core.precision import resolve_precision, resume_precision
+from meshlm.core.rng import rng_state, set_rng_state
+
+
+class CheckpointState:
+    """Resuming and saving a run (see the module doc)."""
+
+    # ---- which checkpoint ------------------------------------------------------------------------------
+    def _find_resume(self) -> Path | None:
+        """Rank 0 picks the checkpoint (the newest valid one for `auto`, verified by checksum) and tells
+        everyone; checkpoints present but none valid stop the run rather than start over."""
+        resume = self.cfg.train.resume
+        if self.dims.is_main:
+            ckpt.prune_temporaries(self.out_dir)
+        if resume == "never":
+            self.dims.barrier()
+            return None
+        box = [self._pick_checkpoint(resume) if self.dims.is_main else None]
+        if self.dims.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        path, error = box[0]
+        if error is not None:
+            raise CheckpointError(error)
+        return None if path is None else Path(path)
+
+    def _pick_checkpoint(self, resume: str) -> tuple[str | None, str | None]:
+        """(checkpoint path, None) or (None, the error every rank raises)."""
+        try:
+            if resume != "auto":
+                return str(ckpt.resolve_checkpoint(resume, log=self.log)), None
+            path, note, present = ckpt.find_checkpoint(self.out_dir)
+        except CheckpointError as err:
+            return None, str(err)
+        if path is None and present:
+            return None, (f"{ckpt.checkpoints_dir(self.out_dir)} holds checkpoints but none is valid ({note}); "
+                          "restore one, or set train.resume=never to start over")
+        if note:
+            self.log(f"note: {note}; resuming from {path.name}")
+        return (None if path is None else str(path)), None
+
+    def _resolve_precision(self, cfg: Config) -> Config:
+        """`cfg` with train.precision resolved (core/precision.py): `auto` becomes the device's native 16-bit
+        format or fp32, or, when resuming, the precision the checkpoint's run resolved to. Printed."""
+        asked = cfg.train.precision
+        name, why = resolve_precision(asked, self.device, cfg.model.hidden_size)
+        if asked == "auto" and self.resume_from is not None:
+            saved = resume_precision(ckpt.load_config_dict(self.resume_from))
+            if saved is not None:
+                name, why = saved, f"as the resumed run {self.resume_from.name}"
+        if name == "fp16" and asked == "auto" and self.dims.world_size > 1:
+            name, why = "fp32", f"{why}; fp16 is not supported with several processes yet"
+        if asked == "auto":
+            self.log(f"precision: auto → {name} ({why}); set train.precision to choose")
+        if name == asked:
+            return cfg
+        return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=name))
+
+    # ---- what a checkpoint holds -----------------------------------------------------------------------
+    def layout_summary(self) -> dict:
+        """This run's layout as checkpoints record it: world size, tp, pp, dp, sp and the ZeRO stage."""
+        d = self.dims
+        return {"world_size": d.world_size, "tp": d.tp, "pp": d.pp, "dp": d.dp, "sp": self.cfg.parallel.sp,
+                "zero": self.sync.zero}
+
+    def run_state(self) -> dict:
+        """The shared state of a multi-process (or tune) checkpoint: step, tokens seen, data position,
+        skipped steps, loss scale, tokenizer and layout (`restore_position` reads it back)."""
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
+                "skipped_steps": self.skipped_steps, "scaler": self.precision.state_dict(),
+                "tokenizer": self.tokenizer.name, "layout": self.layout_summary()}
+
+    def state_parts(self) -> dict:
+        """A one-process checkpoint's parts: the model's and optimizer's state dicts and the run's state."""
+        return {
+            "model": self.model.state_dict(),
+            "optim": self.optimizer.state_dict(),
+            "state": {"step": self.step, "tokens_seen": self.tokens_seen, "rng": rng_state(),
+                      "loader": self.loader.state_dict(), "scaler": self.precision.state_dict(),
+                      "tokenizer": self.tokenizer.name},
+        }
+
+    # ---- saving ----------------------------------------------------------------------------------------
+    def save(self) -> Path:
+        """Publish this step's checkpoint (never one with non-finite weights), then keep the newest
+        `train.keep_last` valid ones."""
+        if self.checkpoints is not None:
+            path = self.checkpoints.save(self)
+        elif self.dims.world_size == 1:
+            parts = self.state_parts()
+            parts["state"]["skipped_steps"] = self.skipped_steps
+            path = ckpt.save_checkpoint(self.out_dir, self.step, parts, self.cfg.to_dict())
+        else:
+            path = self._save_sharded()
+        if self.dims.is_main:
+            ckpt_files.prune_old(self.out_dir, self.cfg.train.keep_last, self.step)
+        return path
+
+    def _save_sharded(self) -> Path:
+        """Every rank writes the pieces of the layout-free tensors it owns (weights and Adam states) and its
+        random streams; rank 0 adds the index and the shared state and publishes `latest` once every rank
+        reported success (`dist_checkpoint.save`, a collective)."""
+        rank_state = {"rng": rng_state(), "tp_rng": self.tp_rng.get_state()}
+        return dist_checkpoint.save(self.out_dir, self.step, self.sync, self.optimizer, self.run_state(),
+                                    self.cfg.to_dict(), rank_state)
+
+    # ---- loading ---------------------------------------------------------------------------------------
+    def _load(self, path: Path) -> None:
+        """Optimizer, data position and random streams (and, but for a one-process checkpoint resumed in one
+        process, the weights) from a checkpoint of any layout."""
+        state = ckpt.load_part(path, "state")
+        if state.get("tokenizer", self.tokenizer.name) != self.tokenizer.name:
+            raise ConfigError(f"checkpoint {path} was trained with tokenizer {state['tokenizer']!r}, not "
+                              f"data.tokenizer={self.tokenizer.name!r}; set data.tokenizer to match")
+        saved = state.get("layout", {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "sp": False, "zero": 0})
+        if self.legacy_resume:
+            saved_optim = ckpt.load_part(path, "optim", self.device)
+            dist_checkpoint.check_same_optimizer(path, dist_checkpoint.saved_muon(saved_optim), self.optimizer)
+            self.optimizer.load_state_dict(saved_optim)
+            set_rng_state(state["rng"])
+        else:  # any layout into this one: each rank reads the pieces of its tensors
+            dist_checkpoint.load(path, self.sync, self.optimizer)
+            mine = dist_checkpoint.load_rank_state(path, self.dims.rank, self.layout_summary())
+            if mine is not None:  # the same layout: the very random streams, so dropout continues exactly
+                set_rng_state(mine["rng"])
+                self.tp_rng.set_state(mine["tp_rng"])
+            elif saved != self.layout_summary():
+                self.log(f"resuming a checkpoint of layout {saved} under {self.layout_summary()}: weights, "
+                         "optimizer and data position carry over; dropout masks start new streams")
+        self.restore_position(state)
+        self.log(f"resumed from {path} at step {self.step}")
+
+    def restore_position(self, state: dict) -> None:
+        """Step, tokens seen, data position, loss scale and skipped steps from a checkpoint's shared state."""
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.loader.load_state_dict(state["loader"])
+        self.precision.load_state_dict(state["scaler"])
+        self.skipped_steps = state.get("skipped_steps", 0)
+
+    def init_from(self, path: str) -> None:
+        """A fresh run's weights from checkpoint `path` (any layout), where its tensors match this model's;
+        the rest (a new task head) keep their seeded init. The optimizer starts fresh."""
+        source = ckpt.resolve_checkpoint(path, log=self.log)
+        source_cfg = config_from_dict(ckpt.load_config_dict(source)).model
+        if source_cfg.family != self.cfg.model.family:
+            raise ConfigError(f"train.init_from={path!r} holds a model.family={source_cfg.family!r} model, not "
+                              f"{self.cfg.model.family!r}; pick a checkpoint of the same family")
+        new = dist_checkpoint.load_matching_weights(source, self.sync, source_cfg)
+        total = len(dist_checkpoint.logical_shapes(self.cfg.model))
+        if len(new) == total:
+            raise ConfigError(f"train.init_from={path!r}: none of its tensors fits this model (another shape); set "
+                              "the model.* keys as in its config.json")
+        self.log(f"initialised from {source}: {total - len(new)} of {total} tensors"
+                 + (f"; new: {', '.join(new)}" if new else ""))
