@@ -139,6 +139,12 @@ def test_every_import_runs_down_the_layers():
     assert not bad, "imports against the layers:\n" + "\n".join(bad)
 
 
+def test_every_package_says_what_it_may_import():
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "May import:" in doc, f"{init.relative_to(ROOT)}: its docstring names no 'May import:' line"
+
+
 def test_model_files_import_only_core_and_models():
     files = {"gpt": PACKAGE / "models" / "gpt.py", "bert": PACKAGE / "models" / "bert.py",
              "toy (a family added by the tests)": ROOT / "tests" / "families" / "toy_model.py"}

@@ -1,9 +1,13 @@
-"""Parallelism applied from outside a plain model: `build_model(cfg, dims)` and `parallelize(model, dims, cfg)`.
+"""Parallelism applied from outside a plain model: `build_model(cfg, dims, spec=)` and
+`parallelize(model, dims, cfg, spec=)`.
 
-Each parallelism is one `apply_*` transform in its own module, driven by the model family's `ModelSpec`
-(`families/registry.py`); `parallelize` runs them in a fixed order and returns one `Parallelized` object
-holding everything a training step needs. `build_model` builds the family's model on the meta device
-first, so each rank only ever allocates and initialises its own shards (`materialize.py`).
+Each parallelism is one `apply_*` transform in its own module, driven by the model family's `ModelSpec`,
+which the caller hands in (this package never looks one up); `parallelize` runs them in a fixed order
+(with the caller's `transforms`, e.g. adapters, after materialisation) and returns one `Parallelized`
+object holding everything a training step needs. `build_model` builds the family's model on the meta
+device first, so each rank only ever allocates and initialises its own shards (`materialize.py`).
+
+May import: core, data, models, families (never `families.registry`: the spec is an argument).
 """
 
 from __future__ import annotations
