@@ -183,7 +183,8 @@ def hf_architecture(cfg: ModelConfig) -> str:
 
     arch = get_spec(cfg.family).hf_architecture
     if arch is None:
-        raise ConfigError(f"model.family={cfg.family!r} has no Hugging Face conversion")
+        raise ConfigError(f"model.family={cfg.family!r} has no Hugging Face conversion (its ModelSpec sets no "
+                          "hf_architecture); use meshlm convert --to-single for a plain safetensors file")
     return arch(cfg)
 
 

@@ -133,12 +133,22 @@ def _sequence_sharded_positions(self: SequenceShardedPositions, model, parent, a
         _swap(parent, attr, path, SequenceShardedEmbedding(emb, ctx.group, ctx.t, ctx.rank), ctx)
 
 
-_APPLY = {VocabParallel: _vocab_parallel, ColumnParallel: _column_parallel, RowParallel: _row_parallel, HeadParallelAttention: _head_parallel_attention, SequenceParallel: _sequence_parallel, SequenceDropout: _sequence_dropout, SequenceGathered: _sequence_gathered, SequenceShardedPositions: _sequence_sharded_positions}
+_APPLY = {
+    VocabParallel: _vocab_parallel,
+    ColumnParallel: _column_parallel,
+    RowParallel: _row_parallel,
+    HeadParallelAttention: _head_parallel_attention,
+    SequenceParallel: _sequence_parallel,
+    SequenceDropout: _sequence_dropout,
+    SequenceGathered: _sequence_gathered,
+    SequenceShardedPositions: _sequence_sharded_positions,
+}
 
 
 def apply_style(style: Style, model: nn.Module, parent: nn.Module, attr: str, path: str, ctx: TPContext) -> None:
     """Transform the module at `path` of `model` (set on `parent` as `attr`) as `style` says."""
-    for kind in type(style).__mro__:  # a family's subclass of a style is applied as that style
-        if kind in _APPLY:
-            return _APPLY[kind](style, model, parent, attr, path, ctx)
-    raise TypeError(f"{type(style).__name__} is not a tensor-parallel style of families.styles")
+    apply = _APPLY.get(type(style))
+    if apply is None:
+        raise TypeError(f"{type(style).__name__} is not a tensor-parallel style of families.styles; a family's "
+                        "tp_plan names the styles defined there")
+    apply(style, model, parent, attr, path, ctx)
