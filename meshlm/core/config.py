@@ -99,6 +99,19 @@ class ModelConfig:
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # RoPE scaling for long-context extension (docs/long_context.md): none | llama3 | yarn. `rope_factor` is the
+    # extension factor s, `rope_original_len` the context the model was pretrained with (Hugging Face's
+    # original_max_position_embeddings); Llama 3 blends by wavelength between the low/high frequency factors,
+    # YaRN ramps between beta_fast and beta_slow rotations and scales cos/sin by `rope_attention_factor`
+    # (0: YaRN's 0.1 ln(s) + 1).
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_original_len: int = 0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_attention_factor: float = 0.0
     init_std: float = 0.02
     # BERT family only (models/bert.py):
     type_vocab_size: int = 2  # token-type (segment) embeddings
@@ -145,11 +158,37 @@ class ModelConfig:
         _choices("model.pooling", self.pooling, ("cls", "mean"))
         _check(self.position != "rope" or self.head_dim % 2 == 0,
                f"model.position='rope' needs an even head dim, got {self.head_dim}; change model.n_heads")
+        self._validate_rope_scaling()
+
+    def _validate_rope_scaling(self) -> None:
+        _choices("model.rope_scaling", self.rope_scaling, ("none", "llama3", "yarn"))
+        if self.rope_scaling == "none":
+            return
+        name = f"model.rope_scaling={self.rope_scaling!r}"
+        _check(self.position == "rope", f"{name} scales rotary positions; set model.position='rope' or "
+               "model.rope_scaling='none'")
+        _check(self.rope_factor >= 1, f"model.rope_factor={self.rope_factor} must be at least 1 (the context "
+               "extension factor, e.g. 8 for Llama 3.1)")
+        _check(self.rope_original_len > 0, f"{name} needs model.rope_original_len, the context length the model "
+               "was pretrained with (e.g. 8192 for Llama 3)")
+        if self.rope_scaling == "llama3":
+            _check(0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
+                   f"model.rope_low_freq_factor={self.rope_low_freq_factor} and model.rope_high_freq_factor="
+                   f"{self.rope_high_freq_factor} need 0 < low < high (Llama 3: 1 and 4)")
+        else:
+            _check(0 < self.rope_beta_slow < self.rope_beta_fast,
+                   f"model.rope_beta_slow={self.rope_beta_slow} and model.rope_beta_fast={self.rope_beta_fast} "
+                   "need 0 < beta_slow < beta_fast (YaRN: 1 and 32)")
+            _check(self.rope_attention_factor >= 0, f"model.rope_attention_factor={self.rope_attention_factor} "
+                   "must be positive, or 0 for YaRN's 0.1 ln(rope_factor) + 1")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    max_steps: int = 300
+    max_steps: int = 300  # with train.time_budget_s: the cap (the data are prepared for this many steps)
+    # > 0: seconds for the whole command (set-up, steps, final evaluation, checkpoint, sample); the run times its
+    # first steps, then fits the step count and the learning-rate schedule to it (train/budget.py). 0: no budget.
+    time_budget_s: float = 0.0
     micro_batch_size: int = 8
     global_batch_size: int = 8
     seed: int = 1234
@@ -185,6 +224,9 @@ class TrainConfig:
     def validate(self) -> None:
         _positive("train", self, "max_steps", "micro_batch_size", "global_batch_size", "log_every", "eval_iters")
         _non_negative("train", self, "save_every", "eval_every", "sample_tokens")
+        _check(math.isfinite(self.time_budget_s) and self.time_budget_s >= 0,
+               f"train.time_budget_s={self.time_budget_s} must be a number of seconds > 0 (e.g. 1200 for 20 "
+               "minutes), or 0 for no budget")
         _check(0 <= self.seed <= SEED_MAX, f"train.seed={self.seed} must be in 0..{SEED_MAX}; e.g. train.seed=1234")
         _non_empty("train", self, "out_dir", "resume")
         _check(self.global_batch_size % self.micro_batch_size == 0,

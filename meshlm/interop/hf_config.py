@@ -125,9 +125,7 @@ def _model_config_from_llama(d: dict[str, Any]) -> ModelConfig:
     if g["head_dim"] not in (None, hidden // heads):
         problems.append(f"head_dim={g['head_dim']}: meshlm needs head_dim = hidden_size / num_attention_heads "
                         f"= {hidden // heads}")
-    if rope_type != "default":
-        problems.append(f"rope_parameters.rope_type={rope_type!r}: meshlm implements only 'default' RoPE "
-                        "(no scaling)")
+    scaling = _rope_scaling_from_hf(rope, rope_type, g["max_position_embeddings"], problems)
     if bool(g["attention_bias"]) != bool(g["mlp_bias"]):
         problems.append(f"attention_bias={g['attention_bias']}, mlp_bias={g['mlp_bias']}: meshlm's model.bias "
                         "covers both; set them equal")
@@ -139,9 +137,46 @@ def _model_config_from_llama(d: dict[str, Any]) -> ModelConfig:
                       position="rope", norm="rmsnorm", activation="swiglu", bias=bool(g["attention_bias"]),
                       tie_embeddings=bool(g["tie_word_embeddings"]), norm_eps=g["rms_norm_eps"],
                       rope_theta=float(rope.get("rope_theta", g["rope_theta"])), init_std=g["initializer_range"])
-    cfg = replace(cfg, ffn_hidden_size=_default_ffn(cfg, g["intermediate_size"]))
+    cfg = replace(cfg, ffn_hidden_size=_default_ffn(cfg, g["intermediate_size"]), **scaling)
     cfg.validate()
     return cfg
+
+
+def _rope_scaling_from_hf(rope: dict[str, Any], rope_type: str, max_positions: int,
+                          problems: list[str]) -> dict[str, Any]:
+    """ModelConfig's rope_* fields from Hugging Face's rope_parameters (or 4.x rope_scaling)."""
+    if rope_type == "default":
+        return {}
+    if rope_type not in ("llama3", "yarn"):
+        problems.append(f"rope_parameters.rope_type={rope_type!r}: meshlm implements 'default', 'llama3' and "
+                        "'yarn' RoPE")
+        return {}
+    original = rope.get("original_max_position_embeddings") or max_positions
+    factor = rope.get("factor") or max_positions / original
+    out = {"rope_scaling": rope_type, "rope_factor": float(factor), "rope_original_len": int(original)}
+    if rope_type == "llama3":
+        return {**out, "rope_low_freq_factor": float(rope.get("low_freq_factor", 1.0)),
+                "rope_high_freq_factor": float(rope.get("high_freq_factor", 4.0))}
+    if rope.get("mscale") or rope.get("mscale_all_dim"):
+        problems.append("rope_parameters.mscale/mscale_all_dim (DeepSeek's YaRN variant): meshlm's YaRN takes "
+                        "attention_factor only; give attention_factor instead")
+    if rope.get("truncate", True) is False:
+        problems.append("rope_parameters.truncate=false: meshlm's YaRN rounds the ramp's ends as the paper does")
+    return {**out, "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
+            "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
+            "rope_attention_factor": float(rope.get("attention_factor") or 0.0)}
+
+
+def rope_parameters_for_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """Hugging Face's rope_parameters for `cfg` (rope_type default, llama3 or yarn)."""
+    if cfg.rope_scaling == "none":
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    out = {"rope_type": cfg.rope_scaling, "rope_theta": cfg.rope_theta, "factor": cfg.rope_factor,
+           "original_max_position_embeddings": cfg.rope_original_len}
+    if cfg.rope_scaling == "llama3":
+        return {**out, "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor}
+    yarn = {**out, "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow}
+    return {**yarn, "attention_factor": cfg.rope_attention_factor} if cfg.rope_attention_factor else yarn
 
 
 def _model_config_from_bert(d: dict[str, Any]) -> ModelConfig:
@@ -251,12 +286,15 @@ def hf_config_dict(cfg: ModelConfig, arch: str | None = None) -> dict[str, Any]:
                 "n_embd": cfg.hidden_size, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
                 "n_inner": cfg.ffn_hidden_size, "activation_function": "gelu_new", "resid_pdrop": cfg.dropout,
                 "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "layer_norm_epsilon": cfg.norm_eps}
-    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **common, "hidden_size": cfg.hidden_size,
+    # transformers 4.x reads scaling from rope_scaling; 5.x from rope_parameters (and takes rope_scaling as its alias)
+    scaled = {"rope_scaling": rope_parameters_for_hf(cfg)} if cfg.rope_scaling != "none" else {}
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **common, **scaled,
+            "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
             "hidden_act": "silu", "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
             # rope_theta at the top level too, for transformers 4.x readers
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rope_theta": cfg.rope_theta,
+            "rope_parameters": rope_parameters_for_hf(cfg), "rope_theta": cfg.rope_theta,
             "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.dropout}
 
 

@@ -68,7 +68,7 @@ class GPT(nn.Module):
             self._build_rope(max(self.cfg.seq_len, self.rope_len), device)
 
     def _build_rope(self, length: int, device=None) -> None:
-        cos, sin = rope_tables(self.cfg.head_dim, length, self.cfg.rope_theta, device)
+        cos, sin = rope_tables(self.cfg.head_dim, length, self.cfg.rope_theta, device, scaling=self.cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.rope_len = length

@@ -8,6 +8,8 @@ takes the same slice of every block.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,13 +38,62 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (max_len, head_dim) in the rotate-half layout used by Llama."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+def rope_frequencies(head_dim: int, theta: float, scaling: ModelConfig | None = None,
+                     device=None) -> tuple[torch.Tensor, float]:
+    """The rotary inverse frequencies (head_dim / 2 of them) and the factor applied to cos and sin.
+
+    `scaling` (a ModelConfig) selects a long-context rule by `rope_scaling`: `llama3` (Llama 3.1: wavelengths
+    longer than original_len / low_freq_factor are divided by the factor, shorter than original_len /
+    high_freq_factor are kept, blended linearly between) or `yarn` (Peng et al. 2023, "NTK-by-parts": dimensions
+    that turn fewer than beta_slow times over the original context are interpolated, more than beta_fast times
+    kept, a linear ramp between; cos/sin scaled by the attention factor, by default 0.1 ln(factor) + 1)."""
+    base = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    rule = scaling.rope_scaling if scaling is not None else "none"
+    if rule == "none":
+        return base, 1.0
+    if rule == "llama3":
+        return _llama3_frequencies(base, scaling), 1.0
+    return _yarn_frequencies(base, head_dim, theta, scaling), yarn_attention_factor(scaling)
+
+
+def _llama3_frequencies(base: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    wavelength = 2 * math.pi / base
+    # 0 where the wavelength exceeds original_len / low (interpolate fully), 1 below original_len / high (keep)
+    keep = (cfg.rope_original_len / wavelength - cfg.rope_low_freq_factor) / \
+        (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+    keep = keep.clamp(0.0, 1.0)
+    return (1 - keep) * base / cfg.rope_factor + keep * base
+
+
+def _yarn_frequencies(base: torch.Tensor, head_dim: int, theta: float, cfg: ModelConfig) -> torch.Tensor:
+    def dim_for(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times over the context
+        return head_dim * math.log(cfg.rope_original_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dim_for(cfg.rope_beta_fast)), 0)
+    high = min(math.ceil(dim_for(cfg.rope_beta_slow)), head_dim - 1)
+    span = (high - low) if high != low else 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=base.device) - low) / span).clamp(0.0, 1.0)
+    return base / cfg.rope_factor * ramp + base * (1 - ramp)
+
+
+def yarn_attention_factor(cfg: ModelConfig) -> float:
+    """YaRN's scale on cos/sin (so on attention logits, squared): the configured one, or 0.1 ln(s) + 1."""
+    if cfg.rope_attention_factor > 0:
+        return cfg.rope_attention_factor
+    return 1.0 if cfg.rope_factor <= 1 else 0.1 * math.log(cfg.rope_factor) + 1.0
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float, device=None,
+                scaling: ModelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (max_len, head_dim) in the rotate-half layout used by Llama; `scaling` as in
+    `rope_frequencies`."""
+    inv_freq, factor = rope_frequencies(head_dim, theta, scaling, device)
     pos = torch.arange(max_len, dtype=torch.float32, device=device)
     freqs = torch.outer(pos, inv_freq)  # (T, hs/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, hs)
-    return emb.cos(), emb.sin()
+    if factor == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * factor, emb.sin() * factor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
