@@ -7,8 +7,8 @@ vocabulary padding dropped, replicated KV heads and the tied embedding stored on
 weights and Adam's `exp_avg` / `exp_avg_sq` (Adam's step count is one number for the whole model), or, for
 the matrices Muon steps (`optim.name=muon`), its `momentum_buffer`. Every
 rank writes the rectangular pieces it owns, each with its offset in the logical tensor, to its own
-safetensors file; rank 0 writes `index.json` (the logical shapes and where every piece is), then the
-shared state (`state.pt`: step, data position, layout). Loading under any layout, each rank works out
+safetensors file; rank 0 writes `index.json` (the logical shapes, where every piece is, the number of
+ranks), then the shared state (`state.pt`: step, data position, layout). Loading under any layout, each rank works out
 which logical rows and columns each of its local tensors (or ZeRO shards of them) holds and reads exactly
 those from the pieces that overlap them (safetensors slices: no whole-file reads).
 
@@ -298,7 +298,7 @@ def _fail(error: BaseException | None, tmp: Path, step: int, main: bool, need_by
 def _publish(out_dir, step: int, tmp: Path, sync, state: dict, config: dict, gathered: list) -> Path:
     """Rank 0: the index of every rank's pieces, the shared state, the manifest; then the rename."""
     steps = {s for _, _, s, _ in gathered if s is not None}
-    index = {"format": FORMAT, "shapes": logical_shapes(sync.model.cfg),
+    index = {"format": FORMAT, "shapes": logical_shapes(sync.model.cfg), "ranks": len(gathered),
              "adam_step": steps.pop() if steps else None,
              "chunks": [[f"rank{r:05d}.safetensors", *e] for r, es, _, _ in gathered for e in es]}
     files = {k: v for _, _, _, fs in gathered for k, v in fs.items()}

@@ -4,8 +4,9 @@ One process writes OUT_DIR/checkpoints/step_0000100/{model.pt, optim.pt, state.p
 manifest.json}; a parallel run writes per-rank pieces instead (`sharded.py`). Both go through
 `files.py`: written into a temporary directory with a CRC-32 of every file, the manifest last,
 fsynced, renamed into place, then `checkpoints/latest` moved. Readers (`resolve_checkpoint`,
-`latest_checkpoint`, training's `train.resume=auto`) take the newest checkpoint whose files match its
-manifest, whatever `latest` says, and say which one they passed over and why.
+`latest_checkpoint`, training's `train.resume=auto`) take the newest usable checkpoint (`files.find_valid`:
+complete by its format, matching its manifest, named for its step, finite weights), whatever `latest`
+says, and say which one they passed over and why.
 """
 
 from __future__ import annotations
@@ -57,11 +58,13 @@ def save_checkpoint(out_dir: str | Path, step: int, parts: dict[str, Any], confi
         raise ckpt_files.write_failure(err, tmp, step, ckpt_files.state_nbytes(parts)) from err
 
 
-def find_checkpoint(out_dir: str | Path, checksum: bool = True) -> tuple[Path | None, str | None, bool]:
+def find_checkpoint(out_dir: str | Path, checksum: bool = True, resume: bool = True
+                    ) -> tuple[Path | None, str | None, bool]:
     """(newest valid checkpoint or None, a note on what was passed over, whether any checkpoint exists)
-    for a run directory."""
+    for a run directory. `resume` (training resuming it): a one-process checkpoint needs its optimizer and
+    state too; valid with `checksum` includes finite weights (`files.usable`)."""
     root = checkpoints_dir(out_dir)
-    path, note = ckpt_files.find_valid(root, checksum)
+    path, note = ckpt_files.find_valid(root, checksum, resume)
     return path, note, ckpt_files.any_checkpoint(root)
 
 
@@ -72,7 +75,7 @@ def resolve_checkpoint(path: str | Path, log: Callable[[str], None] | None = _st
     for run in [p] + ([p.parent] if p.name == "checkpoints" else []):
         root = checkpoints_dir(run)
         if root.is_dir() and ckpt_files.any_checkpoint(root):
-            found, note, _ = find_checkpoint(run)
+            found, note, _ = find_checkpoint(run, resume=False)
             if found is None:
                 raise CheckpointError(f"no valid checkpoint in {root}: {note}; train again (train.resume=never "
                                       "starts over) or restore a copy")
@@ -80,9 +83,9 @@ def resolve_checkpoint(path: str | Path, log: Callable[[str], None] | None = _st
                 log(f"note: {note}; using {found}")
             return found
     if (p / MANIFEST).exists():
-        problem = ckpt_files.verify(p)
+        problem = ckpt_files.usable(p)
         if problem is not None:
-            raise CheckpointError(f"checkpoint {p} is incomplete ({problem}); pass its run directory to use the "
+            raise CheckpointError(f"checkpoint {p} {problem.verdict} ({problem}); pass its run directory to use the "
                                   "newest valid checkpoint")
         return p
     if (p / "config.json").exists() and any((p / name).exists() for name in MODEL_FILES):
@@ -100,7 +103,7 @@ def _check_sizes(ckpt: Path) -> None:
     if (ckpt / MANIFEST).exists():
         problem = ckpt_files.verify(ckpt, checksum=False)
         if problem is not None:
-            raise CheckpointError(f"checkpoint {ckpt} is incomplete ({problem}); use an earlier checkpoint")
+            raise CheckpointError(f"checkpoint {ckpt} {problem.verdict} ({problem}); use an earlier checkpoint")
 
 
 def load_part(ckpt: Path, name: str, map_location: str | torch.device = "cpu") -> Any:
@@ -110,9 +113,19 @@ def load_part(ckpt: Path, name: str, map_location: str | torch.device = "cpu") -
 def load_model_state(ckpt: Path, map_location: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """The whole model's state dict: `model.pt`, `model.safetensors` (`meshlm convert --to-single`), or the
     pieces of a parallel run (`index.json`, assembled by `sharded.full_model_state` in this process).
-    File sizes are checked against the manifest first (checksums: `resolve_checkpoint`)."""
+    File sizes are checked against the manifest first (checksums: `resolve_checkpoint`); weights holding NaN
+    or inf are refused, naming the tensor."""
     ckpt = Path(ckpt)
     _check_sizes(ckpt)
+    state = _read_model_state(ckpt, map_location)
+    bad = ckpt_files.non_finite(state)
+    if bad:
+        raise CheckpointError(f"checkpoint {ckpt} holds non-finite weights (tensor {bad[0]!r} holds NaN or inf); use "
+                              "an earlier checkpoint (give the run directory to take the newest usable one)")
+    return state
+
+
+def _read_model_state(ckpt: Path, map_location: str | torch.device) -> dict[str, torch.Tensor]:
     if (ckpt / "model.pt").exists():
         return load_part(ckpt, "model", map_location)
     if (ckpt / "model.safetensors").exists():  # written by `meshlm convert --to-single`

@@ -14,10 +14,18 @@ def _no_overrides(command: str, overrides: list[str]) -> None:
         raise ConfigError(f"{command} takes no config overrides (got {overrides[0]!r}); see meshlm {command} -h")
 
 
+def _check_json_key(key: str) -> None:
+    """`--json-key` names a field: refused empty (or blank) before any input is read."""
+    if not key.strip():
+        raise ConfigError(f"--json-key {key!r} is empty; give the field of each .jsonl line that holds the text, "
+                          "e.g. --json-key text (the default)")
+
+
 def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     from meshlm.data import prepare
 
     _no_overrides("prepare", overrides)
+    _check_json_key(args.json_key)
     return prepare.main(args)
 
 
@@ -27,6 +35,7 @@ def _tokenizer_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from meshlm.data.tokenizers import get_tokenizer, train_bpe
 
     _no_overrides("tokenizer train", overrides)
+    _check_json_key(args.json_key)
     if not 1 <= args.vocab_size <= VOCAB_MAX:
         raise ConfigError(f"--vocab-size {args.vocab_size} must be in 1..{VOCAB_MAX}; e.g. 32000")
     if not 0 <= args.min_frequency <= VOCAB_MAX:

@@ -57,7 +57,7 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from meshlm.checkpoint.load import checkpoint_config, load_model_from_checkpoint
     from meshlm.data.tokenizers import get_tokenizer
-    from meshlm.models.generate import generate
+    from meshlm.models.generate import NonFiniteLogits, generate
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = checkpoint_config(args.checkpoint)
@@ -73,9 +73,9 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
         from meshlm.tune.export import apply_adapter, read_adapter
 
         adapter = read_adapter(args.adapter, cfg, args.checkpoint)
-        # As the tuning data lays an example out (tune/data.py): the task's virtual-token placeholders, or
-        # a document start.
-        head = [adapter.task_index(args.task)] * adapter.virtual_tokens or [tokenizer.eod_id]
+        # As the tuning data lays an example out (tune/data.py): the task's virtual-token placeholders (a
+        # prompt adapter), then the prompt; nothing else.
+        head = [adapter.task_index(args.task)] * adapter.virtual_tokens
     elif args.task is not None:
         raise ConfigError("--task chooses the virtual prompt of an --adapter; give --adapter DIR")
     max_new_tokens = _check_lengths(cfg, len(head) + len(ids), args.max_new_tokens)
@@ -83,8 +83,11 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
     if adapter is not None:
         apply_adapter(model, cfg, adapter)  # LoRA merged into the weights: no extra work per token
     prompt = torch.tensor([head + ids], device=device)
-    out = generate(model, prompt, max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, use_cache=not args.no_cache)
+    try:
+        out = generate(model, prompt, max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, seed=args.seed, use_cache=not args.no_cache)
+    except NonFiniteLogits as err:
+        raise ConfigError(f"{args.checkpoint}: {err}") from None
     print(tokenizer.decode(out[0, len(head):].tolist()))
     return 0
 

@@ -2,6 +2,7 @@
 
     meshlm plan --config gpt2-1.3b --gpus 16 --gpus-per-node 8 --gpu a100-80gb --global-batch-size 512
     meshlm plan --config gpt2-1.3b --gpus 16 --gpu a100-80gb --explain tp=2,pp=1,dp=8,mbs=4
+    meshlm plan --config gpt2-1.3b --gpus 16 --gpu a100-80gb --layout tp=2,pp=2   # the rest completed to fit
     meshlm plan --config gpt-tiny --gpus 2 --gpu this --trial 3 --steps 6
     meshlm plan --config gpt2-1.3b --gpu h100-80gb --inference --tpot-ms 20
 
@@ -21,6 +22,10 @@ GPU_FIELDS = [("tflops", "dense 16-bit peak TFLOP/s"), ("memory-gb", "memory per
               ("inter-gbps", "inter-node link per GPU, GB/s"), ("intra-latency-us", "intra-node latency, µs"),
               ("inter-latency-us", "inter-node latency, µs"), ("op-overhead-us", "host time per op, µs"),
               ("gather-cost", "all-gather / reduce-scatter cost as a fraction of an all-reduce's")]
+
+# The runtimes --runtime describes (`plan.cost.RUNTIMES`, in its order): meshlm's own, or Megatron-LM as the
+# published measurements ran it (docs/plan.md, "What runs").
+RUNTIMES = ("meshlm", "megatron-2021", "megatron-2022")
 
 
 def _check_cluster(args: argparse.Namespace) -> None:
@@ -62,11 +67,15 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the config's)")
     plan.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
                       help="default: bf16 on a catalog GPU, the config's on --gpu this")
+    plan.add_argument("--runtime", choices=RUNTIMES, default="meshlm",
+                      help="the software whose costs are modelled: meshlm (default), or Megatron-LM as the papers "
+                           "ran it (16-bit weights with fp32 master copies, stored attention scores, no DP overlap)")
     plan.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     plan.add_argument("--all", action="store_true", help="every fitting variant, not the best of each layout")
     plan.add_argument("--json", action="store_true", help="print the ranked layouts as a JSON list")
-    plan.add_argument("--layout", default=None, help="evaluate one layout: tp=8,pp=8,dp=16,vpp=1,sp=true,mbs=1,"
-                                                      "recompute=selective|full|full:N|none,zero=1")
+    plan.add_argument("--layout", default=None, help="one layout, any of tp=8,pp=8,dp=16,vpp=1,sp=true,mbs=1,"
+                                                      "recompute=selective|full|full:N|none,zero=1; the search "
+                                                      "completes the fields left out with the fastest that fit")
     plan.add_argument("--explain", default=None, metavar="LAYOUT", help="print every memory and time term of a layout")
     plan.add_argument("--write-config", default=None, metavar="PATH", help="write the winning layout's config (.toml)")
     plan.add_argument("--trial", type=int, default=0, metavar="K", help="run the top K layouts with torchrun here")

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import math
+import socket
 
 from meshlm.core.config import ConfigError
+from meshlm.infer.protocol import MAX_BODY_BYTES
 
 
 def _tp_of(overrides: list[str]) -> int:
@@ -23,6 +27,29 @@ def _tp_of(overrides: list[str]) -> int:
     return tp
 
 
+def _check_host(host: str) -> None:
+    """ConfigError unless `host` is an address this machine can listen on (an IP address of one of its
+    interfaces, a wildcard like 0.0.0.0, or a name that resolves to one), checked by binding a socket to it on
+    a free port."""
+    hint = "give an address of this machine, e.g. 127.0.0.1 (loopback) or 0.0.0.0 (every interface)"
+    if all(c.isdigit() or c == "." for c in host):  # looks like IPv4: must be one (never looked up as a name)
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ConfigError(f"--host {host!r} is not a valid IPv4 address; {hint}") from None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (OSError, UnicodeError) as err:
+        raise ConfigError(f"--host {host!r} does not resolve to an address ({getattr(err, 'strerror', err)}); "
+                          f"{hint}") from None
+    with socket.socket(family, kind, proto) as probe:
+        try:
+            probe.bind(address)
+        except OSError as err:
+            raise ConfigError(f"--host {host!r} cannot be listened on here ({err.strerror}); {hint}") from None
+
+
 def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
     tp = _tp_of(overrides)
     from meshlm.infer.server import require_serving_dependencies, serve
@@ -32,12 +59,17 @@ def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
               (args.max_seqs >= 1, f"--max-seqs {args.max_seqs} must be >= 1"),
               (args.max_queue >= 1, f"--max-queue {args.max_queue} must be >= 1"),
               (args.max_len is None or args.max_len >= 2, f"--max-len {args.max_len} must be >= 2"),
-              (args.api_key is None or args.api_key.strip() != "", "--api-key must not be empty")]
+              (args.api_key is None or args.api_key.strip() != "", "--api-key must not be empty"),
+              (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0,
+               f"--drain-timeout {args.drain_timeout} must be a number of seconds >= 0 (0: do not wait)"),
+              (args.max_body_bytes >= 1,
+               f"--max-body-bytes {args.max_body_bytes} must be >= 1 (default {MAX_BODY_BYTES}: 4 MiB)")]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    _check_host(args.host)
     return serve(args.checkpoint, args.host, args.port, args.max_seqs, args.max_len, args.max_queue, args.api_key,
-                 args.served_model_name, tp, args.adapter, args.log_level, args.drain_timeout)
+                 args.served_model_name, tp, args.adapter, args.log_level, args.drain_timeout, args.max_body_bytes)
 
 
 def add_serve_command(sub) -> None:
@@ -54,6 +86,8 @@ def add_serve_command(sub) -> None:
                                                              "(default: model.seq_len)")
     p.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a row; beyond: 429")
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds SIGTERM waits for open requests")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="the largest request body taken; a "
+                   "larger one is answered 413 before it is read (default: 4 MiB)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--adapter", action="append", default=None, metavar="[NAME=]DIR", help="an adapter of meshlm "
                    "tune (or PEFT; LoRA or prompt tuning) tuned on --checkpoint, served as model NAME (default: DIR's "

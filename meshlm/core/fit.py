@@ -21,6 +21,9 @@ def machine_memory(device_type: str = "cpu") -> tuple[int, str]:
     if device_type == "cuda":
         import torch
 
+        if not torch.cuda.is_available():  # a CPU-only torch, or no GPU visible
+            raise ConfigError("train.device='cuda' but no CUDA GPU is visible to this torch; use train.device=auto "
+                              "or cpu")
         index = int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1)
         return torch.cuda.get_device_properties(index).total_memory, "GPU memory"
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -5,8 +5,7 @@
   forward hook adds, to the batch rows that asked for adapter i, (α/r) B_i A_i x of those rows: the same
   `LoRA.delta` that tuning trains with, on a gather of the rows (`index_select`, then `index_add` back).
   Rows of the base get nothing, so one copy of the base weights serves the base and every adapter in the
-  same decode step. The engine starts a LoRA request's row with one end-of-document token, as tuning rows
-  start (`Engine.head`).
+  same decode step. A LoRA request's row is its prompt alone, as tuning rows start (`Engine.head`).
 * Prompt tuning and p-tuning (exported as its table): a request's row is prefilled with n placeholder
   positions before its prompt, and the token embedding's output at those positions is replaced by the
   adapter's virtual tokens (as `tune/prompt.py` does while tuning, before positions are added). Decoding

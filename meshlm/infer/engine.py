@@ -14,15 +14,17 @@ Design (docs/serving.md):
   presence / frequency penalties, stop strings and token ids, `max_tokens`. Log-probabilities are the
   model's (log-softmax of the logits before any penalty or temperature): of the chosen token and the top N,
   and with `echo` of every prompt token after the first.
+- An exception while running a request (its prefill, sampling, text; a decode step for the rows of that
+  step) fails those requests alone (finish_reason "error", `error` said) and the engine goes on; only an
+  error outside any request (or a failed model call under tensor parallelism) stops the loop (`dead`).
 - The model runs behind a `Runner` (prefill / decode / move); under tensor parallelism rank 0's runner
   broadcasts each operation to the other ranks first (`DistributedRunner`), which replay it in `worker_loop`.
 - Adapters (`infer/adapters.py`): a request may name one of the engine's adapters (index 1..K; 0 is the
   base). Rows of different adapters share a decode step: LoRA runs unmerged on each row's own matrices,
   and a prompt adapter's virtual tokens are placed before the prompt at prefill (n more positions of the
   row, not counted as prompt tokens). A request's row starts as a tuning row does (`tune/data.py`) and as
-  `meshlm generate --adapter` lays it out: a prompt adapter's virtual tokens, or for a LoRA adapter one
-  end-of-document token (a document start), counted like the virtual tokens (against the context, not as
-  prompt tokens) and never echoed; the base's row is its prompt alone (as `meshlm generate` without one).
+  `meshlm generate --adapter` lays it out: a prompt adapter's virtual tokens, then the prompt; a LoRA
+  adapter's row, like the base's, is its prompt alone (as PEFT runs an exported adapter).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from meshlm.models.generate import sample_next
 from meshlm.models.layers import KVCache
 
 MAX_TOP_LOGPROBS = 20
@@ -141,7 +144,7 @@ class Request:
 
     @property
     def length(self) -> int:
-        """Positions of its cache row in use: the head (virtual tokens or a document start), prompt, output."""
+        """Positions of its cache row in use: the head (a prompt adapter's virtual tokens), prompt, output."""
         return len(self.head) + len(self.prompt_ids) + len(self.output_ids)
 
 
@@ -306,21 +309,13 @@ def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
 
 
 def sample_token(logits: torch.Tensor, req: Request) -> int:
-    """One id from (V,) fp32 logits by the request's parameters."""
+    """One id from (V,) fp32 logits by the request's parameters (`models/generate.py`'s `sample_next`: however
+    small the temperature or extreme the penalties, no NaN reaches the draw)."""
     p = req.params
     logits = apply_penalties(logits, req)
     if p.greedy:
         return int(logits.argmax())
-    logits = logits / p.temperature
-    if p.top_k > 0:
-        kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
-        logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return int(torch.multinomial(logits.softmax(-1), 1, generator=req.generator))
+    return int(sample_next(logits[None], p.temperature, p.top_k, p.top_p, req.generator)[0, 0])
 
 
 # ---- the engine ---------------------------------------------------------------------------------------------
@@ -351,7 +346,7 @@ class Engine:
         self.dead: str | None = None  # the error that stopped the loop
         # mixed_steps: decode steps whose rows used more than one model (the base, adapters)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0, "steps": 0,
-                      "mixed_steps": 0}
+                      "mixed_steps": 0, "requests_failed": 0}
         self.ttft = Histogram()  # seconds from arrival to the first token, of finished requests
         self.tpot = Histogram()  # seconds per output token after the first
 
@@ -366,25 +361,24 @@ class Engine:
     def head(self, adapter: int) -> list[int]:
         """The ids adapter `adapter`'s row holds before the prompt, as a tuning row starts (`tune/data.py`) and
         as `meshlm generate --adapter` lays it out: a prompt adapter's virtual-token placeholders (their
-        embeddings are replaced), a LoRA adapter's document start (one end-of-document token); nothing for
-        the base (nor does `meshlm generate` without an adapter add anything). Not prompt tokens: they count
+        embeddings are replaced); nothing for a LoRA adapter or the base. Not prompt tokens: they count
         against the context only."""
-        virtual = self.virtual_tokens(adapter)
-        if virtual:
-            return [0] * virtual
-        return [self.eod_id] if adapter and self.eod_id is not None else []
+        return [0] * self.virtual_tokens(adapter)
 
     def check(self, prompt_ids: list[int], params: SamplingParams, adapter: int = 0) -> None:
         """InvalidRequest for a request the engine cannot run."""
         params.validate()
-        virtual, head = self.virtual_tokens(adapter), len(self.head(adapter))
+        head = len(self.head(adapter))
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", "prompt")
         if any(not 0 <= t < self.model.cfg.vocab_size for t in prompt_ids):
             raise InvalidRequest(f"prompt token ids must be in 0..{self.model.cfg.vocab_size - 1}", "prompt")
-        room = self.max_len - head  # positions left after the adapter's virtual tokens or document start
-        what = "the adapter's virtual tokens" if virtual else "the adapter's document start (end-of-document token)"
-        context = f"{self.max_len} tokens" + (f" ({head} of them {what})" if head else "")
+        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.model.cfg.vocab_size]
+        if bad_stop:
+            raise InvalidRequest(f"stop_token_ids must be token ids in 0..{self.model.cfg.vocab_size - 1} (got "
+                                 f"{bad_stop[0]})", "stop_token_ids")
+        room = self.max_len - head  # positions left after the adapter's virtual tokens
+        context = f"{self.max_len} tokens" + (f" ({head} of them the adapter's virtual tokens)" if head else "")
         if len(prompt_ids) > room:
             raise InvalidRequest(f"the prompt is {len(prompt_ids)} tokens, more than the model's context of "
                                  f"{context}", "prompt")
@@ -492,14 +486,46 @@ class Engine:
             safe -= 1
         req.emitted = max(req.emitted, safe)
 
+    def _fail(self, reqs: list[Request], err: BaseException) -> None:
+        """Fail `reqs` (not the engine): each answers with `err`; their rows are freed before the next step."""
+        traceback.print_exception(err)  # the server's log
+        for req in reqs:
+            if not req.finished:
+                req.error = f"{type(err).__name__}: {err}"
+                req.emitted = len(req.text)
+                req.finished_at = time.monotonic()
+                req.finish_reason = "error"
+                self.stats["requests_failed"] += 1
+                with contextlib.suppress(Exception):  # a callback that fails too: the request is finished anyway
+                    self._notify(req)
+
+    def _isolated(self, reqs: list[Request], call, *args):
+        """`call(*args)`; an exception fails `reqs` (the requests it was for) and returns None, so that one
+        request never stops the engine for the others. Under tensor parallelism a failed model call is fatal
+        (the other ranks replay each call: they would be out of step)."""
+        try:
+            return call(*args)
+        except Exception as err:  # answered to the requests concerned
+            if isinstance(self.runner, DistributedRunner) and call in (self.runner.prefill, self.runner.decode):
+                raise
+            self._fail(reqs, err)
+            return None
+
     def _admit(self, req: Request) -> None:
         row = len(self.active)
-        self.active.append(req)
-        if req.adapter:  # the head first (virtual tokens' placeholders, or a document start); no logits of it
-            logits = self.runner.prefill(row, req.head + req.prompt_ids, req.adapter)[len(req.head):]
+        self.active.append(req)  # a failed request is finished: the next release frees its row
+        if req.adapter:  # the head first (virtual tokens' placeholders); no logits of it
+            logits = self._isolated([req], self.runner.prefill, row, req.head + req.prompt_ids, req.adapter)
+            logits = logits[len(req.head):] if logits is not None else None
         else:
-            logits = self.runner.prefill(row, req.prompt_ids)
+            logits = self._isolated([req], self.runner.prefill, row, req.prompt_ids)
+        if logits is None:
+            return
         self.stats["prompt_tokens"] += len(req.prompt_ids)
+        self._isolated([req], self._first_token, req, logits)
+
+    def _first_token(self, req: Request, logits: torch.Tensor) -> None:
+        """The prompt's log-probabilities (echo) and the first token of `req` from its prefill's logits."""
         if req.params.echo:
             lp = F.log_softmax(logits[:-1], -1) if req.params.logprobs is not None else None
             req.prompt_tokens = [TokenInfo(req.prompt_ids[0], self.tokenizer.decode(req.prompt_ids[:1]))]
@@ -507,6 +533,10 @@ class Engine:
                 req.prompt_tokens.append(self._token_info(lp[i] if lp is not None else None, t,
                                                           req.params.logprobs))
         self._accept(req, logits[-1])
+        self._notify(req)
+
+    def _next_token(self, req: Request, logits: torch.Tensor, argmax: int) -> None:
+        self._accept(req, logits, argmax)
         self._notify(req)
 
     def _release_finished(self) -> None:
@@ -548,16 +578,14 @@ class Engine:
             tokens = [r.output_ids[-1] for r in self.active]
             positions = [r.length - 1 for r in self.active]
             used = [r.adapter for r in self.active]
-            if any(used):
-                logits = self.runner.decode(tokens, positions, used)
-            else:
-                logits = self.runner.decode(tokens, positions)
-            self.stats["mixed_steps"] += len(set(used)) > 1
-            argmax = logits.argmax(-1).tolist()  # every row's greedy choice at once
-            for i, req in enumerate(self.active):
-                self._accept(req, logits[i], argmax[i])
-                self._notify(req)
-            self.stats["steps"] += 1
+            args = (tokens, positions, used) if any(used) else (tokens, positions)
+            logits = self._isolated(list(self.active), self.runner.decode, *args)  # fails: every row of the step
+            if logits is not None:
+                self.stats["mixed_steps"] += len(set(used)) > 1
+                argmax = logits.argmax(-1).tolist()  # every row's greedy choice at once
+                for i, req in enumerate(self.active):
+                    self._isolated([req], self._next_token, req, logits[i], argmax[i])
+                self.stats["steps"] += 1
             did = True
         self._release_finished()
         return did
@@ -643,6 +671,8 @@ class EmbeddingEngine:
         ids = []
         for i, text in enumerate(texts):
             body = text if isinstance(text, list) else self.tokenizer.encode(text)
+            if any(not 0 <= t < cfg.vocab_size for t in body):
+                raise InvalidRequest(f"input {i}: token ids must be in 0..{cfg.vocab_size - 1}", "input")
             if len(body) + 2 > cfg.seq_len:
                 raise InvalidRequest(f"input {i} is {len(body) + 2} tokens with [CLS] and [SEP], more than the "
                                      f"model's context of {cfg.seq_len} tokens", "input")

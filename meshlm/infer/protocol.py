@@ -37,14 +37,15 @@ def bad(message: str, param: str | None = None) -> APIError:
 
 # ---- request validation --------------------------------------------------------------------------------------
 INT, NUM, STR, BOOL = "integer", "number", "string", "boolean"
+MAX_BODY_BYTES = 4 * 2 ** 20  # `meshlm serve --max-body-bytes`' default: a larger request body is a 413
 
 
 def is_kind(value, kind) -> bool:
     """Whether a JSON value is of a schema kind (INT, NUM, STR, BOOL, "null", "string_list", ...)."""
     if kind == INT:
         return isinstance(value, int) and not isinstance(value, bool)
-    if kind == NUM:
-        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if kind == NUM:  # finite, as a float too (an integer of 400 digits is not a float)
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(as_float(value))
     if kind == STR:
         return isinstance(value, str)
     if kind == BOOL:
@@ -64,6 +65,24 @@ def is_kind(value, kind) -> bool:
     raise AssertionError(kind)
 
 
+def as_float(value: float) -> float:
+    """`value` as a float; inf for an integer too large for one."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
+def preview(value) -> str:
+    """A short JSON rendering of a request value for an error message, safe for any nesting depth."""
+    if isinstance(value, dict | list):
+        return f"a JSON {'object' if isinstance(value, dict) else 'array'} of {len(value)} items"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def validate(body, schema: dict[str, tuple]) -> dict:
     """`body` checked against {field: (kinds, default)}: unknown fields and wrong types are 400s."""
     if not isinstance(body, dict):
@@ -81,7 +100,7 @@ def validate(body, schema: dict[str, tuple]) -> dict:
         value = body[name]
         if not any(is_kind(value, k) for k in kinds):
             raise bad(f"field {name!r} must be {' or '.join(k.replace('_', ' of ') for k in kinds)}, "
-                      f"not {json.dumps(value)[:80]}", name)
+                      f"not {preview(value)}", name)
         out[name] = value
     return out
 
@@ -109,7 +128,7 @@ MEGATRON_SCHEMA = {
     "top_k": ((INT,), 0), "top_p": ((NUM,), 0.0), "top_p_decay": ((NUM,), 0.0), "top_p_bound": ((NUM,), 0.0),
     "logprobs": ((BOOL,), False), "add_BOS": ((BOOL,), False), "stop_on_double_eol": ((BOOL,), False),
     "stop_on_eol": ((BOOL,), False), "prevent_newline_after_colon": ((BOOL,), False),
-    "random_seed": ((INT,), -1), "no_log": ((BOOL,), False), "beam_width": ((INT, "null"), None),
+    "random_seed": ((INT, "null"), None), "no_log": ((BOOL,), False), "beam_width": ((INT, "null"), None),
     "length_penalty": ((NUM,), 1.0), "stop_token": ((INT, "null"), None),
 }
 
@@ -143,6 +162,8 @@ def include_usage(f: dict) -> bool:
     unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
     if unknown:
         raise bad(f"stream_options has unknown field {unknown[0]!r}", "stream_options")
+    if any(not isinstance(v, bool | None) for v in options.values()):
+        raise bad("stream_options' fields must be true or false", "stream_options")
     return bool(options.get("include_usage"))
 
 

@@ -40,15 +40,15 @@ def add_routes(app, server) -> None:
 
     @app.post("/v1/completions")
     async def completions_route(request: HTTPRequest):
-        return await completions(server, await body_of(request))
+        return await completions(server, await body_of(request, server.max_body_bytes))
 
     @app.post("/v1/chat/completions")
     async def chat_route(request: HTTPRequest):
-        return await chat_completions(server, await body_of(request))
+        return await chat_completions(server, await body_of(request, server.max_body_bytes))
 
     @app.post("/v1/embeddings")
     async def embeddings_route(request: HTTPRequest):
-        return await embeddings(server, await body_of(request))
+        return await embeddings(server, await body_of(request, server.max_body_bytes))
 
     @app.get("/v1/models")
     async def models_route():
@@ -56,7 +56,7 @@ def add_routes(app, server) -> None:
 
     @app.put("/api")
     async def megatron_route(request: HTTPRequest):
-        return await megatron(server, await body_of(request))
+        return await megatron(server, await body_of(request, server.max_body_bytes))
 
     @app.get("/health")
     async def health_route():
@@ -67,20 +67,46 @@ def add_routes(app, server) -> None:
         return PlainTextResponse(prometheus(server), media_type="text/plain; version=0.0.4")
 
 
-async def body_of(request):
-    """The request's body as JSON (a 400 when it is not JSON)."""
-    raw = await request.body()
+def too_large(limit: int) -> APIError:
+    """The 413 of a request body over the server's `--max-body-bytes`."""
+    return APIError(413, f"the request body is larger than this server's limit of {limit:,} bytes "
+                    "(meshlm serve --max-body-bytes)", code="request_too_large")
+
+
+def parse_json(raw: bytes):
+    """`raw` as JSON: a 400 when it is not JSON or is nested too deeply to parse."""
     try:
         return json.loads(raw)
+    except RecursionError:
+        raise bad("the request body is nested too deeply") from None
     except ValueError as err:
         raise bad(f"the request body is not valid JSON ({err})") from None
 
 
+async def body_of(request, limit: int):
+    """The request's body as JSON: a 413 as soon as it is over `limit` bytes (nothing more is read; the
+    declared Content-Length is checked before anything, by the app's middleware too), a 400 when it is not
+    JSON. Parsed off the event loop, so a large body never holds up the other clients."""
+    size, chunks = 0, []
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return await asyncio.to_thread(parse_json, b"".join(chunks))
+
+
 # ---- running requests on the engine ----------------------------------------------------------------------------
-def engine_failure(reqs: list) -> APIError | None:
-    """The 503 of requests the engine failed (it has stopped), or None."""
+def engine_failure(server, reqs: list) -> APIError | None:
+    """The error of requests the engine failed, or None: a 503 when the engine has stopped, else a 500 for
+    these requests alone (an error while running them; the engine serves the others on)."""
     errs = [r.error for r in reqs if r.finish_reason == "error"]
-    return APIError(503, f"the engine has stopped ({errs[0]})", "server_error", code="engine_dead") if errs else None
+    if not errs:
+        return None
+    if server.engine.dead is not None:
+        return APIError(503, f"the engine has stopped ({errs[0]})", "server_error", code="engine_dead")
+    return APIError(500, f"generating this request failed ({errs[0]}); the server goes on", "server_error",
+                    code="generation_failed")
 
 
 def cancel_unfinished(server, reqs: list) -> None:
@@ -110,7 +136,7 @@ async def run(server, reqs_of, stream: bool, chunks, final, usage_chunk=None):
             wake.clear()
     finally:
         cancel_unfinished(server, reqs)
-    err = engine_failure(reqs)
+    err = engine_failure(server, reqs)
     if err is not None:
         raise err
     return JSONResponse(final(reqs))
@@ -128,7 +154,7 @@ async def events(server, reqs: list, wake: asyncio.Event, chunks, usage_chunk):
         while not all(done):
             await wake.wait()
             wake.clear()
-            err = engine_failure(reqs)
+            err = engine_failure(server, reqs)
             if err is not None:
                 yield f"data: {json.dumps(err.body())}\n\n"
                 break
@@ -158,7 +184,7 @@ async def completions(server, request_body):
     adapter = server.check_model(f["model"])
     model = server.names[adapter]
     server.need("engine")
-    prompts = server.prompts(f["prompt"])
+    prompts = await asyncio.to_thread(server.prompts, f["prompt"])  # tokenized off the event loop
     echo = bool(f["echo"])
     sp = server.sampling(f, 16, f["logprobs"], echo)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -213,6 +239,8 @@ def chat_messages(f: dict) -> list[dict]:
         extra = sorted(set(m) - {"role", "content", "name"})
         if extra:
             raise bad(f"messages[{i}] has unknown field {extra[0]!r}", "messages")
+        if not isinstance(m.get("name", ""), str):
+            raise bad(f"messages[{i}].name must be a string", "messages")
         messages.append(m)
     if not messages:
         raise bad("messages is empty", "messages")
@@ -225,9 +253,13 @@ async def chat_completions(server, request_body):
     adapter = server.check_model(f["model"])
     model = server.names[adapter]
     server.need("engine")
-    ids = server.tokenizer.encode(chat_prompt(chat_messages(f)))
+    ids = await asyncio.to_thread(server.tokenizer.encode, chat_prompt(chat_messages(f)))  # off the event loop
+    names = {"logprobs": "top_logprobs"}
     if f["max_completion_tokens"] is not None:
+        if f["max_completion_tokens"] < 1:
+            raise bad(f"max_completion_tokens must be >= 1, not {f['max_completion_tokens']}", "max_completion_tokens")
         f["max_tokens"] = f["max_completion_tokens"]
+        names["max_tokens"] = "max_completion_tokens"
     top = f["top_logprobs"]
     if top is not None and not f["logprobs"]:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
@@ -262,7 +294,8 @@ async def chat_completions(server, request_body):
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [], "usage": usage(reqs)}
 
-    return await run(server, lambda cb: server.submit_all([ids], [sp], cb, adapter), bool(f["stream"]), chunks, final,
+    return await run(server, lambda cb: server.submit_all([ids], [sp], cb, adapter, names), bool(f["stream"]), chunks,
+                     final,
                      usage_chunk if include_usage(f) else None)
 
 
@@ -319,10 +352,18 @@ def health(server) -> dict:
 
 
 # ---- Megatron's PUT /api -----------------------------------------------------------------------------------------
-def check_megatron(f: dict) -> None:
-    """The checks of a validated Megatron request beyond its fields' types."""
+def check_megatron(f: dict, vocab_size: int) -> None:
+    """The checks of a validated Megatron request beyond its fields' types (as Megatron's server makes them)."""
     if not f["prompts"]:
         raise bad("prompts is empty", "prompts")
+    if f["random_seed"] is not None and not 0 <= f["random_seed"] < 2 ** 63:
+        raise bad(f"random_seed must be in 0..2^63-1 (leave it out for a random one), not {f['random_seed']}",
+                  "random_seed")
+    for name in ("top_p_decay", "top_p_bound"):
+        if not 0 <= f[name] <= 1:
+            raise bad(f"{name} must be in [0, 1], not {f[name]}", name)
+    if f["stop_token"] is not None and not 0 <= f["stop_token"] < vocab_size:
+        raise bad(f"stop_token must be a token id in 0..{vocab_size - 1}, not {f['stop_token']}", "stop_token")
     if f["beam_width"] is not None:
         raise bad("beam search (beam_width) is not supported", "beam_width")
     if not 0 <= f["tokens_to_generate"]:
@@ -341,15 +382,16 @@ async def megatron(server, request_body):
 
     f = validate(request_body, MEGATRON_SCHEMA)
     server.need("engine")
-    check_megatron(f)
+    check_megatron(f, server.engine.model.cfg.vocab_size)
     stop = ("\n\n",) if f["stop_on_double_eol"] else ("\n",) if f["stop_on_eol"] else ()
     eod = server.tokenizer.eod_id
     params = SamplingParams(
         max_tokens=f["tokens_to_generate"], temperature=float(f["temperature"]), top_k=f["top_k"],
-        top_p=float(f["top_p"]) or 1.0, seed=f["random_seed"] if f["random_seed"] >= 0 else None, stop=stop,
+        top_p=float(f["top_p"]) or 1.0, seed=f["random_seed"], stop=stop,
         stop_token_ids=(f["stop_token"],) if f["stop_token"] is not None else (),
         logprobs=0 if f["logprobs"] else None, echo=bool(f["logprobs"]))
-    prompts = [([eod] if f["add_BOS"] else []) + server.tokenizer.encode(p) for p in f["prompts"]]
+    prompts = await asyncio.to_thread(lambda: [([eod] if f["add_BOS"] else []) + server.tokenizer.encode(p)
+                                               for p in f["prompts"]])  # off the event loop
     decode = server.tokenizer.decode
 
     def final(reqs):
@@ -359,4 +401,6 @@ async def megatron(server, request_body):
             out["logprobs"] = [[t.logprob for t in r.prompt_tokens[1:] + r.output] for r in reqs]
         return out
 
-    return await run(server, lambda cb: server.submit_all(prompts, [params] * len(prompts), cb), False, None, final)
+    names = {"max_tokens": "tokens_to_generate", "seed": "random_seed", "stop_token_ids": "stop_token"}
+    return await run(server, lambda cb: server.submit_all(prompts, [params] * len(prompts), cb, names=names), False,
+                     None, final)

@@ -18,12 +18,13 @@ and uvicorn are the optional extra `meshlm[serve]`: nothing here imports them at
 import asyncio
 import hmac
 import os
+import re
 import sys
 import time
 
 from meshlm.core.config import ConfigError
 from meshlm.infer.metrics import Metrics
-from meshlm.infer.protocol import APIError, bad, or_default
+from meshlm.infer.protocol import MAX_BODY_BYTES, APIError, bad, or_default
 
 
 # ---- the server's state --------------------------------------------------------------------------------------
@@ -31,9 +32,10 @@ class Server:
     """What the endpoints share: the engine (a decoder) or the embedder (an encoder), the tokenizer, names."""
 
     def __init__(self, engine=None, embedder=None, tokenizer=None, model_name: str = "meshlm",
-                 max_len: int = 0, api_key: str | None = None):
+                 max_len: int = 0, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES):
         self.engine, self.embedder, self.tokenizer = engine, embedder, tokenizer
         self.model_name, self.max_len, self.api_key = model_name, max_len, api_key
+        self.max_body_bytes = max_body_bytes  # a larger request body is a 413, refused before it is read
         self.created = int(time.time())
         self.metrics = Metrics()
         adapters = getattr(engine, "adapters", None)
@@ -95,16 +97,20 @@ class Server:
             presence_penalty=float(or_default(f.get("presence_penalty"), 0.0)),
             frequency_penalty=float(or_default(f.get("frequency_penalty"), 0.0)), logprobs=logprobs, echo=echo)
 
-    def submit_all(self, prompts: list[list[int]], params: list, on_update, adapter: int = 0) -> list:
+    def submit_all(self, prompts: list[list[int]], params: list, on_update, adapter: int = 0,
+                   names: dict[str, str] | None = None) -> list:
         """Check every request first (nothing runs when one is bad), then submit them (with the engine's
-        adapter `adapter`)."""
+        adapter `adapter`). `names`: the request's own name of an engine parameter that it calls otherwise
+        (Megatron's `tokens_to_generate` for `max_tokens`, ...), for the errors."""
         from meshlm.infer.engine import EngineDead, InvalidRequest, QueueFull
 
         for ids, sp in zip(prompts, params):
             try:
                 self.engine.check(ids, sp, adapter)
             except InvalidRequest as err:
-                raise bad(str(err), err.param) from None
+                own = (names or {}).get(err.param, err.param)
+                message = re.sub(rf"(?<![\w']){err.param}(?![\w'])", own, str(err)) if err.param else str(err)
+                raise bad(message, own) from None
         reqs = []
         try:
             for ids, sp in zip(prompts, params):
@@ -129,7 +135,7 @@ def build_app(server: Server):
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from meshlm.infer.routes import add_routes
+    from meshlm.infer.routes import add_routes, too_large
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -160,9 +166,12 @@ def build_app(server: Server):
     @app.middleware("http")
     async def _auth_and_count(request: HTTPRequest, call_next):
         given = request.headers.get("authorization", "").encode()
+        declared = request.headers.get("content-length", "")
         if server.api_key is not None and not hmac.compare_digest(given, f"Bearer {server.api_key}".encode()):
             response = error_response(APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                                                "authentication_error", code="invalid_api_key"))
+        elif declared.isdigit() and int(declared) > server.max_body_bytes:  # refused before a byte is read
+            response = error_response(too_large(server.max_body_bytes))
         else:
             response = await call_next(request)
         server.metrics.count(request.url.path, response.status_code)
@@ -297,9 +306,11 @@ def _draining_server_class():
 
 def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, max_seqs: int = 32, max_len: int | None = None,
           max_queue: int = 256, api_key: str | None = None, model_name: str | None = None, tp: int = 1,
-          adapters: list[str] | None = None, log_level: str = "warning", drain_timeout: float = 60.0) -> int:
+          adapters: list[str] | None = None, log_level: str = "warning", drain_timeout: float = 60.0,
+          max_body_bytes: int = MAX_BODY_BYTES) -> int:
     """Serve `checkpoint` on http://host:port until SIGTERM/SIGINT (which drains the open requests for up to
-    `drain_timeout` seconds); under torchrun with tp > 1 the ranks other than 0 are the workers. Returns 0."""
+    `drain_timeout` seconds); under torchrun with tp > 1 the ranks other than 0 are the workers. A request
+    body over `max_body_bytes` is a 413. Returns 0."""
     import uvicorn
 
     from meshlm.parallel import destroy
@@ -309,6 +320,7 @@ def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, max_seqs: 
     try:
         server = build_server(checkpoint, max_seqs, max_len, max_queue, api_key, model_name, tp, adapters)
         if server is not None:
+            server.max_body_bytes = max_body_bytes
             also = f" with adapters {', '.join(repr(a.name) for a in server.adapters)}" if server.adapters else ""
             print(f"meshlm serve: {server.model_name!r}{also} on http://{host}:{port} "
                   f"({'embeddings' if server.engine is None else f'{max_seqs} sequences'})", file=sys.stderr,

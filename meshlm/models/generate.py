@@ -11,12 +11,34 @@ import torch
 from meshlm.models.gpt import GPT
 
 
+class NonFiniteLogits(ValueError):
+    """The model's logits hold NaN: no token can be drawn from them (a broken checkpoint or an overflow)."""
+
+
+def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 `logits / temperature` (temperature > 0) that never overflows into NaN: each row is shifted so its
+    largest logit is 0 first (softmax is unchanged), so however small the temperature the largest stays 0 and
+    the rest go towards -inf (greedy decoding in the limit). A temperature below fp32's smallest normal number
+    (about 1.2e-38, which fp32 cannot divide by: it rounds to 0) counts as that number. Infinite logits are
+    clamped to fp32's largest finite value; NaN ones raise NonFiniteLogits."""
+    logits = logits.float()
+    if bool(torch.isnan(logits).any()):
+        raise NonFiniteLogits("the model's logits hold NaN (a checkpoint with non-finite weights?); no token "
+                              "can be sampled")
+    big = torch.finfo(torch.float32).max
+    logits = logits.clamp(-big, big)
+    shifted = logits - logits.max(dim=-1, keepdim=True).values  # <= 0, the largest exactly 0
+    return shifted / max(float(temperature), torch.finfo(torch.float32).tiny)
+
+
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                 generator: torch.Generator | None) -> torch.Tensor:
-    """logits: (B, V) → next ids (B, 1)."""
+    """logits: (B, V) → next ids (B, 1). Temperature 0 (or top-k 1) is greedy decoding; a temperature so small
+    that dividing by it overflows samples from the largest logits only (`scaled_logits`): no NaN ever reaches
+    the draw."""
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
+    logits = scaled_logits(logits, temperature)
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -26,7 +48,7 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
         drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(-1)
+    probs = logits.softmax(-1)  # finite: every row holds its largest logit at 0, never masked above
     return torch.multinomial(probs, 1, generator=generator)
 
 

@@ -23,6 +23,7 @@ from meshlm.core.config import Config, ModelConfig
 from meshlm.core.flops import layer_flops_per_token, model_flops, recompute_flops
 from meshlm.core.layout import Layout, full_recompute_chunks, recomputed_layers
 from meshlm.core.memory import (
+    KORTHIKANTI_DTYPES,
     ActivationDtypes,
     activation_dtypes,
     activation_terms,
@@ -89,6 +90,22 @@ class Options:
     # separate add reads both and writes one (meshlm, 3 × grad_bytes per parameter), or the weight-gradient
     # GEMM accumulates in place (Megatron-LM's fused accumulation, True: free).
     fused_grad_accumulation: bool = False
+
+
+# The runtimes `meshlm plan --runtime` describes (commands/plan.py lists the names): meshlm's own, and
+# Megatron-LM as the published measurements ran it (benchmarks/plan_validation.py). Megatron-LM 2021
+# (Narayanan et al.): 16-bit compute with fp32 master weights, the s×s attention scores stored (no flash
+# attention), the DP all-reduce after the whole backward, every TP collective waited for, the weight
+# gradients accumulated by the GEMMs themselves. 2022 (Korthikanti et al.): the same, with the backward's
+# TP collectives (and SP's re-gathers) overlapped with the weight-gradient GEMMs.
+_MEGATRON_2021 = Options(precision="bf16", device_type="cuda", backend="math", dtypes=KORTHIKANTI_DTYPES,
+                         states="mixed", grad_bytes=4.0, fused_loss=False, sp_regather=False, dp_overlap=False,
+                         tp_backward_overlap=False, fused_grad_accumulation=True)
+RUNTIMES: dict[str, Options | None] = {
+    "meshlm": None,  # None: the precision, device and loss of the config and GPU (`plan.report`)
+    "megatron-2021": _MEGATRON_2021,
+    "megatron-2022": dataclasses.replace(_MEGATRON_2021, tp_backward_overlap=True),
+}
 
 
 @dataclass(frozen=True)
@@ -210,6 +227,21 @@ def rank_parameters(m: ModelConfig, layers: int, first: bool, last: bool, tp: in
         if last:
             extra += word
     return (layers * per_layer + extra) / tp
+
+
+def _rank_parameters(m: ModelConfig, layers: list[int], tp: int, pp: int) -> list[float]:
+    """`rank_parameters` of every pipeline rank, given its layers; the middle ranks' once per layer count
+    (pp can be 128)."""
+    middle: dict[int, float] = {}
+    out = []
+    for k, n in enumerate(layers):
+        if 0 < k < pp - 1:
+            if n not in middle:
+                middle[n] = rank_parameters(m, n, False, False, tp, pp)
+            out.append(middle[n])
+        else:
+            out.append(rank_parameters(m, n, k == 0, k == pp - 1, tp, pp))
+    return out
 
 
 # ---- collectives (α–β) ---------------------------------------------------------------------------------------
@@ -423,10 +455,18 @@ def _stages(layout: Layout, cand: Candidate, pp: int, v: int) -> _Stages:
             recomputed[r] = rank_layers[r]
         elif cand.recompute == "full":
             for k in range(v):
-                chunks = full_recompute_chunks(counts[r + k * pp], method, cand.recompute_num_layers)
-                regions[r] += len(chunks)
-                recomputed[r] += sum(len(ch) for ch in chunks)
+                n_regions, n_recomputed = _regions(counts[r + k * pp], method, cand.recompute_num_layers)
+                regions[r] += n_regions
+                recomputed[r] += n_recomputed
     return _Stages(rank_layers, recomputed, regions)
+
+
+@lru_cache(maxsize=4096)
+def _regions(n_layers: int, method: str, num_layers: int) -> tuple[int, int]:
+    """(checkpoint regions, layers in them) of a stage of `n_layers` (`full_recompute_chunks`; cached: a
+    search asks for the same few stage sizes for every rank of thousands of layouts)."""
+    chunks = full_recompute_chunks(n_layers, method, num_layers)
+    return len(chunks), sum(len(ch) for ch in chunks)
 
 
 @dataclass(frozen=True)
@@ -573,7 +613,7 @@ def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, op
     lt = _layer_times(r)
     st = _stages(layout, cand, pp, r.v)
     time, terms, rank_time, slowest = _pipeline_time(r, lt, st, _edges(r))
-    params = [rank_parameters(m, st.layers[k], k == 0, k == pp - 1, tp, pp) for k in range(pp)]
+    params = _rank_parameters(m, st.layers, tp, pp)
     time.update(_update_time(r, terms, max(params), st.layers[slowest]))
     step = sum(time.values())
     memory = _memory(r, lt.stored, st, params)

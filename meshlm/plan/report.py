@@ -9,7 +9,9 @@ docs/plan.md describes the cost model; `benchmarks/plan_validation.py` holds it 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -26,9 +28,19 @@ from meshlm.plan.catalog import (
     share_cores,
     with_overrides,
 )
-from meshlm.plan.cost import Candidate, Cluster, Options
+from meshlm.plan.cost import RUNTIMES, Candidate, Cluster, Options
 from meshlm.plan.inference import plan_serving
-from meshlm.plan.search import candidates, check, distinct, divisors, evaluate, search
+from meshlm.plan.search import (
+    MAX_GLOBAL_BATCH_SIZE,
+    MAX_GPUS,
+    candidates,
+    check,
+    distinct,
+    pp_sizes,
+    search,
+    smallest_dp,
+    tp_sizes,
+)
 from meshlm.plan.trials import run_trials
 
 GIB = 2 ** 30
@@ -64,8 +76,10 @@ def _config(args: argparse.Namespace, overrides: list[str]) -> Config:
     return load_config(args.config, [*overrides, *extra])
 
 
-def parse_layout(text: str, gpus: int, cfg: Config):
-    """'tp=8,pp=8,dp=16,sp=true,mbs=1,recompute=selective,zero=1' → Candidate (dp defaults to fill --gpus)."""
+def parse_layout(text: str, gpus: int) -> dict:
+    """'tp=8,pp=8,dp=16,sp=true,mbs=1,recompute=selective,zero=1' → the fields it gives, by `Candidate` field
+    name (recompute as (mode, N)); the search completes the others (`search.candidates(given=...)`). The
+    given parallel sizes must factor --gpus."""
     values: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, eq, value = part.partition("=")
@@ -73,35 +87,53 @@ def parse_layout(text: str, gpus: int, cfg: Config):
         if not eq or key not in LAYOUT_KEYS:
             raise ConfigError(f"--layout {text!r}: {part!r} is not key=value with key one of "
                               f"{', '.join(sorted(LAYOUT_KEYS))}; e.g. tp=8,pp=8,dp=16,sp=true,recompute=selective")
-        values[key] = value.strip()
+        values["micro_batch_size" if key == "mbs" else key] = value.strip()
+    given: dict = {}
+    for key in ("tp", "pp", "dp", "vpp", "micro_batch_size", "zero"):
+        if key in values:
+            raw, least = values[key], 0 if key == "zero" else 1
+            if not raw.isdigit() or int(raw) < least:
+                name = "mbs" if key == "micro_batch_size" else key
+                raise ConfigError(f"--layout {name}={raw!r} must be a whole number >= {least}")
+            given[key] = int(raw)
+    _check_world(text, gpus, given)
+    if "sp" in values:
+        sp_raw = values["sp"].lower()
+        if sp_raw not in ("true", "false", "1", "0"):
+            raise ConfigError(f"--layout sp={sp_raw!r} must be true or false")
+        given["sp"] = sp_raw in ("true", "1")
+    if "recompute" in values:
+        rec, _, n = values["recompute"].partition(":")
+        if rec not in ("none", "selective", "full") or (n and (rec != "full" or not n.isdigit())):
+            raise ConfigError(f"--layout recompute={values['recompute']!r} must be none, selective, full or full:N "
+                              "(the first N layers of each stage)")
+        given["recompute"] = (rec, int(n or 0))
+    return given
 
-    def integer(key: str, default: int) -> int:
-        raw = values.get(key)
-        if raw is None:
-            return default
-        if not raw.isdigit() or int(raw) < (0 if key == "zero" else 1):
-            raise ConfigError(f"--layout {key}={raw!r} must be a whole number >= {0 if key == 'zero' else 1}")
-        return int(raw)
 
-    tp, pp = integer("tp", 1), integer("pp", 1)
-    try:  # the world's rule (core.layout.factor_world), for the --gpus of the cluster; dp defaults to fill it
-        pp, dp, tp = factor_world(gpus, tp, pp, integer("dp", 0) if "dp" in values else 0)
+def _check_world(text: str, gpus: int, given: dict) -> None:
+    """The given tp, pp, dp against --gpus: the world's rule (`core.layout.factor_world`) when tp and pp are
+    both given (dp then defaults to fill the world), else the given sizes must divide it."""
+    try:
+        if "tp" in given and "pp" in given:
+            pp, dp, tp = factor_world(gpus, given["tp"], given["pp"], given.get("dp", 0))
+            given.update(tp=tp, pp=pp, dp=dp)
+            return
+        sizes = {k: given[k] for k in ("tp", "pp", "dp") if k in given}
+        product = math.prod(sizes.values())
+        if gpus % product:
+            named = " × ".join(f"{k}={v}" for k, v in sizes.items()) + (f" = {product}" if len(sizes) > 1 else "")
+            raise ConfigError(f"{named} does not divide the {gpus} GPUs; give sizes whose product divides --gpus")
     except ConfigError as err:
         raise ConfigError(f"--layout {text!r} on --gpus {gpus}: {err}") from None
-    sp_raw = values.get("sp", "false").lower()
-    if sp_raw not in ("true", "false", "1", "0"):
-        raise ConfigError(f"--layout sp={sp_raw!r} must be true or false")
-    rec, _, n = values.get("recompute", cfg.train.recompute).partition(":")
-    if rec not in ("none", "selective", "full") or (n and (rec != "full" or not n.isdigit())):
-        raise ConfigError(f"--layout recompute={values.get('recompute')!r} must be none, selective, full or full:N "
-                          "(the first N layers of each stage)")
-    mbs = integer("mbs", integer("micro_batch_size", cfg.train.micro_batch_size))
-    return Candidate(tp, pp, dp, integer("vpp", 1), sp_raw in ("true", "1"), mbs, rec, int(n or 0),
-                     integer("zero", 0))
 
 
 def _options(args: argparse.Namespace, cfg: Config, gpu):
+    """What runs: meshlm (the config's loss, the GPU's device) or a preset runtime (`cost.RUNTIMES`)."""
     this = gpu.name.startswith("this")
+    preset = RUNTIMES[args.runtime]
+    if preset is not None:
+        return dataclasses.replace(preset, precision=args.precision or preset.precision)
     device = "cpu" if gpu.name == "this (cpu)" else "cuda"
     precision = args.precision or (cfg.train.precision if this else "bf16")
     return Options(precision=precision, device_type=device, fused_loss=cfg.train.fused_loss)
@@ -178,28 +210,17 @@ def write_config(cfg: Config, path: str) -> Path:
 def run_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     """`meshlm plan` with the parsed `args` (commands/plan.py has checked the cluster's numbers) and the config
     `overrides`: the exit status."""
+    _check_bounds(args)
     cfg = _config(args, overrides)
     gpu = _gpu(args)
     if args.inference:
         return _inference(args, cfg, gpu)
+    _check_batch(cfg.train.global_batch_size, "train.global_batch_size=")
     cluster = Cluster(gpu, args.gpus, args.gpus_per_node)
     opts = _options(args, cfg, gpu)
     gbs = cfg.train.global_batch_size
-    one = args.layout or args.explain
-    if one:
-        cand = parse_layout(one, args.gpus, cfg)
-        est = evaluate(cfg, cand, cluster, gbs, opts)
-        if args.json:
-            print(json.dumps([est.to_dict()], indent=1))
-        elif args.explain:
-            print(explain(est, cand.apply(cfg, gbs)))
-        else:
-            print("\n".join(TABLE_HEAD + [_row(1, est)]))
-            print(f"{'fits' if est.fits else 'does NOT fit'} in {gpu.memory_gib:g} GiB; "
-                  f"overrides: {' '.join(cand.overrides())}")
-        if args.write_config:
-            print(f"wrote {write_config(cand.apply(cfg, gbs), args.write_config)}", file=sys.stderr)
-        return 0
+    if args.layout or args.explain:
+        return _one_layout(args, cfg, cluster, opts)
     result = search(cfg, cluster, gbs, opts)
     if not result.ranked:
         raise ConfigError(_nothing_fits(cfg, cluster, opts, result))
@@ -228,6 +249,93 @@ def run_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+# ---- bounds ------------------------------------------------------------------------------------------------
+def _check_bounds(args: argparse.Namespace) -> None:
+    """Sizes beyond any real cluster or batch are refused before any work (a billion GPUs used to hang)."""
+    for flag, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node)):
+        if value > MAX_GPUS:
+            raise ConfigError(f"{flag} {value} is more GPUs than the planner plans for (at most {MAX_GPUS:,} = "
+                              "2^20); give the cluster's real size")
+    if args.global_batch_size is not None:
+        _check_batch(args.global_batch_size, "--global-batch-size ")
+
+
+def _check_batch(value: int, name: str) -> None:
+    if not 1 <= value <= MAX_GLOBAL_BATCH_SIZE:
+        raise ConfigError(f"{name}{value} is out of range: give 1 to {MAX_GLOBAL_BATCH_SIZE:,} sequences per step "
+                          "(2^24)")
+
+
+# ---- one layout (--layout, --explain): the given fields, completed by the search ---------------------------
+def _one_layout(args: argparse.Namespace, cfg: Config, cluster: Cluster, opts) -> int:
+    text = args.layout or args.explain
+    given = parse_layout(text, cluster.gpus)
+    gbs = cfg.train.global_batch_size
+    result = search(cfg, cluster, gbs, opts, space=candidates(cfg, cluster.gpus, cluster.gpus_per_node, gbs, given))
+    if result.ranked:
+        est = result.ranked[0]
+    elif result.too_big and args.explain:  # the terms of the leanest completion say why it does not fit
+        est = result.too_big[0]
+    else:
+        raise ConfigError(_layout_does_not_fit(cfg, cluster, opts, text, given, result))
+    cand = est.candidate
+    chosen = [name for name, key in LAYOUT_FIELDS if key not in given]
+    if args.json:
+        print(json.dumps([est.to_dict()], indent=1))
+    elif args.explain:
+        print(explain(est, cand.apply(cfg, gbs)))
+    else:
+        print("\n".join(TABLE_HEAD + [_row(1, est)]))
+        print(f"fits in {cluster.gpu.memory_gib:g} GiB; "
+              + (f"completed by the search: {', '.join(chosen)}; " if chosen else "")
+              + f"overrides: {' '.join(cand.overrides())}")
+    if args.write_config:
+        print(f"wrote {write_config(cand.apply(cfg, gbs), args.write_config)}", file=sys.stderr)
+    return 0
+
+
+# (--layout name, `parse_layout` key), in `Candidate.label`'s order
+LAYOUT_FIELDS = [("tp", "tp"), ("pp", "pp"), ("vpp", "vpp"), ("dp", "dp"), ("sp", "sp"), ("mbs", "micro_batch_size"),
+                 ("recompute", "recompute"), ("zero", "zero")]
+
+
+def _layout_does_not_fit(cfg: Config, cluster: Cluster, opts, text: str, given: dict, result) -> str:
+    """One line: the given fields have no valid completion (the rule that refuses them), or none that fits
+    (the leanest one's memory, the excess, its largest term, and which given fields, left open, would fit)."""
+    where = f"--layout {text!r} on {cluster.gpus} × {cluster.gpu.name}"
+    if not result.too_big:
+        if not result.rejected:
+            return f"{where}: the search has no completion of it ({_no_candidates(cfg, cluster)})"
+        _count, reason, _cand = result.rejection_summary(1)[0]
+        return f"{where}: {reason}"
+    lean = result.too_big[0]
+    need, limit = lean.memory_bytes / GIB, cluster.gpu.memory_gib
+    largest = max(lean.memory, key=lean.memory.get)
+    what = "it" if len(result.too_big) == 1 and not result.rejected else f"its leanest completion ({lean.candidate.label()})"
+    freed = _fits_when_open(cfg, cluster, opts, given)
+    return (f"{where} does not fit: {what} needs {need:,.1f} GiB per GPU, {need - limit:,.1f} GiB more than the "
+            f"{cluster.gpu.name}'s {limit:g} GiB (the largest term: {largest}, {lean.memory[largest] / GIB:,.1f} GiB); "
+            + (f"it fits with {' or '.join(freed)} open (leave it out of --layout)" if freed else
+               "no single given field left open would fit it: lower --global-batch-size / --seq-len, or more GPUs")
+            + "; --explain shows every term")
+
+
+def _fits_when_open(cfg: Config, cluster: Cluster, opts, given: dict) -> list[str]:
+    """The given fields of which leaving one open (the search completing it) finds a layout that fits."""
+    gbs = cfg.train.global_batch_size
+    out = []
+    for name, key in LAYOUT_FIELDS:
+        if key not in given:
+            continue
+        rest = {k: v for k, v in given.items() if k != key}
+        if key in ("tp", "pp") and "dp" in rest:  # tp, pp and dp fix each other: open dp with it
+            rest.pop("dp")
+        space = candidates(cfg, cluster.gpus, cluster.gpus_per_node, gbs, rest)
+        if search(cfg, cluster, gbs, opts, space=space).ranked:
+            out.append(name)
+    return out
+
+
 def _describe(cfg: Config) -> str:
     m = cfg.model
     n = get_spec(m.family).parameter_count(m)
@@ -237,6 +345,8 @@ def _describe(cfg: Config) -> str:
 
 def _nothing_fits(cfg: Config, cluster, opts, result) -> str:
     """One line: why no layout works, and what would (more GPUs of this type, or another type)."""
+    if not result.too_big and not result.rejected:
+        return _no_candidates(cfg, cluster)
     if not result.too_big:
         _count, reason, cand = result.rejection_summary(1)[0]
         near = _valid_counts(cfg, cluster.gpus, cluster.gpus_per_node)
@@ -254,8 +364,23 @@ def _nothing_fits(cfg: Config, cluster, opts, result) -> str:
             + "; or lower --global-batch-size / --seq-len")
 
 
-def _valid_counts(cfg: Config, gpus: int, gpus_per_node: int) -> list[int]:
-    """The nearest GPU counts below and above `gpus` with a valid layout (validity only, not memory)."""
+def _no_candidates(cfg: Config, cluster) -> str:
+    """Why the search has no layout at all: the global batch cannot give every data-parallel rank a sequence
+    (the smallest dp of a valid layout: the world over its largest valid tp · pp)."""
+    gbs = cfg.train.global_batch_size
+    least = smallest_dp(cfg, cluster.gpus, cluster.gpus_per_node)
+    if least is None:
+        return (f"no tp × pp of {cluster.gpus:,} GPUs is valid for this model (tp up to "
+                f"{min(cluster.gpus_per_node, 8)}, pp up to the {cfg.model.n_layers} layers); try another --gpus")
+    return (f"no layout of {cluster.gpus:,} GPUs can split --global-batch-size {gbs} (train.global_batch_size): "
+            f"every valid layout has dp >= {least:,} (tp up to {min(cluster.gpus_per_node, 8)}, pp up to the "
+            f"{cfg.model.n_layers} layers), one sequence per data-parallel rank at least; give --global-batch-size "
+            f"of at least {least} (a multiple of it), or fewer --gpus")
+
+
+def _valid_counts(cfg: Config, gpus: int, gpus_per_node: int, tries: int = 64) -> list[int]:
+    """The nearest GPU counts below and above `gpus` with a valid layout (validity only, not memory), whole
+    nodes beyond one node, at most `tries` counts each way."""
     def valid(n: int) -> bool:
         for cand in candidates(cfg, n, gpus_per_node, cfg.train.global_batch_size):
             try:
@@ -265,16 +390,17 @@ def _valid_counts(cfg: Config, gpus: int, gpus_per_node: int) -> list[int]:
             return True
         return False
 
-    below = next((n for n in range(gpus - 1, 0, -1) if valid(n)), None)
-    above = next((n for n in range(gpus + 1, 2 * gpus + 1) if valid(n)), None)
+    step = gpus_per_node if gpus > gpus_per_node else 1
+    below = next((n for n in range(gpus - step, max(0, gpus - step * tries), -step) if valid(n)), None)
+    above = next((n for n in range(gpus + step, gpus + step * tries + 1, step) if valid(n)), None)
     return [n for n in (below, above) if n]
 
 
 def _lean_space(cfg: Config, gpus: int, gpus_per_node: int) -> list:
     """The memory-leanest variant of every tp × pp: micro-batch 1, full recomputation, SP, the deepest ZeRO."""
     out = []
-    for tp in [d for d in divisors(gpus) if d <= max(1, min(gpus_per_node, 8))]:
-        for pp in [d for d in divisors(gpus // tp) if d <= cfg.model.n_layers]:
+    for tp in tp_sizes(gpus, gpus_per_node):
+        for pp in pp_sizes(gpus, tp, cfg.model.n_layers):
             dp = gpus // (tp * pp)
             out.append(Candidate(tp, pp, dp, 1, tp > 1, 1, "full", 0, (3 if tp == 1 else 2) if dp > 1 else 0))
     return out

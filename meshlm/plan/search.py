@@ -5,6 +5,7 @@ among those that fit in memory (arithmetic, no tensors)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from meshlm.core.config import Config, ConfigError
@@ -14,10 +15,45 @@ from meshlm.plan.cost import Calibration, Candidate, Cluster, Estimate, Options,
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 VIRTUAL_STAGES = (1, 2, 3, 4, 6, 8)
+# Beyond any cluster or batch the planner is meant for (`meshlm plan` refuses them in one line): 2^20 GPUs
+# (the largest clusters built hold a few hundred thousand), 2^24 sequences per step (published runs take a
+# few thousand; 16 M tokens at sequence 1)
+MAX_GPUS = 2 ** 20
+MAX_GLOBAL_BATCH_SIZE = 2 ** 24
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of `n`, ascending, from those up to √n (n can be a cluster of a million GPUs)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def tp_sizes(world: int, gpus_per_node: int) -> list[int]:
+    """The tensor-parallel sizes the search tries: divisors of the world within a node, up to 8."""
+    return [d for d in divisors(world) if d <= max(1, min(gpus_per_node, 8))]
+
+
+def pp_sizes(world: int, tp: int, n_layers: int) -> list[int]:
+    """The pipeline sizes the search tries with `tp`: divisors of world / tp, at most one layer per stage."""
+    return [d for d in divisors(world // tp) if d <= n_layers] if world % tp == 0 else []
+
+
+def smallest_dp(cfg: Config, world: int, gpus_per_node: int) -> int | None:
+    """The smallest data-parallel size of a valid layout of the search for this world (the largest valid
+    tp · pp, micro-batch 1, one micro-batch), so the smallest global batch in sequences any layout can
+    split; None when no tp · pp is valid for the model."""
+    best = None
+    for tp in tp_sizes(world, gpus_per_node):
+        for pp in pp_sizes(world, tp, cfg.model.n_layers):
+            dp = world // (tp * pp)
+            if best is not None and dp >= best:
+                continue
+            try:
+                check(cfg, Candidate(tp, pp, dp), global_batch_size=dp)
+            except ConfigError:
+                continue
+            best = dp
+    return best
 
 
 def check(cfg: Config, cand: Candidate, global_batch_size: int | None = None,
@@ -50,31 +86,39 @@ def _validated(section, memo: dict | None) -> None:
         raise ConfigError(memo[key])
 
 
-def candidates(cfg: Config, world: int, gpus_per_node: int, global_batch_size: int) -> list[Candidate]:
-    """The search space. tp stays within a node (its collectives are the most frequent), up to 8."""
+def candidates(cfg: Config, world: int, gpus_per_node: int, global_batch_size: int,
+               given: dict | None = None) -> list[Candidate]:
+    """The search space. tp stays within a node (its collectives are the most frequent), up to 8.
+
+    `given` (`--layout`: any of tp, pp, dp, vpp, sp, micro_batch_size, recompute as (mode, N), zero) fixes
+    those fields, even outside the ranges searched (the validity rules judge them); the others range as in
+    the full search: the completions of a partial layout."""
+    g = given or {}
     m = cfg.model
     out = []
-    for tp in divisors(world):
-        if tp > max(1, min(gpus_per_node, 8)):
-            continue
-        for pp in divisors(world // tp):
-            if pp > m.n_layers:
+    for tp in [g["tp"]] if "tp" in g else tp_sizes(world, gpus_per_node):
+        for pp in [g["pp"]] if "pp" in g else pp_sizes(world, tp, m.n_layers):
+            if world % (tp * pp) or ("dp" in g and g["dp"] * tp * pp != world):
                 continue
             dp = world // (tp * pp)
-            for vpp in VIRTUAL_STAGES if pp > 1 else (1,):
-                if pp * vpp > m.n_layers or (vpp > 1 and m.n_layers % (pp * vpp)):
+            for vpp in _given_or(g, "vpp", VIRTUAL_STAGES if pp > 1 else (1,)):
+                if "vpp" not in g and (pp * vpp > m.n_layers or (vpp > 1 and m.n_layers % (pp * vpp))):
                     continue
-                stage = m.n_layers // (pp * vpp)
+                stage = max(1, m.n_layers // (pp * vpp))
                 recomputes = [("none", 0), ("selective", 0), ("full", 0)]
                 recomputes += [("full", n) for n in sorted({stage // 4, stage // 2, 3 * stage // 4}) if 0 < n < stage]
-                for sp in (False, True) if tp > 1 else (False,):
-                    for mbs in MICRO_BATCH_SIZES:
-                        if mbs * dp > global_batch_size:
+                for sp in _given_or(g, "sp", (False, True) if tp > 1 else (False,)):
+                    for mbs in _given_or(g, "micro_batch_size", MICRO_BATCH_SIZES):
+                        if "micro_batch_size" not in g and mbs * dp > global_batch_size:
                             continue
-                        for rec, n in recomputes:
-                            for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+                        for rec, n in _given_or(g, "recompute", recomputes):
+                            for zero in _given_or(g, "zero", (0, 1, 2, 3) if dp > 1 else (0,)):
                                 out.append(Candidate(tp, pp, dp, vpp, sp, mbs, rec, n, zero))
     return out
+
+
+def _given_or(given: dict, key: str, searched):
+    return [given[key]] if key in given else searched
 
 
 @dataclass

@@ -5,7 +5,16 @@ import torch
 import torch.nn.functional as F
 
 from meshlm.core.config import ModelConfig
-from meshlm.infer.engine import Engine, InvalidRequest, QueueFull, Request, SamplingParams, apply_penalties
+from meshlm.infer.engine import (
+    Engine,
+    InvalidRequest,
+    QueueFull,
+    Request,
+    Runner,
+    SamplingParams,
+    apply_penalties,
+    wait_for,
+)
 from meshlm.models.generate import generate
 from meshlm.models.gpt import GPT
 
@@ -169,3 +178,59 @@ def test_cancelled_request_frees_its_row():
         engine.step()
     assert a.finish_reason == "abort" and len(a.output_ids) < 30
     assert b.output_ids == alone(model, [4, 5], 30)
+
+
+def test_a_vanishing_temperature_samples_greedily():
+    """Issue 35: 1e-300 rounds to 0 in fp32, and logits / temperature once made NaN (then multinomial failed)."""
+    model = model_of("gpt2", seed=5)
+    prompt = prompts_of([6], seed=6)[0]
+    for temperature in (1e-300, 1e-38, 5e-324):
+        req = Engine(model, CharTokenizer()).generate([prompt], SamplingParams(
+            max_tokens=12, temperature=temperature, top_p=0.9, presence_penalty=0.5, ignore_eos=True))[0]
+        greedy = Engine(model, CharTokenizer()).generate([prompt], SamplingParams(
+            max_tokens=12, temperature=0, top_p=0.9, presence_penalty=0.5, ignore_eos=True))[0]
+        assert req.finish_reason == "length" and req.output_ids == greedy.output_ids, temperature
+
+
+class FlakyRunner(Runner):
+    """A runner whose prefill fails on a prompt holding token 13, and whose next decode fails once `fail_decode`
+    is set (as a model error or an out-of-memory would)."""
+
+    fail_decode = False
+
+    def prefill(self, row, ids, adapter=0):
+        if 13 in ids:
+            raise RuntimeError("prefill failed on token 13")
+        return super().prefill(row, ids, adapter)
+
+    def decode(self, tokens, positions, adapters=None):
+        if self.fail_decode:
+            self.fail_decode = False
+            raise RuntimeError("decode failed")
+        return super().decode(tokens, positions, adapters)
+
+
+def test_a_failing_request_fails_alone_and_the_engine_serves_on():
+    """Issue 35: an exception while running one request fails that request (finish_reason "error", its error
+    said), never the engine: the other requests finish as they would alone, and later ones run."""
+    model = model_of("gpt2", seed=6)
+    runner = FlakyRunner(model, 4, 64, 97)
+    engine = Engine(model, CharTokenizer(), max_seqs=4, runner=runner)
+    engine.start()
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    try:
+        good, bad, other = (engine.submit(p, sp) for p in ([1, 2, 3], [5, 13, 7], [9, 8]))
+        for r in (good, bad, other):
+            assert wait_for(r, 60).finished
+        assert bad.finish_reason == "error" and "token 13" in bad.error
+        assert good.output_ids == alone(model, [1, 2, 3], 10) and other.output_ids == alone(model, [9, 8], 10)
+        assert engine.alive
+        runner.fail_decode = True  # a failed decode step fails the requests of that step only
+        first = [engine.submit([4, 4], sp), engine.submit([6], sp)]
+        for r in first:
+            assert wait_for(r, 60).finish_reason == "error" and "decode failed" in r.error
+        after = wait_for(engine.submit([1, 2, 3], sp), 60)
+        assert after.finish_reason == "length" and after.output_ids == good.output_ids
+        assert engine.alive and engine.stats["requests_failed"] == 3
+    finally:
+        engine.stop(60)

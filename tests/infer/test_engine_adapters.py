@@ -47,11 +47,11 @@ def prompt_adapter(name, n, seed) -> Adapter:
 
 def tuned_alone(name, adapter, prompt, n):
     """Greedy tokens of the base with `adapter` applied as `meshlm generate --adapter` does (the virtual tokens'
-    placeholders, or one end-of-document token, before the prompt)."""
+    placeholders before the prompt; LoRA: the prompt alone)."""
     model = copy.deepcopy(model_of(name))
     cfg = config_of(name, adapter.tune)
     apply_adapter(model, cfg, adapter)
-    head = [0] * adapter.virtual_tokens or [CharTokenizer.eod_id]
+    head = [0] * adapter.virtual_tokens
     return alone(model, head + prompt, n)
 
 
@@ -95,32 +95,31 @@ def test_virtual_tokens_count_against_the_context():
         engine.check([1], SamplingParams(max_tokens=1), adapter=2)
 
 
-def test_a_lora_row_starts_with_the_end_of_document_token():
-    """As a tuning row (and `meshlm generate --adapter`): one more position, counted against the context but
-    not as a prompt token, and neither echoed nor scored; the base's row is its prompt alone."""
+def test_a_lora_row_is_its_prompt_alone():
+    """As a tuning row (and `meshlm generate --adapter`, and PEFT with the exported tokenizer): nothing before
+    the prompt, not even an end-of-document token; the whole context is the prompt's and the output's."""
     base = model_of("gpt2")
     adapter = lora_adapter("gpt2", ["q", "v"], 5)
     tokenizer = CharTokenizer()
-    tokenizer.eod_id = 7  # not 0, the prompt adapters' placeholder id: the head must be the end of document
+    tokenizer.eod_id = 7  # not 0, the prompt adapters' placeholder id
     served = AdapterSet(base, config_of("gpt2", TuneConfig()), [("a", adapter)])
     engine = Engine(base, tokenizer, max_seqs=2, max_len=16, adapters=served)
-    assert engine.head(0) == [] and engine.head(1) == [7]
-    engine.check([1] * 10, SamplingParams(max_tokens=6))  # the base: 16 positions
-    with pytest.raises(InvalidRequest, match="document start"):
-        engine.check([1] * 10, SamplingParams(max_tokens=6), adapter=1)  # 1 + 10 + 6 > 16
-    engine.check([1] * 10, SamplingParams(max_tokens=5), adapter=1)
+    assert engine.head(0) == [] and engine.head(1) == []
+    engine.check([1] * 10, SamplingParams(max_tokens=6), adapter=1)  # 10 + 6 = 16 positions, as the base
+    with pytest.raises(InvalidRequest, match="context of 16 tokens"):
+        engine.check([1] * 10, SamplingParams(max_tokens=7), adapter=1)
     prompt = [3, 1, 4, 1, 5]
     req = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0,
                                                    echo=True), [1])[0]
     merged = copy.deepcopy(base)
     apply_adapter(merged, config_of("gpt2", adapter.tune), adapter)
-    assert req.output_ids == alone(merged, [7] + prompt, 4)
-    assert req.output_ids != alone(merged, prompt, 4)  # the head matters here (so the line above could fail)
+    assert req.output_ids == alone(merged, prompt, 4)
+    assert req.output_ids != alone(merged, [7] + prompt, 4)  # a head would matter here (the line above could fail)
     assert engine.stats["prompt_tokens"] == len(prompt)
     assert [t.id for t in req.prompt_tokens] == prompt and req.prompt_tokens[0].logprob is None
     with torch.no_grad():
-        want = torch.log_softmax(merged(torch.tensor([[7] + prompt]))[0].float(), -1)
-    assert [t.logprob for t in req.prompt_tokens[1:]] == pytest.approx([float(want[i, t]) for i, t in
+        want = torch.log_softmax(merged(torch.tensor([prompt]))[0].float(), -1)
+    assert [t.logprob for t in req.prompt_tokens[1:]] == pytest.approx([float(want[i - 1, t]) for i, t in
                                                                         enumerate(prompt[1:], start=1)], abs=1e-5)
 
 

@@ -264,3 +264,30 @@ def test_embeddings_with_the_openai_client_and_the_api_key(bert):
     assert status == 400 and error_of(status, text)["param"] == "input"
     status, _, text = http("POST", server.url + "/v1/completions", {"prompt": "x"}, auth)
     assert status == 400 and "embeddings" in error_of(status, text)["message"]
+
+
+def test_embedding_token_ids_out_of_range_are_a_400(bert):
+    """Issue 35: ids outside the vocabulary once reached the embedding table (a 500)."""
+    server, _ = bert
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for ids in ([[-1, 5]], [[5, 30522]], [2 ** 40]):
+        status, _, text = http("POST", server.url + "/v1/embeddings", {"input": ids}, auth)
+        assert status == 400 and error_of(status, text)["param"] == "input", (ids, text)
+    assert http("GET", server.url + "/health", headers=auth)[0] == 200
+
+
+def test_a_failed_request_is_a_500_of_its_own_and_a_stopped_engine_a_503():
+    """Issue 35: a request the engine failed while it serves on is that request's 500, not the 503 of a dead
+    engine."""
+    from types import SimpleNamespace
+
+    from meshlm.infer.routes import engine_failure
+
+    failed = SimpleNamespace(finish_reason="error", error="RuntimeError: boom")
+    done = SimpleNamespace(finish_reason="length", error=None)
+    alive = SimpleNamespace(engine=SimpleNamespace(dead=None))
+    dead = SimpleNamespace(engine=SimpleNamespace(dead="RuntimeError: boom"))
+    assert engine_failure(alive, [done]) is None
+    err = engine_failure(alive, [done, failed])
+    assert err.status == 500 and err.code == "generation_failed" and "boom" in err.message
+    assert engine_failure(dead, [failed]).status == 503

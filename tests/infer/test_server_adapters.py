@@ -1,7 +1,7 @@
 """`meshlm serve` with several adapters on one base, chosen per request by the `model` field: two LoRA
 adapters (other seeds and targets) and a prompt-tuning adapter, tuned for a few steps on a tiny base. Each
 model's greedy completion equals the tuned model alone, and each LoRA adapter's equals `meshlm generate
---adapter`'s (its row starts with the end-of-document token, as tuning rows do); concurrent requests for
+--adapter`'s (its row is the prompt alone, as tuning rows are); concurrent requests for
 different models share decode steps (the engine's mixed-step counter) and still equal the sequential answers."""
 
 from __future__ import annotations
@@ -53,14 +53,14 @@ def served(tuned):
 @functools.cache
 def tuned_model(base: str, directory: str | None):
     """(model, tokenizer, head ids): the base with the adapter in `directory` (LoRA merged, virtual tokens
-    attached), as `meshlm generate --adapter` runs it: the virtual tokens' placeholders, or for LoRA one
-    end-of-document token, before the prompt (the base: nothing)."""
+    attached), as `meshlm generate --adapter` runs it: the virtual tokens' placeholders before the prompt
+    (LoRA and the base: nothing)."""
     model, tok, cfg = load_model_from_checkpoint(base)
     head = []
     if directory is not None:
         adapter = read_adapter(directory, cfg, base)
         apply_adapter(model, cfg, adapter)
-        head = [0] * adapter.virtual_tokens or [tok.eod_id]
+        head = [0] * adapter.virtual_tokens
     return model, tok, head
 
 
@@ -116,8 +116,8 @@ def test_each_model_answers_with_its_own_adapter(served, tuned):
 
 
 def test_lora_completions_equal_meshlm_generate(served, tuned):
-    """The real CLI in its own process, greedy: `meshlm generate --adapter DIR` (LoRA merged, a document start
-    before the prompt) against the server's unmerged LoRA rows. ignore_eos: generate does not stop at the end
+    """The real CLI in its own process, greedy: `meshlm generate --adapter DIR` (LoRA merged, the prompt
+    alone) against the server's unmerged LoRA rows. ignore_eos: generate does not stop at the end
     of the document either."""
     c = client(served)
     for model, directory in (("alpha", tuned["lora-a"]), ("lora-b", tuned["lora-b"])):
@@ -133,8 +133,8 @@ def test_lora_completions_equal_meshlm_generate(served, tuned):
 
 
 def test_lora_echo_shows_the_prompt_alone(served, tuned):
-    """The end-of-document token before a LoRA request's prompt is not echoed, nor counted as a prompt token;
-    the prompt's log-probabilities are the tuned model's after it."""
+    """A LoRA request echoes its prompt alone, every token counted as a prompt token; the prompt's
+    log-probabilities are the tuned model's."""
     model, tok, head = tuned_model(str(tuned["base"]), str(tuned["lora-a"]))
     prompt = PROMPTS[2]
     ids = tok.encode(prompt)

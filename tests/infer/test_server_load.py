@@ -120,17 +120,24 @@ def test_a_client_leaving_mid_stream_frees_its_row():
         assert status == 200, text  # the row is free for the next client
 
 
-def test_health_fails_once_the_engine_is_dead():
+def test_a_failed_step_fails_its_requests_and_a_dead_engine_fails_health():
+    """A model error while running requests fails those requests (a 500 each; issue 35: it once stopped the
+    engine for every client); an error outside any request stops the engine: then /health is a 503."""
     engine = tiny_engine(max_seqs=2, max_queue=4)
 
-    def broken(tokens, positions):
+    def broken(*args):
         raise RuntimeError("simulated device failure")
 
     engine.runner.decode = broken
     with serve_in_thread(engine) as url:
         assert http("GET", url + "/health")[0] == 200
         status, _, text = http("POST", url + "/v1/completions", {"prompt": "hello", "max_tokens": 5})
-        assert status == 503 and "simulated device failure" in json.loads(text)["error"]["message"]
+        error = json.loads(text)["error"]
+        assert status == 500 and error["code"] == "generation_failed" and "simulated device failure" in error["message"]
+        assert http("GET", url + "/health")[0] == 200 and engine.alive
+        del engine.runner.decode  # the device recovers: the engine served on
+        assert http("POST", url + "/v1/completions", {"prompt": "hello", "max_tokens": 5})[0] == 200
+        engine.runner.idle = broken  # an error outside any request: the engine loop stops
         wait_until(lambda: not engine.alive)
         status, _, text = http("GET", url + "/health")
         assert status == 503 and json.loads(text)["error"]["code"] == "engine_dead"

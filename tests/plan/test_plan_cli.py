@@ -12,7 +12,7 @@ import pytest
 from meshlm.cli import main
 from meshlm.core.config import load_config
 from meshlm.plan.catalog import CATALOG, get_gpu
-from meshlm.plan.cost import Cluster, Options
+from meshlm.plan.cost import Candidate, Cluster, Options
 from meshlm.plan.report import parse_layout
 from meshlm.plan.search import evaluate
 from tests.conftest import run_cli
@@ -45,14 +45,17 @@ def test_json_lists_ranked_layouts_that_fit(capsys):
 
 
 def test_layout_evaluates_one_layout_as_the_search_does(capsys):
-    text = "tp=2,pp=2,dp=4,sp=true,mbs=2,recompute=selective,zero=1"
+    text = "tp=2,pp=2,dp=4,vpp=1,sp=true,mbs=2,recompute=selective,zero=1"
     rc, out, _ = _run(capsys, *CLUSTER, "--layout", text, "--json")
     assert rc == 0
     (row,) = json.loads(out)
     assert (row["tp"], row["pp"], row["dp"], row["sp"], row["micro_batch_size"], row["recompute"], row["zero"]) == \
         (2, 2, 4, True, 2, "selective", 1)
+    assert parse_layout(text, 16) == {"tp": 2, "pp": 2, "dp": 4, "vpp": 1, "sp": True, "micro_batch_size": 2,
+                                      "recompute": ("selective", 0), "zero": 1}
     cfg = load_config("gpt2-1.3b", ["--train.global_batch_size=256"])
-    est = evaluate(cfg, parse_layout(text, 16, cfg), Cluster(get_gpu("a100-80gb"), 16, 8), 256, Options())
+    est = evaluate(cfg, Candidate(2, 2, 4, 1, True, 2, "selective", 0, 1), Cluster(get_gpu("a100-80gb"), 16, 8), 256,
+                   Options())
     assert row["step_time_s"] == pytest.approx(est.step_time_s) and row["memory_gb"] == pytest.approx(
         est.memory_bytes / 2 ** 30, abs=1e-3)
 
@@ -65,7 +68,8 @@ def test_gpu_gather_cost_reprices_sequence_parallel_layouts(capsys):
         assert rc == 0
         return json.loads(out)[0]["step_time_s"]
 
-    sp, plain = "tp=2,pp=2,dp=4,sp=true,mbs=2,recompute=selective,zero=0", "tp=2,pp=2,dp=4,mbs=2,zero=0"
+    sp = "tp=2,pp=2,dp=4,vpp=1,sp=true,mbs=2,recompute=selective,zero=0"
+    plain = "tp=2,pp=2,dp=4,vpp=1,sp=false,mbs=2,recompute=none,zero=0"
     assert step(sp, "--gpu-gather-cost", "1.0") > step(sp)
     assert step(plain, "--gpu-gather-cost", "1.0") == pytest.approx(step(plain))
 
@@ -146,12 +150,13 @@ def test_console_script_exit_code_and_catalog():
 
 
 def test_trials_on_this_machine_measure_the_top_layouts_and_rerank_them():
-    """`--gpu this --gpus 2 --trial 2`: this machine measured (matmul rate, op overhead, gloo between two busy
-    processes), the search over 2 processes, then the top 2 layouts run for real with torchrun; the JSON
+    """`--gpu this --gpus 2 --trial 2`: this machine measured (matmul rate, op overhead; the gloo link given,
+    which skips its probe: test_gloo_collectives_benchmark_prints_every_probe_size runs that), the search over
+    2 processes, then the top 2 layouts run for real with torchrun, 2 steps each (the second timed); the JSON
     rows carry both times and come back sorted by the measured one."""
     proc = run_cli("plan", "--config", "gpt-tiny", "--model.n_layers=2", "--model.seq_len=64", "--gpus", "2",
-                   "--gpus-per-node", "2", "--gpu", "this", "--global-batch-size", "8", "--trial", "2",
-                   "--steps", "3", "--json", timeout=600)
+                   "--gpus-per-node", "2", "--gpu", "this", "--gpu-intra-gbps", "2", "--gpu-intra-latency-us", "50",
+                   "--global-batch-size", "8", "--trial", "2", "--steps", "2", "--json", timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout)
     assert len(rows) >= 2

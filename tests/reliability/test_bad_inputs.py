@@ -89,8 +89,10 @@ POSITIVE = {"model.vocab_size", "model.n_layers", "model.hidden_size", "model.n_
             "train.global_batch_size", "train.log_every", "train.eval_iters", "optim.lr", "optim.eps",
             "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.timeout_s", "parallel.bucket_mb",
             "optim.wsd_decay_fraction", "model.n_kv_heads", "model.ffn_hidden_size", "model.type_vocab_size",
-            "model.num_labels", "tune.virtual_tokens", "tune.lora_rank", "tune.lora_alpha"}
-CHOICES = {"model.family", "model.position", "model.norm", "model.activation", "model.bert_head", "model.pooling",
+            "model.num_labels", "tune.virtual_tokens", "tune.lora_rank", "tune.lora_alpha", "model.rope_factor",
+            "model.rope_low_freq_factor", "model.rope_high_freq_factor", "model.rope_beta_fast",
+            "model.rope_beta_slow"}
+CHOICES = {"model.family", "model.position", "model.rope_scaling", "model.norm", "model.activation", "model.bert_head", "model.pooling",
            "train.precision", "train.device", "train.fused_loss",
            "train.recompute", "train.recompute_method", "optim.decay", "optim.name", "tune.method", "tune.prompt_init",
            "tune.encoder"}
