@@ -12,7 +12,7 @@ adds to that method's command (repeatable). Accuracy: the
 validation passage's answer is the title with the highest log-likelihood (summed over the title's tokens
 and the end-of-document token after it, as the tuning loss counts them) among the eight, scored with the
 base plus the adapter (or the fine-tuned model); zero-shot scores the base on the same rows, laid out as
-LoRA's and full fine-tuning's are (a document start, the passage, "Play:"). Also: greedy exact match (the
+LoRA's and full fine-tuning's are (the passage, "Play:", nothing before them). Also: greedy exact match (the
 title generated token by token), trainable parameters, optimizer state (from the run's log), median
 step time. Prints one table.
 """
@@ -127,7 +127,7 @@ def main() -> int:
     n_params = sum(p.numel() for p in model.parameters())
     results = {"zero-shot": {"trainable": 0, "optim_mib": 0.0, "step_s": float("nan")}}
     calibrated: list[float] = []
-    results["zero-shot"]["accuracy"], results["zero-shot"]["exact"] = score(model.eval(), tok, rows, [tok.eod_id],
+    results["zero-shot"]["accuracy"], results["zero-shot"]["exact"] = score(model.eval(), tok, rows, [],
                                                                             answers=answers, calibrated=calibrated)
     print(f"zero-shot: accuracy {results['zero-shot']['accuracy']:.3f} (calibrated: {calibrated[0]:.3f}, each "
           "answer's mean score over the rows taken off)", flush=True)
@@ -146,11 +146,11 @@ def main() -> int:
         if method == "full":
             tuned, _, _ = load_model_from_checkpoint(str(out))
             stats["trainable"] = n_params
-            head = [tok.eod_id]
+            head = []
         else:
             adapter = read_adapter(out, cfg, str(base))
             tuned = apply_adapter(load_model_from_checkpoint(str(base))[0], cfg, adapter)
-            head = [0] * adapter.virtual_tokens or [tok.eod_id]
+            head = [0] * adapter.virtual_tokens
         stats["accuracy"], stats["exact"] = score(tuned.eval(), tok, rows, head, answers=answers)
         results[method] = stats
         print(f"{method}: accuracy {stats['accuracy']:.3f}", flush=True)

@@ -11,6 +11,7 @@ and exits with 130 or 143.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import NoReturn
 
@@ -60,7 +61,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# OpenMP's settings of how waiting threads wait; a user who set any of them keeps exactly what they set.
+THREAD_POLICY_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
+# libgomp (torch's OpenMP on Linux): a waiting thread spins 10,000 iterations (tens of microseconds), then sleeps,
+# instead of libgomp's default 300,000. Short waits between operations stay spins (no slower alone); on a CPU
+# shared with a busy process, threads waiting for a descheduled one soon give their core back.
+THREAD_POLICY = {"GOMP_SPINCOUNT": "10000"}
+
+
+def thread_policy(environ: dict, nvidia_gpu: bool) -> dict[str, str]:
+    """The OpenMP variables meshlm sets in `environ` (`THREAD_POLICY`; docs/threads.md, measured by
+    benchmarks/busy_step.py): none where the user set any of `THREAD_POLICY_VARIABLES`, nor on a host with an
+    NVIDIA GPU (its CPU threads mostly wait for the GPU)."""
+    if nvidia_gpu or any(name in environ for name in THREAD_POLICY_VARIABLES):
+        return {}
+    return dict(THREAD_POLICY)
+
+
+def set_thread_policy() -> None:
+    """`thread_policy` into this process's environment, before torch loads (commands are torch-free at
+    import); torchrun's workers start through `main` too."""
+    os.environ.update(thread_policy(os.environ, os.path.isdir("/proc/driver/nvidia/gpus")))
+
+
 def main(argv: list[str] | None = None) -> int:
+    set_thread_policy()
     from meshlm.core.errors import CheckpointError, CheckpointWriteError, TrainingError
     from meshlm.data.assets import AssetError
 

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import math
 import os
+import tempfile
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields
@@ -75,6 +76,12 @@ def check_output_dir(key: str, path: str) -> None:
     _check(parent.is_dir(), f"{key}={path!r} lies below the file {str(parent)!r}; choose a directory path")
     _check(os.access(parent, os.W_OK | os.X_OK),
            f"{key}={path!r} cannot be created or written ({str(parent)!r} is not writable); choose another path")
+    if parent != target:  # access() can say yes where mkdir fails (/proc, /sys, read-only mounts, root): try it
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".meshlm-probe-", dir=parent))
+        except OSError as err:
+            raise ConfigError(f"{key}={path!r} cannot be created ({err.strerror or err} in {str(parent)!r}); choose "
+                              "another path") from None
 
 
 @dataclass(frozen=True)
@@ -162,26 +169,28 @@ class ModelConfig:
 
     def _validate_rope_scaling(self) -> None:
         _choices("model.rope_scaling", self.rope_scaling, ("none", "llama3", "yarn"))
+        _check(self.rope_factor >= 1, f"model.rope_factor={self.rope_factor} must be at least 1 (the context "
+               "extension factor, e.g. 8 for Llama 3.1)")
+        _check(self.rope_original_len >= 0, f"model.rope_original_len={self.rope_original_len} must be the "
+               "context length the model was pretrained with (e.g. 8192), or 0 without scaling")
+        _positive("model", self, "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow")
+        _check(self.rope_attention_factor >= 0, f"model.rope_attention_factor={self.rope_attention_factor} must "
+               "be positive, or 0 for YaRN's 0.1 ln(rope_factor) + 1")
         if self.rope_scaling == "none":
             return
         name = f"model.rope_scaling={self.rope_scaling!r}"
         _check(self.position == "rope", f"{name} scales rotary positions; set model.position='rope' or "
                "model.rope_scaling='none'")
-        _check(self.rope_factor >= 1, f"model.rope_factor={self.rope_factor} must be at least 1 (the context "
-               "extension factor, e.g. 8 for Llama 3.1)")
         _check(self.rope_original_len > 0, f"{name} needs model.rope_original_len, the context length the model "
                "was pretrained with (e.g. 8192 for Llama 3)")
         if self.rope_scaling == "llama3":
-            _check(0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
+            _check(self.rope_low_freq_factor < self.rope_high_freq_factor,
                    f"model.rope_low_freq_factor={self.rope_low_freq_factor} and model.rope_high_freq_factor="
                    f"{self.rope_high_freq_factor} need 0 < low < high (Llama 3: 1 and 4)")
         else:
-            _check(0 < self.rope_beta_slow < self.rope_beta_fast,
+            _check(self.rope_beta_slow < self.rope_beta_fast,
                    f"model.rope_beta_slow={self.rope_beta_slow} and model.rope_beta_fast={self.rope_beta_fast} "
                    "need 0 < beta_slow < beta_fast (YaRN: 1 and 32)")
-            _check(self.rope_attention_factor >= 0, f"model.rope_attention_factor={self.rope_attention_factor} "
-                   "must be positive, or 0 for YaRN's 0.1 ln(rope_factor) + 1")
-
 
 @dataclass(frozen=True)
 class TrainConfig:

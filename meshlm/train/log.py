@@ -41,6 +41,12 @@ class RunLog:
         self.bar = tqdm(total=max_steps, initial=step, desc="train", unit="step", disable=not progress,
                         dynamic_ncols=True)
 
+    def set_total(self, steps: int) -> None:
+        """The progress bar's end: the step count a time budget fixed."""
+        if self.bar is not None:
+            self.bar.total = steps
+            self.bar.refresh()
+
     def close(self) -> None:
         self.bar.close()
         self.bar = None

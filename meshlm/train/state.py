@@ -9,7 +9,8 @@ and restore them instead.
 
 `CheckpointState` is a part of `train.trainer.Trainer` (its base class): the methods use the trainer's
 attributes (`cfg`, `dims`, `out_dir`, `model`, `optimizer`, `sync`, `loader`, `precision`, `tokenizer`,
-`tp_rng`, `step`, `tokens_seen`, `skipped_steps`, `legacy_resume`, `checkpoints`, `log`).
+`tp_rng`, `step`, `tokens_seen`, `skipped_steps`, `legacy_resume`, `checkpoints`, `budget`, `log`). A budget run's
+plan (`train/budget.py`: the step count it fixed) is part of the state, so a resumed run keeps its schedule.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from meshlm.core.rng import rng_state, set_rng_state
 
 class CheckpointState:
     """Resuming and saving a run (see the module doc)."""
+
+    saved_plan: dict | None = None  # the resumed checkpoint's time-budget plan, if any
+    budget = None  # the run's `train.budget.TimeBudget` (train.time_budget_s), set by the trainer
 
     # ---- which checkpoint ------------------------------------------------------------------------------
     def _find_resume(self) -> Path | None:
@@ -93,7 +97,11 @@ class CheckpointState:
         skipped steps, loss scale, tokenizer and layout (`restore_position` reads it back)."""
         return {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
                 "skipped_steps": self.skipped_steps, "scaler": self.precision.state_dict(),
-                "tokenizer": self.tokenizer.name, "layout": self.layout_summary()}
+                "tokenizer": self.tokenizer.name, "layout": self.layout_summary(), **self.plan_state()}
+
+    def plan_state(self) -> dict:
+        """{"time_budget": the budget's plan} once a budget run fixed its step count, else {}."""
+        return {"time_budget": self.budget.state()} if self.budget is not None and self.budget.planned else {}
 
     def state_parts(self) -> dict:
         """A one-process checkpoint's parts: the model's and optimizer's state dicts and the run's state."""
@@ -102,7 +110,7 @@ class CheckpointState:
             "optim": self.optimizer.state_dict(),
             "state": {"step": self.step, "tokens_seen": self.tokens_seen, "rng": rng_state(),
                       "loader": self.loader.state_dict(), "scaler": self.precision.state_dict(),
-                      "tokenizer": self.tokenizer.name},
+                      "tokenizer": self.tokenizer.name, **self.plan_state()},
         }
 
     # ---- saving ----------------------------------------------------------------------------------------
@@ -161,6 +169,7 @@ class CheckpointState:
         self.loader.load_state_dict(state["loader"])
         self.precision.load_state_dict(state["scaler"])
         self.skipped_steps = state.get("skipped_steps", 0)
+        self.saved_plan = state.get("time_budget")  # a budget run's plan, kept when resumed (Trainer._keep_plan)
 
     def init_from(self, path: str) -> None:
         """A fresh run's weights from checkpoint `path` (any layout), where its tensors match this model's;

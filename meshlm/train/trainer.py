@@ -12,7 +12,8 @@ ones, clips, and under ZeRO steps the optimizer shards.
 Resuming and saving are `train/state.py`'s (`CheckpointState`, this class's base), the run's output
 `train/log.py`'s. Adapters (`meshlm tune`) and evaluation tasks (`train.eval_tasks`) come in as
 `Extension`s (`train/extension.py`): `meshlm.commands.train.build_trainer(cfg)` is the trainer with every
-extension `cfg` asks for.
+extension `cfg` asks for. With `train.time_budget_s` the loop times its first steps and then fixes the step count
+(`train/budget.py`): from then on `cfg.train.max_steps` is the planned count.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from meshlm.models.loss import use_fused_loss
 from meshlm.parallel import TPRNGTracker, build_model, init_distributed
 from meshlm.parallel.data import memory_report
 from meshlm.parallel.heartbeat import start_heartbeat
+from meshlm.train.budget import TimeBudget, check_budget_schedule, duration, with_steps
 from meshlm.train.extension import Extension, check_extensions
 from meshlm.train.log import RunLog, eval_line, run_summary, train_line
 from meshlm.train.metrics import measure_peak_tflops, peak_memory_mb
@@ -60,10 +62,14 @@ def pick_device(name: str) -> torch.device:
 
 class Trainer(CheckpointState):
     def __init__(self, cfg: Config, progress: bool | None = None, datasets: tuple | None = None,
-                 extensions: Sequence[Extension] = ()):
+                 extensions: Sequence[Extension] = (), started: float | None = None):
         """`datasets`: (tokenizer, train, valid) given by the caller (`meshlm finetune`) instead of the
         family's `build_datasets`. `extensions`: the run's adapters and evaluation tasks (`train/extension.py`);
-        a config asking for either needs its extension."""
+        a config asking for either needs its extension. `started`: when the command began (time.monotonic()),
+        where train.time_budget_s starts counting; None: now."""
+        started = time.monotonic() if started is None else started
+        check_budget_schedule(cfg)
+        self.budget = TimeBudget(cfg.train.time_budget_s, started) if cfg.train.time_budget_s > 0 else None
         self.extensions = list(extensions)
         self.checkpoints = check_extensions(cfg, self.extensions)  # the extension keeping them, or None: ours
         self.cfg = cfg
@@ -78,6 +84,9 @@ class Trainer(CheckpointState):
         self.out_dir = Path(t.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.runlog = RunLog(self.out_dir, self.dims.is_main)
+        if self.budget is not None:  # the first line: how long the run will take
+            self.log(f"time budget {duration(self.budget.budget_s)} (train.time_budget_s={t.time_budget_s:g}, set-up "
+                     "to sample): the first steps are timed, then the step count and schedule fit the budget")
         self.resume_from = self._find_resume()
         # train.precision=auto → what this device runs natively (or what the resumed run ran); the config keeps
         # the resolved name, so checkpoints record it.
@@ -97,6 +106,7 @@ class Trainer(CheckpointState):
         self._build_model()
         self._build_step()
         self._restore()
+        self._keep_plan()
 
     def _build_data(self, datasets: tuple | None) -> None:
         cfg = self.cfg
@@ -167,6 +177,17 @@ class Trainer(CheckpointState):
             self._load(self.resume_from)
         elif self.cfg.train.init_from:
             self.init_from(self.cfg.train.init_from)
+
+    def _keep_plan(self) -> None:
+        """A resumed budget run keeps the step count its checkpoint planned (not measured again; at most
+        train.max_steps)."""
+        saved = self.saved_plan
+        if self.budget is None or not saved or not saved.get("steps"):
+            return
+        self.budget.steps, self.budget.step_s = min(saved["steps"], self.cfg.train.max_steps), saved["step_s"]
+        self.cfg = with_steps(self.cfg, self.budget.steps)
+        self.log(f"time budget: keeping the resumed run's plan of {self.budget.steps} steps "
+                 f"(timed at {saved['step_s']:.2f} s/step)")
 
     # ---- one step ------------------------------------------------------------------------------------
     def train_step(self) -> tuple[float, float]:
@@ -390,6 +411,8 @@ class Trainer(CheckpointState):
             self.runlog.close()
         if t.sample_tokens and self.stop_signal is None:
             self.print_sample()
+        if self.budget is not None:
+            self.log(self.budget.summary(self.step))
         return {"step": self.step, **last_eval}
 
     def _loop(self, flops: float, hw_flops: float, peak: float) -> dict:
@@ -398,8 +421,14 @@ class Trainer(CheckpointState):
         t = self.cfg.train
         last_eval: dict = {}
         window_start, window_steps = time.perf_counter(), 0
+        if self.budget is not None:
+            self.budget.start(self.step)
         while self.step < t.max_steps and not self._stop_requested():
+            began = time.perf_counter()
             loss, grad_norm = self.train_step()
+            if self.budget is not None:
+                self._follow_budget(time.perf_counter() - began)
+                t = self.cfg.train  # max_steps: the planned count once planned
             window_steps += 1
             self.runlog.bar.update(1)
             self.runlog.bar.set_postfix(loss=f"{loss:.3f}")
@@ -414,6 +443,15 @@ class Trainer(CheckpointState):
             if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
                 self.save()
         return last_eval
+
+    def _follow_budget(self, seconds: float) -> None:
+        """Time the step just taken; at the planning step fix train.max_steps (every rank alike) and say so."""
+        self.budget.observe(self.step, seconds)
+        if self.budget.due(self.step, self.cfg):
+            line = self.budget.plan(self.cfg, self.step, self.n_params, self.accum, self.device, self.dims.world_size)
+            self.cfg = with_steps(self.cfg, self.budget.steps)
+            self.runlog.set_total(self.budget.steps)
+            self.log(line)
 
     def _log_step(self, loss: float, grad_norm: float, dt: float, flops: float, hw_flops: float,
                   peak: float) -> None:

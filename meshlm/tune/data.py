@@ -9,10 +9,13 @@
   get their own virtual prompt (`tune.tasks`, in order of first appearance in the training file).
 
 Each example becomes one row of `seq_len` tokens: [task index × virtual tokens] (placeholders that
-`tune/prompt.py` replaces; without virtual tokens, one end-of-document token, as a document starts in
-pretraining) + input + output + end-of-document, padded with end-of-document tokens whose
-targets are ignored. An example longer than that is an error naming its file and line, unless
-`--truncate`, which drops the start of the input.
+`tune/prompt.py` replaces) + input + output + end-of-document, padded with end-of-document tokens whose
+targets are ignored. Nothing else goes before the input: it is the tokenizer's encoding of the text as it
+is, which is what `meshlm generate` / `meshlm serve` feed the tuned model and what the exported tokenizer
+gives a Hugging Face / PEFT user (`tokenizer(prompt)`), so the adapter sees the same ids everywhere (an
+empty input alone becomes one end-of-document token, as `meshlm generate` reads an empty prompt). An
+example longer than that is an error naming its file and line, unless `--truncate`, which drops the
+start of the input.
 """
 
 from __future__ import annotations
@@ -33,7 +36,11 @@ class Template:
 
     def __init__(self, task: str, text: str):
         self.task, self.text = task, text
-        names = [f for _, f, _, _ in string.Formatter().parse(text) if f is not None]
+        try:
+            names = [f for _, f, _, _ in string.Formatter().parse(text) if f is not None]
+        except ValueError as err:  # an unmatched brace: "{q {answer}", "answer}"
+            raise DataError(f"--template {task}={text!r} cannot be read ({err}); write fields as {{name}} and a "
+                            "literal brace as {{ or }}") from None
         if not text.rstrip().endswith("{" + ANSWER + "}"):
             raise DataError(f"--template {task}={text!r} must end with {{{ANSWER}}} (the output the model learns)")
         if names.count(ANSWER) != 1:
@@ -138,15 +145,18 @@ def encode(items: list[tuple[str, str, str]], wheres: list[str], tokenizer, leng
     index = {t: i for i, t in enumerate(tasks)}
     for row, ((task, text, answer), where) in enumerate(zip(items, wheres)):
         prompt, out = tokenizer.encode(text), tokenizer.encode(answer) + [eod]
-        room = length - max(1, n_virtual) - len(out)
-        if room < 0 or (len(prompt) > room and not truncate):
-            need = max(1, n_virtual) + len(prompt) + len(out)
+        if not prompt and not n_virtual:  # the first output token needs a position to be predicted from
+            prompt = [eod]
+        room = length - n_virtual - len(out)
+        least = 0 if n_virtual else 1  # input tokens a row must keep
+        if room < least or (len(prompt) > room and not truncate):
+            need = n_virtual + len(prompt) + len(out)
             raise DataError(f"{where}: the example is {need} tokens ({n_virtual} virtual + {len(prompt)} input + "
                             f"{len(out)} output), longer than the {length} of a row; shorten it, raise --max-length "
-                            f"(at most model.seq_len){'' if room < 0 else ', or pass --truncate to cut the input'}")
+                            f"(at most model.seq_len){'' if room < least else ', or pass --truncate to cut the input'}")
         if len(prompt) > room:
             prompt, cut = prompt[len(prompt) - room:], cut + 1
-        head = [index.get(task, 0)] * n_virtual if n_virtual else [eod]  # placeholders, or a document start
+        head = [index.get(task, 0)] * n_virtual  # the virtual tokens' placeholders; no other prefix
         seq = head + prompt + out
         ids[row, :len(seq)] = seq
         first = len(head) + len(prompt)  # position of the first output token

@@ -102,3 +102,76 @@ def test_peft_adapter_loads_into_meshlm(bases, base, targets, rslora, tmp_path):
         assert main(["generate", "--checkpoint", str(bases[base]), "--adapter", str(tmp_path / "peft"), "--prompt",
                      "say red:", "--max-new-tokens", "2", "--temperature", "0"]) == 0
     assert out.getvalue().startswith("say red:")
+
+
+PLAIN_PROMPTS = ["say gold:", "say red: say", "blue"]
+
+
+def peft_greedy(hf_dir, adapter_dir, prompts: list[str], n: int) -> list[list[int]]:
+    """New token ids of each prompt as PEFT's docs call a LoRA adapter: the base and the tokenizer from the
+    exported directory, `PeftModel.from_pretrained`, `tokenizer(prompt)` as it is, `generate(**inputs)`."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir))
+        model = peft.PeftModel.from_pretrained(model, str(adapter_dir))
+        out = []
+        for prompt in prompts:
+            inputs = tokenizer(prompt, return_tensors="pt")
+            ids = model.generate(**inputs, max_new_tokens=n, do_sample=False)
+            out.append(ids[0, inputs["input_ids"].shape[1]:].tolist())
+    return out
+
+
+def test_lora_generates_as_peft_users_call_it(bases, tmp_path):
+    """Greedy, token for token: meshlm's engine (`meshlm serve`) and `meshlm generate --adapter` give what the
+    exported adapter gives through PEFT called as its docs show, with nothing prepended by hand."""
+    from meshlm.data.tokenizers import get_tokenizer
+    from meshlm.infer.adapters import AdapterSet
+    from meshlm.infer.engine import Engine, SamplingParams
+
+    out, n = tmp_path / "lora", 6
+    assert run("tune", "--checkpoint", str(bases["base"]), "--method", "lora", "--train", str(bases["train"]),
+               "--valid", str(bases["valid"]), "--out", str(out), "--max-length", "20", *QUIET,
+               "--train.max_steps=4", "--optim.lr=3e-2", "--optim.warmup_steps=1",
+               "--tune.lora_targets=['q','v','o','down']") == 0
+    theirs = peft_greedy(bases["root"] / "base_hf", out, PLAIN_PROMPTS, n)
+    model, tok, cfg = load_model_from_checkpoint(str(bases["base"]))
+    engine = Engine(model, tok, adapters=AdapterSet(model, cfg, [("lora", read_adapter(out, cfg, str(bases["base"])))]))
+    greedy = SamplingParams(max_tokens=n, temperature=0)
+    ours = [r.output_ids for r in engine.generate([tok.encode(p) for p in PLAIN_PROMPTS], greedy, [1] * 3)]
+    assert ours == theirs
+    # an end-of-document token before the prompt changes this adapter's answers: the comparison could fail
+    after_eod = [r.output_ids for r in engine.generate([[tok.eod_id] + tok.encode(p) for p in PLAIN_PROMPTS],
+                                                       greedy, [1] * 3)]
+    assert after_eod != theirs
+    gpt2 = get_tokenizer("gpt2")
+    for prompt, ids in zip(PLAIN_PROMPTS, theirs):
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            assert main(["generate", "--checkpoint", str(bases["base"]), "--adapter", str(out), "--prompt", prompt,
+                         "--max-new-tokens", str(n), "--temperature", "0"]) == 0
+        assert printed.getvalue().startswith(prompt + gpt2.decode(ids)), (printed.getvalue(), ids)
+
+
+def test_a_tuning_row_starts_with_the_exported_tokenizers_ids(bases):
+    """A LoRA row holds exactly `tokenizer(input)` of the exported tokenizer, then the output (no document
+    start before it); a prompt row puts only the virtual tokens' placeholders first; an empty input becomes
+    one end-of-document token (the first output token needs a position to be predicted from)."""
+    from meshlm.data.tokenizers import get_tokenizer
+    from meshlm.train.finetune import IGNORE
+    from meshlm.tune.data import encode
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf_tok = transformers.AutoTokenizer.from_pretrained(str(bases["root"] / "base_hf"))
+    tok = get_tokenizer("gpt2")
+    items = [("", "say red:", " red"), ("", "", " gold")]
+    lora, _ = encode(items, ["a:1", "a:2"], tok, 12, 0, [], False)
+    prompt = hf_tok("say red:")["input_ids"]
+    answer = tok.encode(" red") + [tok.eod_id]
+    assert lora.ids[0, :len(prompt) + len(answer)].tolist() == prompt + answer
+    assert lora.targets[0, len(prompt) - 1:len(prompt) + 1].tolist() == answer
+    assert (lora.targets[0, :len(prompt) - 1] == IGNORE).all()
+    assert lora.ids[1, :3].tolist() == [tok.eod_id, *tok.encode(" gold"), tok.eod_id]
+    virtual, _ = encode(items[:1], ["a:1"], tok, 12, 3, [], False)
+    assert virtual.ids[0, :3 + len(prompt)].tolist() == [0, 0, 0] + prompt

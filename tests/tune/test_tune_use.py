@@ -1,6 +1,6 @@
 """Using an adapter beyond `meshlm generate`: `meshlm eval --adapter` scores the tuned model (LoRA merged,
 virtual tokens before every row), equal to brute force on the tuned model; `meshlm serve --adapter` serves
-a LoRA adapter next to the base (its greedy completion equals the tuned model's after a document start, as
+a LoRA adapter next to the base (its greedy completion equals the tuned model's on the prompt alone, as
 tuning rows begin) and a virtual-token adapter (its completion equals `meshlm generate --adapter`'s). Several adapters on one server:
 tests/infer/test_server_adapters.py."""
 
@@ -101,7 +101,7 @@ def test_serve_with_lora_adapter(tuned):
     finally:
         assert server.stop() == 0
     model, tok, _ = tuned_model(tuned, "lora")
-    ids, new = [tok.eod_id] + tok.encode("say gold:"), []  # a document start, as tuning rows begin
+    ids, new = tok.encode("say gold:"), []  # the prompt alone, as tuning rows begin
     with torch.no_grad():
         while len(new) < 4:  # greedy, stopping at the end of the document as the server does
             nxt = int(model(torch.tensor([ids + new]))[0, -1].argmax())

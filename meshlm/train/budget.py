@@ -1,0 +1,164 @@
+"""`train.time_budget_s`: a run that fits its step count, and with it the learning-rate schedule, to a time budget.
+
+The budget covers the whole command as a user waits for it: from the start of `meshlm train` (data preparation,
+model set-up and the first steps included) to the end of the final evaluation, checkpoint and sample. The run
+times its first steps (the first one, which allocates and warms caches, is not timed), then fixes the step
+count N once (`steps_for_budget`): from then on the run is exactly the run of `train.max_steps = N`. The plan is
+made while the learning rate does not yet depend on N (inside the warmup), so the whole schedule is a pure
+function of N; N is stored in the checkpoints and a resumed run keeps it (it is not measured again). With
+several processes every rank takes the slowest rank's step time and elapsed time (an all-reduce), so all agree.
+
+`train.max_steps` is the cap: the data are prepared for that many steps, and a fast host stops there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from meshlm.core.config import Config, ConfigError
+
+TIMED_STEPS = 5  # steps timed after the first (untimed) one before the plan is made
+MARGIN = 0.03  # the steps' share of the budget kept for step times that drift during the run
+SAVE_BYTES_PER_S = 100e6  # a conservative disk (checkpoint writes, with their checksums)
+
+
+def steps_for_budget(budget_s: float, step_s: float, reserve_s: float, elapsed_s: float = 0.0, done: int = 0,
+                     cap: int = 0, margin: float = MARGIN) -> int:
+    """The run's total step count: `done` steps taken after `elapsed_s` seconds, then as many steps of
+    `step_s` seconds (plus `margin` of each) as fit in `budget_s` with `reserve_s` kept for the end; at most
+    `cap` (0: no cap), never fewer than `done`."""
+    if step_s <= 0:
+        raise ValueError(f"step time {step_s} must be positive")
+    left = budget_s - elapsed_s - reserve_s
+    more = math.floor(left / (step_s * (1 + margin))) if left > 0 else 0
+    total = done + max(0, more)
+    return min(total, cap) if cap > 0 else total
+
+
+def decays_over_steps(cfg: Config) -> bool:
+    """Whether the learning rate after the warmup depends on train.max_steps (a cosine or linear decay
+    without optim.decay_steps)."""
+    return cfg.optim.decay in ("cosine", "linear") and not cfg.optim.decay_steps
+
+
+def check_budget_schedule(cfg: Config) -> None:
+    """A budget with a decay over the run's steps needs a warmup to time steps in: lr_at(s) for s <=
+    optim.warmup_steps does not depend on the step count, so the plan made there leaves the schedule whole."""
+    if cfg.train.time_budget_s > 0 and decays_over_steps(cfg) and cfg.optim.warmup_steps < 1:
+        raise ConfigError(f"train.time_budget_s={cfg.train.time_budget_s:g} with optim.decay={cfg.optim.decay!r} "
+                          "needs optim.warmup_steps >= 1 (the run times its first steps before it fixes the "
+                          "step count the decay spans); set optim.warmup_steps=5, or optim.decay_steps")
+
+
+def plan_step(start: int, cfg: Config) -> int:
+    """The step count after which a run starting at step `start` makes its plan: one untimed step and
+    `TIMED_STEPS` timed ones, but no later than the learning rate starts to depend on the step count (a
+    cosine or linear decay over train.max_steps begins after optim.warmup_steps); at least one timed step."""
+    plan = start + 1 + TIMED_STEPS
+    if decays_over_steps(cfg):
+        plan = min(plan, cfg.optim.warmup_steps + 1)  # lr_at(s) for s <= warmup_steps does not depend on the total
+    return max(plan, start + 2)
+
+
+def end_seconds(cfg: Config, step_s: float, n_params: int, accum: int) -> tuple[float, float]:
+    """Estimates from the measured step time: (seconds kept for the end of the run: the final evaluation,
+    checkpoint and sample; seconds each step adds for the periodic evaluations and checkpoints)."""
+    t = cfg.train
+    # A micro-batch's forward, generously: a third of its share of a step (the demo's evaluation, 10 micro-batches,
+    # took 4.3 s at 2.8 s a step on 2 cores; this says 9.3 s).
+    forward = step_s / max(1, accum) / 3
+    evaluation = t.eval_iters * forward
+    save = 1.0 + n_params * 4 * 3 / SAVE_BYTES_PER_S  # weights and optimizer states in fp32
+    # One token at a time with a KV cache: far less efficient than training's batches (the demo's 200-token
+    # sample took 2.5 s at 2.8 s a step: 20× a training token's share); 2 ms a token at least.
+    per_token = max(0.002, 20 * step_s / (t.global_batch_size * cfg.model.seq_len))
+    sample = t.sample_tokens * per_token
+    reserve = evaluation + save + sample + 1.0  # + leaving the process groups and exiting
+    periodic = (evaluation / t.eval_every if t.eval_every else 0.0) + (save / t.save_every if t.save_every else 0.0)
+    return reserve, periodic
+
+
+def duration(seconds: float) -> str:
+    """`seconds` for a person: 45 s, 23 min, 1 h 05 min."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    minutes = round(seconds / 60)
+    return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+@dataclasses.dataclass
+class TimeBudget:
+    """A run's budget: created when train.time_budget_s is set, with the command's start on `clock` (seconds);
+    `observe` takes each step's time until `due`, then `plan` fixes the step count."""
+
+    budget_s: float
+    started: float
+    clock: Callable[[], float] = time.monotonic
+    steps: int = 0  # the planned step count; 0 until planned
+    step_s: float = 0.0  # the measured seconds per step
+    first_step: int = -1  # the step the run started at (set by `start`)
+    times: list = dataclasses.field(default_factory=list)
+
+    def start(self, step: int) -> None:
+        self.first_step = step
+
+    @property
+    def planned(self) -> bool:
+        return self.steps > 0
+
+    def observe(self, step: int, seconds: float) -> None:
+        """Step `step` (1-based, just taken) took `seconds`; the first step of the run is not timed."""
+        if not self.planned and step > self.first_step + 1:
+            self.times.append(seconds)
+
+    def due(self, step: int, cfg: Config) -> bool:
+        return not self.planned and step >= plan_step(self.first_step, cfg)
+
+    def plan(self, cfg: Config, step: int, n_params: int, accum: int, device: torch.device,
+             world_size: int) -> str:
+        """Fix the step count (every rank the same: the slowest rank's numbers); returns the line to print."""
+        step_s = sum(self.times) / len(self.times)
+        elapsed = self.clock() - self.started
+        if world_size > 1:
+            both = torch.tensor([step_s, elapsed], dtype=torch.float64, device=device)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+            step_s, elapsed = both.tolist()
+        reserve, periodic = end_seconds(cfg, step_s, n_params, accum)
+        cap = cfg.train.max_steps
+        fit = steps_for_budget(self.budget_s, step_s + periodic, reserve, elapsed, done=step)
+        if fit <= step < cap:
+            need = elapsed + reserve + 20 * (step_s + periodic)
+            raise ConfigError(
+                f"train.time_budget_s={self.budget_s:g} is too short: set-up and {step} steps took {elapsed:.0f} s, "
+                f"a step takes {step_s:.2f} s on this host and the end (evaluation, checkpoint, sample) about "
+                f"{reserve:.0f} s; give at least {math.ceil(need)} (20 steps) or set train.max_steps instead")
+        self.steps, self.step_s = min(fit, cap), step_s
+        total = elapsed + (self.steps - step) * (step_s + periodic) + reserve
+        capped = f" (train.max_steps caps it; ~{fit} would fit)" if fit > cap else ""
+        done_at = time.strftime("%H:%M", time.localtime(time.time() + total - elapsed))
+        note = ""
+        if decays_over_steps(cfg) and step - 1 > cfg.optim.warmup_steps:  # resumed past the warmup, no plan saved
+            note = f"; note: steps up to {step} followed the schedule of train.max_steps={cap}"
+        return (f"time budget {duration(self.budget_s)}: {self.steps} steps{capped} at {step_s:.2f} s/step on "
+                f"this host, about {duration(total)} in all (done about {done_at}; {reserve:.0f} s kept for "
+                f"the final evaluation, checkpoint and sample){note}")
+
+    def state(self) -> dict:
+        """What checkpoints keep: the plan (a resumed run keeps it)."""
+        return {"steps": self.steps, "step_s": self.step_s, "budget_s": self.budget_s}
+
+    def summary(self, step: int) -> str:
+        """The last line: the steps taken and the time the whole run took."""
+        took = self.clock() - self.started
+        return f"time budget {duration(self.budget_s)}: {step} steps, done after {took:.0f} s of {self.budget_s:.0f} s"
+
+
+def with_steps(cfg: Config, steps: int) -> Config:
+    """`cfg` with train.max_steps = `steps` (the planned run)."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps))

@@ -1,0 +1,134 @@
+"""train.time_budget_s: the step count fitted to measured step times, a schedule that is a pure function of it,
+the plan kept on resume, and bad budgets refused with one line."""
+
+import json
+import re
+
+import pytest
+
+from meshlm.checkpoint import single as ckpt
+from meshlm.core.config import ConfigError
+from meshlm.train.budget import TimeBudget, end_seconds, plan_step, steps_for_budget
+from meshlm.train.optim import lr_at
+from meshlm.train.trainer import Trainer
+from tests.conftest import tiny_config
+
+
+def records(out_dir, kind: str) -> list[dict]:
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def test_steps_for_budget_fits_the_measured_step_time():
+    # 1000 s budget, 50 s spent on set-up and 6 steps, 100 s kept for the end: 850 s of 2 s steps.
+    assert steps_for_budget(1000, 2.0, 100, elapsed_s=50, done=6, margin=0) == 6 + 425
+    assert steps_for_budget(1000, 2.0, 100, elapsed_s=50, done=6, margin=0.03) == 6 + 412  # 850 / 2.06
+    assert steps_for_budget(1000, 4.0, 100, elapsed_s=50, done=6, margin=0) == 6 + 212  # a host twice as slow
+    assert steps_for_budget(1000, 2.0, 100, elapsed_s=50, done=6, cap=300, margin=0) == 300  # max_steps caps it
+    assert steps_for_budget(100, 2.0, 80, elapsed_s=50, done=6) == 6  # nothing more fits
+    with pytest.raises(ValueError):
+        steps_for_budget(100, 0.0, 10)
+
+
+def test_the_plan_is_made_inside_the_warmup_so_the_schedule_depends_on_the_step_count_only():
+    cfg = tiny_config("unused", train={"time_budget_s": 60}, optim={"warmup_steps": 50})
+    assert plan_step(0, cfg) == 6  # one untimed step, five timed ones
+    short = tiny_config("unused", train={"time_budget_s": 60}, optim={"warmup_steps": 3})
+    assert plan_step(0, short) == 4
+    assert plan_step(0, tiny_config("unused", optim={"warmup_steps": 1})) == 2  # one timed step at least
+    assert plan_step(0, tiny_config("unused", optim={"warmup_steps": 0, "decay": "constant"})) == 6
+    assert plan_step(0, tiny_config("unused", optim={"warmup_steps": 0, "decay_steps": 100})) == 6
+    for c in (cfg, short):  # every step taken before the plan has the learning rate of any step count
+        for step in range(plan_step(0, c)):
+            assert lr_at(step, c.optim, 10) == lr_at(step, c.optim, 10 ** 6), step
+
+
+class FakeClock:
+    def __init__(self, now: float):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_plan_takes_the_measured_steps_after_the_first():
+    cfg = tiny_config("unused", train={"time_budget_s": 1000, "max_steps": 5000, "sample_tokens": 0},
+                      optim={"warmup_steps": 50})
+    clock = FakeClock(0.0)
+    budget = TimeBudget(1000, started=0.0, clock=clock)
+    budget.start(0)
+    budget.observe(1, 30.0)  # the first step (allocation, warm-up) is not timed
+    for step in range(2, 7):
+        budget.observe(step, 2.0)
+        assert budget.due(step, cfg) == (step == 6)
+    clock.now = 50.0
+    line = budget.plan(cfg, 6, n_params=1000, accum=1, device=None, world_size=1)
+    reserve, periodic = end_seconds(cfg, 2.0, 1000, 1)
+    assert budget.steps == steps_for_budget(1000, 2.0 + periodic, reserve, elapsed_s=50, done=6)
+    assert 6 + (950 - 20) / 2.1 < budget.steps < 6 + 950 / 2.0  # the 950 s left, in steps of 2 s and a margin
+    assert f": {budget.steps} steps at 2.00 s/step on this host" in line
+    assert budget.state() == {"steps": budget.steps, "step_s": 2.0, "budget_s": 1000}
+
+
+def test_a_budget_too_short_for_more_steps_says_so():
+    cfg = tiny_config("unused", train={"time_budget_s": 20, "max_steps": 5000}, optim={"warmup_steps": 50})
+    budget = TimeBudget(20, started=0.0, clock=FakeClock(19.0))
+    budget.start(0)
+    for step in range(1, 7):
+        budget.observe(step, 2.0)
+    with pytest.raises(ConfigError, match=r"train.time_budget_s=20 is too short.*give at least \d+"):
+        budget.plan(cfg, 6, n_params=1000, accum=1, device=None, world_size=1)
+
+
+@pytest.mark.parametrize("value", ["-5", "nan", "inf"])
+def test_a_bad_budget_is_refused_with_one_line(value, tmp_path):
+    # A ConfigError is the command's one line and exit code 2 (meshlm/cli.py, tests/test_cli.py).
+    with pytest.raises(ConfigError, match=rf"^train\.time_budget_s={float(value)} (must be|is not a finite)"):
+        tiny_config(tmp_path, train={"time_budget_s": float(value)}).validate()
+
+
+def test_a_decay_over_the_steps_needs_a_warmup_to_time_steps_in(tmp_path):
+    with pytest.raises(ConfigError, match="optim.warmup_steps"):
+        Trainer(tiny_config(tmp_path, train={"time_budget_s": 60}, optim={"warmup_steps": 0}))
+
+
+def test_a_budget_run_follows_its_printed_plan_and_saves_and_evaluates_at_the_end(tmp_path, capsys):
+    cfg = tiny_config(tmp_path, train={"time_budget_s": 600, "max_steps": 9, "save_every": 4},
+                      optim={"warmup_steps": 3})
+    result = Trainer(cfg).run()
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("time budget 10 min (train.time_budget_s=600")  # said first
+    n = int(re.search(r"time budget 10 min: (\d+) steps", out).group(1))
+    assert 4 <= n <= 9 and result["step"] == n
+    train = records(tmp_path, "train")
+    assert [r["step"] for r in train] == list(range(1, n + 1))
+    for r in train:  # the whole schedule is that of max_steps = n
+        assert r["lr"] == pytest.approx(lr_at(r["step"] - 1, cfg.optim, n), rel=1e-12), r["step"]
+    assert [r["step"] for r in records(tmp_path, "eval")] == [n]
+    final = ckpt.resolve_checkpoint(tmp_path)
+    assert final.name == f"step_{n:07d}"
+    assert ckpt.load_part(final, "state")["time_budget"]["steps"] == n
+
+
+def test_a_resumed_budget_run_keeps_its_planned_step_count(tmp_path, capsys):
+    first = tmp_path / "first"
+    Trainer(tiny_config(first, train={"time_budget_s": 600, "max_steps": 8, "save_every": 4, "keep_last": 0},
+                        optim={"warmup_steps": 3})).run()
+    mid = first / "checkpoints" / "step_0000004"
+    assert ckpt.load_part(mid, "state")["time_budget"]["steps"] == 8
+    capsys.readouterr()
+    # Resumed with another cap and budget: measuring again would plan up to 40 steps; the plan says 8.
+    again = tmp_path / "again"
+    resumed = Trainer(tiny_config(again, train={"time_budget_s": 900, "max_steps": 40, "resume": str(mid)},
+                                  optim={"warmup_steps": 3}))
+    assert resumed.step == 4 and resumed.cfg.train.max_steps == 8
+    assert resumed.run()["step"] == 8
+    assert "keeping the resumed run's plan of 8 steps" in capsys.readouterr().out
+    a = {r["step"]: r for r in records(first, "train")}
+    b = {r["step"]: r for r in records(again, "train")}
+    assert [s for s in b] == [5, 6, 7, 8]
+    for step in b:  # the same schedule and the same training: bit-identical losses and learning rates
+        assert (b[step]["loss"], b[step]["lr"]) == (a[step]["loss"], a[step]["lr"]), step
+    final_a = ckpt.load_part(ckpt.resolve_checkpoint(first), "model")
+    final_b = ckpt.load_part(ckpt.resolve_checkpoint(again), "model")
+    assert all(bool((final_a[k] == final_b[k]).all()) for k in final_a)
