@@ -15,7 +15,7 @@ demo: setup
 test: setup-test
 	.venv/bin/lint-imports
 	$(PY) -m ruff check meshlm tests benchmarks
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=10
 
 lint: setup-test
 	$(PY) -m ruff check meshlm tests benchmarks

@@ -96,11 +96,14 @@ def test_readme_bert_commands(tmp_path):
 
 def test_readme_tune_commands(tmp_path):
     """Every command of the README's tuning section, as typed, on a narrowed `make demo` base (outputs moved
-    under tmp_path; each tuning run two steps)."""
+    under tmp_path; each tuning run two steps; `meshlm eval` reads the first items of the shipped set, put
+    in its cache, as tests/eval/test_readme_eval.py does)."""
+    import os
     import shlex
     import subprocess
     import sys
 
+    from meshlm.eval import sets
     from tests.conftest import ROOT
     from tests.infer.server_helpers import free_port
 
@@ -119,6 +122,10 @@ def test_readme_tune_commands(tmp_path):
     wait = f"for i in $(seq 120); do curl -sf http://127.0.0.1:{port}/health >/dev/null && break; sleep 0.5; done"
     script = "\n".join([commands[first], wait, *commands[first + 1:last + 1]]).replace("8002", port)
     commands = [*commands[:first], script, *commands[last + 1:]]
+    eval_env = {**os.environ, "MESHLM_CACHE": str(tmp_path / "cache")}
+    shipped = sets.cache_path("shakespeare-choice", tmp_path / "cache" / "eval")
+    shipped.parent.mkdir(parents=True)
+    shipped.write_text("".join(sets.ensure_set("shakespeare-choice").read_text().splitlines(keepends=True)[:8]))
     outputs = {}
     for line in commands:
         line = line.replace(".venv/bin/", bin_dir + "/").replace("runs/", f"{tmp_path}/runs/")
@@ -129,7 +136,7 @@ def test_readme_tune_commands(tmp_path):
             line += " --train.max_steps=2 --train.progress=false --train.eval_iters=1 --train.peak_tflops=1"
             line += " --parallel.timeout_s=60"
         proc = subprocess.run(["bash", "-c", line], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                              check=False)
+                              check=False, env=eval_env if " eval " in line else None)
         assert proc.returncode == 0, (line, proc.stderr[-2000:])
         outputs[line] = proc.stdout
     for name in ("plays-lora", "plays-prompt", "plays-ptuning", "plays-lora-tp2"):

@@ -1,9 +1,10 @@
 """Train one layout (tp, pp, dp, ZeRO) with meshlm's parallel transforms, the way the trainer does, on a
 fixed synthetic dataset read through `BatchLoader`; and the same global batches in one process.
 
-Used by test_data_parallel.py and test_reshard.py inside spawned gloo worlds (parallel_world.py). Models
-are gpt-tiny/llama-tiny-shaped but small (4 layers of width 32, 16 tokens, vocabulary 101), dropout off,
-with clipping active (a wrong gradient norm would show); the equivalence runs in float64 (`float64`).
+Used by test_data_parallel.py, test_reshard.py and test_bert_parallel.py inside forked gloo worlds
+(parallel_world.py). Models are gpt-tiny/llama-tiny-shaped but small (2 layers of width 32, 16 tokens,
+vocabulary 101; BERT 4 layers, which its pp2 × vpp2 layout needs), dropout off, with clipping active (a
+wrong gradient norm would show); the equivalence runs in float64 (`float64`).
 """
 
 from __future__ import annotations
@@ -44,10 +45,22 @@ def float64():
         yield
     finally:
         torch.set_default_dtype(old)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """One intra-op thread inside the block (restored after): the single-process references the test process
+    computes are tiny, and a second thread only waits on a busy 2-core machine, as the ranks do."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 MICRO_BATCH_SIZE, GLOBAL_BATCH = 1, 8
 MODELS = {
-    "gpt": {"n_layers": 4, "hidden_size": 32, "n_heads": 4, "seq_len": 16, "vocab_size": 101},
-    "llama": {"n_layers": 4, "hidden_size": 32, "n_heads": 4, "n_kv_heads": 2, "seq_len": 16, "vocab_size": 101,
+    "gpt": {"n_layers": 2, "hidden_size": 32, "n_heads": 4, "seq_len": 16, "vocab_size": 101},
+    "llama": {"n_layers": 2, "hidden_size": 32, "n_heads": 4, "n_kv_heads": 2, "seq_len": 16, "vocab_size": 101,
               "position": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False, "tie_embeddings": False},
     "bert": {"family": "bert", "n_layers": 4, "hidden_size": 32, "n_heads": 4, "seq_len": 16, "vocab_size": 101,
              "activation": "gelu_exact", "norm_eps": 1e-12},

@@ -1,6 +1,6 @@
 """`torchrun … meshlm train --parallel.pp=…` as a user runs it: every command of docs/parallel.md's
 "Pipeline parallelism" section (and any README line that launches a pipeline, which must be one of them),
-on the bundled corpus with a narrow model and 3 steps appended.
+on the bundled corpus with a narrow model and 2 steps appended.
 
 Checked against the single-process Trainer with the same config: per-step losses and the evaluation loss
 within 1e-5 relative, final weights within 1e-5 (read back whole from the stage files); rank 0 alone logs;
@@ -27,7 +27,7 @@ from tests.conftest import ROOT
 
 DOC, README = ROOT / "docs" / "parallel.md", ROOT / "README.md"
 BIN = Path(sys.executable).parent
-STEPS = 3
+STEPS = 2
 # Narrow and short, but the documented layers and batch shape (6 layers; micro-batches of 2 of 8).
 TINY = ["--model.hidden_size=32", "--model.seq_len=32", "--train.eval_iters=2", "--train.eval_every=0",
         "--train.log_every=1", "--train.peak_tflops=1", "--train.sample_tokens=0", "--train.progress=false",

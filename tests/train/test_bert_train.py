@@ -1,15 +1,19 @@
 """`meshlm train --config bert-tiny` as a user runs it (narrow model, a few steps), on the bundled corpus:
 the logged parts (MLM and sentence-order loss and accuracy), the held-out evaluation (MLM accuracy and
-perplexity), an exact resume, and a pipeline-parallel torchrun run equal to one process."""
+perplexity), an exact resume, and a pipeline-parallel torchrun run equal to one process. The runs that only
+compare numbers go through `meshlm.cli.main` in this process (no interpreter start each)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
 
 import pytest
 
+from meshlm.cli import main
 from tests.conftest import ROOT, run_cli
 
 SMALL = ["--model.n_layers=2", "--model.hidden_size=32", "--model.seq_len=32", "--train.micro_batch_size=2",
@@ -19,6 +23,14 @@ SMALL = ["--model.n_layers=2", "--model.hidden_size=32", "--model.seq_len=32", "
 
 def _records(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train(*args: str) -> str:
+    """`meshlm train --config bert-tiny ARGS` in this process; its stdout."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["train", "--config", "bert-tiny", *args]) == 0
+    return out.getvalue()
 
 
 def test_bert_tiny_trains_logs_parts_and_evaluates(tmp_path):
@@ -44,12 +56,9 @@ def test_bert_tiny_trains_logs_parts_and_evaluates(tmp_path):
 def test_bert_resume_is_exact(tmp_path):
     """Stopped after 2 steps and resumed to 4 (dropout on: the random streams come back too) equals 4 in a row."""
     straight, split = tmp_path / "straight", tmp_path / "split"
-    assert run_cli("train", "--config", "bert-tiny", *SMALL, "--train.max_steps=4",
-                   f"--train.out_dir={straight}").returncode == 0
-    assert run_cli("train", "--config", "bert-tiny", *SMALL, "--train.max_steps=2",
-                   f"--train.out_dir={split}").returncode == 0
-    proc = run_cli("train", "--config", "bert-tiny", *SMALL, "--train.max_steps=4", f"--train.out_dir={split}")
-    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr
+    _train(*SMALL, "--train.max_steps=4", f"--train.out_dir={straight}")
+    _train(*SMALL, "--train.max_steps=2", f"--train.out_dir={split}")
+    assert "resumed from" in _train(*SMALL, "--train.max_steps=4", f"--train.out_dir={split}")
     want = [(r["step"], r["loss"], r["sop_acc"]) for r in _records(straight) if r["kind"] == "train"]
     got = [(r["step"], r["loss"], r["sop_acc"]) for r in _records(split) if r["kind"] == "train"]
     assert got == want
@@ -59,7 +68,7 @@ def test_bert_pipeline_torchrun_equals_one_process(tmp_path):
     """pp=2 under torchrun: the parts are computed on the last stage and reach rank 0's log."""
     common = [*SMALL, "--model.dropout=0", "--train.max_steps=3", "--train.eval_every=3", "--train.micro_batch_size=1"]
     one = tmp_path / "one"
-    assert run_cli("train", "--config", "bert-tiny", *common, f"--train.out_dir={one}").returncode == 0
+    _train(*common, f"--train.out_dir={one}")
     pp = tmp_path / "pp"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "-m", "meshlm", "train", "--config", "bert-tiny", *common, "--parallel.pp=2",
@@ -79,9 +88,7 @@ def test_bert_mixed_precision_follows_fp32(tmp_path):
     losses = {}
     for precision in ("fp32", "bf16", "fp16"):
         out = tmp_path / precision
-        proc = run_cli("train", "--config", "bert-tiny", *SMALL, "--train.max_steps=3",
-                       f"--train.precision={precision}", f"--train.out_dir={out}")
-        assert proc.returncode == 0, proc.stderr
+        _train(*SMALL, "--train.max_steps=3", f"--train.precision={precision}", f"--train.out_dir={out}")
         losses[precision] = [r["loss"] for r in _records(out) if r["kind"] == "train"]
     for precision in ("bf16", "fp16"):
         assert losses[precision] == pytest.approx(losses["fp32"], rel=2e-2), (precision, losses)

@@ -1,10 +1,13 @@
 """Resuming a run under another `optim.name` (adamw ↔ muon): one clear error (exit code 2) that names what the
 checkpoint was trained with, what is asked and the fix, decided from the optimizer state the checkpoint holds,
-in both checkpoint formats; nothing on disk changes."""
+in both checkpoint formats; nothing on disk changes. The one-process runs go through `meshlm.cli.main` in
+this process (what it prints on stderr and returns is what the console script prints and exits with)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import subprocess
 import sys
 
@@ -13,9 +16,10 @@ import torch
 
 from meshlm.checkpoint import sharded as dist_checkpoint
 from meshlm.checkpoint import single as ckpt
+from meshlm.cli import main
 from meshlm.core.errors import CheckpointError
 from meshlm.train.trainer import Trainer
-from tests.conftest import ROOT, run_cli, tiny_config
+from tests.conftest import ROOT, tiny_config
 from tests.train.test_resume import tiny_overrides
 
 SWITCHES = [("adamw", "muon"), ("muon", "adamw")]
@@ -27,12 +31,20 @@ def _snapshot(root) -> dict[str, tuple[int, str]]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def _train(*args: str) -> tuple[int, str]:
+    """`meshlm train --config gpt-tiny ARGS` in this process: its exit code and stderr."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["train", "--config", "gpt-tiny", *args])
+    return code, err.getvalue()
+
+
 def _assert_switch_refused(out, trained: str, asked: str) -> None:
     before = _snapshot(out)
-    proc = run_cli("train", "--config", "gpt-tiny", *tiny_overrides(out, max_steps=4), f"--optim.name={asked}")
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    error = proc.stderr.strip().splitlines()[-1]
-    assert error.startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    code, stderr = _train(*tiny_overrides(out, max_steps=4), f"--optim.name={asked}")
+    assert code == 2, stderr[-3000:]
+    error = stderr.strip().splitlines()[-1]
+    assert error.startswith("error: ") and stderr.count("\n") == 1, stderr[-3000:]
     assert f"trained with optim.name={trained}" in error and f"asks for optim.name={asked}" in error, error
     assert f"--optim.name={trained}" in error and "--train.init_from=" in error, error
     assert _snapshot(out) == before, "a refused resume must leave the run directory as it was"
@@ -41,8 +53,8 @@ def _assert_switch_refused(out, trained: str, asked: str) -> None:
 @pytest.mark.parametrize("trained,asked", SWITCHES)
 def test_switching_optimizer_on_a_one_process_checkpoint_is_one_clear_error(tmp_path, trained, asked):
     out = tmp_path / "run"
-    proc = run_cli("train", "--config", "gpt-tiny", *tiny_overrides(out, max_steps=2), f"--optim.name={trained}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, stderr = _train(*tiny_overrides(out, max_steps=2), f"--optim.name={trained}")
+    assert code == 0, stderr[-3000:]
     assert (ckpt.resolve_checkpoint(out) / "optim.pt").exists()
     _assert_switch_refused(out, trained, asked)
 
