@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from collections.abc import Callable
 
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from meshlm.core.config import Config, ConfigError
 
-TIMED_STEPS = 5  # steps timed after the first (untimed) one before the plan is made
+TIMED_STEPS = 20  # steps timed after the first (untimed) one before the plan is made (their median counts)
 MARGIN = 0.03  # the steps' share of the budget kept for step times that drift during the run
 SAVE_BYTES_PER_S = 100e6  # a conservative disk (checkpoint writes, with their checksums)
 
@@ -123,7 +124,7 @@ class TimeBudget:
     def plan(self, cfg: Config, step: int, n_params: int, accum: int, device: torch.device,
              world_size: int) -> str:
         """Fix the step count (every rank the same: the slowest rank's numbers); returns the line to print."""
-        step_s = sum(self.times) / len(self.times)
+        step_s = statistics.median(self.times)  # the first steps run slower while caches and allocations settle
         elapsed = self.clock() - self.started
         if world_size > 1:
             both = torch.tensor([step_s, elapsed], dtype=torch.float64, device=device)

@@ -32,12 +32,12 @@ def test_steps_for_budget_fits_the_measured_step_time():
 
 def test_the_plan_is_made_inside_the_warmup_so_the_schedule_depends_on_the_step_count_only():
     cfg = tiny_config("unused", train={"time_budget_s": 60}, optim={"warmup_steps": 50})
-    assert plan_step(0, cfg) == 6  # one untimed step, five timed ones
+    assert plan_step(0, cfg) == 21  # one untimed step, twenty timed ones
     short = tiny_config("unused", train={"time_budget_s": 60}, optim={"warmup_steps": 3})
     assert plan_step(0, short) == 4
     assert plan_step(0, tiny_config("unused", optim={"warmup_steps": 1})) == 2  # one timed step at least
-    assert plan_step(0, tiny_config("unused", optim={"warmup_steps": 0, "decay": "constant"})) == 6
-    assert plan_step(0, tiny_config("unused", optim={"warmup_steps": 0, "decay_steps": 100})) == 6
+    assert plan_step(0, tiny_config("unused", optim={"warmup_steps": 0, "decay": "constant"})) == 21
+    assert plan_step(0, tiny_config("unused", optim={"warmup_steps": 0, "decay_steps": 100})) == 21
     for c in (cfg, short):  # every step taken before the plan has the learning rate of any step count
         for step in range(plan_step(0, c)):
             assert lr_at(step, c.optim, 10) == lr_at(step, c.optim, 10 ** 6), step
@@ -58,14 +58,14 @@ def test_the_plan_takes_the_measured_steps_after_the_first():
     budget = TimeBudget(1000, started=0.0, clock=clock)
     budget.start(0)
     budget.observe(1, 30.0)  # the first step (allocation, warm-up) is not timed
-    for step in range(2, 7):
-        budget.observe(step, 2.0)
-        assert budget.due(step, cfg) == (step == 6)
+    for step in range(2, 22):
+        budget.observe(step, 3.0 if step < 5 else 2.0)  # the first timed steps still settle: the median is 2.0
+        assert budget.due(step, cfg) == (step == 21)
     clock.now = 50.0
-    line = budget.plan(cfg, 6, n_params=1000, accum=1, device=None, world_size=1)
+    line = budget.plan(cfg, 21, n_params=1000, accum=1, device=None, world_size=1)
     reserve, periodic = end_seconds(cfg, 2.0, 1000, 1)
-    assert budget.steps == steps_for_budget(1000, 2.0 + periodic, reserve, elapsed_s=50, done=6)
-    assert 6 + (950 - 20) / 2.1 < budget.steps < 6 + 950 / 2.0  # the 950 s left, in steps of 2 s and a margin
+    assert budget.steps == steps_for_budget(1000, 2.0 + periodic, reserve, elapsed_s=50, done=21)
+    assert 21 + (950 - 20) / 2.1 < budget.steps < 21 + 950 / 2.0  # the 950 s left, in steps of 2 s and a margin
     assert f": {budget.steps} steps at 2.00 s/step on this host" in line
     assert budget.state() == {"steps": budget.steps, "step_s": 2.0, "budget_s": 1000}
 
