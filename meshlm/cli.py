@@ -66,16 +66,19 @@ THREAD_POLICY_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
 # libgomp (torch's OpenMP on Linux): a waiting thread spins 10,000 iterations (tens of microseconds), then sleeps,
-# instead of libgomp's default 300,000. Short waits between operations stay spins (no slower alone); on a CPU
-# shared with a busy process, threads waiting for a descheduled one soon give their core back.
+# instead of libgomp's default 300,000. On a CPU shared with a busy process, threads waiting for a descheduled one
+# soon give their core back (a step 1.6-2.1x slower beside one busy process instead of 2.8-3.1x); alone, a step
+# was up to 20% slower in some runs, so it is opt-in: MESHLM_SHARED_CPU=1 (docs/threads.md).
 THREAD_POLICY = {"GOMP_SPINCOUNT": "10000"}
+SHARED_CPU_VARIABLE = "MESHLM_SHARED_CPU"
 
 
 def thread_policy(environ: dict, nvidia_gpu: bool) -> dict[str, str]:
     """The OpenMP variables meshlm sets in `environ` (`THREAD_POLICY`; docs/threads.md, measured by
-    benchmarks/busy_step.py): none where the user set any of `THREAD_POLICY_VARIABLES`, nor on a host with an
-    NVIDIA GPU (its CPU threads mostly wait for the GPU)."""
-    if nvidia_gpu or any(name in environ for name in THREAD_POLICY_VARIABLES):
+    benchmarks/busy_step.py): only when `MESHLM_SHARED_CPU=1` asks for it, and never where the user set any of
+    `THREAD_POLICY_VARIABLES` or on a host with an NVIDIA GPU (its CPU threads mostly wait for the GPU)."""
+    wanted = environ.get(SHARED_CPU_VARIABLE, "").strip().lower() in ("1", "true", "yes")
+    if not wanted or nvidia_gpu or any(name in environ for name in THREAD_POLICY_VARIABLES):
         return {}
     return dict(THREAD_POLICY)
 
