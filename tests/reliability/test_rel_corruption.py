@@ -15,8 +15,9 @@ from meshlm.checkpoint import files as ckpt_files
 from meshlm.checkpoint import single as ckpt
 from meshlm.cli import main
 from meshlm.train.trainer import Trainer
-from tests.conftest import ROOT, tiny_config
+from tests.conftest import ROOT
 from tests.reliability.threads import _one_thread  # noqa: F401 (autouse: one intra-op thread)
+from tests.reliability.trained_run import small  # the run behind the `run` and `copy` fixtures (conftest.py)
 
 FILES = ("model.pt", "optim.pt", "state.pt", "config.json", "manifest.json")
 KINDS = ("truncated", "emptied", "deleted", "flipped")
@@ -35,25 +36,6 @@ def corrupt(path, kind: str) -> None:
         for i in range(len(mid) // 2, len(mid) // 2 + 4):
             mid[i] ^= 0xFF
         path.write_bytes(bytes(mid))
-
-
-def small(out, **train):
-    return tiny_config(out, train={"max_steps": 2, "save_every": 1, "sample_tokens": 0, **train})
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A run with two checkpoints (step 1, step 2), made once; each test works on a hard-linked copy."""
-    out = tmp_path_factory.mktemp("run")
-    Trainer(small(out)).run()
-    return out
-
-
-@pytest.fixture
-def copy(run, tmp_path):
-    out = tmp_path / "run"
-    shutil.copytree(run, out, copy_function=os.link)
-    return out
 
 
 @pytest.mark.parametrize("kind", KINDS)

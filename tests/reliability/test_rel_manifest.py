@@ -16,29 +16,10 @@ from meshlm.checkpoint import sharded as dist_checkpoint
 from meshlm.checkpoint import single as ckpt
 from meshlm.cli import main
 from meshlm.train.trainer import Trainer
-from tests.conftest import tiny_config
 from tests.reliability.threads import _one_thread  # noqa: F401 (autouse: one intra-op thread)
+from tests.reliability.trained_run import small  # the run behind the `run` and `copy` fixtures (conftest.py)
 
 STEP1, STEP2 = "step_0000001", "step_0000002"
-
-
-def small(out, **train):
-    return tiny_config(out, train={"max_steps": 2, "save_every": 1, "sample_tokens": 0, **train})
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A run with two one-process checkpoints (steps 1, 2), made once; each test works on a hard-linked copy."""
-    out = tmp_path_factory.mktemp("run")
-    Trainer(small(out)).run()
-    return out
-
-
-@pytest.fixture
-def copy(run, tmp_path):
-    out = tmp_path / "run"
-    shutil.copytree(run, out, copy_function=os.link)
-    return out
 
 
 def replace(path, data: bytes) -> None:
