@@ -9,8 +9,12 @@ share of the CPU the other process takes would explain. This measures it: each s
 subprocess (the OpenMP environment is read when torch loads), which builds the demo run (`configs/demo.toml`,
 meshlm's real `Trainer.train_step`), takes `--warmup` untimed steps and times `--steps` more, first with
 the machine as it is, then with one busy process beside it (a pure-Python loop, one core's worth). The
-table gives the median seconds per step of both and their ratio; the target is a ratio no worse than the
-busy process's share of the CPU (about 2 on 2 cores) without a slower step alone.
+table gives the median seconds per step of both and their ratio, and both against the `default` setting's step
+alone (the quiet machine's speed); the target is a step beside the busy process no slower than the busy
+process's share of the CPU explains (about 2× the default alone on 2 cores) without a slower step alone.
+`adaptive` is meshlm's default (`train.adapt_threads`, meshlm/train/threads.py): its child calls the trainer's
+thread governor after each step as the training loop does, and the table's next line gives the thread count
+after each step (warm-up included: the governor needs two 2-second windows to decide).
 
 Each child starts with a clean OpenMP environment (OMP_*, GOMP_*, KMP_* removed) plus its setting's
 variables, so meshlm's own choice at start (`meshlm/cli.py`, docs/threads.md) applies only where a setting
@@ -42,7 +46,9 @@ SETTINGS = {
     "1thread": ({}, 1, "one thread (torch.set_num_threads(1))"),
     "1thread-passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, 1, "one thread, passive"),
     "meshlm": ({"MESHLM_BENCH_USE_CLI_POLICY": "1"}, 0, "what meshlm sets at start (meshlm/cli.py)"),
+    "adaptive": ({}, 0, "train.adapt_threads (meshlm's default): threads follow the CPUs left free"),
 }
+ADAPTIVE = {"adaptive"}  # settings whose child calls the trainer's thread governor after each step, as its loop does
 
 BUSY = "while True:\n    pass\n"  # one core's worth of pure Python, no threads
 
@@ -67,16 +73,19 @@ def child(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config("demo", [f"--train.out_dir={out}", "--train.progress=false", "--train.log_every=1000",
-                                   f"--train.micro_batch_size={args.batch}", f"--train.global_batch_size={args.batch}"])
+                                   f"--train.micro_batch_size={args.batch}", f"--train.global_batch_size={args.batch}",
+                                   f"--train.adapt_threads={str(args.adapt).lower()}"])
         trainer = Trainer(cfg, progress=False)
-        for _ in range(args.warmup):
-            trainer.train_step()
-        times = []
-        for _ in range(args.steps):
+        times, counts = [], []
+        for i in range(args.warmup + args.steps):
             began = time.perf_counter()
             trainer.train_step()
-            times.append(time.perf_counter() - began)
-    print(json.dumps({"times": times, "threads": torch.get_num_threads(),
+            if i >= args.warmup:
+                times.append(time.perf_counter() - began)
+            if trainer.threads is not None:  # what Trainer._loop does after every step
+                trainer.threads.after_step()
+            counts.append(torch.get_num_threads())
+    print(json.dumps({"times": times, "threads": torch.get_num_threads(), "counts": counts,
                       "policy": os.environ.get("OMP_WAIT_POLICY", ""), "spin": os.environ.get("GOMP_SPINCOUNT", "")}))
 
 
@@ -84,7 +93,7 @@ def measure(name: str, args: argparse.Namespace, busy: bool) -> dict:
     env_vars, threads, _ = SETTINGS[name]
     env = {**clean_env(), **env_vars}
     cmd = [sys.executable, __file__, "--child", f"--steps={args.steps}", f"--warmup={args.warmup}",
-           f"--threads={threads}", f"--batch={args.batch}"]
+           f"--threads={threads}", f"--batch={args.batch}"] + (["--adapt"] if name in ADAPTIVE else [])
     hog = subprocess.Popen([sys.executable, "-c", BUSY]) if busy else None
     try:
         result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
@@ -105,6 +114,7 @@ def main() -> None:
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"any of {', '.join(SETTINGS)}")
     parser.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--adapt", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
@@ -115,12 +125,19 @@ def main() -> None:
         parser.error(f"unknown setting(s) {', '.join(unknown)}; pick from {', '.join(SETTINGS)}")
     print(f"{os.cpu_count()} CPUs; demo model, batch {args.batch} × 256, {args.warmup} warm-up + {args.steps} timed "
           "steps per measurement; busy: one pure-Python loop")
-    print(f"{'setting':<16} {'threads':>7} {'alone s/step':>12} {'busy s/step':>11} {'slowdown':>8}  what")
+    print(f"{'setting':<16} {'threads':>7} {'alone s/step':>12} {'busy s/step':>11} {'slowdown':>8} "
+          f"{'vs default alone':>16}  what")
+    reference = None  # the default setting's step alone: the quiet machine's speed every setting is held to
     for name in names:
         alone, busy = measure(name, args, busy=False), measure(name, args, busy=True)
         a, b = statistics.median(alone["times"]), statistics.median(busy["times"])
-        print(f"{name:<16} {alone['threads']:>7} {a:>12.3f} {b:>11.3f} {b / a:>7.2f}x  {SETTINGS[name][2]}",
+        reference = a if name == "default" else reference
+        against = f"{a / reference:.2f} / {b / reference:.2f}" if reference else "-"
+        threads = f"{alone['threads']}/{busy['threads']}"  # alone / busy, at the end of the run
+        print(f"{name:<16} {threads:>7} {a:>12.3f} {b:>11.3f} {b / a:>7.2f}x {against:>16}  {SETTINGS[name][2]}",
               flush=True)
+        if name in ADAPTIVE:
+            print(f"{'':<16} thread counts after each step, alone: {alone['counts']}; busy: {busy['counts']}")
 
 
 if __name__ == "__main__":

@@ -198,6 +198,8 @@ class TrainConfig:
     # > 0: seconds for the whole command (set-up, steps, final evaluation, checkpoint, sample); the run times its
     # first steps, then fits the step count and the learning-rate schedule to it (train/budget.py). 0: no budget.
     time_budget_s: float = 0.0
+    # On a CPU: torch threads follow the CPUs other processes leave free (train/threads.py, docs/threads.md).
+    adapt_threads: bool = True
     micro_batch_size: int = 8
     global_batch_size: int = 8
     seed: int = 1234

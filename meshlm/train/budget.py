@@ -2,11 +2,23 @@
 
 The budget covers the whole command as a user waits for it: from the start of `meshlm train` (data preparation,
 model set-up and the first steps included) to the end of the final evaluation, checkpoint and sample. The run
-times its first steps (the first one, which allocates and warms caches, is not timed), then fixes the step
-count N once (`steps_for_budget`): from then on the run is exactly the run of `train.max_steps = N`. The plan is
-made while the learning rate does not yet depend on N (inside the warmup), so the whole schedule is a pure
-function of N; N is stored in the checkpoints and a resumed run keeps it (it is not measured again). With
-several processes every rank takes the slowest rank's step time and elapsed time (an all-reduce), so all agree.
+times its first steps (the first one, which allocates and warms caches, is not timed), then plans the step
+count N (`steps_for_budget`): from then on the run is exactly the run of `train.max_steps = N`.
+
+When the plan may change is a matter of the schedule: the learning rate of every step already taken must be the
+one the run of `train.max_steps = N` would have used, for the final N.
+
+* A cosine or linear decay over the run depends on N from the end of the warmup: the plan is made once, inside
+  the warmup, and fixed.
+* A WSD schedule (`optim.decay = "wsd"`) is constant until its decay starts, at N − ⌊fraction · N⌋: the plan is
+  made at the same point, then revised every `REPLAN_EVERY` steps from the latest step times and the time
+  actually spent, for as long as the decay has not begun (a revised N never moves the decay's start before the
+  step about to be taken). When the decay starts, N is fixed. A host whose speed changes early in the run (another
+  job ends, the hypervisor takes less) still ends on its budget.
+* A constant rate, or a decay over `optim.decay_steps`, does not depend on N at all: revised until the last steps.
+
+N is stored in the checkpoints and a resumed run keeps it, fixed (it is not measured again). With several
+processes every rank takes the slowest rank's step time and elapsed time (an all-reduce), so all agree.
 
 `train.max_steps` is the cap: the data are prepared for that many steps, and a fast host stops there.
 """
@@ -25,6 +37,7 @@ import torch.distributed as dist
 from meshlm.core.config import Config, ConfigError
 
 TIMED_STEPS = 20  # steps timed after the first (untimed) one before the plan is made (their median counts)
+REPLAN_EVERY = 10  # steps between revisions of a plan that may still change (the last TIMED_STEPS steps' median)
 MARGIN = 0.03  # the steps' share of the budget kept for step times that drift during the run
 SAVE_BYTES_PER_S = 100e6  # a conservative disk (checkpoint writes, with their checksums)
 
@@ -93,10 +106,33 @@ def duration(seconds: float) -> str:
     return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
 
 
+def decay_start(cfg: Config, steps: int) -> int:
+    """The first step (0-based) from which the learning rate of a run of `steps` steps depends on `steps`
+    (`optim.lr_at`): the end of the warmup for a cosine or linear decay over the run, WSD's decay start, and
+    never (`steps`) for a constant rate or a decay over optim.decay_steps. A step up to this one has the same
+    rate whatever the step count."""
+    o = cfg.optim
+    if o.decay == "constant" or o.decay_steps:
+        return steps
+    if o.decay == "wsd":
+        return steps - int(o.wsd_decay_fraction * steps)
+    return o.warmup_steps
+
+
+def keep_schedule(cfg: Config, steps: int, step: int) -> int:
+    """`steps`, or more: the least step count from `steps` on whose schedule agrees with every step taken so
+    far (`step` of them, run at the rates that did not depend on the count), so that the run stays exactly the
+    run of that many steps. WSD's decay start grows with the count, by at most one per step."""
+    while cfg.optim.decay == "wsd" and not cfg.optim.decay_steps and decay_start(cfg, steps) < step - 1:
+        steps += 1
+    return steps
+
+
 @dataclasses.dataclass
 class TimeBudget:
     """A run's budget: created when train.time_budget_s is set, with the command's start on `clock` (seconds);
-    `observe` takes each step's time until `due`, then `plan` fixes the step count."""
+    `observe` takes each step's time, `due` says when to `plan` (the first plan, then the revisions the schedule
+    allows), `settle` fixes the plan once the schedule depends on it (module doc)."""
 
     budget_s: float
     started: float
@@ -105,6 +141,10 @@ class TimeBudget:
     step_s: float = 0.0  # the measured seconds per step
     first_step: int = -1  # the step the run started at (set by `start`)
     times: list = dataclasses.field(default_factory=list)
+    fixed: bool = False  # the plan can no longer change (the schedule depends on it, or a resumed plan)
+    first_plan: int = 0  # the first plan's step count (the summary line compares)
+    planned_at: int = 0  # the step of the latest plan
+    cap: int = 0  # train.max_steps as the run started (the planned count replaces it in the config)
 
     def start(self, step: int) -> None:
         self.first_step = step
@@ -115,33 +155,49 @@ class TimeBudget:
 
     def observe(self, step: int, seconds: float) -> None:
         """Step `step` (1-based, just taken) took `seconds`; the first step of the run is not timed."""
-        if not self.planned and step > self.first_step + 1:
+        if step > self.first_step + 1:
             self.times.append(seconds)
 
     def due(self, step: int, cfg: Config) -> bool:
-        return not self.planned and step >= plan_step(self.first_step, cfg)
+        if not self.planned:
+            return step >= plan_step(self.first_step, cfg)
+        return not self.fixed and step - self.planned_at >= REPLAN_EVERY
 
-    def plan(self, cfg: Config, step: int, n_params: int, accum: int, device: torch.device,
-             world_size: int) -> str:
-        """Fix the step count (every rank the same: the slowest rank's numbers); returns the line to print."""
-        step_s = statistics.median(self.times)  # the first steps run slower while caches and allocations settle
+    def measure(self, device: torch.device, world_size: int) -> tuple[float, float]:
+        """(seconds per step: the median of the last TIMED_STEPS steps; seconds since the start), the slowest
+        rank's on every rank."""
+        step_s = statistics.median(self.times[-TIMED_STEPS:])  # the first steps run slower while caches settle
         elapsed = self.clock() - self.started
         if world_size > 1:
             both = torch.tensor([step_s, elapsed], dtype=torch.float64, device=device)
             dist.all_reduce(both, op=dist.ReduceOp.MAX)
             step_s, elapsed = both.tolist()
+        return step_s, elapsed
+
+    def plan(self, cfg: Config, step: int, n_params: int, accum: int, device: torch.device,
+             world_size: int) -> str | None:
+        """Plan (or revise) the step count, every rank the same; returns the line to print (None: a revision
+        that changed nothing worth saying)."""
+        step_s, elapsed = self.measure(device, world_size)
         reserve, periodic = end_seconds(cfg, step_s, n_params, accum)
-        cap = cfg.train.max_steps
+        cap = self.cap if self.planned else cfg.train.max_steps
         fit = steps_for_budget(self.budget_s, step_s + periodic, reserve, elapsed, done=step)
-        if fit <= step < cap:
+        if not self.planned and fit <= step < cap:
             need = elapsed + reserve + 20 * (step_s + periodic)
             raise ConfigError(
                 f"train.time_budget_s={self.budget_s:g} is too short: set-up and {step} steps took {elapsed:.0f} s, "
                 f"a step takes {step_s:.2f} s on this host and the end (evaluation, checkpoint, sample) about "
                 f"{reserve:.0f} s; give at least {math.ceil(need)} (20 steps) or set train.max_steps instead")
-        self.steps, self.step_s = min(fit, cap), step_s
+        before, self.step_s, self.planned_at = self.steps, step_s, step
+        self.steps = keep_schedule(cfg, min(fit, cap), step)
         total = elapsed + (self.steps - step) * (step_s + periodic) + reserve
         capped = f" (train.max_steps caps it; ~{fit} would fit)" if fit > cap else ""
+        if before:
+            if abs(self.steps - before) < max(3, 0.01 * before):
+                return None
+            return (f"time budget: {self.steps} steps now (was {before}){capped}: {step_s:.2f} s/step over the last "
+                    f"{min(TIMED_STEPS, len(self.times))} steps, {elapsed:.0f} s spent, about {duration(total)} in all")
+        self.first_plan, self.cap = self.steps, cap
         done_at = time.strftime("%H:%M", time.localtime(time.time() + total - elapsed))
         note = ""
         if decays_over_steps(cfg) and step - 1 > cfg.optim.warmup_steps:  # resumed past the warmup, no plan saved
@@ -150,14 +206,31 @@ class TimeBudget:
                 f"this host, about {duration(total)} in all (done about {done_at}; {reserve:.0f} s kept for "
                 f"the final evaluation, checkpoint and sample){note}")
 
+    def settle(self, cfg: Config, step: int) -> str | None:
+        """Fix the plan when the next step's learning rate depends on it; returns the line to print then."""
+        if self.fixed or not self.planned or step < decay_start(cfg, self.steps):
+            return None
+        self.fixed = True
+        if cfg.optim.decay != "wsd":
+            return None  # fixed by the first plan itself (a cosine or linear decay over the run)
+        return (f"time budget: {self.steps} steps, fixed: the learning rate decays from step {step + 1} "
+                f"(optim.decay=wsd)")
+
+    def keep(self, saved: dict, cap: int) -> None:
+        """A resumed run's plan (a checkpoint's `state()`), fixed: it is not measured again."""
+        self.steps = self.first_plan = min(saved["steps"], cap)
+        self.step_s, self.fixed, self.cap = saved["step_s"], True, cap
+
     def state(self) -> dict:
         """What checkpoints keep: the plan (a resumed run keeps it)."""
-        return {"steps": self.steps, "step_s": self.step_s, "budget_s": self.budget_s}
+        return {"steps": self.steps, "step_s": self.step_s, "budget_s": self.budget_s, "fixed": self.fixed}
 
     def summary(self, step: int) -> str:
         """The last line: the steps taken and the time the whole run took."""
         took = self.clock() - self.started
-        return f"time budget {duration(self.budget_s)}: {step} steps, done after {took:.0f} s of {self.budget_s:.0f} s"
+        first = f" (first plan {self.first_plan})" if self.first_plan and self.first_plan != step else ""
+        return (f"time budget {duration(self.budget_s)}: {step} steps{first}, done after {took:.0f} s of "
+                f"{self.budget_s:.0f} s")
 
 
 def with_steps(cfg: Config, steps: int) -> Config:

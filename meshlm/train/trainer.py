@@ -50,6 +50,7 @@ from meshlm.train.log import RunLog, eval_line, run_summary, train_line
 from meshlm.train.metrics import measure_peak_tflops, peak_memory_mb
 from meshlm.train.optim import build_optimizer, lr_at
 from meshlm.train.state import CheckpointState
+from meshlm.train.threads import thread_governor
 
 
 def pick_device(name: str) -> torch.device:
@@ -80,6 +81,7 @@ class Trainer(CheckpointState):
         # A stopped or frozen peer is reported by rank and host within parallel.heartbeat_s (parallel/heartbeat.py).
         self.heartbeat = start_heartbeat(self.dims, cfg.parallel.heartbeat_s)
         self.device = self.dims.device
+        self.threads = thread_governor(t.adapt_threads, self.device)  # None unless a CPU run may adapt
         self.progress = (t.progress if progress is None else progress) and self.dims.is_main
         self.out_dir = Path(t.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -184,7 +186,7 @@ class Trainer(CheckpointState):
         saved = self.saved_plan
         if self.budget is None or not saved or not saved.get("steps"):
             return
-        self.budget.steps, self.budget.step_s = min(saved["steps"], self.cfg.train.max_steps), saved["step_s"]
+        self.budget.keep(saved, self.cfg.train.max_steps)
         self.cfg = with_steps(self.cfg, self.budget.steps)
         self.log(f"time budget: keeping the resumed run's plan of {self.budget.steps} steps "
                  f"(timed at {saved['step_s']:.2f} s/step)")
@@ -429,6 +431,8 @@ class Trainer(CheckpointState):
             if self.budget is not None:
                 self._follow_budget(time.perf_counter() - began)
                 t = self.cfg.train  # max_steps: the planned count once planned
+            if self.threads is not None and (line := self.threads.after_step()):
+                self.log(line)
             window_steps += 1
             self.runlog.bar.update(1)
             self.runlog.bar.set_postfix(loss=f"{loss:.3f}")
@@ -445,13 +449,19 @@ class Trainer(CheckpointState):
         return last_eval
 
     def _follow_budget(self, seconds: float) -> None:
-        """Time the step just taken; at the planning step fix train.max_steps (every rank alike) and say so."""
+        """Time the step just taken; at the planning steps set train.max_steps (every rank alike) and say so;
+        fix it when the schedule starts to depend on it (`train/budget.py`)."""
         self.budget.observe(self.step, seconds)
+        lines = []
         if self.budget.due(self.step, self.cfg):
-            line = self.budget.plan(self.cfg, self.step, self.n_params, self.accum, self.device, self.dims.world_size)
+            lines.append(self.budget.plan(self.cfg, self.step, self.n_params, self.accum, self.device,
+                                          self.dims.world_size))
             self.cfg = with_steps(self.cfg, self.budget.steps)
             self.runlog.set_total(self.budget.steps)
-            self.log(line)
+        lines.append(self.budget.settle(self.cfg, self.step))
+        for line in lines:
+            if line:
+                self.log(line)
 
     def _log_step(self, loss: float, grad_norm: float, dt: float, flops: float, hw_flops: float,
                   peak: float) -> None:
@@ -464,7 +474,7 @@ class Trainer(CheckpointState):
                "tokens_per_s": t.global_batch_size * self.row_tokens / dt,
                "tflops": flops / dt / 1e12, "mfu": flops / dt / 1e12 / peak,
                "hfu": hw_flops / dt / 1e12 / peak, "peak_mem_mb": peak_memory_mb(self.device),
-               "step_time_s": dt}
+               "step_time_s": dt, "threads": torch.get_num_threads()}
         self.runlog.write(rec)
         self.log(train_line(rec, parts))
 

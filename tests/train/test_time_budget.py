@@ -8,7 +8,7 @@ import pytest
 
 from meshlm.checkpoint import single as ckpt
 from meshlm.core.config import ConfigError
-from meshlm.train.budget import TimeBudget, end_seconds, plan_step, steps_for_budget
+from meshlm.train.budget import REPLAN_EVERY, TimeBudget, decay_start, end_seconds, plan_step, steps_for_budget
 from meshlm.train.optim import lr_at
 from meshlm.train.trainer import Trainer
 from tests.conftest import tiny_config
@@ -67,7 +67,71 @@ def test_the_plan_takes_the_measured_steps_after_the_first():
     assert budget.steps == steps_for_budget(1000, 2.0 + periodic, reserve, elapsed_s=50, done=21)
     assert 21 + (950 - 20) / 2.1 < budget.steps < 21 + 950 / 2.0  # the 950 s left, in steps of 2 s and a margin
     assert f": {budget.steps} steps at 2.00 s/step on this host" in line
-    assert budget.state() == {"steps": budget.steps, "step_s": 2.0, "budget_s": 1000}
+    assert budget.state() == {"steps": budget.steps, "step_s": 2.0, "budget_s": 1000, "fixed": False}
+    # A cosine decay over the run: revised while the warmup lasts (its rates do not depend on the count), then fixed.
+    assert budget.settle(cfg, 21) is None and not budget.fixed and budget.due(21 + REPLAN_EVERY, cfg)
+    assert budget.settle(cfg, 50) is None and budget.fixed and not budget.due(50 + REPLAN_EVERY, cfg)
+
+
+def wsd_budget(clock, budget_s=1000, decay="wsd"):
+    cfg = tiny_config("unused", train={"time_budget_s": budget_s, "max_steps": 5000, "sample_tokens": 0},
+                      optim={"warmup_steps": 5, "decay": decay, "wsd_decay_fraction": 0.2})
+    budget = TimeBudget(budget_s, started=0.0, clock=clock)
+    budget.start(0)
+    return cfg, budget
+
+
+def run_budget(cfg, budget, clock, step_s, until: int) -> list[int]:
+    """Steps of `step_s(step)` seconds on the fake clock, planning and settling as the trainer does, up to the
+    planned count or `until`; returns the plan after each step."""
+    plans, step = [], 0
+    while step < min(until, budget.steps or until):
+        step += 1
+        clock.now += step_s(step)
+        budget.observe(step, step_s(step))
+        if budget.due(step, cfg):
+            budget.plan(cfg, step, n_params=1000, accum=1, device=None, world_size=1)
+        budget.settle(cfg, step)
+        plans.append(budget.steps)
+        if budget.steps:  # every step taken so far ran at a rate the final schedule gives it
+            assert decay_start(cfg, budget.steps) >= step - 1 or budget.fixed
+    return plans
+
+
+def test_a_wsd_plan_follows_a_host_that_speeds_up_until_its_decay_starts():
+    # The first 100 steps take 4 s (the hypervisor takes half the CPU), then 2 s: a plan made once from the
+    # first steps would stop near 1000/4 steps; revised every REPLAN_EVERY steps it uses the whole budget.
+    clock = FakeClock(30.0)  # set-up
+    cfg, budget = wsd_budget(clock)
+    plans = run_budget(cfg, budget, clock, lambda s: 4.0 if s <= 100 else 2.0, 5000)
+    first = plans[20]
+    assert first == pytest.approx((1000 - 30 - 21 * 4) / (4 * 1.03) + 21, abs=12)  # the plan from 4 s steps
+    assert budget.fixed and budget.steps == plans[-1] == len(plans)
+    assert budget.steps > first + 100  # the faster steps were used
+    took = clock.now
+    reserve, _ = end_seconds(cfg, 2.0, 1000, 1)
+    assert 1000 - 50 < took + reserve <= 1000  # ends on the budget, not early
+    fixed_at = next(i for i, p in enumerate(plans, 1) if p and i >= decay_start(cfg, p))
+    assert set(plans[fixed_at - 1:]) == {budget.steps}  # no change once the decay started
+    assert "first plan" in budget.summary(budget.steps)
+
+
+def test_a_wsd_plan_never_moves_its_decay_before_the_steps_already_taken():
+    # Fast until late in the constant phase, then eight times slower: the budget now fits fewer steps than the
+    # decay's start allows; the plan shrinks only as far as keeps every step taken at its constant rate.
+    clock = FakeClock(0.0)
+    cfg, budget = wsd_budget(clock)
+    plans = run_budget(cfg, budget, clock, lambda s: 1.0 if s <= 600 else 8.0, 5000)
+    assert budget.fixed and len(plans) == budget.steps
+    assert decay_start(cfg, budget.steps) >= 599  # the decay starts after the last fast step
+    assert budget.steps < max(plans)  # it did shrink
+
+
+def test_a_constant_rate_is_revised_to_the_end():
+    clock = FakeClock(0.0)
+    cfg, budget = wsd_budget(clock, decay="constant")
+    plans = run_budget(cfg, budget, clock, lambda s: 1.0 if s <= 200 else 0.5, 5000)
+    assert len(plans) == budget.steps > plans[20] + 200
 
 
 def test_a_budget_too_short_for_more_steps_says_so():
@@ -108,6 +172,21 @@ def test_a_budget_run_follows_its_printed_plan_and_saves_and_evaluates_at_the_en
     final = ckpt.resolve_checkpoint(tmp_path)
     assert final.name == f"step_{n:07d}"
     assert ckpt.load_part(final, "state")["time_budget"]["steps"] == n
+
+
+def test_a_wsd_budget_run_is_the_run_of_its_final_step_count(tmp_path, capsys):
+    cfg = tiny_config(tmp_path, train={"time_budget_s": 600, "max_steps": 40, "log_every": 1},
+                      optim={"warmup_steps": 3, "decay": "wsd", "wsd_decay_fraction": 0.5})
+    result = Trainer(cfg).run()
+    out = capsys.readouterr().out
+    n = result["step"]
+    assert n == 40  # train.max_steps caps the plans of a tiny model's fast steps
+    assert "time budget: 40 steps, fixed: the learning rate decays from step 22 (optim.decay=wsd)" in out
+    train = records(tmp_path, "train")
+    assert [r["step"] for r in train] == list(range(1, n + 1))
+    for r in train:  # revised or not, the whole schedule is that of max_steps = n
+        assert r["lr"] == pytest.approx(lr_at(r["step"] - 1, cfg.optim, n), rel=1e-12), r["step"]
+    assert ckpt.load_part(ckpt.resolve_checkpoint(tmp_path), "state")["time_budget"]["fixed"]
 
 
 def test_a_resumed_budget_run_keeps_its_planned_step_count(tmp_path, capsys):
