@@ -316,6 +316,9 @@ class DataConfig:
     cache_dir: str = ""  # "": $MESHLM_CACHE or ~/.cache/meshlm (prepared text and sample indices)
     json_key: str = "text"  # the field holding the text in .jsonl data.paths
     allow_binary: bool = False  # true: text data.paths that look binary (NUL bytes, invalid UTF-8) are used anyway
+    # true: a row packing several documents attends only within each and restarts positions at each
+    # (Megatron's reset attention mask and position ids; docs/long_context.md). Decoder families only.
+    document_mask: bool = False
 
     @property
     def split_weights(self) -> tuple[float, float, float]:
@@ -333,6 +336,7 @@ class DataConfig:
                f"data.split={self.split!r} must be up to three non-negative weights 'train,valid,test' "
                "with a positive train share, e.g. '98,1,1'")
         _non_empty("data", self, "tokenizer", "json_key")
+        _check(isinstance(self.document_mask, bool), f"data.document_mask={self.document_mask!r} must be true or false")
         for path in self.paths:
             _check(path.strip() != "", f"data.paths={self.paths!r} holds an empty path; remove it or name a file")
 

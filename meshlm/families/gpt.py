@@ -7,6 +7,7 @@ from meshlm.core.config import Config, ModelConfig
 from meshlm.core.flops import model_flops
 from meshlm.core.memory import parameter_count
 from meshlm.data import build_datasets
+from meshlm.data.documents import document_positions
 from meshlm.families.common import (
     Entry,
     activation_bytes,
@@ -109,6 +110,13 @@ def _datasets(cfg: Config, progress: bool = False):
     return build_datasets(cfg, progress=progress)
 
 
+def document_inputs(ids, eod_id: int) -> dict:
+    """Packed documents: each token's position in its document and its document's id in the row, as the
+    model's `positions=` and `segments=` (`data/documents.py`: the end-of-document token ends its document)."""
+    positions, segments = document_positions(ids, eod_id)
+    return {"positions": positions, "segments": segments}
+
+
 GPT_SPEC = ModelSpec(
     name="gpt", model_class=GPT, tp_plan=tp_plan, check_tensor_parallel=check_tp,
     pipeline=PipelinePlan(first=("tok_emb", "pos_emb", "drop"), layers="layers", last=("norm", "lm_head")),
@@ -116,4 +124,4 @@ GPT_SPEC = ModelSpec(
     fused_loss=True, flops=model_flops, recompute_flops=recompute_extra_flops, stage_costs=embedding_and_head_costs,
     parameter_count=parameter_count, activation_bytes=activation_bytes, build_datasets=_datasets,
     lora_targets=lora_targets, virtual_tokens=True, peft_task_type=lambda cfg: "CAUSAL_LM",
-    hf_architecture=hf_architecture, hf_table=hf_table)
+    hf_architecture=hf_architecture, hf_table=hf_table, document_inputs=document_inputs)

@@ -12,7 +12,9 @@ which the spec's plans refer to:
   with `stage_inputs` (BERT: the padding mask every layer needs) `run_layers(x, layer_ids, inputs=ids)`;
 * `init_buffers(device)`: compute every buffer (GPT's RoPE tables) on `device` after a meta-device build;
   `parallel.materialize` only allocates buffers, so a buffer this does not fill would hold garbage;
-* `init_seed`: the base seed it drew from the global generator when built (`models/init.py`).
+* `init_seed`: the base seed it drew from the global generator when built (`models/init.py`);
+* with `document_inputs` (packed documents, `data.document_mask`): `forward`, `embed` and `run_layers` take
+  the keyword arguments it returns (GPT: `positions=`, `segments=`), which every pipeline stage gets.
 
 The spec then says which submodules are tensor-parallel and how (`tp_plan`), which belong to the first
 and last pipeline stage (`pipeline`), which methods of a layer selective recomputation wraps, how each
@@ -64,6 +66,9 @@ class ModelSpec:
     stage_inputs: bool = False  # every pipeline stage's forward gets the batch's inputs too (`inputs=`)
     eval_metrics: Callable | None = None  # ({part name: mean}, mean loss) → the evaluation's reported metrics
     example_batch: Callable | None = None  # (cfg, micro_batch, torch.Generator) → random (inputs, targets); None: ids
+    # Packed documents (`data.document_mask`): (ids (B, T), end-of-document id) → the model's keyword arguments
+    # that keep attention and positions within each document; None: the family cannot (the trainer refuses).
+    document_inputs: Callable | None = None
     decoder: bool = True  # generates text (`meshlm generate`, `train.sample_tokens`)
     # Adapters (`meshlm tune`, tune/): LoRA targets, name → (linear path pattern, rows of its weight or None),
     # and whether virtual tokens (prompt tuning, p-tuning) can go before the input (the model's `embed(ids, start)`).

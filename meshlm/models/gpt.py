@@ -21,7 +21,7 @@ from torch import nn
 
 from meshlm.core.config import ModelConfig
 from meshlm.models.init import InitRule, draw_base_seed, init_parameters
-from meshlm.models.layers import Block, KVCache, make_norm, positions_of, rope_tables
+from meshlm.models.layers import Block, KVCache, document_causal_mask, make_norm, positions_of, rope_tables
 from meshlm.models.loss import linear_cross_entropy
 
 
@@ -79,12 +79,18 @@ class GPT(nn.Module):
             n -= self.pos_emb.weight.numel()
         return n
 
-    def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor, start: int = 0, *, positions: torch.Tensor | None = None,
+              segments: torch.Tensor | None = None) -> torch.Tensor:
+        """Token (+ learned position) embeddings. `positions` (B, T): each token's position (packed
+        documents: in its document), in place of start, start + 1, …; `segments` is accepted for a uniform
+        call and unused here."""
         x = self.tok_emb(idx)  # (B, T, h), or (B, T/t, h) under sequence parallelism
         if self.prompt is not None:  # virtual tokens in place of their placeholders' embeddings
             x = self.prompt(idx, x, start)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(positions_of(start, idx.shape[1], idx.device))  # start: int, or (B,) per row
+            if positions is None:
+                positions = positions_of(start, idx.shape[1], idx.device)  # start: int, or (B,) per row
+            x = x + self.pos_emb(positions)  # (T,) or (B, T); under SP each rank looks up its part
         return self.drop(x)
 
     def rope(self, needed: int):
@@ -95,11 +101,25 @@ class GPT(nn.Module):
         return self.rope_cos, self.rope_sin
 
     def run_layers(self, x: torch.Tensor, layer_ids=None, caches: list[KVCache] | None = None, start: int = 0,
-                   rope=None) -> torch.Tensor:
-        """The residual stream through layers `layer_ids` (default: all), positions from `start`."""
+                   rope=None, *, positions: torch.Tensor | None = None,
+                   segments: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream through layers `layer_ids` (default: all), positions from `start`, or per
+        token (`positions` (B, T), RoPE only) with attention within documents (`segments` (B, T): the mask
+        is built once here and shared by the layers)."""
         rope = rope if rope is not None else self.rope(self.rope_len)
-        for i in range(len(self.layers)) if layer_ids is None else layer_ids:
-            x = self.layers[i](x, rope, caches[i] if caches is not None else None, start)
+        ids = range(len(self.layers)) if layer_ids is None else layer_ids
+        if positions is None and segments is None:
+            for i in ids:
+                x = self.layers[i](x, rope, caches[i] if caches is not None else None, start)
+            return x
+        if caches is not None:
+            raise ValueError("positions/segments are for a training or evaluation forward, not the KV cache")
+        mask = None
+        if segments is not None:
+            index = positions if positions is not None else torch.arange(segments.shape[-1], device=segments.device)
+            mask = document_causal_mask(index, index, segments, segments)  # (B, 1, T, T)
+        for i in ids:
+            x = self.layers[i](x, rope, positions=positions, segments=segments, mask=mask)
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,14 +133,21 @@ class GPT(nn.Module):
         return linear_cross_entropy(self.norm(x), self.lm_head.weight, targets, target_rows=self.loss_on_target_rows)
 
     def forward(self, idx: torch.Tensor, caches: list[KVCache] | None = None, start: int = 0,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
+                targets: torch.Tensor | None = None, *, positions: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
         """idx: (B, T) token ids → logits (B, T, V); with targets (B, T), the mean cross-entropy instead.
-        With `caches`, positions start at `start`: an int, or a (B,) tensor of per-row positions (serving)."""
+        With `caches`, positions start at `start`: an int, or a (B,) tensor of per-row positions (serving).
+        Packed documents (no cache): `positions` (B, T) int64, each token's position in its document, and
+        `segments` (B, T), its document's id in the row (`data.documents.document_positions`)."""
         T = idx.shape[1]
         end = (int(start.max()) if isinstance(start, torch.Tensor) else start) + T
         if self.pos_emb is not None and end > self.cfg.seq_len:
             raise ValueError(f"sequence of {end} tokens exceeds model.seq_len={self.cfg.seq_len}")
-        x = self.run_layers(self.embed(idx, start), None, caches, start, self.rope(end))
+        if positions is None and segments is None:
+            x = self.run_layers(self.embed(idx, start), None, caches, start, self.rope(end))
+        else:
+            x = self.embed(idx, start, positions=positions)
+            x = self.run_layers(x, None, caches, start, self.rope(end), positions=positions, segments=segments)
         return self.head(x) if targets is None else self.head_loss(x, targets)
 
     def new_caches(self, batch: int, max_len: int) -> list[KVCache]:

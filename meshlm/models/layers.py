@@ -143,6 +143,32 @@ def positions_of(start, T: int, device) -> torch.Tensor:
     return torch.arange(start, start + T, device=device)
 
 
+def document_causal_mask(q_index: torch.Tensor, k_index: torch.Tensor, q_segments: torch.Tensor | None = None,
+                         k_segments: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention mask of packed documents (Megatron's reset attention mask), True = attend: key j is
+    visible to query i iff k_index[j] <= q_index[i] and, with segments, k_segments[j] == q_segments[i].
+
+    q_index (B, Tq) / k_index (B, Tk) (or (Tq,) / (Tk,), alike for every row): an index that grows by one
+    along the row within a document: the token's place in the whole row (global token index), or its
+    position in its document (`document_positions`); the two give the same mask when the segments are
+    given, since a document is a contiguous run of its row. q_segments (B, Tq) / k_segments (B, Tk): the
+    document id of each token in its row (None: one document, plain causal). Written for any (query chunk,
+    key chunk) pair of one row, so a context-parallel ring can build each block's mask; a query row may then
+    see no key at all (all False), which the caller must handle. Returns (B, 1, Tq, Tk) bool (or (1, 1, Tq, Tk)
+    for 1-D indices without segments), broadcast over heads."""
+    mask = k_index.unsqueeze(-2) <= q_index.unsqueeze(-1)  # (B, Tq, Tk) or (Tq, Tk)
+    if q_segments is not None:
+        mask = mask & (k_segments.unsqueeze(-2) == q_segments.unsqueeze(-1))
+    while mask.dim() < 3:
+        mask = mask.unsqueeze(0)
+    return mask.unsqueeze(1)
+
+
+def rope_at(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin at per-token `positions` (B, T) → (B, 1, T, hs) each, broadcast over heads."""
+    return rope[0][positions].unsqueeze(1), rope[1][positions].unsqueeze(1)
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads; the core runs in `scaled_dot_product_attention`.
 
@@ -167,8 +193,16 @@ class Attention(nn.Module):
                                               enable_gqa=self.n_kv_heads != self.n_heads)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache: KVCache | None = None, start: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal (a decoder) unless `mask` is given: bidirectional over the keys it allows (an encoder)."""
+                cache: KVCache | None = None, start: int = 0, mask: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal (a decoder) unless `mask` is given: attention over the keys it allows (an encoder's padding
+        mask, or a precomputed `document_causal_mask`).
+
+        Packed documents (training and evaluation, no cache): `positions` (B, T) int64 index the RoPE tables
+        per token (each document's from 0); `segments` (B, T) make attention `document_causal_mask(positions,
+        positions, segments, segments)` (built here unless `mask` brings it). Both None: as before."""
+        if (positions is not None or segments is not None) and cache is not None:
+            raise ValueError("positions/segments are for a training or evaluation forward, not the KV cache")
         qkv = self.qkv(x)  # (B, T, (nh + 2·nkv)·hs); T from here: a sequence-parallel qkv gathers the tokens
         B, T, _ = qkv.shape
         q, k, v = qkv.split(
@@ -179,12 +213,17 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         per_row = isinstance(start, torch.Tensor)  # per-row positions (batched serving): (B,) tensor
         if rope is not None:
-            if per_row:
+            if positions is not None:
+                cos, sin = rope_at(rope, positions)
+            elif per_row:
                 pos = positions_of(start, T, x.device)
                 cos, sin = rope[0][pos].unsqueeze(1), rope[1][pos].unsqueeze(1)  # (B, 1, T, hs)
             else:
                 cos, sin = rope[0][start:start + T], rope[1][start:start + T]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if segments is not None and mask is None:
+            index = positions if positions is not None else torch.arange(T, device=x.device)
+            mask = document_causal_mask(index, index, segments, segments)
         causal = mask is None
         if per_row:
             if cache is None:
@@ -238,8 +277,14 @@ class Block(nn.Module):
         self.norm2 = make_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope=None, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, cache, start)
+    def forward(self, x: torch.Tensor, rope=None, cache: KVCache | None = None, start: int = 0, *,
+                positions: torch.Tensor | None = None, segments: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed documents: `positions`, `segments` and the precomputed `mask` as in `Attention.forward`."""
+        if positions is None and segments is None and mask is None:  # today's call, unchanged
+            x = x + self.attn(self.norm1(x), rope, cache, start)
+        else:
+            x = x + self.attn(self.norm1(x), rope, cache, start, mask, positions=positions, segments=segments)
         return x + self.mlp(self.norm2(x))
 
 

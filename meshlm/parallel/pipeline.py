@@ -90,13 +90,14 @@ class StageModule(nn.Module):
         # The model's methods (plain attributes: the model is not a submodule of its stage).
         self._embed, self._run_layers, self._head = model.embed, model.run_layers, model.head
 
-    def forward(self, x: torch.Tensor, inputs: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, inputs: torch.Tensor | None = None, **documents) -> torch.Tensor:
         """`inputs`: the micro-batch's inputs, given to every stage of a family with `stage_inputs` (BERT's
-        layers need its padding mask)."""
-        if self.first:  # positions from 0 (training and evaluation see whole sequences)
-            x = self._embed(x)  # (B, T, h), or (B, T/t, h) under sequence parallelism
+        layers need its padding mask). `documents`: packed documents' keyword arguments (the family's
+        `document_inputs`: GPT's positions and segments), which the embedding and every layer take."""
+        if self.first:  # positions from 0 (training and evaluation see whole sequences), or per token
+            x = self._embed(x, **documents)  # (B, T, h), or (B, T/t, h) under sequence parallelism
         x = self._run_layers(x, self.layer_ids, inputs=inputs) if self.spec.stage_inputs else \
-            self._run_layers(x, self.layer_ids)
+            self._run_layers(x, self.layer_ids, **documents)
         if self.last:
             if self.fused_head:
                 return x  # (B, T, h): the loss is the model's head_loss
@@ -249,8 +250,9 @@ class Pipeline:
                 f"{self.timeout_s:g}s; check the other ranks' output for the first error "
                 f"[{type(err).__name__}: {first_line}]") from err
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one global batch (m micro-batches stacked on dim 0) through the schedule.
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, **documents) -> torch.Tensor:
+        """Forward and backward of one global batch (m micro-batches stacked on dim 0) through the schedule;
+        `documents`: packed documents' per-token tensors (B, T), split with x and given to every stage.
 
         Returns the mean micro-batch loss on every rank of the pipeline (as the accumulation loop's
         total); leaves the gradients accumulated, tied embedding copies not yet summed (`finish_grads`).
@@ -259,7 +261,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         # Every stage's forward gets its micro-batch's inputs too when the family needs them (torch splits
         # keyword arguments into micro-batches and passes them to each stage of this rank).
-        extra = {"inputs": x} if self.stage_inputs else {}
+        extra = {"inputs": x} if self.stage_inputs else dict(documents)
         parts = self.loss_fn if self.has_last and hasattr(self.loss_fn, "recorded") else None
         held = parts.recorded if parts is not None else 0
         with self._peers("training step"):
@@ -303,7 +305,7 @@ class Pipeline:
         return norm
 
     @torch.no_grad()
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, **documents) -> torch.Tensor:
         """Loss of one batch, forward only: it passes through the stages in order, one after the other
         (no schedule: evaluation is rare and needs no pipelining). Returned on every rank of the pipeline."""
         d, pp = self.dims, self.dims.pp
@@ -317,7 +319,7 @@ class Pipeline:
                 else:
                     act = torch.empty(shape, dtype=dtype, device=d.device)
                     dist.recv(act, src=rank_at(d, (s - 1) % pp), group=d.pp_group)
-                out = self.modules[k](act, inputs=x) if self.stage_inputs else self.modules[k](act)
+                out = self.modules[k](act, inputs=x) if self.stage_inputs else self.modules[k](act, **documents)
                 if s < self.n_stages - 1:
                     dist.send(out.to(dtype).contiguous(), dst=rank_at(d, (s + 1) % pp), group=d.pp_group)
                 else:

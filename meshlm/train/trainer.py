@@ -112,6 +112,9 @@ class Trainer(CheckpointState):
 
     def _build_data(self, datasets: tuple | None) -> None:
         cfg = self.cfg
+        if cfg.data.document_mask and self.spec.document_inputs is None:  # before any data is prepared
+            raise ConfigError(f"data.document_mask=true is not supported by model.family={self.spec.name!r} (its "
+                              "rows are not packed documents); set data.document_mask=false")
         self.tokenizer, self.train_set, self.valid_set = datasets or self.spec.build_datasets(cfg,
                                                                                            progress=self.progress)
         if cfg.model.vocab_size < self.tokenizer.vocab_size:
@@ -122,6 +125,8 @@ class Trainer(CheckpointState):
         self.row_tokens = int(getattr(self.train_set, "T", cfg.model.seq_len))
         # A fine-tuning set's share of row tokens with a target (the answers), for the fused head and the FLOPs.
         self.loss_fraction = getattr(self.train_set, "loss_fraction", None)
+        # Packed documents, each attended and positioned alone (`documents`): the end-of-document id.
+        self.eod_id = int(self.tokenizer.eod_id) if cfg.data.document_mask else None
 
     def _build_model(self) -> None:
         cfg, t = self.cfg, self.cfg.train
@@ -269,10 +274,17 @@ class Trainer(CheckpointState):
     bad_in_row = 0
     stop_signum = 0  # the signal that asked this process to stop (0: none)
     _stop_seen = 0  # the largest signal number any rank saw, as of the last step (several processes)
+    eod_id: int | None = None  # data.document_mask: the end-of-document id of the packed rows (None: off)
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The mean token loss of one micro-batch through this rank's model (not the pipeline's)."""
-        return self.forward(x, targets=y) if self.fused_loss else self.loss_fn(self.forward(x), y)
+        kw = self.documents(x)
+        return self.forward(x, targets=y, **kw) if self.fused_loss else self.loss_fn(self.forward(x, **kw), y)
+
+    def documents(self, x: torch.Tensor) -> dict:
+        """The model's packed-document keyword arguments for ids `x` (positions and segments per token, from
+        the end-of-document tokens, `data/documents.py`); {} without data.document_mask."""
+        return {} if self.eod_id is None else self.spec.document_inputs(x, self.eod_id)
 
     def _pipeline_forward_backward(self) -> torch.Tensor:
         """The loop's micro-batches, in the loop's order, stacked for the schedule (it splits them again);
@@ -281,7 +293,7 @@ class Trainer(CheckpointState):
         x = torch.cat([b[0] for b in batches]).to(self.device, non_blocking=True)
         y = torch.cat([b[1] for b in batches]).to(self.device, non_blocking=True)
         with self.precision.autocast():
-            return self.pipeline.train_step(x, y)
+            return self.pipeline.train_step(x, y, **self.documents(x))
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -299,7 +311,7 @@ class Trainer(CheckpointState):
             x, y = x.to(self.device), y.to(self.device)
             with self.precision.autocast():
                 if self.pipeline is not None:  # forward through the stages; the loss comes from the last
-                    losses.append(float(self.pipeline.eval_loss(x, y)))
+                    losses.append(float(self.pipeline.eval_loss(x, y, **self.documents(x))))
                 else:
                     losses.append(float(self.loss(x, y)))
         self.model.train()
