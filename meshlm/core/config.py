@@ -353,9 +353,10 @@ class ParallelConfig:
     pp_layers: list[int] = field(default_factory=list)  # layers per (virtual) stage; []: balanced automatically
     zero: int = 0  # 0: replicated optimizer | 1: states sharded over dp | 2: + gradients | 3: + weights (FSDP2)
     bucket_mb: float = 25.0  # data parallel: gradients reduced in buckets of about this size, during backward
+    cp: int = 1  # context parallel: each row's tokens split over cp ranks, attention as a ring (docs/long_context.md)
 
     def validate(self) -> None:
-        for key in ("tp", "pp", "vpp"):
+        for key in ("tp", "pp", "vpp", "cp"):
             _check(getattr(self, key) >= 1, f"parallel.{key}={getattr(self, key)} must be >= 1")
         _check(self.vpp == 1 or self.pp > 1, f"parallel.vpp={self.vpp} needs parallel.pp > 1; set parallel.pp")
         _check(not self.pp_layers or (len(self.pp_layers) == self.pp * self.vpp and min(self.pp_layers) >= 1),

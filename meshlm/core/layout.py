@@ -24,17 +24,20 @@ Config = ModelConfig = Any
 
 
 # ---- the world --------------------------------------------------------------------------------------------
-def factor_world(world_size: int, tp: int, pp: int, dp: int = 0) -> tuple[int, int, int]:
-    """(pp, dp, tp) with pp·dp·tp = world_size; dp = 0 means "fill the world". ConfigError otherwise."""
-    if world_size % (tp * pp) != 0:
-        raise ConfigError(f"the world of {world_size} processes is not divisible by parallel.tp={tp} × "
-                          f"parallel.pp={pp} = {tp * pp}; launch a multiple of {tp * pp} processes or change "
-                          "parallel.tp / parallel.pp")
+def factor_world(world_size: int, tp: int, pp: int, dp: int = 0, cp: int = 1) -> tuple[int, int, int]:
+    """(pp, dp, tp) with pp·dp·cp·tp = world_size; dp = 0 means "fill the world". ConfigError otherwise."""
+    keys = "parallel.tp / parallel.pp" + (" / parallel.cp" if cp > 1 else "")
+    product = f"parallel.tp={tp} × parallel.pp={pp}" + (f" × parallel.cp={cp}" if cp > 1 else "")
+    rest = tp * pp * cp
+    if world_size % rest != 0:
+        raise ConfigError(f"the world of {world_size} processes is not divisible by {product} = {rest}; launch a "
+                          f"multiple of {rest} processes or change {keys}")
     if dp == 0:
-        dp = world_size // (tp * pp)
-    if pp * dp * tp != world_size:
-        raise ConfigError(f"parallel.pp={pp} × parallel.dp={dp} × parallel.tp={tp} = {pp * dp * tp} but the world "
-                          f"has {world_size} processes; set parallel.dp={world_size // (tp * pp)} or 0 (auto)")
+        dp = world_size // rest
+    if dp * rest != world_size:
+        sizes = f"parallel.pp={pp} × parallel.dp={dp}" + (f" × parallel.cp={cp}" if cp > 1 else "")
+        raise ConfigError(f"{sizes} × parallel.tp={tp} = {dp * rest} but the world "
+                          f"has {world_size} processes; set parallel.dp={world_size // rest} or 0 (auto)")
     return pp, dp, tp
 
 
@@ -57,6 +60,31 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, sp: bool) -> None:
     if sp and cfg.seq_len % tp:
         raise ConfigError(f"parallel.sp=true splits the sequence over parallel.tp={tp} ranks, but model.seq_len="
                           f"{cfg.seq_len} is not divisible by {tp}; set model.seq_len to a multiple of {tp}")
+
+
+# ---- context parallelism ----------------------------------------------------------------------------------
+def check_context_parallel(cfg: Config, cp: int, tp: int, decoder: bool = True) -> None:
+    """What the ring attention (parallel/context.py) needs: a causal decoder, the row cut into 2·cp equal
+    chunks (and each rank's share split over tp under sequence parallelism), no attention dropout (ZeRO-3 shards
+    over dp × cp, `parallel/fsdp.py`)."""
+    if cp == 1:
+        return
+    m, p = cfg.model, cfg.parallel
+    if not decoder:
+        raise ConfigError(f"parallel.cp={cp} splits causal attention into a ring; model.family={m.family!r} attends "
+                          "both ways (an encoder) and is not supported; use parallel.cp=1")
+    if m.seq_len % (2 * cp):
+        raise ConfigError(f"parallel.cp={cp} cuts each row into 2·cp = {2 * cp} equal chunks, but model.seq_len="
+                          f"{m.seq_len} is not divisible by {2 * cp}; set model.seq_len to a multiple of {2 * cp}")
+    if p.sp and tp > 1 and (m.seq_len // cp) % tp:
+        raise ConfigError(f"parallel.sp=true splits each cp rank's {m.seq_len // cp} tokens over parallel.tp={tp}; "
+                          f"set model.seq_len to a multiple of {2 * cp * tp}")
+    if m.dropout > 0:
+        raise ConfigError(f"parallel.cp={cp}: the ring attention has no attention dropout, but model.dropout="
+                          f"{m.dropout}; set model.dropout=0")
+    if cfg.train.compile:
+        raise ConfigError(f"train.compile=true with parallel.cp={cp} is not supported yet (the ring's sends); "
+                          "set train.compile=false")
 
 
 # ---- micro-batches ----------------------------------------------------------------------------------------
@@ -191,12 +219,8 @@ def check_compiled_recompute(cfg: Config, tp_dropout_stream: bool) -> None:
 
 # ---- data parallelism -------------------------------------------------------------------------------------
 def check_data_parallel(cfg: Config, tp: int) -> None:
-    """Layouts the data-parallel transforms cannot serve, as errors that say why and what to do."""
-    if cfg.parallel.zero == 3 and tp > 1:
-        raise ConfigError(f"parallel.zero=3 (FSDP2) with parallel.tp={tp} is not supported: tensor "
-                          "parallelism completes and measures gradients by rows of whole local tensors "
-                          "(replicated KV heads, sequence-parallel norms, the norm's row masks), which FSDP2 "
-                          "has sharded over dp; use parallel.zero=1 or 2 with tensor parallelism")
+    """Layouts the data-parallel transforms cannot serve, as errors that say why and what to do. (ZeRO-3 with
+    tensor parallelism is served: FSDP2 shards each tp-local tensor by rows, `parallel/fsdp.py`.)"""
     check_optimizer_sharding(cfg.optim.name, cfg.parallel.zero, tp, cfg.model.kv_heads)
 
 
@@ -225,6 +249,7 @@ def check_config(cfg: Config) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.tp > 1:
         check_tensor_parallel(m, p.tp, p.sp)
+    check_context_parallel(cfg, p.cp, p.tp)
     check_data_parallel(cfg, p.tp)
     if cfg.tune.method != "none" and p.zero:
         raise ConfigError(f"parallel.zero={p.zero} with tune.method={cfg.tune.method!r}: an adapter's optimizer state is "
@@ -247,16 +272,20 @@ class Layout:
     tp: int
     microbatches: int
     stage_layers: tuple[int, ...]
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
 
-def plan_layout(cfg: Config, pp: int, dp: int, tp: int, stage_cost: tuple[float, float] = (0.0, 0.0)) -> Layout:
-    """Check every rule for `cfg` on a pp × dp × tp world; the layout's numbers, or the first ConfigError.
-    `stage_cost`: the (first, last) stage's extra work in layers (`ModelSpec.stage_costs`)."""
+def plan_layout(cfg: Config, pp: int, dp: int, tp: int, stage_cost: tuple[float, float] = (0.0, 0.0), *,
+                cp: int = 1, decoder: bool = True) -> Layout:
+    """Check every rule for `cfg` on a pp × dp × cp × tp world; the layout's numbers, or the first ConfigError.
+    `stage_cost`: the (first, last) stage's extra work in layers (`ModelSpec.stage_costs`); `decoder`: the
+    family's attention is causal (`ModelSpec.decoder`)."""
     check_tensor_parallel(cfg.model, tp, cfg.parallel.sp and tp > 1)
+    check_context_parallel(cfg, cp, tp, decoder)
     check_data_parallel(cfg, tp)
     check_compiled_recompute(cfg, tp > 1 and cfg.model.dropout > 0)
     m = microbatches_per_step(cfg, dp)
@@ -267,4 +296,4 @@ def plan_layout(cfg: Config, pp: int, dp: int, tp: int, stage_cost: tuple[float,
     if cfg.train.recompute == "full":
         for c in counts:
             full_recompute_chunks(c, cfg.train.recompute_method, cfg.train.recompute_num_layers)
-    return Layout(pp, dp, tp, m, tuple(counts))
+    return Layout(pp, dp, tp, m, tuple(counts), cp)

@@ -21,6 +21,7 @@ from torch import nn
 from meshlm.core.config import Config
 from meshlm.core.layout import Layout, plan_layout
 from meshlm.families.spec import ModelSpec
+from meshlm.parallel.context import ContextParallelLoss, apply_context_parallel
 from meshlm.parallel.data import GradSync
 from meshlm.parallel.dp import apply_data_parallel
 from meshlm.parallel.materialize import materialize
@@ -67,6 +68,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, rng: TPRNGTra
     Order matters:
     1. tensor parallel first: it swaps linears/embeddings for their sharded versions, which every later
        transform (activation recomputation, compile, data-parallel wrapping) must see, not the dense ones.
+       Then context parallelism (`parallel.cp` > 1): the model takes whole rows and runs this rank's two
+       chunks, its attention cores become the ring (`context.py`), the loss the row's mean; before the
+       pipeline's stages, which call the model's (now context-parallel) methods.
     2. pipeline cutting (`parallel.pp` > 1): it groups the (parallel) modules into this rank's stages and
        prunes the rest. Before recomputation, whose chunks and `block` counts are per stage, as in Megatron.
     3. materialisation of a meta-built model: only now is it known what this rank holds, so only that is
@@ -79,14 +83,17 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, rng: TPRNGTra
        attention core (selective), so a recomputed region replays the sharded computation, its collectives
        and the TP dropout stream; before compile, which must trace the checkpoint regions, and before
        data-parallel wrapping, which must see the final modules.
-    6. data parallelism last (`parallel.dp`, `parallel.zero`): its gradient hooks, flat buffers or FSDP2
+    6. data parallelism last (`parallel.dp`, `parallel.zero`; reduced over dp × cp): its gradient hooks, flat buffers or FSDP2
        shards must hold the final parameters of this rank's stages.
     """
     # Every layout rule at once, for this world (core/layout.py), before anything is transformed.
-    layout = plan_layout(cfg, dims.pp, dims.dp, dims.tp, spec.stage_costs(cfg.model))
+    layout = plan_layout(cfg, dims.pp, dims.dp, dims.tp, spec.stage_costs(cfg.model), cp=dims.cp, decoder=spec.decoder)
     if rng is None and dims.tp > 1:  # one TP dropout stream, shared by TP and the recomputation that replays it
         rng = TPRNGTracker(torch.initial_seed(), dims.tp_rank, dims.device)
     loss_fn = apply_tensor_parallel(model, dims, sp=cfg.parallel.sp, rng=rng, spec=spec)
+    if dims.cp > 1:  # whole rows in, this rank's chunks run; the attention cores become the ring
+        apply_context_parallel(model, dims, spec=spec, sequence_parallel=cfg.parallel.sp)
+        loss_fn = ContextParallelLoss(loss_fn, dims)
     cut = cut_stages(model, spec, cfg, dims.pp_rank, fused_head(cfg, dims, spec)) if dims.pp > 1 else None
     if any(p.is_meta for p in model.parameters()):
         materialize(model, spec, dims.device)

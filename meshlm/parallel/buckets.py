@@ -42,7 +42,7 @@ class BucketedDataParallel(GradSync):
                  bucket_mb: float = 25.0, overlap: bool = True):
         super().__init__(model, dims, pipe)
         self.zero, self.microbatches, self.overlap = zero, microbatches, overlap
-        self.group, self.dp = dims.dp_group, dims.dp
+        self.group, self.dp = dims.dpcp_group, dims.dpcp  # the weights' replicas: dp (× cp)
         params = [p for p in model.parameters() if p.requires_grad]
         if len({p.dtype for p in params}) > 1:
             raise ValueError("data parallelism needs parameters of one dtype (meshlm keeps them fp32)")
@@ -82,7 +82,7 @@ class BucketedDataParallel(GradSync):
             starts = [sum(p.numel() for p in group[:i]) for i in range(len(group))]
             numel = -(-sum(p.numel() for p in group) // self.dp) * self.dp
             per = numel // self.dp
-            buckets.append(Bucket(group, starts, numel, (self.dims.dp_rank * per, (self.dims.dp_rank + 1) * per)))
+            buckets.append(Bucket(group, starts, numel, (self.dims.dpcp_rank * per, (self.dims.dpcp_rank + 1) * per)))
         return buckets
 
     def _flatten_params(self, b: Bucket) -> None:
@@ -180,7 +180,7 @@ class BucketedDataParallel(GradSync):
             if sh.norm_mask is not None:
                 g = g[sh.norm_mask]
             total += g.pow(2).sum()
-        for group, size in ((self.dims.dp_group, self.dp), (self.dims.tp_group, self.dims.tp),
+        for group, size in ((self.group, self.dp), (self.dims.tp_group, self.dims.tp),
                             (self.dims.pp_group, self.dims.pp)):
             if size > 1:
                 dist.all_reduce(total, group=group)

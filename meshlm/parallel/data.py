@@ -28,10 +28,12 @@ ZeRO (Rajbhandari et al. 2020; Megatron's distributed optimizer), `parallel.zero
   (the full-size buffer lives during backward only). The fix-ups tensor and pipeline parallelism apply
   after backward (sequence-parallel sums, replicated KV heads, tied embedding) run on the shards, whose
   element ranges are the same on every tp rank (same shapes) and on both tied stages (own bucket).
-* 3: PyTorch's FSDP2 `fully_shard(..., mesh=dp_mesh)` on each layer and on the model or each pipeline
-  stage: parameters, gradients and states sharded, gathered per layer for compute.
+* 3: PyTorch's FSDP2 `fully_shard(..., mesh=dpcp_mesh)` (over dp × cp) on each layer and on the model or each pipeline
+  stage: parameters, gradients and states sharded, gathered per layer for compute. Under tp it shards the
+  tp-local tensors by rows, and the tp fix-ups run on the reduced row shards (`fsdp.py`).
 Gradient norms under ZeRO sum the squares of each rank's shard (each element counted once across the
-whole layout) and all-reduce them over dp, tp and pp.
+whole layout) and all-reduce them over dp (× cp), tp and pp. Under context parallelism every "dp" above is
+the dp × cp group: the cp ranks hold the same weights and each reduces its own tokens' gradients.
 
 Memory per parameter for model states (docs/formulas.md). meshlm keeps fp32 parameters, which serve as the
 master weights, and autocasts per op for bf16: there is no separate 16-bit weight copy, so both fp32 and
@@ -128,12 +130,13 @@ class GradSync:
         optimizer.zero_grad(set_to_none=True)
 
     def average_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """This rank's mean micro-batch loss → the global batch's (the mean over dp)."""
-        if self.dims.dp == 1:
+        """This rank's mean micro-batch loss → the global batch's (the mean over dp, and cp: each cp rank's
+        share is re-weighted to sum to its rows' mean, `parallel/context.py`)."""
+        if self.dims.dpcp == 1:
             return loss
         total = loss.detach().clone()
-        dist.all_reduce(total, group=self.dims.dp_group)
-        return total / self.dims.dp
+        dist.all_reduce(total, group=self.dims.dpcp_group)
+        return total / self.dims.dpcp
 
     # ---- what this rank holds, for checkpoints -------------------------------------------------------
     def _whole(self, p: torch.Tensor) -> Owned:
@@ -145,7 +148,7 @@ class GradSync:
 
     def save_ranges(self) -> list[Owned]:
         """The ranges whose weights and optimizer states this rank writes (each dp replica once)."""
-        return [self._whole(p) for p in self._base_parameters()] if self.dims.dp_rank == 0 else []
+        return [self._whole(p) for p in self._base_parameters()] if self.dims.dpcp_rank == 0 else []
 
     def load_weight_ranges(self) -> list[Owned]:
         """The ranges of parameters this rank must read back."""
@@ -217,12 +220,13 @@ def memory_report(sync: GradSync, optimizer: torch.optim.Optimizer) -> str:
         worst = worst.to(sync.dims.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     mib = 2.0 ** 20
-    zero, dp = sync.zero, sync.dims.dp
+    zero, dp = sync.zero, sync.dims.dpcp  # the optimizer is sharded over the weights' replicas: dp × cp
+    over = f"dp={dp}" if sync.dims.cp == 1 else f"dp × cp={dp}"
     states = state_tensors_per_param(optimizer)
     which = "" if states == 2.0 else f", {states:.3f} optimizer states per parameter (Muon's 1 on the hidden " \
         "matrices, Adam's 2 elsewhere)"
     return (f"model states, rank 0: params {b['params'] / mib:.2f} + grads {b['grads'] / mib:.2f} + optimizer "
             f"{b['optim'] / mib:.2f} = {total / mib:.2f} MiB for {b['n_params']:,} parameters = "
-            f"{total / max(1, b['n_params']):.2f} B/param (theory, ZeRO-{zero} over dp={dp}, fp32 weights as "
+            f"{total / max(1, b['n_params']):.2f} B/param (theory, ZeRO-{zero} over {over}, fp32 weights as "
             f"master weights{which}: {theory_formula(zero, dp, states)} = "
             f"{theory_bytes_per_param(zero, dp, states):.2f} B/param); largest rank {float(worst) / mib:.2f} MiB")

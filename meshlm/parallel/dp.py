@@ -22,7 +22,7 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: Config, micro
     `microbatches`: backward passes per step on this rank (the accumulation count, or the pipeline's m).
     """
     check_data_parallel(cfg, dims.tp)
-    if dims.dp == 1:
+    if dims.dpcp == 1:  # no replicas of the weights (dp × cp: context-parallel ranks hold the same weights)
         return GradSync(model, dims, pipe)
     if cfg.parallel.zero == 3:
         return FullyShardedDataParallel(model, dims, pipe, spec=spec)

@@ -2,7 +2,8 @@
 rank counts which element of a gradient in the global norm.
 
 Every gradient synchroniser (`parallel.data`: plain, bucketed DP with ZeRO-1/2 shards, FSDP2) and the
-pipeline apply exactly these, on whole gradients or on flat shards of them.
+pipeline apply exactly these, on whole gradients, on flat shards of them (ZeRO-1/2) or on row shards of
+them (ZeRO-3: FSDP2 shards each tp-local tensor by rows over dp, the same rows on every tp rank).
 
 Completing (after the step's backward passes, before the norm):
 1. a parameter marked `sequence_parallel` (norms, row-parallel biases, learned positions under SP) saw
@@ -20,6 +21,7 @@ c. the tied embedding is counted by the first stage only.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from meshlm.parallel.mesh import ParallelDims
@@ -87,3 +89,29 @@ def element_mask(p: torch.Tensor, rows: str | torch.Tensor, lo: int = 0, hi: int
     if rows is NONE:
         return torch.zeros(hi - lo, dtype=torch.bool, device=p.device)
     return rows.repeat_interleave(p.numel() // p.shape[0])[lo:hi]
+
+
+def sum_over_group(grads: list[torch.Tensor], group) -> None:
+    """Rule 1: sum `grads` (the same shapes on every rank of `group`) over it, in place, as one all-reduce."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+
+
+def sum_shared_rows(g: torch.Tensor, shared_rows, group, first: int = 0) -> None:
+    """Rule 2 on `g`, rows [first, first + len(g)) of a local gradient (a whole one: first = 0; a ZeRO-3 row
+    shard: its first row), in place. `shared_rows` = (local rows, their rows in the compact space common to
+    the tp group, its size), as `ColumnParallelLinear.share_rows` declares them. Every rank of `group` must
+    call it with the same row range (the same dp coordinate); one all-reduce of the compact space, zeros
+    where this rank holds nothing."""
+    local, compact, n = shared_rows
+    local, compact = local.to(g.device), compact.to(g.device)
+    mine = (local >= first) & (local < first + g.shape[0])
+    rows, where = local[mine] - first, compact[mine]
+    space = g.new_zeros((n, *g.shape[1:]))
+    space[where] = g[rows]
+    dist.all_reduce(space, group=group)
+    g[rows] = space[where]

@@ -1,8 +1,11 @@
-"""The process layout: a `pp × dp × tp` DeviceMesh and its process groups, as one explicit object.
+"""The process layout: a `pp × dp × cp × tp` DeviceMesh and its process groups, as one explicit object.
 
-Rank r sits at mesh coordinate (pp, dp, tp) with r = (pp·D + dp)·T + tp: tensor-parallel ranks are
-adjacent, so on a node of 8 GPUs a tp=8 group never leaves the node (NVLink), and data/pipeline groups
-cross nodes where the traffic is lighter (Megatron's ordering).
+Rank r sits at mesh coordinate (pp, dp, cp, tp) with r = ((pp·D + dp)·C + cp)·T + tp: tensor-parallel
+ranks are adjacent, so on a node of 8 GPUs a tp=8 group never leaves the node (NVLink), context-parallel
+ranks (whose ring sends every layer's keys and values) come next, and data/pipeline groups cross nodes
+where the traffic is lighter (Megatron's ordering). With cp > 1 there is also a `dp × cp` group (the
+weights are replicated over both, so their gradients are reduced over both); at cp = 1 the mesh is
+`pp × dp × tp` and that group is the dp group.
 
 `init_distributed(cfg)` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK), initialises the
 default process group (gloo on CPU, NCCL when CUDA is available: chosen from the hardware, never from an
@@ -23,7 +26,7 @@ import torch.distributed as dist
 from meshlm.core.config import ParallelConfig
 from meshlm.core.layout import factor_world  # the world's factorisation is a layout rule (torch-free)
 
-DIM_NAMES = ("pp", "dp", "tp")
+DIM_NAMES = ("pp", "dp", "cp", "tp")
 
 
 def pick_backend(device: torch.device) -> str:
@@ -54,17 +57,47 @@ class ParallelDims:
     pp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
     tp_group: dist.ProcessGroup | None = None
+    cp: int = 1
+    cp_group: dist.ProcessGroup | None = None  # None when cp = 1
+    dpcp_group: dist.ProcessGroup | None = None  # the weights' replicas: dp × cp (the dp group when cp = 1)
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def coords(self) -> tuple[int, int, int]:
-        """(pp_rank, dp_rank, tp_rank) of this process."""
-        pp_rank, rest = divmod(self.rank, self.dp * self.tp)
-        dp_rank, tp_rank = divmod(rest, self.tp)
-        return pp_rank, dp_rank, tp_rank
+        """(pp_rank, dp_rank, tp_rank) of this process (`cp_rank` is the fourth coordinate)."""
+        pp_rank, rest = divmod(self.rank, self.dp * self.cp * self.tp)
+        dp_rank, rest = divmod(rest, self.cp * self.tp)
+        return pp_rank, dp_rank, rest % self.tp
+
+    @property
+    def cp_rank(self) -> int:
+        return (self.rank // self.tp) % self.cp
+
+    @property
+    def dpcp(self) -> int:
+        """Replicas of every weight: dp × cp ranks hold the same parameters (gradients reduced over them)."""
+        return self.dp * self.cp
+
+    @property
+    def dpcp_rank(self) -> int:
+        """This rank's index in the dp × cp group (dp major, cp minor)."""
+        return self.dp_rank * self.cp + self.cp_rank
+
+    @property
+    def dpcp_mesh(self):
+        """The 1-D DeviceMesh of the dp × cp group (what ZeRO-3 shards over): the mesh's dp dimension when
+        cp = 1, else one built over `dpcp_group` (once)."""
+        if self.cp == 1:
+            return self.mesh["dp"]
+        if "_dpcp_mesh" not in self.__dict__:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self.__dict__["_dpcp_mesh"] = DeviceMesh.from_group(self.dpcp_group, self.device.type,
+                                                                mesh_dim_names=("dp_cp",))
+        return self.__dict__["_dpcp_mesh"]
 
     @property
     def tp_rank(self) -> int:
@@ -88,7 +121,7 @@ class ParallelDims:
             dist.barrier()
 
     @classmethod
-    def build(cls, tp: int = 1, pp: int = 1, dp: int = 0, *, timeout_s: float = 600.0,
+    def build(cls, tp: int = 1, pp: int = 1, dp: int = 0, *, cp: int = 1, timeout_s: float = 600.0,
               device: torch.device | None = None) -> ParallelDims:
         """The layout over the already-initialised default process group (or a world of one).
 
@@ -99,24 +132,34 @@ class ParallelDims:
         rank = dist.get_rank() if dist.is_initialized() else 0
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         device = device or default_device(local_rank)
-        pp, dp, tp = factor_world(world, tp, pp, dp)
+        pp, dp, tp = factor_world(world, tp, pp, dp, cp)
         if world == 1:
             return cls(pp, dp, tp, rank, 0, device)
         from torch.distributed.device_mesh import DeviceMesh
 
-        layout = torch.arange(world, dtype=torch.int).view(pp, dp, tp)  # (pp, dp, tp): tp innermost
+        names = DIM_NAMES if cp > 1 else tuple(n for n in DIM_NAMES if n != "cp")
+        sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+        layout = torch.arange(world, dtype=torch.int).view(*(sizes[n] for n in names))  # tp innermost
         timeout = timedelta(seconds=timeout_s)
         groups = {}
-        for axis, name in enumerate(DIM_NAMES):
+        for axis, name in enumerate(names):
             # All groups along one axis: the mesh's 1-D slices, rank lists in the other axes' order.
-            slices = layout.movedim(axis, -1).reshape(-1, layout.shape[axis])
-            for ranks in slices.tolist():
-                group = dist.new_group(ranks, timeout=timeout)  # collective: every rank creates every group
-                if rank in ranks:
-                    groups[name] = group
-        mesh = DeviceMesh.from_group([groups[n] for n in DIM_NAMES], device.type, mesh=layout,
-                                     mesh_dim_names=DIM_NAMES)
-        return cls(pp, dp, tp, rank, local_rank, device, mesh, groups["pp"], groups["dp"], groups["tp"])
+            groups[name] = _slice_groups(layout.movedim(axis, -1).reshape(-1, layout.shape[axis]), rank, timeout)
+        if cp > 1:  # dp × cp: the (dp, cp) planes, ranks dp major
+            groups["dpcp"] = _slice_groups(layout.movedim(-1, 1).reshape(pp * tp, dp * cp), rank, timeout)
+        mesh = DeviceMesh.from_group([groups[n] for n in names], device.type, mesh=layout, mesh_dim_names=names)
+        return cls(pp, dp, tp, rank, local_rank, device, mesh, groups["pp"], groups["dp"], groups["tp"], cp,
+                   groups.get("cp"), groups.get("dpcp", groups["dp"]))
+
+
+def _slice_groups(slices: torch.Tensor, rank: int, timeout: timedelta) -> dist.ProcessGroup:
+    """One group per row of `slices` (collective: every rank creates every group); this rank's."""
+    mine = None
+    for ranks in slices.tolist():
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 def init_distributed(cfg: ParallelConfig, device: torch.device | None = None) -> ParallelDims:
@@ -128,12 +171,12 @@ def init_distributed(cfg: ParallelConfig, device: torch.device | None = None) ->
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = device or default_device(local_rank)
     if world > 1 and not dist.is_initialized():
-        factor_world(world, cfg.tp, cfg.pp, cfg.dp)  # fail with the config error before any rendezvous wait
+        factor_world(world, cfg.tp, cfg.pp, cfg.dp, cfg.cp)  # fail with the config error before any rendezvous wait
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(pick_backend(device), timeout=timedelta(seconds=cfg.timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-    return ParallelDims.build(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s, device=device)
+    return ParallelDims.build(cfg.tp, cfg.pp, cfg.dp, cp=cfg.cp, timeout_s=cfg.timeout_s, device=device)
 
 
 def destroy(wait_for_all: bool = False) -> None:

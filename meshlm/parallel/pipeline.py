@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -158,25 +159,27 @@ def cut_stages(model: nn.Module, spec, cfg: Config, pp_rank: int, fused: bool):
     return counts, ids, modules, tied
 
 
-def rank_at(dims: ParallelDims, pp_rank: int, dp_rank: int | None = None, tp_rank: int | None = None) -> int:
-    """Global rank at mesh coordinate (pp, dp, tp), by mesh.py's layout r = (pp·D + dp)·T + tp."""
+def rank_at(dims: ParallelDims, pp_rank: int, dp_rank: int | None = None, tp_rank: int | None = None,
+            cp_rank: int | None = None) -> int:
+    """Global rank at mesh coordinate (pp, dp, cp, tp) (default: this rank's), by mesh.py's layout
+    r = ((pp·D + dp)·C + cp)·T + tp."""
     dp_rank = dims.dp_rank if dp_rank is None else dp_rank
     tp_rank = dims.tp_rank if tp_rank is None else tp_rank
-    return (pp_rank * dims.dp + dp_rank) * dims.tp + tp_rank
+    cp_rank = dims.cp_rank if cp_rank is None else cp_rank
+    return ((pp_rank * dims.dp + dp_rank) * dims.cp + cp_rank) * dims.tp + tp_rank
 
 
 def embedding_group(dims: ParallelDims, timeout_s: float) -> dist.ProcessGroup | None:
     """The two-rank group (first stage, last stage) of this rank's pipeline, for tied embedding gradients.
 
-    Collective: every rank creates every pair (one per dp × tp coordinate), in the same order.
+    Collective: every rank creates every pair (one per dp × cp × tp coordinate), in the same order.
     """
     mine = None
-    for d in range(dims.dp):
-        for t in range(dims.tp):
-            ranks = [rank_at(dims, 0, d, t), rank_at(dims, dims.pp - 1, d, t)]
-            group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
-            if dims.rank in ranks:
-                mine = group
+    for d, c, t in itertools.product(range(dims.dp), range(dims.cp), range(dims.tp)):
+        ranks = [rank_at(dims, 0, d, t, c), rank_at(dims, dims.pp - 1, d, t, c)]
+        group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+        if dims.rank in ranks:
+            mine = group
     return mine
 
 
@@ -211,7 +214,7 @@ class Pipeline:
     n_microbatches: int
     timeout_s: float
     hidden_size: int = 0
-    seq_shard: int = 1  # tp under sequence parallelism: the stream between stages holds T/seq_shard tokens
+    seq_shard: int = 1  # cp (× tp under sequence parallelism): the stream between stages holds T/seq_shard tokens
     tied_group: dist.ProcessGroup | None = None
     tied_weight: nn.Parameter | None = None  # this rank's copy of the tied embedding (first or last stage)
     tied_names: tuple[str, str] | None = None  # its (first-stage, last-stage) names in the plain model
@@ -379,4 +382,4 @@ def build_pipeline(model: nn.Module, spec, dims: ParallelDims, cfg: Config, loss
     # Newer torch merges the last stage's outputs (all m logits) unless told not to; older has no switch.
     kwargs = {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
     return Pipeline(dims, counts, ids, modules, schedule, loss_fn, m, p.timeout_s, cfg.model.hidden_size,
-                    dims.tp if p.sp else 1, group, tied_weight, tied, kwargs, spec.stage_inputs)
+                    (dims.tp if p.sp else 1) * dims.cp, group, tied_weight, tied, kwargs, spec.stage_inputs)

@@ -85,7 +85,8 @@ def run_summary(trainer) -> list[str]:
              f"{trainer.device.type}, {t.precision}")
     lines = [model]
     if d.world_size > 1:
-        lines.append(f"layout: {d.world_size} processes = pp {d.pp} × dp {d.dp} × tp {d.tp}"
+        cp = f" × cp {d.cp} (ring attention, {m.seq_len // d.cp} tokens per rank)" if d.cp > 1 else ""
+        lines.append(f"layout: {d.world_size} processes = pp {d.pp} × dp {d.dp}{cp} × tp {d.tp}"
                      f"{' with sequence parallelism' if cfg.parallel.sp else ''}")
     pipe = trainer.pipeline
     if pipe is not None:

@@ -87,10 +87,11 @@ class CheckpointState:
 
     # ---- what a checkpoint holds -----------------------------------------------------------------------
     def layout_summary(self) -> dict:
-        """This run's layout as checkpoints record it: world size, tp, pp, dp, sp and the ZeRO stage."""
+        """This run's layout as checkpoints record it: world size, tp, pp, dp, sp, the ZeRO stage (and cp
+        when > 1)."""
         d = self.dims
         return {"world_size": d.world_size, "tp": d.tp, "pp": d.pp, "dp": d.dp, "sp": self.cfg.parallel.sp,
-                "zero": self.sync.zero}
+                "zero": self.sync.zero, **({"cp": d.cp} if d.cp > 1 else {})}
 
     def run_state(self) -> dict:
         """The shared state of a multi-process (or tune) checkpoint: step, tokens seen, data position,

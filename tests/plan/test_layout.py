@@ -20,7 +20,6 @@ def test_a_valid_layout_gives_its_micro_batches_and_stages():
 
 @pytest.mark.parametrize("overrides, world, key", [
     (["--model.n_heads=6", "--model.hidden_size=48"], (1, 1, 4), "parallel.tp=4"),
-    (["--parallel.zero=3"], (1, 2, 2), "parallel.zero=3"),
     (["--train.global_batch_size=8", "--train.micro_batch_size=4"], (1, 4, 1), "train.global_batch_size=8"),
     (["--parallel.pp=2", "--parallel.vpp=2", "--train.global_batch_size=6", "--train.micro_batch_size=2"],
      (2, 1, 1), "parallel.vpp=2"),
