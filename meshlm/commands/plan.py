@@ -73,7 +73,7 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     plan.add_argument("--all", action="store_true", help="every fitting variant, not the best of each layout")
     plan.add_argument("--json", action="store_true", help="print the ranked layouts as a JSON list")
-    plan.add_argument("--layout", default=None, help="one layout, any of tp=8,pp=8,dp=16,vpp=1,sp=true,mbs=1,"
+    plan.add_argument("--layout", default=None, help="one layout, any of tp=8,pp=8,dp=16,cp=1,vpp=1,sp=true,mbs=1,"
                                                       "recompute=selective|full|full:N|none,zero=1; the search "
                                                       "completes the fields left out with the fastest that fit")
     plan.add_argument("--explain", default=None, metavar="LAYOUT", help="print every memory and time term of a layout")

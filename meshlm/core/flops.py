@@ -3,7 +3,8 @@
 Model FLOPs per step (causal attention counted once; e = 3 with SwiGLU else 2; k head dim, a query heads,
 g KV heads, f MLP width, T tokens, S2 = Σ s_i² = B·s²):
     F = 6·T·[L·(e·h·f + h·(k·a + 2·k·g) + k·a·h) + h·V] + 6·S2·L·k·a
-MFU = F / (time · peak). HFU adds the forward FLOPs that recomputation does again.
+MFU = F / (time · peak). HFU adds the forward FLOPs that recomputation does again. Context parallelism
+leaves F as it is and gives each of its cp ranks 1/cp of it (`rank_attention_flops`).
 """
 
 from __future__ import annotations
@@ -64,3 +65,13 @@ def stage_costs(m: ModelConfig) -> tuple[float, float]:
     """
     layer = layer_flops_per_token(m) + 6.0 * m.seq_len * m.head_dim * m.n_heads
     return 0.0, 6.0 * m.hidden_size * m.vocab_size / layer
+
+
+def rank_attention_flops(m: ModelConfig, micro_batch: int, seq_len: int | None = None, tp: int = 1,
+                         cp: int = 1) -> float:
+    """Forward+backward FLOPs of one layer's attention scores (QKᵀ and ·V, causal counted once as in
+    `model_flops`) on one rank of a micro-batch: 6·b·s²·k·a / (tp·cp). Under context parallelism the causal
+    load balance (rank i holds chunks i and 2·cp−1−i of 2·cp) gives every rank the same 1/cp of them: its
+    s/cp queries meet, over the cp ring steps, an equal share of the unmasked keys."""
+    s = seq_len or m.seq_len
+    return 6.0 * micro_batch * s * s * m.head_dim * m.n_heads / (tp * cp)

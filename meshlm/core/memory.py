@@ -7,9 +7,11 @@ Model states (docs/formulas.md): bytes per parameter for weights, gradients and 
 `benchmarks/activation_memory.py`) can be held to it. docs/memory.md walks through the derivation.
 
 Notation: s sequence length, b micro-batch size, h hidden size, a heads, g KV heads, k = h/a head dim,
-f MLP width, t tensor-parallel size; per tp rank a_t = a/t query heads, g_t = g/t KV heads (1 when t > g:
-KV heads are then replicated), f_t = f/t. Under sequence parallelism the residual stream holds s·b/t tokens
-per rank, else s·b.
+f MLP width, t tensor-parallel size, c context-parallel size; per tp rank a_t = a/t query heads, g_t = g/t KV
+heads (1 when t > g: KV heads are then replicated), f_t = f/t. Context parallelism gives each rank s/c of
+the sequence (two chunks of s/(2c), the causal load balance), so every per-token term counts s/c tokens; the
+ring attention saves no s×s scores (docs/memory.md, "Context parallelism"). Under sequence parallelism the
+residual stream holds s·b/(c·t) tokens per rank, else s·b/c.
 """
 
 from __future__ import annotations
@@ -142,7 +144,8 @@ def attention_backend(device_type: str, dropout: float) -> str:
 
 @dataclass(frozen=True)
 class LayerShape:
-    """Per-rank sizes of one transformer layer for a micro-batch."""
+    """Per-rank sizes of one transformer layer for a micro-batch. `s` is this rank's share of the sequence:
+    the whole sequence, or s/cp under context parallelism (`cp` > 1: the ring attention)."""
 
     s: int
     b: int
@@ -152,14 +155,16 @@ class LayerShape:
     g_t: int  # KV heads on this rank
     f_t: int  # MLP width on this rank
     tokens_residual: int  # tokens in this rank's residual stream: s·b, or s·b/t under SP
+    cp: int = 1  # context-parallel ranks the sequence is split over
 
     @classmethod
-    def of(cls, m: ModelConfig, micro_batch: int, tp: int = 1, sp: bool = False, seq_len: int | None = None):
-        s = seq_len or m.seq_len
+    def of(cls, m: ModelConfig, micro_batch: int, tp: int = 1, sp: bool = False, seq_len: int | None = None,
+           cp: int = 1):
+        s = (seq_len or m.seq_len) // cp
         g = m.kv_heads
         return cls(s=s, b=micro_batch, h=m.hidden_size, k=m.head_dim, a_t=m.n_heads // tp,
                    g_t=g // tp if g >= tp else 1, f_t=m.ffn_size // tp,
-                   tokens_residual=s * micro_batch // (tp if sp else 1))
+                   tokens_residual=s * micro_batch // (tp if sp else 1), cp=cp)
 
     @property
     def tokens(self) -> int:
@@ -186,12 +191,13 @@ def _attention_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes, backe
     n, k, c = sh.tokens, sh.k, dt.compute
     qkv_heads = sh.a_t + 2 * sh.g_t
     terms = {}
-    if selective or backend == "flash":  # q, k, v as they enter the core: views of the qkv output
+    ring = sh.cp > 1  # the ring attention saves what a flash kernel saves, whatever runs each block
+    if selective or backend == "flash" or ring:  # q, k, v as they enter the core: views of the qkv output
         terms["qkv output (q, k, v views)"] = n * k * qkv_heads * c
         if m.position == "rope":  # RoPE makes new q and k; v stays a view that keeps all of qkv alive
             terms["q, k after RoPE"] = n * k * (sh.a_t + sh.g_t) * c
         if not selective:
-            terms["logsumexp (flash)"] = sh.b * sh.a_t * sh.s * dt.stats
+            terms["logsumexp (ring)" if ring else "logsumexp (flash)"] = sh.b * sh.a_t * sh.s * dt.stats
     else:  # math backend: its own q·√scale and k·√scale (GQA-expanded), v as (b·a_t, s, k), s×s tensors
         scores = sh.b * sh.a_t * sh.s * sh.s
         terms["q, k copies (math SDPA)"] = 2 * n * k * sh.a_t * dt.math
@@ -219,17 +225,21 @@ def _mlp_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes) -> dict[str
 
 def activation_terms(m: ModelConfig, micro_batch: int, tp: int = 1, sp: bool = False, recompute: str = "none",
                      dtypes: ActivationDtypes | None = None, backend: str | None = None,
-                     seq_len: int | None = None) -> dict[str, float]:
+                     seq_len: int | None = None, cp: int = 1) -> dict[str, float]:
     """Bytes saved for backward by one transformer layer on one tp rank, by term (docs/memory.md).
 
     `recompute='full'` gives a layer that starts a checkpoint region (its input only); a layer inside a
     region but not first saves nothing, a layer outside any region the `none` terms (`layer_activation_bytes`).
     The inputs of qkv and fc are the residual stream's tokens: under SP the column-parallel linears keep
     the sequence shard and all-gather it again in backward (`parallel.tensor._GatherSeqLinear`, as Megatron).
+    `cp` > 1 (context parallelism): every term counts this rank's s/cp tokens, and the attention core is the
+    ring, which saves the local q, k, v, its output and one logsumexp per query, never the s×s scores (it
+    recomputes each ring step's block in backward, as Megatron's does): the bytes are exactly 1/cp of the
+    flash kernel's at cp = 1.
     """
     dt = dtypes or activation_dtypes("fp32", "cpu")
     backend = backend or attention_backend("cpu", m.dropout)
-    sh = LayerShape.of(m, micro_batch, tp, sp, seq_len)
+    sh = LayerShape.of(m, micro_batch, tp, sp, seq_len, cp)
     residual = sh.tokens_residual * sh.h
     if recompute == "full":
         return {"layer input (checkpoint)": residual * dt.residual}
@@ -257,7 +267,7 @@ def layer_activation_bytes(cfg: Config, micro_batch: int | None = None, n_layers
     """Bytes saved for backward by each layer of a stage of `n_layers` (default all) under `cfg`."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     n = n_layers or m.n_layers
-    kw = {"micro_batch": micro_batch or t.micro_batch_size, "tp": p.tp, "sp": p.sp,
+    kw = {"micro_batch": micro_batch or t.micro_batch_size, "tp": p.tp, "sp": p.sp, "cp": p.cp,
           "dtypes": dtypes or activation_dtypes(t.precision, device_type, m.hidden_size),
           "backend": backend or attention_backend(device_type, m.dropout)}
     if t.recompute != "full":
@@ -277,3 +287,65 @@ def pipeline_activation_factor(pp: int, micro_batches: int, vpp: int = 1) -> flo
     (1 + (p − 1)/(p·v)) when interleaved over v virtual stages (Korthikanti et al. 2022, §4.2.3)."""
     held = min(pp, micro_batches)
     return held * (1 + (pp - 1) / (pp * vpp)) if vpp > 1 else float(held)
+
+
+# ---- context parallelism: the ring's transient buffers, a rank's activations ----------------------------
+
+
+def ring_buffer_bytes(m: ModelConfig, micro_batch: int, tp: int = 1, cp: int = 1,
+                      dtypes: ActivationDtypes | None = None, backend: str | None = None,
+                      seq_len: int | None = None) -> dict[str, float]:
+    """The ring attention's transient memory on one rank while one layer's attention runs (cp > 1; else {}):
+    not saved for backward, so counted once per rank, not per layer or micro-batch.
+
+    * KV blocks in flight: the block being computed on and the one being received, each K and V of this
+      rank's s/cp tokens and g_t KV heads (only the KV heads travel under GQA): 2 · 2·b·(s/cp)·g_t·k·c; in
+      backward dK and dV travel with them, twice that: `4·b·(s/cp)·g_t·k·c` forward, `8·…` backward (the peak).
+    * With the math kernel (which materialises scores), the one (s/cp) × (s/cp) block being computed:
+      `b·a_t·(s/cp)²` elements of the softmax (and, with dropout, its mask and the dropped probabilities).
+    """
+    if cp <= 1:
+        return {}
+    dt = dtypes or activation_dtypes("fp32", "cpu")
+    backend = backend or attention_backend("cpu", m.dropout)
+    sh = LayerShape.of(m, micro_batch, tp, False, seq_len, cp)
+    block = 2 * sh.b * sh.s * sh.g_t * sh.k * dt.compute  # one rank's K and V
+    out = {"ring KV blocks in flight (K, V, dK, dV)": 2 * 2 * block}
+    if backend == "math":
+        scores = sh.b * sh.a_t * sh.s * sh.s
+        per = dt.math + ((_mask(1, dt.math, dt) + dt.math) if m.dropout > 0 else 0)
+        out["ring score block in flight"] = scores * per
+    return out
+
+
+def ring_send_bytes(m: ModelConfig, micro_batch: int, tp: int = 1, cp: int = 1, dtypes: ActivationDtypes | None = None,
+                    seq_len: int | None = None) -> dict[str, float]:
+    """Bytes one rank sends around the cp ring for one layer and one micro-batch (docs/memory.md, "Context
+    parallelism"), as `parallel/context.py` sends them: in forward cp − 1 blocks of K and V, `block` =
+    2·(s/cp)·b·g_t·k·c bytes each; in backward the same cp − 1 blocks of K and V again and cp blocks of
+    their gradients dK, dV (each rank's accumulated sum travels one hop per ring step, and a last hop brings
+    every rank its own keys' gradients), accumulated and sent in fp32 at least: `grad_block` =
+    2·(s/cp)·b·g_t·k·max(c, 4)."""
+    if cp <= 1:
+        return {"forward": 0.0, "backward": 0.0, "block": 0.0, "grad_block": 0.0}
+    dt = dtypes or activation_dtypes("fp32", "cpu")
+    sh = LayerShape.of(m, micro_batch, tp, False, seq_len, cp)
+    block = 2.0 * sh.s * sh.b * sh.g_t * sh.k * dt.compute
+    grad_block = block * max(dt.compute, 4) / dt.compute
+    return {"forward": (cp - 1) * block, "backward": (cp - 1) * block + cp * grad_block, "block": block,
+            "grad_block": grad_block}
+
+
+def activation_bytes_per_rank(m: ModelConfig, micro_batch: int, n_layers: int, tp: int = 1, sp: bool = False,
+                              recompute: str = "none", dtypes: ActivationDtypes | None = None,
+                              backend: str | None = None, seq_len: int | None = None,
+                              cp: int = 1) -> dict[str, float]:
+    """One micro-batch's activations on one rank of `n_layers` layers (full: every layer its own checkpoint
+    region), the formula a context-parallel benchmark compares measured bytes with: the layers' saved bytes
+    (`activation_terms` at this rank's s/cp tokens), the ring's transient buffers (`ring_buffer_bytes`), and
+    their total."""
+    per_layer = sum(activation_terms(m, micro_batch, tp, sp, recompute, dtypes, backend, seq_len, cp).values())
+    out = {"layers": n_layers * per_layer}
+    out.update(ring_buffer_bytes(m, micro_batch, tp, cp, dtypes, backend, seq_len))
+    out["total"] = sum(out.values())
+    return out

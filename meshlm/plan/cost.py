@@ -9,18 +9,21 @@ Memory reuses `core.memory` (model states per parameter with ZeRO, the activatio
 
 with t_mb, one micro-batch's forward and backward on a rank, the sum of its layers' GEMMs (at an efficiency
 that grows with the GEMM's width), attention, memory-bound elementwise work, recomputation's extra forward,
-the TP collectives (α–β model), the LM head and loss, the pipeline sends, and host op overhead.
+the TP collectives (α–β model), the context-parallel ring's exposed traffic, the LM head and loss, the
+pipeline sends, and host op overhead. Under context parallelism (cp) every per-token quantity counts the
+rank's s/cp tokens and the gradient reduction and ZeRO run over the dp × cp ranks.
 docs/plan.md derives each term and says where each constant of `Calibration` comes from.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 from meshlm.core.config import Config, ModelConfig
-from meshlm.core.flops import layer_flops_per_token, model_flops, recompute_flops
+from meshlm.core.flops import layer_flops_per_token, model_flops, rank_attention_flops, recompute_flops
 from meshlm.core.layout import Layout, full_recompute_chunks, recomputed_layers
 from meshlm.core.memory import (
     KORTHIKANTI_DTYPES,
@@ -30,6 +33,8 @@ from meshlm.core.memory import (
     attention_backend,
     model_state_bytes_per_param,
     pipeline_activation_factor,
+    ring_buffer_bytes,
+    ring_send_bytes,
 )
 from meshlm.families.registry import get_spec, muon_share
 from meshlm.plan.catalog import Gpu, shared_rates
@@ -132,10 +137,11 @@ class Candidate:
     recompute: str = "none"  # none | selective | full
     recompute_num_layers: int = 0  # full: 0 = every layer its own region; N > 0 = the first N of each stage
     zero: int = 0
+    cp: int = 1  # context parallelism: the sequence split over cp ranks (ring attention)
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def recompute_label(self) -> str:
@@ -144,28 +150,35 @@ class Candidate:
         return self.recompute
 
     def label(self) -> str:
-        return (f"tp={self.tp},pp={self.pp},vpp={self.vpp},dp={self.dp},sp={str(self.sp).lower()},"
+        return (f"tp={self.tp},pp={self.pp},vpp={self.vpp},dp={self.dp},cp={self.cp},sp={str(self.sp).lower()},"
                 f"mbs={self.micro_batch_size},recompute={self.recompute_label},zero={self.zero}")
 
     def overrides(self) -> list[str]:
         """The config overrides that run this layout with `meshlm train`."""
         out = [f"--parallel.tp={self.tp}", f"--parallel.pp={self.pp}", f"--parallel.dp={self.dp}",
-               f"--parallel.vpp={self.vpp}", f"--parallel.sp={str(self.sp).lower()}",
+               f"--parallel.cp={self.cp}", f"--parallel.vpp={self.vpp}", f"--parallel.sp={str(self.sp).lower()}",
                f"--parallel.zero={self.zero}", f"--train.micro_batch_size={self.micro_batch_size}",
                f"--train.recompute={self.recompute}"]
         if self.recompute == "full" and self.recompute_num_layers:
             out += ["--train.recompute_method=block", f"--train.recompute_num_layers={self.recompute_num_layers}"]
         return out
 
-    def apply(self, cfg: Config, global_batch_size: int | None = None) -> Config:
-        """`cfg` with this layout (not validated: `search.check` validates)."""
+    def apply(self, cfg: Config, global_batch_size: int | None = None, sections: dict | None = None) -> Config:
+        """`cfg` with this layout (not validated: `search.check` validates). `sections` keeps the parallel and
+        train sections built for one base config across a search's candidates, which share a few of each."""
         block = self.recompute == "full" and self.recompute_num_layers > 0
-        par = dataclasses.replace(cfg.parallel, tp=self.tp, pp=self.pp, dp=self.dp, vpp=self.vpp, sp=self.sp,
-                                  zero=self.zero, pp_layers=[])
-        train = dataclasses.replace(cfg.train, micro_batch_size=self.micro_batch_size,
-                                    global_batch_size=global_batch_size or cfg.train.global_batch_size,
-                                    recompute=self.recompute, recompute_method="block" if block else "uniform",
-                                    recompute_num_layers=self.recompute_num_layers if block else 0)
+        gbs = global_batch_size or cfg.train.global_batch_size
+        cache = {} if sections is None else sections
+        pkey = ("parallel", self.tp, self.pp, self.dp, self.vpp, self.sp, self.zero, self.cp)
+        if pkey not in cache:
+            cache[pkey] = dataclasses.replace(cfg.parallel, tp=self.tp, pp=self.pp, dp=self.dp, vpp=self.vpp,
+                                              sp=self.sp, zero=self.zero, pp_layers=[], cp=self.cp)
+        tkey = ("train", self.micro_batch_size, gbs, self.recompute, self.recompute_num_layers)
+        if tkey not in cache:
+            cache[tkey] = dataclasses.replace(cfg.train, micro_batch_size=self.micro_batch_size, global_batch_size=gbs,
+                                              recompute=self.recompute, recompute_method="block" if block else "uniform",
+                                              recompute_num_layers=self.recompute_num_layers if block else 0)
+        par, train = cache[pkey], cache[tkey]
         return dataclasses.replace(cfg, parallel=par, train=train)
 
 
@@ -194,7 +207,8 @@ class Estimate:
 
     def to_dict(self) -> dict:
         c = self.candidate
-        out = {"tp": c.tp, "pp": c.pp, "vpp": c.vpp, "dp": c.dp, "sp": c.sp, "micro_batch_size": c.micro_batch_size,
+        out = {"tp": c.tp, "pp": c.pp, "vpp": c.vpp, "dp": c.dp, "cp": c.cp, "sp": c.sp,
+               "micro_batch_size": c.micro_batch_size,
                "recompute": c.recompute_label, "zero": c.zero, "memory_gb": round(self.memory_bytes / GIB, 3),
                "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
                "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu, "hfu": self.hfu, "fits": self.fits,
@@ -301,26 +315,46 @@ def gemm_efficiency(width: float, cal: Calibration) -> float:
 
 @lru_cache(maxsize=4096)
 def _layer_bytes(m: ModelConfig, b: int, tp: int, sp: bool, recompute: str, opts: Options,
-                 seq_len: int) -> float:
+                 seq_len: int, cp: int = 1) -> float:
+    """One layer's saved bytes on a rank; `seq_len` is the whole sequence, of which the rank holds 1/cp."""
     dtypes = opts.dtypes or activation_dtypes(opts.precision, opts.device_type)
     backend = opts.backend or attention_backend(opts.device_type, m.dropout)
-    return sum(activation_terms(m, b, tp, sp, recompute, dtypes, backend, seq_len).values())
+    return sum(activation_terms(m, b, tp, sp, recompute, dtypes, backend, seq_len, cp).values())
+
+
+def _ring_buffers(r: _Run) -> float:
+    """The cp ring's transient buffers on a rank (`core.memory.ring_buffer_bytes`), 0 without cp."""
+    return _ring_buffer_total(r.m, r.b, r.tp, r.cp, r.opts, r.seq) if r.cp > 1 else 0.0
+
+
+@lru_cache(maxsize=4096)
+def _ring_buffer_total(m: ModelConfig, b: int, tp: int, cp: int, opts: Options, seq_len: int) -> float:
+    dtypes = opts.dtypes or activation_dtypes(opts.precision, opts.device_type)
+    backend = opts.backend or attention_backend(opts.device_type, m.dropout)
+    return sum(ring_buffer_bytes(m, b, tp, cp, dtypes, backend, seq_len).values())
 
 
 def estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opts: Options | None = None,
-             cal: Calibration | None = None) -> Estimate:
+             cal: Calibration | None = None, time_too_big: bool = True) -> Estimate:
     """Memory per GPU and step time of `cand`, whose config `cfg` is (`cand.apply`) and whose `layout` is
     `plan_layout`'s answer (`search.evaluate` checks and calls this).
 
     On a CPU host whose cores the processes share (`gpu.host_cores`), the rates each process gets depend on
     how many are at work at once: first every process of the layout, then the processes times the
-    pipeline's busy share (`stage_load`: a stage that waits for a slower one leaves its core to the others)."""
+    pipeline's busy share (`stage_load`: a stage that waits for a slower one leaves its core to the others).
+
+    `time_too_big=False` (a search) leaves out the time of a layout that does not fit (its `time` empty, its
+    step infinite): the memory is costed first, and most of a large search does not fit."""
     gpu = cluster.gpu
     if not gpu.host_cores:
-        return _estimate(cfg, layout, cand, cluster, opts, cal)
-    first = _estimate(cfg, layout, cand, dataclasses.replace(cluster, gpu=shared_rates(gpu, cand.world)), opts, cal)
+        return _estimate(cfg, layout, cand, cluster, opts, cal, time_too_big)
+    first = _estimate(cfg, layout, cand, dataclasses.replace(cluster, gpu=shared_rates(gpu, cand.world)), opts, cal,
+                      time_too_big)
+    if not first.fits and not time_too_big:
+        return first
     busy = cand.world * first.stage_load
-    return _estimate(cfg, layout, cand, dataclasses.replace(cluster, gpu=shared_rates(gpu, busy)), opts, cal)
+    return _estimate(cfg, layout, cand, dataclasses.replace(cluster, gpu=shared_rates(gpu, busy)), opts, cal,
+                     time_too_big)
 
 
 @dataclass(frozen=True)
@@ -332,11 +366,13 @@ class _Run:
     cluster: Cluster
     opts: Options
     cal: Calibration
-    s: int  # sequence length
+    s: int  # tokens of the sequence on this rank: seq / cp
+    seq: int  # the whole sequence
     b: int  # micro-batch size
     tp: int
     pp: int
     dp: int
+    cp: int
     v: int  # virtual stages (1 without a pipeline)
     sp: bool  # sequence parallelism (tp > 1)
     mb: int  # micro-batches per step
@@ -344,7 +380,8 @@ class _Run:
     hbm: float  # B/s
     c_bytes: int  # bytes of a 16-bit or fp32 activation element
     tp_link: tuple[float, float]  # (GB/s, latency µs) of each group
-    dp_link: tuple[float, float]
+    cp_link: tuple[float, float]
+    dp_link: tuple[float, float]  # the gradient reduction's group: dp × cp ranks
     pp_link: tuple[float, float]
 
     @property
@@ -354,6 +391,11 @@ class _Run:
     @property
     def gpu(self) -> Gpu:
         return self.cluster.gpu
+
+    @property
+    def dpc(self) -> int:
+        """The ranks that reduce gradients and shard ZeRO states: dp × cp (weights are replicated over cp)."""
+        return self.dp * self.cp
 
     @property
     def act_msg(self) -> float:
@@ -378,13 +420,15 @@ def _run(cfg: Config, cand: Candidate, cluster: Cluster, layout: Layout, opts: O
          cal: Calibration | None) -> _Run:
     """The common quantities of `cand` on `cluster` (defaults: `Options()`, the GPU's `Calibration`)."""
     opts, cal = opts or Options(), for_gpu(cal or Calibration(), cluster.gpu)
-    tp, pp, dp = cand.tp, cand.pp, cand.dp
+    tp, pp, dp, cp = cand.tp, cand.pp, cand.dp, cand.cp
     gpu = cluster.gpu
-    return _Run(cfg, cand, cluster, opts, cal, s=cfg.model.seq_len, b=cand.micro_batch_size, tp=tp, pp=pp, dp=dp,
+    # the mesh is (pp, dp, cp, tp), tp innermost: a cp group spans tp · cp consecutive ranks
+    return _Run(cfg, cand, cluster, opts, cal, s=cfg.model.seq_len // cp, seq=cfg.model.seq_len,
+                b=cand.micro_batch_size, tp=tp, pp=pp, dp=dp, cp=cp,
                 v=cand.vpp if pp > 1 else 1, sp=cand.sp and tp > 1, mb=layout.microbatches, peak=gpu.tflops * 1e12,
                 hbm=gpu.hbm_gbps * 1e9, c_bytes=2 if opts.precision in ("bf16", "fp16") else 4,
-                tp_link=_link(cluster, tp), dp_link=_link(cluster, tp * dp),
-                pp_link=_link(cluster, tp * dp * 2) if pp > 1 else (1.0, 0.0))
+                tp_link=_link(cluster, tp), cp_link=_link(cluster, tp * cp), dp_link=_link(cluster, tp * cp * dp),
+                pp_link=_link(cluster, tp * cp * dp * 2) if pp > 1 else (1.0, 0.0))
 
 
 @dataclass(frozen=True)
@@ -401,21 +445,42 @@ class _LayerTimes:
     full_extra: float  # full recomputation's replayed forward
     sel_extra: float  # selective recomputation's
     stored: float  # bytes saved for backward (selective: without the attention core)
+    ring: float = 0.0  # the cp ring's exposed traffic and latency, forward + backward
 
     @property
     def unit(self) -> float:
-        return self.gemm + self.attn + self.elem + self.n_coll * self.coll + self.regather + self.ops
+        return self.gemm + self.attn + self.elem + self.n_coll * self.coll + self.regather + self.ops + self.ring
+
+
+def ring_exposed_time(block_bytes: float, cp: int, attn_time: float, gbps: float, latency_us: float,
+                      eff: float) -> tuple[float, float]:
+    """(forward, backward) seconds the cp ring adds to one layer's attention, which takes `attn_time` (forward
+    + backward, this rank's 1/cp share) without it.
+
+    Each rank runs cp block steps; while it computes one block it sends its current K/V block (`block_bytes`)
+    to the next rank and receives the next: cp − 1 transfers, each overlapped with a step's compute, so a step
+    costs max(compute, transfer) plus the send's latency α. Forward: a step computes 1/cp of the forward (⅓ of
+    the attention) and moves one block; backward: 1/cp of the backward (⅔) and moves K/V and dK/dV, twice the
+    bytes. Returns what exceeds the compute: (cp − 1) · (max(0, transfer − compute) + α) per direction."""
+    if cp <= 1:
+        return 0.0, 0.0
+    bw, alpha = gbps * 1e9 * eff, latency_us * 1e-6
+    fwd_compute, bwd_compute = attn_time / (3 * cp), 2 * attn_time / (3 * cp)
+    fwd = (cp - 1) * (max(0.0, block_bytes / bw - fwd_compute) + alpha)
+    bwd = (cp - 1) * (max(0.0, 2 * block_bytes / bw - bwd_compute) + alpha)
+    return fwd, bwd
 
 
 def _layer_times(r: _Run) -> _LayerTimes:
-    m, cal, opts, b, s, tp, sp = r.m, r.cal, r.opts, r.b, r.s, r.tp, r.sp
+    m, cal, opts, b, s, tp, sp, cp = r.m, r.cal, r.opts, r.b, r.seq, r.tp, r.sp, r.cp
     eff = gemm_efficiency(m.hidden_size / tp, cal)
-    dense = layer_flops_per_token(m) * b * s / tp
-    attn = 6.0 * b * s * s * m.head_dim * m.n_heads / tp
+    dense = layer_flops_per_token(m) * b * r.s / tp  # this rank's s/cp tokens
+    attn = rank_attention_flops(m, b, s, tp, cp)  # 1/cp of the causal scores (the load balance)
     t_gemm = dense / (r.peak * eff)
     t_attn = attn / (r.peak * eff * cal.attention_efficiency)
-    stored = _layer_bytes(m, b, tp, sp, "selective" if r.cand.recompute == "selective" else "none", opts, s)
-    t_elem = cal.elementwise_passes * _layer_bytes(m, b, tp, sp, "none", opts, s) / r.hbm
+    stored = _layer_bytes(m, b, tp, sp, "selective" if r.cand.recompute == "selective" else "none", opts, s, cp)
+    none_bytes = _layer_bytes(m, b, tp, sp, "none", opts, s, cp)
+    t_elem = cal.elementwise_passes * none_bytes / r.hbm
     # two in forward (after attention, after the MLP), two in backward (their conjugates), unless those
     # hide behind the weight-gradient GEMMs (a third of the layer's GEMM time)
     n_coll = 2 if opts.tp_backward_overlap else 4
@@ -427,11 +492,15 @@ def _layer_times(r: _Run) -> _LayerTimes:
     t_ops = cal.layer_ops * r.gpu.op_overhead_us * 1e-6
     # recomputation: full replays the layer's forward (GEMMs, attention, elementwise, its two collectives);
     # selective the attention core
-    full_extra = t_gemm / 3 + t_attn / 3 + t_elem / cal.elementwise_passes + 2 * t_coll + t_ops / 3
+    # the cp ring: K/V blocks of this rank's s/cp tokens and KV heads, c_bytes each, around cp ranks; a
+    # replayed forward (full, or selective's attention core) runs the forward ring again
+    block = ring_send_bytes(m, b, tp, cp, dataclasses.replace(KORTHIKANTI_DTYPES, compute=r.c_bytes), s)["block"]
+    ring_fwd, ring_bwd = ring_exposed_time(block, cp, t_attn, r.cp_link[0], r.cp_link[1], cal.link_efficiency)
+    full_extra = t_gemm / 3 + t_attn / 3 + t_elem / cal.elementwise_passes + 2 * t_coll + t_ops / 3 + ring_fwd
     # selective: the attention core's GEMMs and the elementwise work on what it no longer stores (one pass)
-    sel_extra = t_attn / 3 + (_layer_bytes(m, b, tp, sp, "none", opts, s)
-                              - _layer_bytes(m, b, tp, sp, "selective", opts, s)) / r.hbm
-    return _LayerTimes(t_gemm, t_attn, t_elem, n_coll, t_coll, t_regather, t_ops, full_extra, sel_extra, stored)
+    sel_extra = t_attn / 3 + (none_bytes - _layer_bytes(m, b, tp, sp, "selective", opts, s, cp)) / r.hbm + ring_fwd
+    return _LayerTimes(t_gemm, t_attn, t_elem, n_coll, t_coll, t_regather, t_ops, full_extra, sel_extra, stored,
+                       ring_fwd + ring_bwd)
 
 
 @dataclass(frozen=True)
@@ -513,6 +582,7 @@ def _rank_terms(r: _Run, lt: _LayerTimes, st: _Stages, edges: _Edges, rank: int)
     extra = st.recomputed[rank] * (lt.full_extra if r.cand.recompute == "full" else lt.sel_extra)
     return {"GEMMs (layers)": n * lt.gemm, "attention": n * lt.attn, "elementwise (memory-bound)": n * lt.elem,
             "recompute (extra forward)": extra, "TP collectives": n * (lt.n_coll * lt.coll + lt.regather),
+            "CP ring (exposed)": n * lt.ring,
             "LM head + loss": edges.head if rank == r.pp - 1 else 0.0, "PP point-to-point": edges.p2p,
             "TP collectives (embedding, head, loss)": edges.coll[rank],
             "op overhead (host)": n * lt.ops}
@@ -540,7 +610,7 @@ def _pipeline_time(r: _Run, lt: _LayerTimes, st: _Stages, edges: _Edges
 def _update_time(r: _Run, terms: dict[str, float], p_max: float, slowest_layers: int) -> dict[str, float]:
     """After the micro-batches: gradient accumulation, the data-parallel reduction, the tied embedding's
     all-reduce, the ZeRO gathers and the optimizer step, for the fullest rank's `p_max` parameters."""
-    cal, opts, cand, dp, mb = r.cal, r.opts, r.cand, r.dp, r.mb
+    cal, opts, cand, dp, mb = r.cal, r.opts, r.cand, r.dpc, r.mb  # gradients reduce over dp × cp
     time = {"gradient accumulation": 0.0 if opts.fused_grad_accumulation else
             (mb - 1) * 3 * opts.grad_bytes * p_max / r.hbm}
     grads = p_max * opts.grad_bytes
@@ -571,12 +641,15 @@ def _update_time(r: _Run, terms: dict[str, float], p_max: float, slowest_layers:
 def _memory(r: _Run, stored: float, st: _Stages, params: list[float]) -> dict[str, float]:
     """Memory on the fullest rank, by term: the first, the last and the fullest middle rank can be the fullest
     one (ranks in between hold fewer micro-batches than the first and no embedding or head)."""
-    m, opts, cand, b, s, tp, pp, dp, mb, v = r.m, r.opts, r.cand, r.b, r.s, r.tp, r.pp, r.dp, r.mb, r.v
+    # ZeRO shards over dp × cp (the ranks whose gradients are reduced together, as Megatron's distributed
+    # optimizer does); the logits and the ring's buffers are this rank's s/cp tokens
+    m, opts, cand, b, s, tp, pp, dp, mb, v = r.m, r.opts, r.cand, r.b, r.s, r.tp, r.pp, r.dpc, r.mb, r.v
     per_param = model_state_bytes_per_param(opts.states, dp, distributed_optimizer=cand.zero >= 1,
                                             muon_share=muon_share(r.cfg))
     if cand.zero >= 3:
         per_param["weights"] /= dp
-    full_bytes = _layer_bytes(m, b, tp, r.sp, "full", opts, s)
+    full_bytes = _layer_bytes(m, b, tp, r.sp, "full", opts, r.seq, r.cp)
+    ring = _ring_buffers(r)
     factor = pipeline_activation_factor(pp, mb, v) if pp > 1 else 1.0
 
     def rank_memory(k: int) -> dict[str, float]:
@@ -591,6 +664,8 @@ def _memory(r: _Run, stored: float, st: _Stages, params: list[float]) -> dict[st
         # rank k of 1F1B holds min(p − k, m) micro-batches; the first rank the most
         held = factor if k == 0 else (min(pp - k, mb) * (1 + (pp - 1) / (pp * v)) if v > 1 else min(pp - k, mb))
         mem["activations"] = layer_acts * held
+        if ring:
+            mem["CP ring buffers (transient)"] = ring
         logits = 0.0 if (tp == 1 and opts.fused_loss) else 4.0 * b * s * m.vocab_size / tp
         mem["logits (last stage)"] = logits if k == pp - 1 else 0.0
         mem["gradients"] = gradient_bytes(per_param["grads"] * params[k], cand.zero, dp, mb, opts.states,
@@ -607,22 +682,27 @@ def _memory(r: _Run, stored: float, st: _Stages, params: list[float]) -> dict[st
 
 
 def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, opts: Options | None,
-              cal: Calibration | None) -> Estimate:
+              cal: Calibration | None, time_too_big: bool = True) -> Estimate:
     r = _run(cfg, cand, cluster, layout, opts, cal)
     m, tp, pp = r.m, r.tp, r.pp
-    lt = _layer_times(r)
     st = _stages(layout, cand, pp, r.v)
-    time, terms, rank_time, slowest = _pipeline_time(r, lt, st, _edges(r))
     params = _rank_parameters(m, st.layers, tp, pp)
+    stored = _layer_bytes(m, r.b, tp, r.sp, "selective" if cand.recompute == "selective" else "none", r.opts, r.seq,
+                          r.cp)
+    memory = _memory(r, stored, st, params)
+    limit = r.gpu.memory_gib * GIB
+    fits = sum(memory.values()) <= limit
+    if not fits and not time_too_big:  # a search ranks only what fits: the time of the others is not needed
+        return Estimate(cand, memory, {}, math.inf, 0.0, 0.0, 0.0, 0.0, False, limit)
+    lt = _layer_times(r)
+    time, terms, rank_time, slowest = _pipeline_time(r, lt, st, _edges(r))
     time.update(_update_time(r, terms, max(params), st.layers[slowest]))
     step = sum(time.values())
-    memory = _memory(r, lt.stored, st, params)
-    limit = r.gpu.memory_gib * GIB
 
     gbs = r.mb * r.b * r.dp
-    flops = model_flops(m, gbs, r.s)
-    hw = flops + recompute_flops(m, gbs, cand.recompute, r.s, layers=recomputed_layers(cfg))
+    flops = model_flops(m, gbs, r.seq)
+    hw = flops + recompute_flops(m, gbs, cand.recompute, r.seq, layers=recomputed_layers(cfg))
     world, peak = cand.world, r.peak
-    return Estimate(cand, memory, time, step, gbs * r.s / step, flops / step / world / 1e12,
-                    flops / step / world / peak, hw / step / world / peak, sum(memory.values()) <= limit, limit,
+    return Estimate(cand, memory, time, step, gbs * r.seq / step, flops / step / world / 1e12,
+                    flops / step / world / peak, hw / step / world / peak, fits, limit,
                     stage_load=sum(rank_time) / (pp * rank_time[slowest]) if rank_time[slowest] else 1.0)

@@ -35,7 +35,9 @@ from meshlm.plan.search import (
     MAX_GPUS,
     candidates,
     check,
+    cp_sizes,
     distinct,
+    evaluate,
     pp_sizes,
     search,
     smallest_dp,
@@ -44,7 +46,7 @@ from meshlm.plan.search import (
 from meshlm.plan.trials import run_trials
 
 GIB = 2 ** 30
-LAYOUT_KEYS = {"tp", "pp", "dp", "vpp", "sp", "mbs", "micro_batch_size", "recompute", "zero"}
+LAYOUT_KEYS = {"tp", "cp", "pp", "dp", "vpp", "sp", "mbs", "micro_batch_size", "recompute", "zero"}
 
 
 # ---- inputs ------------------------------------------------------------------------------------------------
@@ -79,7 +81,7 @@ def _config(args: argparse.Namespace, overrides: list[str]) -> Config:
 def parse_layout(text: str, gpus: int) -> dict:
     """'tp=8,pp=8,dp=16,sp=true,mbs=1,recompute=selective,zero=1' → the fields it gives, by `Candidate` field
     name (recompute as (mode, N)); the search completes the others (`search.candidates(given=...)`). The
-    given parallel sizes must factor --gpus."""
+    given parallel sizes must factor --gpus; with tp and pp given, cp is 1 unless given and dp fills the rest."""
     values: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, eq, value = part.partition("=")
@@ -89,7 +91,7 @@ def parse_layout(text: str, gpus: int) -> dict:
                               f"{', '.join(sorted(LAYOUT_KEYS))}; e.g. tp=8,pp=8,dp=16,sp=true,recompute=selective")
         values["micro_batch_size" if key == "mbs" else key] = value.strip()
     given: dict = {}
-    for key in ("tp", "pp", "dp", "vpp", "micro_batch_size", "zero"):
+    for key in ("tp", "cp", "pp", "dp", "vpp", "micro_batch_size", "zero"):
         if key in values:
             raw, least = values[key], 0 if key == "zero" else 1
             if not raw.isdigit() or int(raw) < least:
@@ -112,14 +114,16 @@ def parse_layout(text: str, gpus: int) -> dict:
 
 
 def _check_world(text: str, gpus: int, given: dict) -> None:
-    """The given tp, pp, dp against --gpus: the world's rule (`core.layout.factor_world`) when tp and pp are
-    both given (dp then defaults to fill the world), else the given sizes must divide it."""
+    """The given tp, cp, pp, dp against --gpus: the world's rule (`core.layout.factor_world`, on the --gpus / cp
+    ranks of one context-parallel position) when tp and pp are both given (cp then 1 unless given, dp filling
+    the world), else the given sizes must divide it."""
     try:
         if "tp" in given and "pp" in given:
-            pp, dp, tp = factor_world(gpus, given["tp"], given["pp"], given.get("dp", 0))
-            given.update(tp=tp, pp=pp, dp=dp)
+            cp = given.get("cp", 1)
+            pp, dp, tp = factor_world(gpus, given["tp"], given["pp"], given.get("dp", 0), cp)
+            given.update(tp=tp, cp=cp, pp=pp, dp=dp)
             return
-        sizes = {k: given[k] for k in ("tp", "pp", "dp") if k in given}
+        sizes = {k: given[k] for k in ("tp", "cp", "pp", "dp") if k in given}
         product = math.prod(sizes.values())
         if gpus % product:
             named = " × ".join(f"{k}={v}" for k, v in sizes.items()) + (f" = {product}" if len(sizes) > 1 else "")
@@ -142,7 +146,7 @@ def _options(args: argparse.Namespace, cfg: Config, gpu):
 # ---- output ------------------------------------------------------------------------------------------------
 def _row(i: int | str, e) -> str:
     c = e.candidate
-    return (f"| {i} | {c.tp} | {c.pp} | {c.vpp} | {c.dp} | {'yes' if c.sp else 'no'} | {c.micro_batch_size} | "
+    return (f"| {i} | {c.tp} | {c.pp} | {c.vpp} | {c.dp} | {c.cp} | {'yes' if c.sp else 'no'} | {c.micro_batch_size} | "
             f"{c.recompute_label} | {c.zero} | {e.memory_bytes / GIB:,.1f} | {_secs(e.step_time_s)} | "
             f"{e.tokens_per_s:,.0f} | {_tflops(e.tflops_per_gpu)} | {100 * e.mfu:.1f}% |")
 
@@ -155,8 +159,8 @@ def _tflops(x: float) -> str:
     return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
 
 
-TABLE_HEAD = [("| rank | tp | pp | vpp | dp | sp | mbs | recompute | zero | memory GiB | step s | tokens/s | "
-              "TFLOP/s/GPU | MFU |"), "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+TABLE_HEAD = [("| rank | tp | pp | vpp | dp | cp | sp | mbs | recompute | zero | memory GiB | step s | tokens/s | "
+              "TFLOP/s/GPU | MFU |"), "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
 
 def explain(e, cfg: Config) -> str:
@@ -275,7 +279,7 @@ def _one_layout(args: argparse.Namespace, cfg: Config, cluster: Cluster, opts) -
     if result.ranked:
         est = result.ranked[0]
     elif result.too_big and args.explain:  # the terms of the leanest completion say why it does not fit
-        est = result.too_big[0]
+        est = evaluate(cfg, result.too_big[0].candidate, cluster, gbs, opts)  # with its time (the search skips it)
     else:
         raise ConfigError(_layout_does_not_fit(cfg, cluster, opts, text, given, result))
     cand = est.candidate
@@ -295,8 +299,8 @@ def _one_layout(args: argparse.Namespace, cfg: Config, cluster: Cluster, opts) -
 
 
 # (--layout name, `parse_layout` key), in `Candidate.label`'s order
-LAYOUT_FIELDS = [("tp", "tp"), ("pp", "pp"), ("vpp", "vpp"), ("dp", "dp"), ("sp", "sp"), ("mbs", "micro_batch_size"),
-                 ("recompute", "recompute"), ("zero", "zero")]
+LAYOUT_FIELDS = [("tp", "tp"), ("pp", "pp"), ("vpp", "vpp"), ("dp", "dp"), ("cp", "cp"), ("sp", "sp"),
+                 ("mbs", "micro_batch_size"), ("recompute", "recompute"), ("zero", "zero")]
 
 
 def _layout_does_not_fit(cfg: Config, cluster: Cluster, opts, text: str, given: dict, result) -> str:
@@ -328,7 +332,7 @@ def _fits_when_open(cfg: Config, cluster: Cluster, opts, given: dict) -> list[st
         if key not in given:
             continue
         rest = {k: v for k, v in given.items() if k != key}
-        if key in ("tp", "pp") and "dp" in rest:  # tp, pp and dp fix each other: open dp with it
+        if key in ("tp", "pp", "cp") and "dp" in rest:  # tp, cp, pp and dp fix each other: open dp with it
             rest.pop("dp")
         space = candidates(cfg, cluster.gpus, cluster.gpus_per_node, gbs, rest)
         if search(cfg, cluster, gbs, opts, space=space).ranked:
@@ -397,12 +401,15 @@ def _valid_counts(cfg: Config, gpus: int, gpus_per_node: int, tries: int = 64) -
 
 
 def _lean_space(cfg: Config, gpus: int, gpus_per_node: int) -> list:
-    """The memory-leanest variant of every tp × pp: micro-batch 1, full recomputation, SP, the deepest ZeRO."""
+    """The memory-leanest variant of every tp × cp × pp: micro-batch 1, full recomputation, SP, the deepest
+    ZeRO."""
     out = []
     for tp in tp_sizes(gpus, gpus_per_node):
-        for pp in pp_sizes(gpus, tp, cfg.model.n_layers):
-            dp = gpus // (tp * pp)
-            out.append(Candidate(tp, pp, dp, 1, tp > 1, 1, "full", 0, (3 if tp == 1 else 2) if dp > 1 else 0))
+        for cp in cp_sizes(gpus, tp, cfg.model.seq_len):
+            for pp in pp_sizes(gpus, tp * cp, cfg.model.n_layers):
+                dp = gpus // (tp * cp * pp)
+                zero = (3 if tp == 1 else 2) if dp * cp > 1 else 0
+                out.append(Candidate(tp, pp, dp, 1, tp > 1, 1, "full", 0, zero, cp))
     return out
 
 

@@ -17,7 +17,7 @@ from meshlm.plan.report import parse_layout
 from meshlm.plan.search import evaluate
 from tests.conftest import run_cli
 
-KEYS = {"tp", "pp", "vpp", "dp", "sp", "micro_batch_size", "recompute", "zero", "memory_gb", "step_time_s",
+KEYS = {"tp", "pp", "vpp", "dp", "cp", "sp", "micro_batch_size", "recompute", "zero", "memory_gb", "step_time_s",
         "tokens_per_s", "tflops_per_gpu", "mfu"}
 CLUSTER = ["--config", "gpt2-1.3b", "--gpus", "16", "--gpus-per-node", "8", "--gpu", "a100-80gb",
            "--global-batch-size", "256"]
@@ -37,10 +37,10 @@ def test_json_lists_ranked_layouts_that_fit(capsys):
     speeds = [r["tokens_per_s"] for r in rows]
     assert speeds == sorted(speeds, reverse=True)
     for r in rows:
-        assert r["tp"] * r["pp"] * r["dp"] == 16 and 0 < r["memory_gb"] <= 80 and 0 < r["mfu"] < 1
+        assert r["tp"] * r["cp"] * r["pp"] * r["dp"] == 16 and 0 < r["memory_gb"] <= 80 and 0 < r["mfu"] < 1
         # tokens/s and TFLOP/s per GPU follow from the step time
         assert r["tokens_per_s"] == pytest.approx(256 * 2048 / r["step_time_s"])
-    layouts = {(r["tp"], r["pp"], r["dp"], r["sp"], r["recompute"]) for r in rows}
+    layouts = {(r["tp"], r["cp"], r["pp"], r["dp"], r["sp"], r["recompute"]) for r in rows}
     assert len(layouts) == 5, "the table shows the best variant of each distinct layout"
 
 
@@ -51,7 +51,8 @@ def test_layout_evaluates_one_layout_as_the_search_does(capsys):
     (row,) = json.loads(out)
     assert (row["tp"], row["pp"], row["dp"], row["sp"], row["micro_batch_size"], row["recompute"], row["zero"]) == \
         (2, 2, 4, True, 2, "selective", 1)
-    assert parse_layout(text, 16) == {"tp": 2, "pp": 2, "dp": 4, "vpp": 1, "sp": True, "micro_batch_size": 2,
+    # tp and pp given: cp is 1 unless given, and dp fills the world
+    assert parse_layout(text, 16) == {"tp": 2, "pp": 2, "dp": 4, "cp": 1, "vpp": 1, "sp": True, "micro_batch_size": 2,
                                       "recompute": ("selective", 0), "zero": 1}
     cfg = load_config("gpt2-1.3b", ["--train.global_batch_size=256"])
     est = evaluate(cfg, Candidate(2, 2, 4, 1, True, 2, "selective", 0, 1), Cluster(get_gpu("a100-80gb"), 16, 8), 256,
@@ -110,8 +111,8 @@ def test_write_config_round_trips(capsys, tmp_path):
     assert rc == 0 and "wrote" in err
     best = json.loads(out)[0]
     cfg = load_config(str(path))
-    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.train.micro_batch_size, cfg.parallel.zero) == \
-        (best["tp"], best["pp"], best["dp"], best["micro_batch_size"], best["zero"])
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.cp, cfg.train.micro_batch_size,
+            cfg.parallel.zero) == (best["tp"], best["pp"], best["dp"], best["cp"], best["micro_batch_size"], best["zero"])
     assert cfg.train.global_batch_size == 256 and cfg.model.hidden_size == 2048
 
 
