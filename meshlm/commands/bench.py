@@ -2,6 +2,10 @@
 
     meshlm bench memory --config llama-tiny --train.recompute=selective
     torchrun --nproc-per-node 2 -m meshlm bench memory --config gpt-tiny --parallel.tp=2 --parallel.sp=true
+    torchrun --nproc-per-node 2 -m meshlm bench memory --config llama-tiny --parallel.cp=2
+
+Under `parallel.cp` every cp rank measures its share of the rows; the report lists each rank beside the formula
+at s/cp tokens and gives the ring's formulas (transient buffers, bytes sent per layer).
 
 The measurement and its report are `plan/bench.py`'s `bench_memory`.
 """

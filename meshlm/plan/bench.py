@@ -5,20 +5,27 @@ Builds the model as training does (whole from the seed, `parallelize`: tensor pa
 recomputation), runs one forward and loss on a micro-batch of random tokens under the saved-tensor counter
 (`models.activations`) and prints, on rank 0, each layer's measured bytes next to `core.memory`'s formula,
 the formula's terms, and the bytes of weights, gradients and the optimizer's states (`optim.name`'s) per
-rank.
+rank. Under context parallelism (`parallel.cp` > 1, under torchrun) every cp rank measures its share of the
+rows and the report lists each rank's layers beside `activation_bytes_per_rank`, with the ring's transient
+buffers and the bytes a rank sends per layer (`ring_buffer_bytes`, `ring_send_bytes`: formulas;
+`benchmarks/context_parallel.py` counts the sends).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from meshlm.core.config import Config, ConfigError
 from meshlm.core.memory import (
+    activation_bytes_per_rank,
     activation_dtypes,
     activation_terms,
     attention_backend,
     korthikanti_bytes,
     model_state_bytes,
+    ring_send_bytes,
 )
 from meshlm.core.precision import Precision, resolve_precision
 from meshlm.families.registry import get_spec, muon_share
@@ -44,6 +51,7 @@ def bench_memory(cfg: Config) -> str:
     report = measure_model_activations(model, loss_fn, t.micro_batch_size, m.seq_len, m.vocab_size,
                                        precision.autocast(), rng, fused_loss=use_fused_loss(cfg, dims.device)
                                        and p.tp == 1 and spec.fused_loss, example=spec.example_batch)
+    cp_layers = _gather_cp_layers(report.layers_total, dims) if p.cp > 1 else []
     if not dims.is_main:
         return ""
     device_type = dims.device.type
@@ -53,17 +61,20 @@ def bench_memory(cfg: Config) -> str:
                           if t.recompute == "full" else "")
     title = (f"activation memory, one micro-batch: b={t.micro_batch_size} s={m.seq_len} h={m.hidden_size} "
              f"a={m.n_heads} g={m.kv_heads} f={m.ffn_size}, {m.activation}, {m.norm}, {m.position} positions, "
-             f"dropout {m.dropout}; tp={p.tp} sp={p.sp}; recompute {mode}; {precision.name} on {device_type} "
-             f"(SDPA {backend} backend); rank 0 of {dims.world_size}")
+             f"dropout {m.dropout}; tp={p.tp} sp={p.sp} cp={p.cp}; recompute {mode}; {precision.name} on {device_type} "
+             f"({'ring attention' if p.cp > 1 else f'SDPA {backend} backend'}); rank 0 of {dims.world_size}")
     lines = [title, "", "| layer | measured bytes | formula bytes | measured / formula |", "|---|---|---|---|"]
     for i, (got, want) in enumerate(zip(report.per_layer, formula)):
         lines.append(f"| {i} | {got:,} | {want:,.0f} | {got / want if want else float('nan'):.3f} |")
     outside = (f"outside the layers (embedding, final norm, head, loss): {report.outside_bytes:,} bytes; "
                f"autocast copies of weights: {report.param_copy_bytes:,} bytes")
     total = f"| all | {report.layers_total:,} | {sum(formula):,.0f} | {report.layers_total / sum(formula):.3f} |"
-    lines += [total, "", outside, "", "formula terms of a stored layer (bytes):"]
+    lines += [total, "", outside, ""]
+    if cp_layers:
+        lines += _cp_lines(cfg, spec, cp_layers, formula, dtypes, backend)
+    lines.append("formula terms of a stored layer (bytes):")
     terms = activation_terms(m, t.micro_batch_size, p.tp, p.sp, "none" if t.recompute == "full" else t.recompute,
-                             dtypes, backend)
+                             dtypes, backend, cp=p.cp)
     lines += [f"  {name}: {value:,.0f}" for name, value in terms.items()]
     paper = korthikanti_bytes(m.seq_len, t.micro_batch_size, m.hidden_size, m.n_heads, p.tp, p.sp,
                               t.recompute if t.recompute != "full" else "full")
@@ -79,3 +90,36 @@ def bench_memory(cfg: Config) -> str:
                  f"{states['weights'] / 2 ** 20:,.1f}, grads {states['grads'] / 2 ** 20:,.1f}, {optimizer} "
                  f"{states['optimizer'] / 2 ** 20:,.1f})")
     return "\n".join(lines)
+
+
+def _gather_cp_layers(layers_total: int, dims) -> list[int]:
+    """Every cp rank's bytes saved in the layers, by cp rank (on every rank: the gather is collective)."""
+    import torch.distributed as dist
+
+    got = [0] * dims.cp
+    dist.all_gather_object(got, layers_total, group=dims.cp_group)
+    return got
+
+
+def _cp_lines(cfg: Config, spec, cp_layers: list[int], formula: list[float], dtypes, backend: str) -> list[str]:
+    """The cp ranks' measured layers beside the formula at s/cp tokens (`activation_bytes_per_rank`'s
+    `layers`: the family's per-layer bytes under `parallel.cp`) and at cp = 1, and the ring's formulas."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    want = sum(formula)
+    whole = sum(spec.activation_bytes(dataclasses.replace(cfg, parallel=dataclasses.replace(p, cp=1)),
+                                      dtypes=dtypes, backend=backend))
+    lines = [(f"context parallelism: {p.cp} ranks, {m.seq_len // p.cp} of the {m.seq_len} tokens of each row on each; "
+             f"formula for the layers of one process (cp=1): {whole:,.0f} bytes"), "",
+             "| cp rank | measured bytes in layers | formula bytes | measured / formula | measured / formula at cp=1 |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r} | {got:,} | {want:,.0f} | {got / want:.3f} | {got / whole:.3f} (1/cp = {1 / p.cp:.3f}) |"
+              for r, got in enumerate(cp_layers)]
+    b = t.micro_batch_size
+    buffers = activation_bytes_per_rank(m, b, 1, p.tp, p.sp, "none", dtypes, backend, cp=p.cp)
+    sent = ring_send_bytes(m, b, p.tp, p.cp, dtypes)
+    lines += ["", (f"ring, per rank (formulas): transient buffers {buffers['total'] - buffers['layers']:,.0f} bytes "
+              f"(ring_buffer_bytes: once per rank, not saved for backward); sent per layer and micro-batch "
+              f"{sent['forward']:,.0f} bytes forward ({p.cp - 1} K/V blocks), {sent['backward']:,.0f} backward "
+              f"({p.cp - 1} K/V blocks, {p.cp} dK/dV blocks) (ring_send_bytes; benchmarks/context_parallel.py counts "
+              "the sends)"), ""]
+    return lines

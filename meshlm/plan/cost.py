@@ -453,21 +453,24 @@ class _LayerTimes:
 
 
 def ring_exposed_time(block_bytes: float, cp: int, attn_time: float, gbps: float, latency_us: float,
-                      eff: float) -> tuple[float, float]:
+                      eff: float, grad_bytes: float | None = None) -> tuple[float, float]:
     """(forward, backward) seconds the cp ring adds to one layer's attention, which takes `attn_time` (forward
     + backward, this rank's 1/cp share) without it.
 
     Each rank runs cp block steps; while it computes one block it sends its current K/V block (`block_bytes`)
     to the next rank and receives the next: cp − 1 transfers, each overlapped with a step's compute, so a step
     costs max(compute, transfer) plus the send's latency α. Forward: a step computes 1/cp of the forward (⅓ of
-    the attention) and moves one block; backward: 1/cp of the backward (⅔) and moves K/V and dK/dV, twice the
-    bytes. Returns what exceeds the compute: (cp − 1) · (max(0, transfer − compute) + α) per direction."""
+    the attention) and moves one block; backward: 1/cp of the backward (⅔) and moves the K/V block and the
+    accumulated dK/dV (`grad_bytes`, fp32 at least; `ring_send_bytes`), and a last dK/dV hop home has no
+    compute to hide behind. Returns what exceeds the compute: (cp − 1) · (max(0, transfer − compute) + α) per
+    direction, plus that last hop in backward."""
     if cp <= 1:
         return 0.0, 0.0
+    grad_bytes = block_bytes if grad_bytes is None else grad_bytes
     bw, alpha = gbps * 1e9 * eff, latency_us * 1e-6
     fwd_compute, bwd_compute = attn_time / (3 * cp), 2 * attn_time / (3 * cp)
     fwd = (cp - 1) * (max(0.0, block_bytes / bw - fwd_compute) + alpha)
-    bwd = (cp - 1) * (max(0.0, 2 * block_bytes / bw - bwd_compute) + alpha)
+    bwd = (cp - 1) * (max(0.0, (block_bytes + grad_bytes) / bw - bwd_compute) + alpha) + grad_bytes / bw + alpha
     return fwd, bwd
 
 
@@ -494,8 +497,9 @@ def _layer_times(r: _Run) -> _LayerTimes:
     # selective the attention core
     # the cp ring: K/V blocks of this rank's s/cp tokens and KV heads, c_bytes each, around cp ranks; a
     # replayed forward (full, or selective's attention core) runs the forward ring again
-    block = ring_send_bytes(m, b, tp, cp, dataclasses.replace(KORTHIKANTI_DTYPES, compute=r.c_bytes), s)["block"]
-    ring_fwd, ring_bwd = ring_exposed_time(block, cp, t_attn, r.cp_link[0], r.cp_link[1], cal.link_efficiency)
+    sent = ring_send_bytes(m, b, tp, cp, dataclasses.replace(KORTHIKANTI_DTYPES, compute=r.c_bytes), s)
+    ring_fwd, ring_bwd = ring_exposed_time(sent["block"], cp, t_attn, r.cp_link[0], r.cp_link[1], cal.link_efficiency,
+                                           sent["grad_block"])
     full_extra = t_gemm / 3 + t_attn / 3 + t_elem / cal.elementwise_passes + 2 * t_coll + t_ops / 3 + ring_fwd
     # selective: the attention core's GEMMs and the elementwise work on what it no longer stores (one pass)
     sel_extra = t_attn / 3 + (none_bytes - _layer_bytes(m, b, tp, sp, "selective", opts, s, cp)) / r.hbm + ring_fwd

@@ -248,8 +248,8 @@ def test_torchrun_cp2_matches_single_process(tmp_path):
              "--train.precision=fp32"]
     out, ref = tmp_path / "cp2", tmp_path / "one"
     readme = [line for line in (ROOT / "README.md").read_text().splitlines() if "--parallel.cp=2" in line]
-    assert readme == ["torchrun --standalone --nproc_per_node=2 -m meshlm train --config gpt-tiny --parallel.cp=2 "
-                      "--data.document_mask=true"]
+    assert readme == [("torchrun --standalone --nproc_per_node=2 -m meshlm train --config gpt-tiny --parallel.cp=2 "
+                       "--data.document_mask=true")]
     argv = shlex.split(readme[0])
     keys = [a for a in argv if a.startswith("--data.")]  # what the one-process reference shares with it
     cmd = [sys.executable, "-m", "torch.distributed.run", *argv[1:], *small, "--parallel.timeout_s=60",

@@ -74,13 +74,15 @@ def test_ring_buffers_and_traffic_match_a_hand_computation():
     assert scores == b * (16 // tp) * (s // cp) ** 2 * 2
     # overlap: each of the cp − 1 steps costs max(compute, transfer) + α; 10 GB/s at efficiency 1, α 5 µs
     attn = 0.012  # s: forward 4 ms (1 ms a step), backward 8 ms (2 ms a step)
-    fwd, bwd = ring_exposed_time(block, cp, attn, 10.0, 5.0, 1.0)
+    # backward: each step moves the K/V block and the fp32 dK/dV (grad_block = 2 blocks in bf16); the last
+    # dK/dV hop home has no compute to hide behind
+    fwd, bwd = ring_exposed_time(block, cp, attn, 10.0, 5.0, 1.0, 2 * block)
     transfer = block / 10e9  # 0.21 ms: hidden behind the 1 ms step
-    assert transfer < attn / 3 / cp
-    assert (fwd, bwd) == pytest.approx((3 * 5e-6, 3 * 5e-6))
-    slow_fwd, slow_bwd = ring_exposed_time(block, cp, attn, 0.5, 5.0, 1.0)  # 4.2 ms a block
+    assert 3 * transfer < 2 * attn / 3 / cp
+    assert (fwd, bwd) == pytest.approx((3 * 5e-6, 3 * 5e-6 + 2 * transfer + 5e-6))
+    slow_fwd, slow_bwd = ring_exposed_time(block, cp, attn, 0.5, 5.0, 1.0, 2 * block)  # 4.2 ms a block
     assert slow_fwd == pytest.approx(3 * (block / 0.5e9 - 0.001 + 5e-6))
-    assert slow_bwd == pytest.approx(3 * (2 * block / 0.5e9 - 0.002 + 5e-6))
+    assert slow_bwd == pytest.approx(3 * (3 * block / 0.5e9 - 0.002 + 5e-6) + 2 * block / 0.5e9 + 5e-6)
 
 
 def _estimate(cand: Candidate, gpus: int, gpu="a100-80gb", gbs: int = 16):
@@ -106,8 +108,9 @@ def test_the_planner_prices_cp_layouts_term_by_term():
     # (tp · cp = 4 ranks in a node)
     gpu, layers, mb = get_gpu("a100-80gb"), 8, 8
     t_attn = two.time["attention"] / (layers * mb)
-    block = ring_send_bytes(_mid().model, 1, 2, 2, BF16_CUDA)["block"]
-    want = sum(ring_exposed_time(block, 2, t_attn, gpu.intra_gbps, gpu.intra_latency_us, 0.75))
+    sent = ring_send_bytes(_mid().model, 1, 2, 2, BF16_CUDA)
+    want = sum(ring_exposed_time(sent["block"], 2, t_attn, gpu.intra_gbps, gpu.intra_latency_us, 0.75,
+                                 sent["grad_block"]))
     assert two.time["CP ring (exposed)"] == pytest.approx(layers * mb * want, rel=1e-9)
     assert one.time["CP ring (exposed)"] == 0
     # a ring that leaves the node (tp 8 × cp 2 on 8 GPUs per node) costs more than one inside it
