@@ -45,7 +45,8 @@ def rows_of(path: Path) -> list[dict]:
 def loss_parts(model, tok, rows: list[dict]) -> tuple[dict[str, float], list[str]]:
     first, later, end, top = [], [], [], []
     for r in rows:
-        prompt, answer = [tok.eod_id] + tok.encode(r["input"]), tok.encode(r["output"]) + [tok.eod_id]
+        # the rows as `meshlm tune` builds them (meshlm/tune/data.py): the prompt's tokens, no leading eod
+        prompt, answer = tok.encode(r["input"]), tok.encode(r["output"]) + [tok.eod_id]
         logp = torch.log_softmax(model(torch.tensor([prompt + answer]))[0].float(), -1)
         nats = [-float(logp[len(prompt) - 1 + j, t]) for j, t in enumerate(answer)]
         first.append(nats[0])
@@ -62,8 +63,8 @@ def features(model, tok, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     names = list(TITLES)
     xs, ys = [], []
     for r in rows:
-        h = model.norm(model.run_layers(model.embed(torch.tensor([[tok.eod_id] + tok.encode(r["input"])]))))[0]
-        xs.append(torch.cat([h[-1], h[1:].mean(0)]))
+        h = model.norm(model.run_layers(model.embed(torch.tensor([tok.encode(r["input"])]))))[0]
+        xs.append(torch.cat([h[-1], h.mean(0)]))
         ys.append(names.index(r["play"]))
     return torch.stack(xs), torch.tensor(ys)
 
