@@ -12,12 +12,12 @@ setup-test:
 demo: setup
 	$(PY) -m meshlm train --config demo
 
+# The tests: one process per CPU (pytest-xdist; a file's tests stay together, so its module fixtures are built
+# once), each with one OpenMP thread: tiny models gain nothing from threads, and two processes of two spinning
+# threads each on two cores slow each other several-fold (docs/threads.md).
 test: setup-test
 	.venv/bin/lint-imports
 	$(PY) -m ruff check meshlm tests benchmarks
-	# One test process per CPU (pytest-xdist; a file's tests stay together, so its module fixtures are built
-	# once), each with one OpenMP thread: tiny models gain nothing from threads, and two processes of two
-	# spinning threads each on two cores slow each other several-fold (docs/threads.md).
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -n auto --dist loadfile --durations=10
 
 lint: setup-test

@@ -307,8 +307,8 @@ def test_world_mesh_and_encoder_rules():
 
 # ---- checkpoints reshard across cp -------------------------------------------------------------------------
 HALF = 2
-RESHARD = {"one_to_cp2_tp2": ("llama", None, (2, 1, 2, 0)), "cp2_dp2_zero1_to_one": ("llama", (1, 2, 2, 1), None),
-           "cp2_dp2_zero3_to_one": ("llama", (1, 2, 2, 3), None)}
+RESHARD = {"one_to_cp2_tp2": ("llama", None, (2, 1, 2, 0)), "cp2_tp2_to_one": ("llama", (2, 1, 2, 0), None),
+           "cp2_dp2_zero1_to_one": ("llama", (1, 2, 2, 1), None), "cp2_dp2_zero3_to_one": ("llama", (1, 2, 2, 3), None)}
 TO_ONE = [name for name, (_, _, second) in RESHARD.items() if second is None]  # resumed in one process
 
 
@@ -345,8 +345,8 @@ def _reshard_world(rank: int, world: int, out_dir: str) -> dict:
 
 
 def test_checkpoints_reshard_across_cp(tmp_path):
-    """A one-process checkpoint resumes under cp2 × tp2 + SP, and cp2 × dp2 ZeRO-1 and ZeRO-3 ones (pieces of
-    rows sharded over dp × cp) in one process: the 4 losses and the final weights as 4 uninterrupted steps of
+    """A one-process checkpoint resumes under cp2 × tp2 + SP, and cp2 × tp2 + SP, cp2 × dp2 ZeRO-1 and ZeRO-3 ones
+    (pieces of rows sharded over dp × cp) in one process: the 4 losses and the final weights as 4 uninterrupted steps of
     one process."""
     from meshlm.checkpoint import single as ckpt
 
