@@ -107,19 +107,13 @@ class GPT(nn.Module):
         token (`positions` (B, T), RoPE only) with attention within documents (`segments` (B, T): the mask
         is built once here and shared by the layers)."""
         rope = rope if rope is not None else self.rope(self.rope_len)
-        ids = range(len(self.layers)) if layer_ids is None else layer_ids
-        if positions is None and segments is None:
-            for i in ids:
-                x = self.layers[i](x, rope, caches[i] if caches is not None else None, start)
-            return x
-        if caches is not None:
-            raise ValueError("positions/segments are for a training or evaluation forward, not the KV cache")
-        mask = None
+        mask = None  # packed documents: one mask for every layer (Attention refuses them with a KV cache)
         if segments is not None:
             index = positions if positions is not None else torch.arange(segments.shape[-1], device=segments.device)
             mask = document_causal_mask(index, index, segments, segments)  # (B, 1, T, T)
-        for i in ids:
-            x = self.layers[i](x, rope, positions=positions, segments=segments, mask=mask)
+        for i in range(len(self.layers)) if layer_ids is None else layer_ids:
+            x = self.layers[i](x, rope, caches[i] if caches is not None else None, start, positions=positions,
+                               segments=segments, mask=mask)
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,11 +137,8 @@ class GPT(nn.Module):
         end = (int(start.max()) if isinstance(start, torch.Tensor) else start) + T
         if self.pos_emb is not None and end > self.cfg.seq_len:
             raise ValueError(f"sequence of {end} tokens exceeds model.seq_len={self.cfg.seq_len}")
-        if positions is None and segments is None:
-            x = self.run_layers(self.embed(idx, start), None, caches, start, self.rope(end))
-        else:
-            x = self.embed(idx, start, positions=positions)
-            x = self.run_layers(x, None, caches, start, self.rope(end), positions=positions, segments=segments)
+        x = self.run_layers(self.embed(idx, start, positions=positions), None, caches, start, self.rope(end),
+                            positions=positions, segments=segments)
         return self.head(x) if targets is None else self.head_loss(x, targets)
 
     def new_caches(self, batch: int, max_len: int) -> list[KVCache]:

@@ -281,10 +281,7 @@ class Block(nn.Module):
                 positions: torch.Tensor | None = None, segments: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """Packed documents: `positions`, `segments` and the precomputed `mask` as in `Attention.forward`."""
-        if positions is None and segments is None and mask is None:  # today's call, unchanged
-            x = x + self.attn(self.norm1(x), rope, cache, start)
-        else:
-            x = x + self.attn(self.norm1(x), rope, cache, start, mask, positions=positions, segments=segments)
+        x = x + self.attn(self.norm1(x), rope, cache, start, mask, positions=positions, segments=segments)
         return x + self.mlp(self.norm2(x))
 
 

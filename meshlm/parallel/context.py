@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.models.layers import document_causal_mask
+from meshlm.models.loss import IGNORE_INDEX  # targets that carry no loss (as `F.cross_entropy`'s default)
 
 
 # ---- the layout -------------------------------------------------------------------------------------------
@@ -227,9 +228,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
 
 
 # ---- the model under cp -----------------------------------------------------------------------------------
-IGNORE_INDEX = -100  # targets that carry no loss (as `F.cross_entropy`'s default)
-
-
 def _rebalance(loss: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
     """This rank's mean token loss → the row's: its value is the mean over every counted target of the cp
     group's rows (the same on every cp rank, as a vocab-parallel loss is on every tp rank), its gradient that

@@ -24,7 +24,13 @@ from torch import nn
 
 from meshlm.families.spec import ModelSpec, family_loss
 from meshlm.models.loss import TokenOps
-from meshlm.parallel.grads import local_square_sum, sequence_parallel_params, shared_row_layers
+from meshlm.parallel.grads import (
+    local_square_sum,
+    sequence_parallel_params,
+    shared_row_layers,
+    sum_over_group,
+    sum_shared_rows,
+)
 from meshlm.parallel.mesh import ParallelDims
 from meshlm.parallel.rng import TPRNGTracker
 from meshlm.parallel.styles import TPContext, apply_style
@@ -93,19 +99,11 @@ def finish_grads(model: nn.Module, dims: ParallelDims) -> None:
     """
     if dims.tp == 1:
         return
-    grads = [p.grad for p in sequence_parallel_params(model) if p.grad is not None]
-    if grads:
-        flat = _all_reduce(torch.cat([g.reshape(-1) for g in grads]), dims.tp_group)
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(part.view_as(g))
+    sum_over_group([p.grad for p in sequence_parallel_params(model) if p.grad is not None], dims.tp_group)
     for m in shared_row_layers(model):
-        local, compact, n = m.shared_rows
         for p in (m.weight, m.bias):
-            if p is None or p.grad is None:
-                continue
-            space = p.grad.new_zeros((n, *p.shape[1:]))
-            space[compact] = p.grad[local]
-            p.grad[local] = _all_reduce(space, dims.tp_group)[compact]
+            if p is not None and p.grad is not None:
+                sum_shared_rows(p.grad, m.shared_rows, dims.tp_group)
 
 
 def grad_norm(model: nn.Module, dims: ParallelDims) -> torch.Tensor:

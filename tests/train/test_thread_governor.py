@@ -1,6 +1,7 @@
 """train.adapt_threads: torch's thread count follows the CPUs other processes leave free (train/threads.py),
 decided from CPU accounting over windows, two windows in a row, never over the user's choice."""
 
+import os
 import time
 
 import pytest
@@ -67,6 +68,10 @@ def test_one_window_of_load_does_not_move_it():
     assert m.set_to == []
 
 
+LINUX_ACCOUNTING = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the governor reads /proc/stat (Linux)")
+
+
+@LINUX_ACCOUNTING
 def test_it_is_off_where_the_user_chose_or_off_a_cpu(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
@@ -80,6 +85,7 @@ def test_it_is_off_where_the_user_chose_or_off_a_cpu(monkeypatch):
     assert threads.thread_governor(True, torch.device("cpu")) is None
 
 
+@LINUX_ACCOUNTING
 def test_the_machines_busy_time_counts_this_process():
     busy0, own0 = threads.cpu_busy_seconds(), time.process_time()
     end = time.process_time() + 0.3
