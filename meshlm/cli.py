@@ -15,6 +15,7 @@ import os
 import sys
 from typing import NoReturn
 
+from meshlm.commands.align import add_align_command
 from meshlm.commands.bench import add_bench_command
 from meshlm.commands.convert import add_convert_command
 from meshlm.commands.data import add_data_commands
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_embed_command(sub)  # meshlm embed
     add_finetune_command(sub)  # meshlm finetune
     add_tune_command(sub)  # meshlm tune
+    add_align_command(sub)  # meshlm align (DPO, IPO, SimPO)
     add_serve_command(sub)  # meshlm serve (OpenAI-compatible HTTP server; needs meshlm[serve])
     add_eval_command(sub)  # meshlm eval, meshlm harness
     return parser

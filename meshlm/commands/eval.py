@@ -2,7 +2,8 @@
 
     meshlm eval --checkpoint DIR --task perplexity|cloze|choice|classify|shakespeare-cloze|shakespeare-choice
                 [--data FILE] [--out results.json] [--batch-size N] [--stride N] [--progress] [--parallel.*=...]
-    meshlm harness ARGS...   (lm-evaluation-harness's command line, with the `meshlm` model registered)
+    meshlm harness ARGS...   (lm-evaluation-harness's command line, with the `meshlm` model registered;
+                              --apply_chat_template [FILE]: prompts as chats, the checkpoint's chat template)
 
 `meshlm eval` prints the results as one JSON object (and writes it atomically to --out); under torchrun
 (with `--parallel.tp=2`-style layouts) only rank 0 prints and writes.
@@ -81,6 +82,8 @@ def add_eval_command(sub) -> None:
     h = sub.add_parser("harness", prefix_chars="+", add_help=False,
                        help="run lm-evaluation-harness's command line with meshlm checkpoints as --model meshlm",
                        description="lm_eval's own command line (every flag passes through), with the model "
-                                   "`meshlm` registered: --model meshlm --model_args checkpoint=DIR")
+                                   "`meshlm` registered: --model meshlm --model_args checkpoint=DIR; "
+                                   "--apply_chat_template [FILE] renders the prompts with the checkpoint's chat "
+                                   "template (or FILE's)")
     h.add_argument("harness_args", nargs=argparse.REMAINDER)
     h.set_defaults(func=_harness)

@@ -1,5 +1,6 @@
 """`meshlm tune`: an adapter (prompt tuning, p-tuning, LoRA) trained on a frozen checkpoint, or the whole
-model fine-tuned on the same data (docs/tune.md); the work is `meshlm.tune.command.run_tune`'s."""
+model fine-tuned on the same data (docs/tune.md), input/output lines or conversations (chat SFT); the work
+is `meshlm.tune.command.run_tune`'s."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import argparse
 
 from meshlm.commands.finetune import DEFAULT_EPOCHS, TASKS
 
-METHODS = ("prompt", "ptuning", "lora", "full")  # full: every weight trains (supervised fine-tuning), no adapter
+METHODS = ("prompt", "ptuning", "lora", "full")  # full: every weight trains (supervised fine-tuning, SFT), no adapter
 
 
 def _tune(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -19,12 +20,16 @@ def _tune(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def add_tune_command(sub) -> None:
     """Register `meshlm tune` on the CLI's subparsers."""
-    p = sub.add_parser("tune", help="train an adapter (prompt tuning, p-tuning, LoRA) on a frozen checkpoint",
-                       description="Prompt tuning, p-tuning or LoRA of a frozen checkpoint on .jsonl data "
-                                   "(docs/tune.md); extra --section.key=value override the config.")
+    p = sub.add_parser("tune", help="train an adapter (prompt tuning, p-tuning, LoRA) on a frozen checkpoint, or "
+                                    "fine-tune it whole (--method full: SFT)",
+                       description="Prompt tuning, p-tuning or LoRA of a frozen checkpoint, or full fine-tuning (SFT), "
+                                   "on .jsonl data: input/output lines or conversations ({\"messages\": [...]}, the "
+                                   "loss on the assistant's turns) (docs/tune.md); extra --section.key=value override "
+                                   "the config.")
     p.add_argument("--checkpoint", required=True, help="the frozen base: a run directory (its latest checkpoint) or "
                                                        "a step dir")
-    p.add_argument("--method", required=True, choices=METHODS)
+    p.add_argument("--method", required=True, choices=METHODS,
+                   help="full: every weight trains (SFT, no adapter); prompt, ptuning, lora: an adapter on the frozen base")
     p.add_argument("--train", required=True, metavar="FILE.jsonl")
     p.add_argument("--valid", required=True, metavar="FILE.jsonl")
     p.add_argument("--out", required=True, metavar="DIR", help="the run directory (the same DIR again resumes)")
@@ -35,5 +40,11 @@ def add_tune_command(sub) -> None:
                    help=f"passes over the training set (default {DEFAULT_EPOCHS}; --train.max_steps overrides)")
     p.add_argument("--max-length", type=int, default=None, metavar="N",
                    help="tokens per example row (default model.seq_len)")
-    p.add_argument("--truncate", action="store_true", help="cut the start of inputs too long for a row")
+    p.add_argument("--truncate", action="store_true",
+                   help="cut the start of inputs too long for a row (conversations: keep their start)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="conversations ('messages' lines): the chat template (Jinja) to render them with, instead of "
+                        "the checkpoint's")
+    p.add_argument("--pack", action="store_true",
+                   help="conversations: several per row, each attending only to itself (data.document_mask=true)")
     p.set_defaults(func=_tune)

@@ -1,9 +1,12 @@
 """meshlm checkpoints as a model of EleutherAI's lm-evaluation-harness (`lm_eval`), registered as `meshlm`.
 
     meshlm harness --model meshlm --model_args checkpoint=DIR[,batch_size=N,device=cpu] --tasks ... [lm_eval flags]
+    meshlm harness ... --apply_chat_template [TEMPLATE] [--fewshot_as_multiturn]   (prompts as chats)
 
 `meshlm harness` runs the harness's own command line in this process after importing this module (which
-registers the model), so every `lm_eval` flag works. This module imports `lm_eval`; nothing else in
+registers the model), so every `lm_eval` flag works. With `--apply_chat_template` each prompt is a chat rendered
+by the checkpoint's chat template (`data/chat.py`: the template its Hugging Face tokenizer files carry, else
+meshlm's builtin one; a template file or text given after the flag replaces it), as the `hf` backend does. This module imports `lm_eval`; nothing else in
 meshlm does (`import meshlm` never loads it). Install it with `pip install 'meshlm[eval]'`.
 
 The three request types reduce to the batched `Scorer` (`scorer.py`):
@@ -77,15 +80,38 @@ class MeshlmLM(LM):
         if loaded.scorer is None:
             raise ConfigError(f"--model_args checkpoint={checkpoint}: a model.family={loaded.cfg.model.family!r} "
                               "model; the harness needs a language model (GPT family)")
+        from meshlm.data.chat import template_for
+
         self.scorer = loaded.scorer
         self.tok = loaded.tokenizer
         self.seq_len = loaded.cfg.model.seq_len
         self.max_gen_toks = int(max_gen_toks)
         self._device = self.scorer.device
+        self.tokenizer_spec = loaded.cfg.data.tokenizer
+        self.template = template_for(self.tokenizer_spec)  # the checkpoint's chat template (a bad one fails here)
 
     @property
     def tokenizer_name(self) -> str:
+        """The tokenizer's name, which lm_eval keys its request cache on (with the chat template's text)."""
         return self.tok.name
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """`--apply_chat_template [TEMPLATE]`: the checkpoint's chat template (`data.chat.template_for`: its
+        Hugging Face tokenizer files' template, else meshlm's builtin one); TEMPLATE, when given, is a template
+        file or text used instead. None when chat templates are off."""
+        from meshlm.data.chat import template_for
+
+        if chat_template is False or chat_template is None:
+            return None
+        if isinstance(chat_template, str) and chat_template not in ("", "default"):
+            self.template = template_for(self.tokenizer_spec, override=chat_template)
+        return self.template.text
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The few-shot chat as the checkpoint's chat template renders it (transformers' semantics)."""
+        from meshlm.data.chat import render
+
+        return render(self.template, chat_history, add_generation_prompt=add_generation_prompt)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         from meshlm.eval.tasks import encode_pair

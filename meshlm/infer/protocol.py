@@ -1,19 +1,44 @@
-"""The OpenAI-compatible API's requests and responses: the chat template, the JSON error body (`APIError`),
-each endpoint's request schema checked field by field (`validate`: unknown fields and wrong types are 400s), and
-the pieces of the response bodies (logprobs, usage). Plain Python: nothing here imports fastapi or torch.
+"""The OpenAI-compatible API's requests and responses: the chat prompt (the checkpoint's chat template,
+`data/chat.py`), the JSON error body (`APIError`), each endpoint's request schema checked field by field
+(`validate`: unknown fields and wrong types are 400s), and the pieces of the response bodies (logprobs, usage).
+Plain Python: nothing here imports fastapi or torch.
 """
 
 import json
 import math
 
 CHAT_ROLES = ("system", "user", "assistant")
-CHAT_STOP = "<|"  # a model that starts the next turn's tag has finished its own
+CHAT_STOP = "<|"  # the builtin template's end of turn (data.chat.BUILTIN_STOP): the model opened the next tag
 
 
 def chat_prompt(messages: list[dict]) -> str:
-    """The chat template: each message as `<|role|>` newline content newline, then `<|assistant|>` newline
-    for the reply. The reply ends at the end-of-document token or when the model opens a tag (`<|`)."""
-    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+    """The builtin chat template's prompt (`data.chat.BUILTIN_TEMPLATE`, the template of meshlm-trained
+    models), written out: each message as `<|role|>` newline, content, newline, `<|end|>` newline, then
+    `<|assistant|>` newline for the reply. The reply ends at the end-of-document token or when the model opens a
+    tag (`<|`, its `<|end|>`)."""
+    return "".join(f"<|{m['role']}|>\n{m['content']}\n<|end|>\n" for m in messages) + "<|assistant|>\n"
+
+
+def chat_template_of(tokenizer):
+    """The chat template (a `data.chat.ChatTemplate`) of the checkpoint a server loaded, found from its
+    tokenizer's spec (`data.tokenizer`): the template its Hugging Face tokenizer files carry, else the builtin
+    one (`data.chat.template_for`); a bad template is a DataError naming its file."""
+    from meshlm.data.chat import BUILTIN_TEMPLATE, ChatTemplate, template_for
+
+    spec = getattr(tokenizer, "spec", None)
+    return template_for(spec) if isinstance(spec, str) and spec else ChatTemplate(BUILTIN_TEMPLATE)
+
+
+def chat_text(template, messages: list[dict]) -> tuple[str, tuple[str, ...]]:
+    """(the prompt of `messages` with the generation prompt, the stop strings that end the reply) by the chat
+    template `template`; a conversation the template refuses (its `raise_exception`) is a 400 naming `messages`."""
+    from meshlm.data.chat import render, stop_strings
+    from meshlm.data.items import DataError
+
+    try:
+        return render(template, messages, add_generation_prompt=True), stop_strings(template)
+    except DataError as err:
+        raise bad(str(err), "messages") from None
 
 
 # ---- errors --------------------------------------------------------------------------------------------------

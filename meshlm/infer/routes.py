@@ -17,14 +17,14 @@ from meshlm.infer.metrics import prometheus
 from meshlm.infer.protocol import (
     CHAT_ROLES,
     CHAT_SCHEMA,
-    CHAT_STOP,
     COMPLETION_SCHEMA,
     EMBEDDING_SCHEMA,
     MEGATRON_SCHEMA,
     APIError,
     bad,
     chat_logprobs,
-    chat_prompt,
+    chat_template_of,
+    chat_text,
     completion_logprobs,
     include_usage,
     or_default,
@@ -38,13 +38,15 @@ def add_routes(app, server) -> None:
     from fastapi import Request as HTTPRequest
     from fastapi.responses import PlainTextResponse
 
+    template = chat_template_of(server.tokenizer) if server.engine is not None else None  # a bad one: fails here
+
     @app.post("/v1/completions")
     async def completions_route(request: HTTPRequest):
         return await completions(server, await body_of(request, server.max_body_bytes))
 
     @app.post("/v1/chat/completions")
     async def chat_route(request: HTTPRequest):
-        return await chat_completions(server, await body_of(request, server.max_body_bytes))
+        return await chat_completions(server, await body_of(request, server.max_body_bytes), template)
 
     @app.post("/v1/embeddings")
     async def embeddings_route(request: HTTPRequest):
@@ -247,13 +249,17 @@ def chat_messages(f: dict) -> list[dict]:
     return messages
 
 
-async def chat_completions(server, request_body):
-    """POST /v1/chat/completions: the assistant's reply to `messages` (chat template: `protocol.chat_prompt`)."""
+async def chat_completions(server, request_body, template=None):
+    """POST /v1/chat/completions: the assistant's reply to `messages`, rendered by the checkpoint's chat
+    template (`template`, a `data.chat.ChatTemplate`; `protocol.chat_template_of` when None) and ended at
+    the template's end of turn (`data.chat.stop_strings`) or the end-of-document token."""
     f = validate(request_body, CHAT_SCHEMA)
     adapter = server.check_model(f["model"])
     model = server.names[adapter]
     server.need("engine")
-    ids = await asyncio.to_thread(server.tokenizer.encode, chat_prompt(chat_messages(f)))  # off the event loop
+    template = template or chat_template_of(server.tokenizer)
+    text, stops = chat_text(template, chat_messages(f))
+    ids = await asyncio.to_thread(server.tokenizer.encode, text)  # off the event loop
     names = {"logprobs": "top_logprobs"}
     if f["max_completion_tokens"] is not None:
         if f["max_completion_tokens"] < 1:
@@ -265,7 +271,7 @@ async def chat_completions(server, request_body):
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     room = server.max_len - len(ids) - len(server.engine.head(adapter))  # the rest of the context
     sp = server.sampling(f, max(1, room), (top or 0) if f["logprobs"] else None)
-    sp.stop = (*sp.stop, CHAT_STOP)
+    sp.stop = (*sp.stop, *stops)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     decode = server.tokenizer.decode
 

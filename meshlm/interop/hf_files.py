@@ -26,7 +26,7 @@ from typing import Any
 from meshlm.core.config import ConfigError, ModelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt")
+                   "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt", "chat_template.jinja")
 ST_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
 CARRIED = "hf"  # the checkpoint's folder of carried files
 GPT2_EOT = "<|endoftext|>"
@@ -203,7 +203,7 @@ def write_tokenizer_files(spec: str, target: Path, seq_len: int, log: Callable[[
     """The tokenizer files for `data.tokenizer = spec` in `target`: those it carries, or the bundled
     GPT-2 / BERT tokenizer's. Returns the names written (none for a tokenizer path that is gone)."""
     if spec == "gpt2":
-        return write_gpt2_tokenizer(target, seq_len)
+        return write_chat_template(target, write_gpt2_tokenizer(target, seq_len))
     if spec == "bert":
         from meshlm.data.assets import minilm_dir
 
@@ -224,7 +224,20 @@ def write_tokenizer_files(spec: str, target: Path, seq_len: int, log: Callable[[
         (target / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len}, indent=2) + "\n")
         names.append("tokenizer_config.json")
-    return names
+    return write_chat_template(target, names) if names and "vocab.txt" not in names else names
+
+
+def write_chat_template(target: Path, names: list[str]) -> list[str]:
+    """`names` plus chat_template.jinja, meshlm's builtin chat template, written when the tokenizer files carry
+    no template (neither chat_template.jinja nor tokenizer_config.json's chat_template): transformers'
+    apply_chat_template then renders what `meshlm serve` does (docs/tune.md, Chat templates)."""
+    from meshlm.data.chat import BUILTIN_TEMPLATE
+
+    config = target / "tokenizer_config.json"
+    if (target / "chat_template.jinja").exists() or (config.is_file() and "chat_template" in _read_json(config)):
+        return names
+    (target / "chat_template.jinja").write_text(BUILTIN_TEMPLATE)
+    return [*names, "chat_template.jinja"]
 
 
 def _copy_present(source: Path, target: Path, names: tuple[str, ...]) -> list[str]:

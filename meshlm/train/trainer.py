@@ -101,6 +101,8 @@ class Trainer(CheckpointState):
                               "scaler's overflow check is per rank); use train.precision=bf16")
         seed_everything(t.seed)
         self.spec = get_spec(cfg.model.family)  # the model family: its model, plans, loss, data and formulas
+        for extension in self.extensions:  # e.g. `meshlm align`'s preference loss (`Extension.adapt_spec`)
+            self.spec = extension.adapt_spec(self.spec)
         if t.sample_tokens and not self.spec.decoder:
             raise ConfigError(f"train.sample_tokens={t.sample_tokens} needs a model that generates text; "
                               f"model.family={cfg.model.family!r} does not: set train.sample_tokens=0")

@@ -1,8 +1,10 @@
 """`meshlm tune`: an adapter trained on a frozen checkpoint (prompt tuning, p-tuning or LoRA), or the
-whole model fine-tuned on the same data (`--method full`).
+whole model fine-tuned on the same data (`--method full`, SFT). The data is input/output or task lines
+(`tune/data.py`) or conversations, the loss on the assistant's turns (`tune/chat_data.py`, `--pack`).
 
     meshlm tune --checkpoint BASE --method prompt|ptuning|lora|full --train T.jsonl --valid V.jsonl --out DIR
                 [--template [TASK=]TEXT ...] [--epochs 3] [--max-length N] [--truncate]
+                [--chat-template FILE] [--pack]  (conversations: {"messages": [...]} lines)
                 [--task classify|span|tokens]   (BERT checkpoints: `meshlm finetune`'s tasks)
                 [--section.key=value ...]       (tune.lora_rank, tune.virtual_tokens, optim.lr, parallel.tp, ...)
 
@@ -31,12 +33,13 @@ def tune_values(base: dict, method: str, checkpoint: str, out_dir: str, tasks: l
                 overrides: list[str]) -> dict:
     """The base's config values with the adapter and tuning defaults, then the user's overrides: AdamW at
     `DEFAULT_LR[method]` (no weight decay: an adapter is small and starts at the base's function), linear
-    decay to 0, batches of 16 (micro-batches of 8), one process unless parallel.* says otherwise."""
+    decay to 0, batches of 16 (micro-batches of 8), no time budget (the base's `train.time_budget_s` is
+    pretraining's: a tuning run counts epochs), one process unless parallel.* says otherwise."""
     values = {k: dict(v) for k, v in base.items()}
     full = method == "full"  # the whole model from the base's weights (`train.init_from`), no adapter
     values["tune"] = {"method": "none"} if full else {"method": method, "base": checkpoint, "tasks": tasks}
     values["train"].update(out_dir=out_dir, init_from=checkpoint if full else "", resume="auto", micro_batch_size=8, global_batch_size=16,
-                           sample_tokens=0, compile=False, recompute="none", recompute_method="uniform",
+                           sample_tokens=0, time_budget_s=0.0, compile=False, recompute="none", recompute_method="uniform",
                            recompute_num_layers=0, device="auto")
     values["optim"].update(name="adamw", lr=DEFAULT_LR[method], min_lr=0.0, weight_decay=0.0, beta1=0.9, beta2=0.999, eps=1e-8,
                            grad_clip=1.0, decay="linear", decay_steps=0)
@@ -67,12 +70,57 @@ def _max_length(args: argparse.Namespace, seq_len: int) -> int:
     return wanted
 
 
+def _chat_flags(args: argparse.Namespace, chat: bool) -> None:
+    """The flags that go with conversation data, or without it."""
+    if chat:
+        if args.template:
+            raise ConfigError("--template is for input/output and task lines; conversations ('messages' lines) are "
+                              "rendered with the chat template: give --chat-template FILE to replace the checkpoint's")
+        if args.pack and args.method in ("prompt", "ptuning"):
+            raise ConfigError(f"--pack with --method {args.method}: the virtual tokens start each row, not each "
+                              "conversation; use --method full or lora with --pack, or drop --pack")
+    elif args.pack or args.chat_template:
+        flag = "--pack" if args.pack else "--chat-template"
+        raise ConfigError(f"{flag} is for conversations ({{\"messages\": [...]}} lines); --train holds "
+                          "input/output lines")
+
+
+def _chat_sets(args, base, lines: tuple, length: int, n_virtual: int, tokenizer) -> tuple[list, dict]:
+    """Conversation files encoded (chat_data.py): ([train, valid], what tune.json records of them)."""
+    from meshlm.data.chat import template_for
+    from meshlm.tune.chat_data import encode_chats
+
+    template = template_for(base.data.tokenizer, override=args.chat_template)
+    sets = []
+    for part, flag, path in zip(lines, ("--train", "--valid"), (args.train, args.valid)):
+        data, cut, n = encode_chats(part, tokenizer, template, length, n_virtual, args.truncate, args.pack)
+        sets.append(data)
+        say(f"{flag} {path}: {n} conversations, {data.num_tokens:,} assistant tokens"
+            + (f" packed into {len(data)} rows of {length}" if args.pack else "")
+            + (f"; {cut} cut to fit (--truncate keeps their start)" if cut else ""))
+    return sets, {"chat_template": getattr(template, "text", template), "pack": bool(args.pack)}
+
+
+def _io_sets(args, items: tuple, lines: tuple, length: int, n_virtual: int, tasks: list[str], tokenizer) -> list:
+    """Input/output or task lines encoded (data.py): [train, valid]."""
+    from meshlm.tune.data import encode
+
+    sets = []
+    for part, part_lines, flag, path in zip(items, lines, ("--train", "--valid"), (args.train, args.valid)):
+        data, cut = encode(part, [x.where for x in part_lines], tokenizer, length, n_virtual, tasks, args.truncate)
+        sets.append(data)
+        say(f"{flag} {path}: {len(data)} examples, {data.num_tokens:,} output tokens"
+            + (f"; {cut} inputs cut to fit" if cut else ""))
+    return sets
+
+
 def prepare(args: argparse.Namespace, overrides: list[str]):
     """Everything before training, writing nothing: (config, tokenizer, train set, valid set, info)."""
     from meshlm.checkpoint.load import checkpoint_config
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.families.registry import get_spec
-    from meshlm.tune.data import encode, examples, parse_templates
+    from meshlm.tune.chat_data import is_chat
+    from meshlm.tune.data import examples, parse_templates
     from meshlm.tune.export import base_fingerprint
 
     if args.epochs < 1:
@@ -84,34 +132,35 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
                           "give --task classify|span|tokens (meshlm finetune's data) with --method lora")
     if args.task is not None:
         raise ConfigError(f"--task {args.task} is for BERT checkpoints; a GPT checkpoint learns --train's outputs")
-    templates = parse_templates(args.template or [])
-    train_lines = read_jsonl(args.train, "--train")
-    valid_lines = read_jsonl(args.valid, "--valid")
-    train_items = examples(train_lines, templates, "--train")
-    valid_items = examples(valid_lines, templates, "--valid")
-    tasks = _tasks(train_items, valid_items, [x.where for x in valid_lines])
+    lines = (read_jsonl(args.train, "--train"), read_jsonl(args.valid, "--valid"))
+    chat = is_chat(*lines)
+    _chat_flags(args, chat)
+    templates = {} if chat else parse_templates(args.template or [])
+    items = () if chat else tuple(examples(part, templates, flag) for part, flag in zip(lines, ("--train", "--valid")))
+    tasks = [] if chat else _tasks(items[0], items[1], [x.where for x in lines[1]])
     if tasks and args.method in ("lora", "full"):
         raise ConfigError(f"--method {args.method} with several tasks ({', '.join(tasks[:3])}): only prompt tuning has a "
                           "prompt per task; train one run per task, or use --method prompt|ptuning")
-    values = tune_values(base.to_dict(), args.method, args.checkpoint, args.out, tasks, overrides)
+    values = tune_values(base.to_dict(), args.method, args.checkpoint, args.out, tasks,
+                         (["--data.document_mask=true"] if args.pack else []) + overrides)
     first = build(values)
+    if args.pack and not first.data.document_mask:
+        raise ConfigError("--pack needs data.document_mask=true (conversations sharing a row must not attend to "
+                          "each other); drop --data.document_mask=false")
     tokenizer = get_tokenizer(first.data.tokenizer)
     length = _max_length(args, first.model.seq_len)
     n_virtual = first.tune.virtual_tokens if args.method in ("prompt", "ptuning") else 0
-    sets = []
-    for items, lines, flag, path in ((train_items, train_lines, "--train", args.train),
-                                     (valid_items, valid_lines, "--valid", args.valid)):
-        data, cut = encode(items, [x.where for x in lines], tokenizer, length, n_virtual, tasks, args.truncate)
-        sets.append(data)
-        say(f"{flag} {path}: {len(data)} examples, {data.num_tokens:,} output tokens"
-            + (f"; {cut} inputs cut to fit" if cut else ""))
-    train, valid = sets
+    extra = {}
+    if chat:
+        (train, valid), extra = _chat_sets(args, base, lines, length, n_virtual, tokenizer)
+    else:
+        train, valid = _io_sets(args, items, lines, length, n_virtual, tasks, tokenizer)
     n_valid = len(valid)
     valid = valid.padded(first.train.micro_batch_size, tokenizer.eod_id)
     cfg = with_schedule(values, overrides, len(train), len(valid), args.epochs)
     info = {"method": args.method, "checkpoint": args.checkpoint, "base_fingerprint": base_fingerprint(args.checkpoint),
             "train": args.train, "valid": args.valid, "train_examples": len(train), "valid_examples": n_valid,
-            "max_length": length, "tasks": tasks, "templates": {k: t.text for k, t in templates.items()}}
+            "max_length": length, "tasks": tasks, "templates": {k: t.text for k, t in templates.items()}, **extra}
     return cfg, tokenizer, train, valid, info
 
 
@@ -120,6 +169,10 @@ def run_tune(args: argparse.Namespace, overrides: list[str], extensions: Extensi
     and any evaluation tasks': `meshlm.commands.train.trainer_extensions`)."""
     if args.task is not None:  # BERT: meshlm finetune's data and heads, with the adapter on the frozen encoder
         from meshlm.train.finetune import run_finetune
+
+        if args.pack or args.chat_template:
+            raise ConfigError(f"{'--pack' if args.pack else '--chat-template'} is for conversations on a GPT "
+                              f"checkpoint; --task {args.task} reads meshlm finetune's data")
 
         if args.method == "full":  # that is meshlm finetune itself
             return run_finetune(args, overrides, extensions)
@@ -139,9 +192,10 @@ def run_tune(args: argparse.Namespace, overrides: list[str], extensions: Extensi
     say(f"tuning ({args.method}) {args.checkpoint}: {t.max_steps} steps of {t.global_batch_size} examples, lr "
         f"{cfg.optim.lr:g}, evaluation every {t.eval_every} steps over {info['valid_examples']} examples")
     out = Path(args.out)
+    # A DIR of conversations resumes only with the same packing and template (its rows would differ).
+    keep = ("method", "tasks", "base_fingerprint") + (("pack", "chat_template") if "pack" in info else ())
     trainer, result = train_prepared(cfg, (tokenizer, train, valid), args.out,
-                                     lambda d: write_info(d, info, INFO_FILE, ("method", "tasks", "base_fingerprint")),
-                                     extensions)
+                                     lambda d: write_info(d, info, INFO_FILE, keep), extensions)
     if is_main() and trainer.stop_signal is None:
         done = f"tune: step {result['step']}: val loss {result.get('val_loss', float('nan')):.4f}"
         if args.method == "full":

@@ -1,0 +1,275 @@
+"""`meshlm align`: preference optimisation (DPO, IPO, SimPO) of a checkpoint on (prompt, chosen, rejected)
+pairs, the whole model or a LoRA adapter (docs/align.md).
+
+    meshlm align --checkpoint BASE --method dpo|ipo|simpo --train P.jsonl --valid V.jsonl --out DIR
+                 [--beta 0.1] [--label-smoothing 0] [--simpo-gamma 0.5] [--adapter none|lora]
+                 [--epochs 1] [--max-length N] [--chat-template FILE] [--section.key=value ...]
+
+The ordinary `Trainer` runs it, as `meshlm tune` does: the preference loss reaches it through the
+`Preference` extension, which gives the trainer the family spec with `preference.loss_for` as its loss
+(`Extension.adapt_spec`), so the one-process loop, tensor parallelism (vocab-split logits) and the last
+pipeline stage all compute it; resuming, checkpoints, metrics.jsonl, the log and every layout are
+pretraining's. `--adapter lora` adds the `Tuning` extension of `meshlm tune` (tune.method=lora on the
+frozen base); `--adapter none` trains every weight from the base (`train.init_from`).
+
+The reference model is the base checkpoint, frozen. Its log-probabilities of every chosen and rejected
+completion are computed once, before training, with the base loaded whole in one process (on every rank:
+the same deterministic fp32 forward, so no rank waits for another), and saved with the run as
+DIR/align_reference.pt; a resumed run reads them back (checked against the data and the base). With
+`--adapter lora` the base *is* the model with the adapter off (LoRA starts at zero), so there is never a
+second model in memory during training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from meshlm.core.config import ConfigError, apply_overrides, build, check_output_dir
+from meshlm.train.extension import Extension
+from meshlm.train.finetune import Extensions, is_main, read_jsonl, say, with_schedule
+from meshlm.tune import preference
+from meshlm.tune.preference import Objective
+
+INFO_FILE = "align.json"
+REFERENCE_FILE = "align_reference.pt"
+# Learning rates: TRL's DPOConfig default for the whole model; ten times that for a LoRA adapter.
+DEFAULT_LR = {"none": 1e-6, "lora": 1e-5}
+DEFAULT_EPOCHS = 1
+
+
+class Preference(Extension):
+    """The preference loss of `objective` as the run's loss (`Extension.adapt_spec`)."""
+
+    def __init__(self, objective: Objective, micro_batch: int, seq_len: int):
+        self.objective, self.micro_batch, self.seq_len = objective, micro_batch, seq_len
+
+    def adapt_spec(self, spec):
+        return preference.adapt_spec(spec, self.objective, self.micro_batch, self.seq_len)
+
+
+def align_values(base: dict, adapter: str, checkpoint: str, out_dir: str, overrides: list[str]) -> dict:
+    """The base's config with the alignment defaults, then the user's overrides: AdamW at `DEFAULT_LR`, no
+    weight decay, linear decay, micro-batches of 4 pairs, batches of 16 pairs, dropout off, one process unless
+    parallel.* says otherwise, no time budget (the base's is pretraining's), and the unfused head (the loss
+    needs the logits)."""
+    values = {k: dict(v) for k, v in base.items()}
+    full = adapter == "none"
+    values["tune"] = {"method": "none"} if full else {"method": adapter, "base": checkpoint, "tasks": []}
+    values["train"].update(out_dir=out_dir, init_from=checkpoint if full else "", resume="auto", micro_batch_size=4,
+                           global_batch_size=16, sample_tokens=0, time_budget_s=0.0, compile=False, recompute="none",
+                           recompute_method="uniform", recompute_num_layers=0, device="auto", fused_loss=False,
+                           eval_tasks=[])
+    values["optim"].update(name="adamw", lr=DEFAULT_LR[adapter], min_lr=0.0, weight_decay=0.0, beta1=0.9, beta2=0.999,
+                           eps=1e-8, grad_clip=1.0, decay="linear", decay_steps=0)
+    values["parallel"] = {}
+    values["model"]["dropout"] = 0.0
+    return apply_overrides(values, overrides)
+
+
+def check_objective(args: argparse.Namespace) -> Objective:
+    if not args.beta > 0:
+        raise ConfigError(f"--beta {args.beta} must be > 0 (the strength of the preference; 0.1 is usual)")
+    if not 0 <= args.label_smoothing < 0.5:
+        raise ConfigError(f"--label-smoothing {args.label_smoothing} must be in [0, 0.5) (0: plain DPO)")
+    if args.label_smoothing and args.method == "ipo":
+        raise ConfigError("--label-smoothing is for --method dpo|simpo; IPO's squared loss has none: drop it")
+    return Objective(args.method, args.beta, args.label_smoothing, args.simpo_gamma)
+
+
+def check_config(cfg, length: int) -> None:
+    """Refuse what the preference loss cannot run under, each with the fix."""
+    if cfg.train.fused_loss is True:
+        raise ConfigError("train.fused_loss=true: the preference loss needs the logits; drop --train.fused_loss")
+    if cfg.parallel.cp > 1:
+        raise ConfigError(f"parallel.cp={cfg.parallel.cp}: meshlm align splits no sequence over ranks; use "
+                          "parallel.tp, pp or dp")
+    if cfg.parallel.sp and length % max(1, cfg.parallel.tp):
+        raise ConfigError(f"--max-length {length} must be a multiple of parallel.tp={cfg.parallel.tp} under "
+                          "sequence parallelism")
+    if cfg.train.eval_tasks:
+        raise ConfigError("train.eval_tasks is not supported by meshlm align; drop it")
+
+
+def chat_template(tokenizer: str, override: str | None):
+    """The conversational lines' chat template, found on first use: --chat-template, else the base's tokenizer's
+    (`meshlm.data.chat.template_for`)."""
+    found = []
+
+    def get():
+        if not found:
+            from meshlm.data.chat import template_for
+
+            found.append(template_for(tokenizer, override))
+        return found[0]
+
+    return get
+
+
+def _max_length(args: argparse.Namespace, seq_len: int) -> int:
+    wanted = args.max_length
+    if wanted is None:
+        return seq_len
+    if not 2 <= wanted <= seq_len:
+        raise ConfigError(f"--max-length {wanted} must be in 2..{seq_len} (model.seq_len of the base checkpoint)")
+    return wanted
+
+
+def prepare(args: argparse.Namespace, overrides: list[str]):
+    """Everything before training, writing nothing: (config, objective, tokenizer, train set, valid set, info);
+    the sets without their reference log-probs yet."""
+    from meshlm.checkpoint.load import checkpoint_config
+    from meshlm.data.tokenizers import get_tokenizer
+    from meshlm.families.registry import get_spec
+    from meshlm.tune.export import base_fingerprint
+
+    if args.epochs < 1:
+        raise ConfigError(f"--epochs {args.epochs} must be >= 1")
+    objective = check_objective(args)
+    check_output_dir("--out", args.out)
+    base = checkpoint_config(args.checkpoint)
+    if not get_spec(base.model.family).decoder:
+        raise ConfigError(f"--checkpoint {args.checkpoint!r} holds a model.family={base.model.family!r} model; "
+                          "meshlm align needs a decoder (GPT) checkpoint")
+    values = align_values(base.to_dict(), args.adapter, args.checkpoint, args.out, overrides)
+    first = build(values)
+    template = chat_template(first.data.tokenizer, args.chat_template)
+    texts = {}
+    for flag, path in (("--train", args.train), ("--valid", args.valid)):
+        lines = read_jsonl(path, flag)
+        texts[flag] = ([preference.pair_texts(line, template) for line in lines], [line.where for line in lines])
+    length = _max_length(args, first.model.seq_len)
+    check_config(first, length)
+    tokenizer = get_tokenizer(first.data.tokenizer)
+    sets = {}
+    for flag, path in (("--train", args.train), ("--valid", args.valid)):
+        data = preference.encode_pairs(*texts[flag], tokenizer, length)
+        sets[flag] = data
+        say(f"{flag} {path}: {len(data)} pairs, {data.num_tokens:,} completion tokens")
+    train, valid = sets["--train"], sets["--valid"]
+    n_valid = len(valid)
+    if first.train.micro_batch_size < 1:
+        raise ConfigError("train.micro_batch_size must be >= 1 (pairs per micro-batch)")
+    valid = valid.padded(first.train.micro_batch_size, tokenizer.eod_id)
+    cfg = with_schedule(values, overrides, len(train), len(valid), args.epochs)
+    info = {"method": args.method, "adapter": args.adapter, "beta": objective.beta,
+            "label_smoothing": objective.label_smoothing, "simpo_gamma": objective.gamma,
+            "checkpoint": args.checkpoint, "base_fingerprint": base_fingerprint(args.checkpoint),
+            "train": args.train, "valid": args.valid, "train_pairs": len(train), "valid_pairs": n_valid,
+            "max_length": length}
+    return cfg, objective, tokenizer, train, valid, info
+
+
+# ---- the reference -----------------------------------------------------------------------------------------
+def data_fingerprint(sets, info: dict) -> str:
+    """A hash of the encoded pairs and the base's weights: the cached reference log-probs belong to them."""
+    h = hashlib.sha256(info["base_fingerprint"].encode())
+    for data in sets:
+        h.update(np.ascontiguousarray(data.ids).tobytes())
+        h.update(np.ascontiguousarray(data.targets).tobytes())
+    return h.hexdigest()[:24]
+
+
+def reference_logps(checkpoint: str, sets: list, device: str, batch_pairs: int = 16) -> list[np.ndarray]:
+    """Per set, (N, 2) float64: the frozen base's summed log-probs of each pair's chosen and rejected
+    completion, forward only, in the base's own dtype (fp32) on `device`, pairs in order. The output layer
+    runs on the completion positions only (the family's `embed`, `run_layers`, `head`): a prompt-heavy set
+    pays its vocabulary-wide logits for the completion tokens alone."""
+    import torch
+
+    from meshlm.checkpoint.load import load_model_from_checkpoint
+
+    model, _, _ = load_model_from_checkpoint(checkpoint, device)
+    outs = []
+    with torch.no_grad():
+        for data in sets:
+            out = np.zeros((len(data), 2), dtype=np.float64)
+            for start in range(0, len(data), batch_pairs):
+                items = np.stack([data[i] for i in range(start, min(start + batch_pairs, len(data)))])
+                x, y = data.collate(items)
+                tokens = y[:, :data.width].to(device)
+                keep = tokens != preference.IGNORE
+                logits = model.head(model.run_layers(model.embed(x.to(device)))[keep])  # (completion tokens, V)
+                logps, _ = preference.row_logps(logits.unsqueeze(0), tokens[keep].unsqueeze(0), None, whole=True,
+                                                rows=keep.nonzero()[:, 0], n_rows=len(tokens))
+                out[start:start + len(items)] = logps.double().cpu().numpy().reshape(-1, 2)
+            outs.append(out)
+    del model
+    return outs
+
+
+def reference_device(cfg) -> str:
+    import os
+
+    import torch
+
+    if cfg.train.device == "cpu" or not torch.cuda.is_available():
+        return "cpu"
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+
+
+def with_reference(cfg, objective: Objective, info: dict, train, valid):
+    """The sets with their reference log-probs: DIR/align_reference.pt's when it holds this data's, else
+    computed (every rank alike). Returns (train, valid, the tensors to save or None when read back)."""
+    import torch
+
+    if not objective.reference:  # simpo: no reference model
+        return train, valid, None
+    path = Path(cfg.train.out_dir) / REFERENCE_FILE
+    key = data_fingerprint((train, valid), info)
+    if path.exists():
+        saved = torch.load(path, weights_only=True)
+        if saved.get("fingerprint") == key:
+            say(f"reference log-probs read from {path}")
+            return train.with_reference(saved["train"].numpy()), valid.with_reference(saved["valid"].numpy()), None
+        raise ConfigError(f"{path} holds the reference log-probs of other data or another base; use another --out "
+                          "to start a new run")
+    device = reference_device(cfg)
+    say(f"computing the reference log-probs of {len(train) + len(valid)} pairs with the frozen base ({device})")
+    ref_train, ref_valid = reference_logps(info["checkpoint"], [train, valid], device)
+    saved = {"fingerprint": key, "train": torch.from_numpy(ref_train), "valid": torch.from_numpy(ref_valid)}
+    return train.with_reference(ref_train), valid.with_reference(ref_valid), saved
+
+
+def write_run_files(out: Path, info: dict, saved) -> None:
+    """DIR/align.json and (a fresh run) DIR/align_reference.pt, atomically, on rank 0."""
+    import torch
+
+    from meshlm.train.finetune import write_info
+
+    write_info(out, info, INFO_FILE, ("method", "adapter", "base_fingerprint"))
+    if saved is not None:
+        tmp = out / (REFERENCE_FILE + ".tmp")
+        torch.save(saved, tmp)
+        tmp.replace(out / REFERENCE_FILE)
+
+
+def run_align(args: argparse.Namespace, overrides: list[str], extensions: Extensions) -> int:
+    """`meshlm align` (parsed by `meshlm.commands.align`), with the trainer's `extensions(cfg)` (the LoRA
+    adapter's: `meshlm.commands.train.trainer_extensions`) and the `Preference` loss."""
+    from meshlm.train.finetune import train_prepared
+    from meshlm.tune.export import export_run
+
+    cfg, objective, tokenizer, train, valid, info = prepare(args, overrides)
+    train, valid, saved = with_reference(cfg, objective, info, train, valid)
+    t = cfg.train
+    say(f"aligning ({args.method}, beta {objective.beta:g}, adapter {args.adapter}) {args.checkpoint}: {t.max_steps} "
+        f"steps of {t.global_batch_size} pairs, lr {cfg.optim.lr:g}, evaluation every {t.eval_every} steps over "
+        f"{info['valid_pairs']} pairs")
+    loss = Preference(objective, t.micro_batch_size, info["max_length"])
+    trainer, result = train_prepared(cfg, (tokenizer, train, valid), args.out,
+                                     lambda d: write_run_files(d, info, saved),
+                                     lambda c: [*extensions(c), loss])
+    if is_main() and trainer.stop_signal is None:
+        shown = " | ".join(f"{k} {v:.4f}" for k, v in result.items() if k in ("val_loss", "val_rewards/accuracies",
+                                                                           "val_rewards/margins"))
+        done = f"align: step {result['step']}: {shown}"
+        if args.adapter == "none":
+            say(f"{done}; the aligned model is {args.out}'s checkpoint")
+        else:
+            written = export_run(Path(args.out))
+            say(f"{done}; adapter in {', '.join(str(p.name) for p in written)} of {args.out}")
+    return trainer.exit_code
