@@ -32,6 +32,7 @@ from meshlm.core.config import ConfigError, apply_overrides, build, check_output
 from meshlm.train.extension import Extension
 from meshlm.train.finetune import Extensions, is_main, read_jsonl, say, with_schedule
 from meshlm.tune import preference
+from meshlm.tune.command import row_length
 from meshlm.tune.preference import Objective
 
 INFO_FILE = "align.json"
@@ -109,15 +110,6 @@ def chat_template(tokenizer: str, override: str | None):
     return get
 
 
-def _max_length(args: argparse.Namespace, seq_len: int) -> int:
-    wanted = args.max_length
-    if wanted is None:
-        return seq_len
-    if not 2 <= wanted <= seq_len:
-        raise ConfigError(f"--max-length {wanted} must be in 2..{seq_len} (model.seq_len of the base checkpoint)")
-    return wanted
-
-
 def prepare(args: argparse.Namespace, overrides: list[str]):
     """Everything before training, writing nothing: (config, objective, tokenizer, train set, valid set, info);
     the sets without their reference log-probs yet."""
@@ -141,7 +133,7 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
     for flag, path in (("--train", args.train), ("--valid", args.valid)):
         lines = read_jsonl(path, flag)
         texts[flag] = ([preference.pair_texts(line, template) for line in lines], [line.where for line in lines])
-    length = _max_length(args, first.model.seq_len)
+    length = row_length(args, first.model.seq_len)
     check_config(first, length)
     tokenizer = get_tokenizer(first.data.tokenizer)
     sets = {}

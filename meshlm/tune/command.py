@@ -61,7 +61,8 @@ def _tasks(items: list[tuple[str, str, str]], valid: list[tuple[str, str, str]],
     return [] if names == [""] else names
 
 
-def _max_length(args: argparse.Namespace, seq_len: int) -> int:
+def row_length(args: argparse.Namespace, seq_len: int) -> int:
+    """Tokens per row: `--max-length`, checked against the base's model.seq_len (its default)."""
     wanted = args.max_length
     if wanted is None:
         return seq_len
@@ -148,7 +149,7 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
         raise ConfigError("--pack needs data.document_mask=true (conversations sharing a row must not attend to "
                           "each other); drop --data.document_mask=false")
     tokenizer = get_tokenizer(first.data.tokenizer)
-    length = _max_length(args, first.model.seq_len)
+    length = row_length(args, first.model.seq_len)
     n_virtual = first.tune.virtual_tokens if args.method in ("prompt", "ptuning") else 0
     extra = {}
     if chat:
