@@ -219,7 +219,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dpo-pairs", type=int, default=160, help="training pairs given to meshlm align (the first N)")
     ap.add_argument("--dpo-valid-pairs", type=int, default=48, help="validation pairs given to meshlm align")
     ap.add_argument("--max-length", type=int, default=256, help="tokens per SFT row (meshlm tune --max-length)")
-    ap.add_argument("--align-max-length", type=int, default=208, help="tokens per pair row (meshlm align --max-length)")
+    ap.add_argument("--align-max-length", type=int, default=256, help="tokens per pair row (meshlm align --max-length)")
     ap.add_argument("--samples", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=40)
     ap.add_argument("--reuse", action="store_true", help="keep what an earlier run of --work measured and trained "

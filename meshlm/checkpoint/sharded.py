@@ -70,11 +70,15 @@ def plain_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shapes of the plain model's parameters (each tensor once: a tied LM head is `tok_emb.weight`)."""
     from meshlm.parallel.materialize import plain_shapes as shapes
 
-    return shapes(get_spec(cfg.family), cfg)
+    with torch.random.fork_rng(devices=[]):  # a meta build still draws from the CPU generator: keep it untouched
+        return shapes(get_spec(cfg.family), cfg)
 
 
 def _plain_model(cfg: ModelConfig) -> nn.Module:
-    return get_spec(cfg.family).model_class(cfg)
+    """The plain model (callers build it on the meta device), the CPU random stream left as it was: a save
+    or load must not move the run's dropout masks."""
+    with torch.random.fork_rng(devices=[]):
+        return get_spec(cfg.family).model_class(cfg)
 
 
 def logical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -132,8 +136,8 @@ def param_segments(model: nn.Module, name: str, shape: tuple[int, ...], tp_rank:
     """How this rank's local parameter `name` (of local `shape`) maps onto logical tensors.
 
     Tensor-parallel modules say which full rows (column-parallel, vocab-parallel) or columns
-    (row-parallel) a rank holds; the full rows are then cut by the fused blocks (q/k/v, gate/up) and
-    padding rows past the vocabulary dropped. Replicated tensors are written by tp rank 0; KV rows
+    (row-parallel) a rank holds, an expert-parallel slice its experts' rows of the (E, …) stack; the full
+    rows are then cut by the fused blocks (q/k/v, gate/up) and padding rows past the vocabulary dropped. Replicated tensors are written by tp rank 0; KV rows
     replicated over several tp ranks by their owner; `tied_copy` (the last pipeline stage's copy of the
     tied embedding) never."""
     cfg = model.cfg
@@ -149,6 +153,8 @@ def param_segments(model: nn.Module, name: str, shape: tuple[int, ...], tp_rank:
         full_rows, sharded = module.vocab_rows[tp_rank].tolist(), True
     elif isinstance(module, RowParallelLinear) and attr == "weight":
         col, sharded = int(module.cols[tp_rank][0]), True
+    elif getattr(getattr(module, attr, None), "expert_rows", None) is not None:  # this rank's experts (ep)
+        full_rows = list(range(*getattr(module, attr).expert_rows))
     blocks, start = [], 0
     for lname, n in fused_blocks(name, cfg):
         blocks.append((start, start + n, lname))
@@ -204,8 +210,14 @@ def _segments_for(sync, owned) -> list[Segment]:
 
 
 # ---- saving -----------------------------------------------------------------------------------------------
-def _rank_pieces(sync, optimizer) -> tuple[dict[str, torch.Tensor], list[list]]:
-    """This rank's pieces: tensors for its safetensors file and their index entries."""
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu().clone()
+
+
+def _rank_pieces(sync, optimizer, copy=None) -> tuple[dict[str, torch.Tensor], list[list]]:
+    """This rank's pieces: tensors for its safetensors file (copies in host memory, by `copy`) and their
+    index entries."""
+    copy = copy or _host_copy
     tensors, entries = {}, []
     for owned in sync.save_ranges():
         state = optimizer.state.get(owned.opt_key, {})
@@ -217,7 +229,7 @@ def _rank_pieces(sync, optimizer) -> tuple[dict[str, torch.Tensor], list[list]]:
             for kind, flat in flats.items():
                 key = f"{kind}/{seg.name}/{row}/{col}"
                 piece = flat[off:off + n * w].detach().reshape(n, w)
-                tensors[key] = piece.to(torch.promote_types(piece.dtype, torch.float32)).cpu().clone()  # fp32/f64
+                tensors[key] = copy(piece.to(torch.promote_types(piece.dtype, torch.float32)))  # fp32/f64
                 entries.append([key, kind, seg.name, row, col, n, w])
     return tensors, entries
 
@@ -250,35 +262,82 @@ def save(out_dir: str | Path, step: int, sync, optimizer, state: dict, config: d
 
     `state` (rank 0's): step, data position, layout, …; `rank_state`: this rank's random streams. No rank
     publishes unless every rank wrote its files; a failed write removes the temporary directory."""
+    pending = begin(out_dir, step, sync, optimizer, state, config, rank_state)
+    pending.write()
+    return pending.finish()
+
+
+@dataclass
+class PendingSave:
+    """One rank's part of a checkpoint between `begin` and `finish`: its pieces copied to host memory, the
+    temporary directory every rank writes into, and, once `write` ran, its files' entries or its error.
+    `write` uses no collective (a background thread may run it: `checkpoint/background.py`); `begin` and
+    `finish` are collectives, called by every rank's main thread at the same point of the run."""
+
+    out_dir: Path
+    step: int
+    sync: Any
+    tmp: Path
+    state: dict
+    config: dict
+    rank_state: dict
+    tensors: dict
+    entries: list
+    adam_step: float | None
+    error: BaseException | None = None
+    files: dict | None = None
+
+    def write(self) -> None:
+        """This rank's two files into the temporary directory (no collective); an error is kept for `finish`."""
+        if self.error is not None:
+            return
+        try:
+            self.files = _write_rank(self.tmp, self.sync.dims.rank, self.tensors, self.rank_state,
+                                     self.state.get("layout"))
+        except Exception as err:  # noqa: BLE001 (any failure: every rank must hear of it before anyone publishes)
+            self.error = err
+
+    def finish(self) -> Path:
+        """Every rank says whether it wrote its part (one all-reduce); if all did, rank 0 writes the index,
+        the shared state and the manifest and publishes; then a barrier. Else each rank raises the error."""
+        d = self.sync.dims
+        world = d.world_size > 1
+        ok = torch.tensor([0 if self.error else 1], dtype=torch.int32, device=d.device)
+        if world:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if not ok.item():
+            _fail(self.error, self.tmp, self.step, d.is_main, ckpt_files.state_nbytes(self.tensors))
+        mine = (d.rank, self.entries, self.adam_step, self.files)
+        gathered = [None] * d.world_size if d.is_main else None
+        if world:
+            dist.gather_object(mine, gathered, dst=0)
+        else:
+            gathered = [mine]
+        self.tensors = {}  # written: the host copy is no longer needed
+        path = ckpt_files.checkpoints_dir(self.out_dir) / ckpt_files.step_name(self.step)
+        if d.is_main:
+            path = _publish(self.out_dir, self.step, self.tmp, self.sync, self.state, self.config, gathered)
+        if world:
+            dist.barrier()
+        return path
+
+
+def begin(out_dir: str | Path, step: int, sync, optimizer, state: dict, config: dict, rank_state: dict,
+          copy=None) -> PendingSave:
+    """Start step `step`'s checkpoint (a collective): rank 0 makes the temporary directory and tells every
+    rank; this rank's pieces are copied off the training tensors (`copy(tensor)`: to host memory; default a
+    plain CPU copy). A failure here is kept for `finish`, which every rank reaches."""
     d = sync.dims
-    world = d.world_size > 1
     box = [str(ckpt_files.begin_checkpoint(out_dir, step)) if d.is_main else None]
-    if world:
+    if d.world_size > 1:
         dist.broadcast_object_list(box, src=0)
-    tmp = Path(box[0])
-    entries, files, error, tensors = [], {}, None, {}
+    pending = PendingSave(Path(out_dir), step, sync, Path(box[0]), state, config, rank_state, {}, [], None)
     try:
-        tensors, entries = _rank_pieces(sync, optimizer)
-        files = _write_rank(tmp, d.rank, tensors, rank_state, state.get("layout"))
-    except Exception as err:  # noqa: BLE001 (any failure: every rank must hear of it before anyone publishes)
-        error = err
-    ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=d.device)
-    if world:
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if not ok.item():
-        _fail(error, tmp, step, d.is_main, ckpt_files.state_nbytes(tensors))
-    adam_step = _adam_step(optimizer)
-    gathered = [None] * d.world_size if d.is_main else None
-    if world:
-        dist.gather_object((d.rank, entries, adam_step, files), gathered, dst=0)
-    else:
-        gathered = [(0, entries, adam_step, files)]
-    path = ckpt_files.checkpoints_dir(out_dir) / ckpt_files.step_name(step)
-    if d.is_main:
-        path = _publish(out_dir, step, tmp, sync, state, config, gathered)
-    if world:
-        dist.barrier()
-    return path
+        pending.tensors, pending.entries = _rank_pieces(sync, optimizer, copy)
+    except Exception as err:  # noqa: BLE001 (reported by every rank in `finish`)
+        pending.error = err
+    pending.adam_step = _adam_step(optimizer)
+    return pending
 
 
 def _fail(error: BaseException | None, tmp: Path, step: int, main: bool, need_bytes: int) -> NoReturn:

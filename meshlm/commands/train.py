@@ -14,11 +14,13 @@ from meshlm.core.config import DEFAULT_CONFIG, Config, ConfigError, bundled_conf
 
 def trainer_extensions(cfg: Config) -> list:
     """The `train.extension.Extension`s `cfg` asks for: the adapter of `tune.method` (`meshlm.tune.extension`),
-    then the evaluation tasks of `train.eval_tasks` (`meshlm.eval.during_training`); [] for neither."""
+    then the evaluation tasks of `train.eval_tasks` (`meshlm.eval.during_training`), then the Hugging Face
+    directories of `train.save_hf` (`meshlm.interop.during_training`); [] for none."""
     from meshlm.eval.during_training import eval_extensions
+    from meshlm.interop.during_training import hf_extensions
     from meshlm.tune.extension import tuning_extensions
 
-    return [*tuning_extensions(cfg), *eval_extensions(cfg)]
+    return [*tuning_extensions(cfg), *eval_extensions(cfg), *hf_extensions(cfg)]
 
 
 def build_trainer(cfg: Config, progress: bool | None = None, datasets: tuple | None = None,

@@ -120,6 +120,25 @@ class ModelConfig:
     rope_beta_slow: float = 1.0
     rope_attention_factor: float = 0.0
     init_std: float = 0.02
+    # Mixture of experts (GPT family only; models/moe.py, docs/moe.md). 0 experts: dense. Layer i (from 0) is MoE
+    # when i >= moe_first_dense and (i + 1) % moe_every == 0; its MLP is a router over moe_experts SwiGLU experts
+    # (moe_expert_hidden wide, 0: ffn_size), moe_top_k per token, plus moe_shared_experts × that width of shared
+    # expert (optionally sigmoid-gated). Router softmax (Mixtral) or sigmoid + a per-expert selection bias updated
+    # by moe_bias_rate after each step (DeepSeek-V3). Losses: moe_aux_loss × E·Σ f_i·P_i, moe_z_loss × z-loss.
+    # moe_capacity_factor 0: dropless; > 0: each expert takes at most ceil(cf·tokens·top_k/E) assignments.
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_every: int = 1
+    moe_first_dense: int = 0
+    moe_expert_hidden: int = 0
+    moe_shared_experts: int = 0
+    moe_shared_gate: bool = False
+    moe_router: str = "softmax"  # softmax | sigmoid
+    moe_norm_topk: bool = True
+    moe_aux_loss: float = 0.01
+    moe_z_loss: float = 0.0
+    moe_capacity_factor: float = 0.0
+    moe_bias_rate: float = 1e-3
     # BERT family only (models/bert.py):
     type_vocab_size: int = 2  # token-type (segment) embeddings
     bert_head: str = "pretrain"  # pretrain (MLM + sentence order) | mlm | classify | span | tokens | encoder
@@ -166,6 +185,36 @@ class ModelConfig:
         _check(self.position != "rope" or self.head_dim % 2 == 0,
                f"model.position='rope' needs an even head dim, got {self.head_dim}; change model.n_heads")
         self._validate_rope_scaling()
+        self._validate_moe()
+
+    @property
+    def expert_size(self) -> int:
+        """One routed expert's SwiGLU width (moe_expert_hidden, 0: ffn_size)."""
+        return self.moe_expert_hidden or self.ffn_size
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Layer i (from 0) is a mixture of experts (Qwen2-MoE's decoder_sparse_step, DeepSeek's first_k_dense)."""
+        return self.moe_experts > 0 and i >= self.moe_first_dense and (i + 1) % self.moe_every == 0
+
+    def _validate_moe(self) -> None:
+        _non_negative("model", self, "moe_experts", "moe_first_dense", "moe_expert_hidden", "moe_shared_experts",
+                      "moe_aux_loss", "moe_z_loss", "moe_capacity_factor", "moe_bias_rate", zero="0 turns it off")
+        _positive("model", self, "moe_top_k", "moe_every")
+        _choices("model.moe_router", self.moe_router, ("softmax", "sigmoid"))
+        if self.moe_experts == 0:
+            return
+        E = self.moe_experts
+        _check(self.moe_top_k <= E, f"model.moe_top_k={self.moe_top_k} exceeds model.moe_experts={E} (each token "
+               f"picks top_k distinct experts); set model.moe_top_k <= {E}")
+        _check(any(self.is_moe_layer(i) for i in range(self.n_layers)),
+               f"model.moe_experts={E} but no layer is MoE (model.moe_first_dense={self.moe_first_dense}, "
+               f"model.moe_every={self.moe_every}, model.n_layers={self.n_layers}); lower moe_first_dense or moe_every")
+        _check(not self.moe_shared_gate or self.moe_shared_experts > 0,
+               "model.moe_shared_gate=true gates the shared expert, but model.moe_shared_experts=0; set "
+               "model.moe_shared_experts=1 or model.moe_shared_gate=false")
+        _check(self.moe_capacity_factor == 0 or self.moe_capacity_factor >= 1.0 / E,
+               f"model.moe_capacity_factor={self.moe_capacity_factor} leaves experts no room; use 0 (dropless) or "
+               "a factor around 1.0-2.0")
 
     def _validate_rope_scaling(self) -> None:
         _choices("model.rope_scaling", self.rope_scaling, ("none", "llama3", "yarn"))
@@ -213,6 +262,10 @@ class TrainConfig:
     eval_iters: int = 10
     resume: str = "auto"  # auto | never | <checkpoint path>
     log_every: int = 10
+    # Every this many steps (0: never) the ranks compare their compute time per step; ranks slower than
+    # straggler_ratio × their peers' median are named in the log and metrics.jsonl (train/stragglers.py).
+    straggler_every: int = 50
+    straggler_ratio: float = 1.5
     peak_tflops: float = 0.0  # 0: measure with a short matmul at start
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = False
@@ -224,6 +277,9 @@ class TrainConfig:
     recompute_num_layers: int = 0  # full only: chunk size (uniform) or layers recomputed (block); 0: every layer
     progress: bool = True
     keep_last: int = 3  # checkpoints kept (the newest valid ones); 0 keeps all
+    # Checkpoints of train.save_every copied to host memory at the step, then written and published by one
+    # background thread while training goes on (checkpoint/background.py, docs/reliability.md).
+    async_save: bool = False
     max_bad_steps: int = 5  # stop after this many steps in a row with a non-finite loss or gradient norm
     sample_tokens: int = 0  # >0: print a sample of this many tokens at the end
     sample_prompt: str = "\n"
@@ -231,10 +287,18 @@ class TrainConfig:
     # Evaluation tasks run at each evaluation (meshlm/eval, docs/eval.md): shipped sets (shakespeare-cloze,
     # shakespeare-choice) or KIND:FILE with KIND perplexity, cloze or choice; logged as val_<name>_<metric>.
     eval_tasks: list[str] = field(default_factory=list)
+    # A Hugging Face directory written from each published checkpoint (meshlm/interop/during_training.py,
+    # docs/hf.md): "" never, "end" the run's last checkpoint, "every" the checkpoints of every
+    # train.save_hf_every steps and the last one; into OUT_DIR/hf_checkpoints/step_XXXXXXX.
+    save_hf: str = ""
+    save_hf_every: int = 0
 
     def validate(self) -> None:
         _positive("train", self, "max_steps", "micro_batch_size", "global_batch_size", "log_every", "eval_iters")
-        _non_negative("train", self, "save_every", "eval_every", "sample_tokens")
+        _non_negative("train", self, "save_every", "eval_every", "sample_tokens", "straggler_every")
+        _check(math.isfinite(self.straggler_ratio) and self.straggler_ratio > 1,
+               f"train.straggler_ratio={self.straggler_ratio} must be a number > 1 (a rank this many times slower "
+               "than its peers' median is named); e.g. train.straggler_ratio=1.5")
         _check(math.isfinite(self.time_budget_s) and self.time_budget_s >= 0,
                f"train.time_budget_s={self.time_budget_s} must be a number of seconds > 0 (e.g. 1200 for 20 "
                "minutes), or 0 for no budget")
@@ -248,6 +312,7 @@ class TrainConfig:
         _check(self.max_bad_steps > 0, f"train.max_bad_steps={self.max_bad_steps} must be positive (the number of "
                "non-finite steps in a row that stops the run); set it to 5")
         self._check_eval_tasks()
+        self._check_save_hf()
         _choices("train.precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
         _check(self.fused_loss in (True, False, "auto"),
                f"train.fused_loss={self.fused_loss!r} is not one of true, false, auto; pick one of them")
@@ -263,6 +328,20 @@ class TrainConfig:
         _check(self.recompute == "full" or self.recompute_method == "uniform",
                f"train.recompute_method={self.recompute_method!r} only applies to train.recompute='full' "
                f"(got {self.recompute!r}); drop it or set train.recompute=full")
+
+    def _check_save_hf(self) -> None:
+        _check(self.save_hf in ("", "end", "every"), f"train.save_hf={self.save_hf!r} is not one of '' (off), end "
+               "(the last checkpoint), every (with train.save_hf_every=N); e.g. train.save_hf=end")
+        every = self.save_hf_every
+        if self.save_hf != "every":
+            _check(every == 0, f"train.save_hf_every={every} only applies to train.save_hf='every' (got "
+                   f"{self.save_hf!r}); drop it or set train.save_hf=every")
+            return
+        _check(self.save_every > 0, "train.save_hf='every' converts the checkpoints of train.save_every, which is 0 "
+               "(a checkpoint only at the end); set train.save_every (e.g. 100) or train.save_hf=end")
+        _check(every > 0 and every % self.save_every == 0,
+               f"train.save_hf_every={every} must be a positive multiple of train.save_every={self.save_every} (a "
+               f"Hugging Face directory is written from a checkpoint); e.g. train.save_hf_every={self.save_every}")
 
     def _check_eval_tasks(self) -> None:
         kinds = ("perplexity", "cloze", "choice")
@@ -354,9 +433,10 @@ class ParallelConfig:
     zero: int = 0  # 0: replicated optimizer | 1: states sharded over dp | 2: + gradients | 3: + weights (FSDP2)
     bucket_mb: float = 25.0  # data parallel: gradients reduced in buckets of about this size, during backward
     cp: int = 1  # context parallel: each row's tokens split over cp ranks, attention as a ring (docs/long_context.md)
+    ep: int = 1  # expert parallel: each MoE layer's experts split over ep of the dp × cp ranks (docs/parallel.md)
 
     def validate(self) -> None:
-        for key in ("tp", "pp", "vpp", "cp"):
+        for key in ("tp", "pp", "vpp", "cp", "ep"):
             _check(getattr(self, key) >= 1, f"parallel.{key}={getattr(self, key)} must be >= 1")
         _check(self.vpp == 1 or self.pp > 1, f"parallel.vpp={self.vpp} needs parallel.pp > 1; set parallel.pp")
         _check(not self.pp_layers or (len(self.pp_layers) == self.pp * self.vpp and min(self.pp_layers) >= 1),

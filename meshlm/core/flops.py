@@ -1,6 +1,7 @@
 """FLOPs of a decoder transformer (Megatron's formula), free of torch: the planner and the trainer share it.
 
-Model FLOPs per step (causal attention counted once; e = 3 with SwiGLU else 2; k head dim, a query heads,
+Model FLOPs per step (causal attention counted once; mixture-of-experts layers count their active weights,
+`moe_active_mlp_weights`, in place of e·h·f; e = 3 with SwiGLU else 2; k head dim, a query heads,
 g KV heads, f MLP width, T tokens, S2 = Σ s_i² = B·s²):
     F = 6·T·[L·(e·h·f + h·(k·a + 2·k·g) + k·a·h) + h·V] + 6·S2·L·k·a
 MFU = F / (time · peak). HFU adds the forward FLOPs that recomputation does again. Context parallelism
@@ -12,11 +13,23 @@ from __future__ import annotations
 from meshlm.core.config import ModelConfig
 
 
-def layer_flops_per_token(m: ModelConfig) -> float:
-    """Forward+backward FLOPs per token of one layer's matmuls (no attention scores, no head)."""
+def layer_flops_per_token(m: ModelConfig, layer: int | None = None) -> float:
+    """Forward+backward FLOPs per token of one layer's matmuls (no attention scores, no head): of layer
+    `layer`, or (None) the mean over the layers. A mixture-of-experts layer counts its ACTIVE weights:
+    the router (E·h), top_k experts and the shared expert (`moe_active_mlp_weights`)."""
+    if layer is None:
+        return sum(layer_flops_per_token(m, i) for i in range(m.n_layers)) / m.n_layers
     e = 3 if m.activation == "swiglu" else 2
     h, f, k, a, g = m.hidden_size, m.ffn_size, m.head_dim, m.n_heads, m.kv_heads
-    return 6.0 * (e * h * f + h * (k * a + 2 * k * g) + k * a * h)
+    mlp = moe_active_mlp_weights(m) if m.is_moe_layer(layer) else e * h * f
+    return 6.0 * (mlp + h * (k * a + 2 * k * g) + k * a * h)
+
+
+def moe_active_mlp_weights(m: ModelConfig) -> int:
+    """The weights one token's matmuls use in a MoE layer: router E·h, top_k SwiGLU experts 3·h·F, the shared
+    expert 3·h·S (and its gate, h)."""
+    h, F = m.hidden_size, m.expert_size
+    return m.moe_experts * h + (m.moe_top_k + m.moe_shared_experts) * 3 * h * F + (h if m.moe_shared_gate else 0)
 
 
 def model_flops(m: ModelConfig, batch: int, seq_len: int | None = None) -> float:

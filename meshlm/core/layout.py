@@ -242,6 +242,24 @@ def check_optimizer_sharding(optim_name: str, zero: int, tp: int = 1, kv_heads: 
                           "several ranks) is not supported; use parallel.tp <= n_kv_heads or optim.name=adamw")
 
 
+def check_expert_parallel(cfg: Config, replicas: int | None = None) -> None:
+    """`parallel.ep` (parallel/expert.py): an MoE model whose experts split evenly, carved from the
+    `replicas` = dp × cp ranks (None: not known yet), ZeRO 0-2."""
+    ep, m = cfg.parallel.ep, cfg.model
+    if ep == 1:
+        return
+    if m.moe_experts <= 0 or m.moe_experts % ep:
+        raise ConfigError(f"parallel.ep={ep} splits each MoE layer's experts over {ep} ranks, but model.moe_experts="
+                          f"{m.moe_experts}; use an ep that divides moe_experts ({divisors(max(m.moe_experts, 1))}) "
+                          "or parallel.ep=1")
+    if cfg.parallel.zero == 3:
+        raise ConfigError(f"parallel.zero=3 with parallel.ep={ep} is not supported (FSDP2 would shard the experts "
+                          "again over the expert-data-parallel group); use parallel.zero=1 or 2")
+    if replicas is not None and replicas % ep:
+        raise ConfigError(f"parallel.ep={ep} is carved from the dp × cp = {replicas} ranks holding the same "
+                          f"weights, which it does not divide; use an ep that divides {replicas}")
+
+
 # ---- the rules that need no world size (Config.validate) ----------------------------------------------------
 def check_config(cfg: Config) -> None:
     """Every layout rule that the config alone decides: tensor-parallel shapes, refused combinations, the
@@ -251,6 +269,7 @@ def check_config(cfg: Config) -> None:
         check_tensor_parallel(m, p.tp, p.sp)
     check_context_parallel(cfg, p.cp, p.tp)
     check_data_parallel(cfg, p.tp)
+    check_expert_parallel(cfg)
     if cfg.tune.method != "none" and p.zero:
         raise ConfigError(f"parallel.zero={p.zero} with tune.method={cfg.tune.method!r}: an adapter's optimizer state is "
                           "tiny and is kept whole on every rank; set parallel.zero=0")
@@ -287,6 +306,7 @@ def plan_layout(cfg: Config, pp: int, dp: int, tp: int, stage_cost: tuple[float,
     check_tensor_parallel(cfg.model, tp, cfg.parallel.sp and tp > 1)
     check_context_parallel(cfg, cp, tp, decoder)
     check_data_parallel(cfg, tp)
+    check_expert_parallel(cfg, dp * cp)
     check_compiled_recompute(cfg, tp > 1 and cfg.model.dropout > 0)
     m = microbatches_per_step(cfg, dp)
     p = cfg.parallel

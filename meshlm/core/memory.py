@@ -35,7 +35,16 @@ def parameter_count(m: ModelConfig) -> int:
     layer = 2 * norm + qkv + proj + mlp
     embed = m.vocab_size * h + (m.seq_len * h if m.position == "learned" else 0)
     head = 0 if m.tie_embeddings else m.vocab_size * h
-    return m.n_layers * layer + embed + norm + head
+    n_moe = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    return m.n_layers * layer + n_moe * (moe_mlp_parameters(m) - mlp) + embed + norm + head
+
+
+def moe_mlp_parameters(m: ModelConfig, active: bool = False) -> int:
+    """Parameters of one MoE layer's MLP (`models/moe.py`): router E·h, E SwiGLU experts of width F (3·h·F
+    each), the shared expert (3·h·S) and its gate (h). `active`: those one token uses (top_k experts)."""
+    h, F, E = m.hidden_size, m.expert_size, m.moe_experts
+    shared = 3 * h * m.moe_shared_experts * F + (h if m.moe_shared_gate else 0)
+    return E * h + (m.moe_top_k if active else E) * 3 * h * F + shared
 
 
 def narayanan_parameter_count(h: int, n_layers: int, vocab: int, seq_len: int) -> float:
@@ -223,9 +232,40 @@ def _mlp_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes) -> dict[str
     return {"fc output (GeLU input)": n * f * c, "GeLU output (proj input)": n * f * c}
 
 
+def _moe_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes) -> dict[str, float]:
+    """A mixture-of-experts MLP (`models/moe.py`), counted at A = n·k assignments (exact dropless, whatever
+    the balance; an upper bound with capacity). The router in fp32: its probabilities (softmax output or
+    sigmoid scores), the renormalised top-k weights and their sum, the z-loss's logits and logsumexp and the
+    aux loss's expert shares when they are on; per assignment the gathered input row, the expert's
+    [gate; up], SiLU(gate), the proj input, the expert output and its weighted copy (the scatter-add keeps
+    it), the sorted weight and the int64 indices (top-k, sort order, sorted token ids); the shared expert as
+    a dense SwiGLU (and its gate)."""
+    n, c, E, k, F, h = sh.tokens, dt.compute, m.moe_experts, m.moe_top_k, m.expert_size, sh.h
+    A = n * k
+    terms = {"router probabilities (fp32)": n * E * 4, "expert input rows (gathered)": A * h * c,
+             "expert fc output [gate; up], SiLU(gate), proj input": A * 4 * F * c,
+             "expert output, weighted output": 2 * A * h * c, "sorted weights (fp32)": A * 4,
+             "indices (int64): top-k, sort order, sorted tokens": (n * k + 2 * A) * 8}
+    if m.moe_norm_topk:
+        terms["top-k weights, their sum (fp32)"] = (A + n) * 4
+    if m.moe_aux_loss > 0:
+        terms["aux loss: expert shares" + (", score sums" if m.moe_router == "sigmoid" else "")] = \
+            E * 4 + (n * 4 if m.moe_router == "sigmoid" else 0)
+    if m.moe_z_loss > 0:
+        terms["z-loss logits, logsumexp (fp32)"] = n * (E + 1) * 4
+    if m.moe_capacity_factor > 0:
+        terms["kept assignments (int64)"] = A * 8
+    S = m.moe_shared_experts * F
+    if S:
+        terms["shared expert [gate; up], SiLU, proj input"] = n * 4 * S * c
+        if m.moe_shared_gate:
+            terms["shared gate: sigmoid, shared output"] = n * (1 + h) * c
+    return terms
+
+
 def activation_terms(m: ModelConfig, micro_batch: int, tp: int = 1, sp: bool = False, recompute: str = "none",
                      dtypes: ActivationDtypes | None = None, backend: str | None = None,
-                     seq_len: int | None = None, cp: int = 1) -> dict[str, float]:
+                     seq_len: int | None = None, cp: int = 1, moe: bool = False) -> dict[str, float]:
     """Bytes saved for backward by one transformer layer on one tp rank, by term (docs/memory.md).
 
     `recompute='full'` gives a layer that starts a checkpoint region (its input only); a layer inside a
@@ -235,7 +275,7 @@ def activation_terms(m: ModelConfig, micro_batch: int, tp: int = 1, sp: bool = F
     `cp` > 1 (context parallelism): every term counts this rank's s/cp tokens, and the attention core is the
     ring, which saves the local q, k, v, its output and one logsumexp per query, never the s×s scores (it
     recomputes each ring step's block in backward, as Megatron's does): the bytes are exactly 1/cp of the
-    flash kernel's at cp = 1.
+    flash kernel's at cp = 1. `moe`: the layer's MLP is a mixture of experts (`_moe_terms`).
     """
     dt = dtypes or activation_dtypes("fp32", "cpu")
     backend = backend or attention_backend("cpu", m.dropout)
@@ -255,8 +295,8 @@ def activation_terms(m: ModelConfig, micro_batch: int, tp: int = 1, sp: bool = F
         terms["attention residual dropout mask"] = _mask(residual, proj_out, dt)
     terms.update(_norm_terms(m, sh, dt, "norm2"))
     terms["fc input"] = linear_in
-    terms.update(_mlp_terms(m, sh, dt))
-    if dropout:
+    terms.update(_moe_terms(m, sh, dt) if moe else _mlp_terms(m, sh, dt))
+    if dropout and not moe:
         terms["MLP residual dropout mask"] = _mask(residual, proj_out, dt)
     return terms
 
@@ -270,11 +310,11 @@ def layer_activation_bytes(cfg: Config, micro_batch: int | None = None, n_layers
     kw = {"micro_batch": micro_batch or t.micro_batch_size, "tp": p.tp, "sp": p.sp, "cp": p.cp,
           "dtypes": dtypes or activation_dtypes(t.precision, device_type, m.hidden_size),
           "backend": backend or attention_backend(device_type, m.dropout)}
+    moe = [m.is_moe_layer(i) for i in range(n)]  # a stage's layers counted as the model's first n
     if t.recompute != "full":
-        return [sum(activation_terms(m, recompute=t.recompute, **kw).values())] * n
-    stored = sum(activation_terms(m, recompute="none", **kw).values())
+        return [sum(activation_terms(m, recompute=t.recompute, moe=e, **kw).values()) for e in moe]
+    out = [sum(activation_terms(m, recompute="none", moe=e, **kw).values()) for e in moe]
     region_input = sum(activation_terms(m, recompute="full", **kw).values())
-    out = [stored] * n
     for chunk in full_recompute_chunks(n, t.recompute_method, t.recompute_num_layers):
         out[chunk[0]] = region_input
         for i in chunk[1:]:

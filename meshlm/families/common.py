@@ -51,9 +51,11 @@ class Entry(NamedTuple):
     """One meshlm tensor and the Hugging Face tensors it is made of."""
 
     ours: str
-    theirs: tuple[str, ...]  # concatenated along dim 0 into `ours`
+    theirs: tuple[str, ...]  # concatenated along dim 0 into `ours`; () a tensor HF lacks: zero there
     transposed: bool = False  # GPT-2 Conv1D
-
+    # Rows of each HF tensor when not `split_sizes`' (a shared expert's [gate; up]; a stacked MoE expert tensor
+    # (E, rows, cols), read as (E * rows, cols): one HF tensor per expert, or two, [gate_j; up_j]).
+    rows: tuple[int, ...] | None = None
 
 
 def split_sizes(cfg: ModelConfig, n_parts: int) -> list[int]:
@@ -61,3 +63,11 @@ def split_sizes(cfg: ModelConfig, n_parts: int) -> list[int]:
     if n_parts == 3:  # [q; k; v]
         return [cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim]
     return [cfg.ffn_size, cfg.ffn_size]  # [gate; up]
+
+
+def entry_rows(cfg: ModelConfig, entry: Entry) -> list[int] | None:
+    """Rows of each HF tensor of `entry` along dim 0 of its meshlm tensor (flattened to 2-D when stacked
+    by expert); None for a tensor stored whole under one name."""
+    if entry.rows is not None:
+        return list(entry.rows)
+    return split_sizes(cfg, len(entry.theirs)) if len(entry.theirs) > 1 else None

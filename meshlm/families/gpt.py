@@ -16,6 +16,7 @@ from meshlm.families.common import (
     qkv_blocks,
     recompute_extra_flops,
 )
+from meshlm.families.hf_moe import moe_architecture, moe_table
 from meshlm.families.spec import ModelSpec, PipelinePlan
 from meshlm.families.styles import (
     ColumnParallel,
@@ -65,7 +66,10 @@ def logical_blocks(name: str, cfg: ModelConfig) -> list[tuple[str, int]]:
 
 def hf_architecture(cfg: ModelConfig) -> str:
     """The Hugging Face architecture of this GPT: 'llama' with RoPE, else 'gpt2' (learned positions);
-    `interop.hf_config.check_representable` checks the other switches."""
+    `interop.hf_config.check_representable` checks the other switches. A MoE GPT: 'mixtral' or 'qwen2_moe'
+    (`families/hf_moe.py`)."""
+    if cfg.moe_experts:
+        return moe_architecture(cfg)
     return "llama" if cfg.position == "rope" else "gpt2"
 
 
@@ -103,6 +107,8 @@ def llama_table(cfg: ModelConfig) -> list[Entry]:
 
 def hf_table(cfg: ModelConfig) -> list[Entry]:
     """The Hugging Face name table of this GPT's architecture (`hf_architecture`)."""
+    if cfg.moe_experts:
+        return moe_table(cfg, llama_table(cfg))
     return gpt2_table(cfg) if hf_architecture(cfg) == "gpt2" else llama_table(cfg)
 
 

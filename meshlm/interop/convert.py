@@ -11,8 +11,11 @@ run's `OUT_DIR/config.json`. Load it with `safetensors.torch.load_file` and `loa
 `checkpoint.load_model_state(OUT_DIR)`); `meshlm generate --checkpoint OUT_DIR` reads it too. A tied LM
 head is stored as its own copy of the embedding (safetensors keeps no shared tensors).
 
-`--to-hf`: the same assembled model as config.json + model.safetensors of GPT2LMHeadModel, LlamaForCausalLM
-or the Bert* class of the head, with the tokenizer files (`hf_files.py`).
+`--to-hf`: the same model as config.json + model.safetensors (shards with an index above 5 GB) of
+GPT2LMHeadModel, LlamaForCausalLM or the Bert* class of the head, with the tokenizer files (`hf_files.py`).
+It is not assembled in memory: each tensor is read from the checkpoint and written to its file in turn
+(`hf_stream.py`), so the conversion holds one tensor at a time. `train.save_hf` writes the same directory
+during training (`during_training.py`).
 
 `--from-hf`: a run directory holding one checkpoint (step 0) that `meshlm generate --checkpoint`,
 `meshlm embed --checkpoint` and `train.resume` take: the weights, a fresh optimizer, the config (the
@@ -181,11 +184,26 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, tokenizer: str | None = N
 # ---- meshlm → Hugging Face --------------------------------------------------------------------------------
 def export_hf(checkpoint: str | Path, hf_dir: str | Path, log: Callable[[str], None] = _note) -> Path:
     """Write the model of `checkpoint` (any layout) as a Hugging Face directory `hf_dir` (new or empty):
-    config.json, model.safetensors, the tokenizer files and, for a BERT encoder, sentence-transformers'."""
+    config.json, the safetensors weights, the tokenizer files and, for a BERT encoder, sentence-transformers'."""
     from meshlm.checkpoint import single as ckpt
     from meshlm.core.config import config_from_dict
-    from meshlm.interop.hf import save_hf
     from meshlm.interop.hf_config import hf_config_dict
+
+    target = _check_new_dir("--to-hf", hf_dir)
+    source = ckpt.resolve_checkpoint(checkpoint)
+    config = config_from_dict(ckpt.load_config_dict(source))
+    hf_config_dict(config.model)  # refuses, naming the keys, what Hugging Face cannot hold, before reading weights
+    _publish(target, lambda tmp: write_hf_dir(source, config, tmp, log))
+    return target
+
+
+def write_hf_dir(source: Path, config, directory: Path, log: Callable[[str], None] = _note,
+                 weights: Path | None = None, tokenizer: Callable[[Path], object] | None = None,
+                 max_shard_bytes: int | None = None) -> None:
+    """The Hugging Face directory of resolved checkpoint `source` (its `Config`, `config`) in `directory`:
+    the weights read one tensor at a time (from `weights`, a copy of `source`'s files, when given) and
+    written in float32 (`hf_stream`), the class names a classifier carries, the tokenizer files (written
+    by `tokenizer(directory)` when given) and, for a BERT encoder, sentence-transformers' files."""
     from meshlm.interop.hf_files import (
         carried_labels,
         checkpoint_files,
@@ -193,24 +211,19 @@ def export_hf(checkpoint: str | Path, hf_dir: str | Path, log: Callable[[str], N
         write_sentence_modules,
         write_tokenizer_files,
     )
+    from meshlm.interop.hf_stream import MAX_SHARD_BYTES, CheckpointTensors, write_hf_model
 
-    target = _check_new_dir("--to-hf", hf_dir)
-    source = ckpt.resolve_checkpoint(checkpoint)
-    config = config_from_dict(ckpt.load_config_dict(source))
     cfg = config.model
-    hf_config_dict(cfg)  # refuses, naming the keys, what Hugging Face cannot hold, before loading weights
-    model = load_checkpoint_model(source, cfg)
-    spec, carried = config.data.tokenizer, checkpoint_files(source, config.data.tokenizer)
-
-    def write(tmp: Path) -> None:
-        save_hf(model, tmp)
-        labels = carried_labels(carried, cfg.num_labels) if cfg.bert_head in ("classify", "tokens") else None
-        if get_spec(cfg.family).task_heads and labels is not None:
-            hf_config = json.loads((tmp / "config.json").read_text())
-            (tmp / "config.json").write_text(json.dumps({**hf_config, **labels}, indent=2, sort_keys=True) + "\n")
-        write_tokenizer_files(spec, tmp, cfg.seq_len, log)
-        if get_spec(cfg.family).sentence_embeddings and cfg.bert_head == "encoder":
-            write_sentence_modules(cfg, tmp, max_seq_length(carried))
-
-    _publish(target, write)
-    return target
+    carried = checkpoint_files(source, config.data.tokenizer)
+    with CheckpointTensors(weights or source, cfg) as read:
+        write_hf_model(read, cfg, read.shapes, directory, max_shard_bytes=max_shard_bytes or MAX_SHARD_BYTES)
+    labels = carried_labels(carried, cfg.num_labels) if cfg.bert_head in ("classify", "tokens") else None
+    if get_spec(cfg.family).task_heads and labels is not None:
+        hf_config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**hf_config, **labels}, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+        tokenizer(directory)
+    else:
+        write_tokenizer_files(config.data.tokenizer, directory, cfg.seq_len, log)
+    if get_spec(cfg.family).sentence_embeddings and cfg.bert_head == "encoder":
+        write_sentence_modules(cfg, directory, max_seq_length(carried))

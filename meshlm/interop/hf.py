@@ -1,4 +1,5 @@
-"""Hugging Face interop: GPT-2 and Llama checkpoints to and from meshlm's `GPT` (BERT: `hf_bert.py`).
+"""Hugging Face interop: GPT-2, Llama, Mixtral and Qwen2-MoE checkpoints to and from meshlm's `GPT` (BERT:
+`hf_bert.py`; the MoE layers' names: `families/hf_moe.py`, their configs: `hf_moe.py`).
 
 Both directions go through one table per architecture of (meshlm key, HF keys, Conv1D-transposed). A meshlm
 tensor is the HF tensors concatenated along dim 0 (the output dim), transposed for GPT-2's Conv1D, which
@@ -31,19 +32,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from meshlm.core.config import ConfigError, ModelConfig
-from meshlm.families.common import split_sizes
+from meshlm.families.common import entry_rows
 from meshlm.families.registry import get_spec
 from meshlm.interop.hf_config import (
     check_representable,
     hf_architecture,
-    hf_config_dict,
     hf_config_from_model_config,
     model_config_from_hf,
 )
+from meshlm.interop.hf_moe import check_zero, split_fused_experts
 from meshlm.models.gpt import GPT
 
 # Buffers some checkpoints carry that are recomputed, not learned.
@@ -62,7 +63,12 @@ def _to_hf_state(model: GPT, arch: str) -> dict[str, torch.Tensor]:
             out["lm_head.weight"] = out[table[0].theirs[0]]
             continue
         tensor = ours[entry.ours].detach()
-        parts = tensor.split(split_sizes(cfg, len(entry.theirs))) if len(entry.theirs) > 1 else [tensor]
+        if not entry.theirs:
+            check_zero(entry.ours, tensor, arch)
+            continue
+        rows = entry_rows(cfg, entry)
+        flat = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 2 else tensor  # (E, r, c) → (E·r, c)
+        parts = flat.split(rows) if rows is not None else [tensor]
         for key, part in zip(entry.theirs, parts):
             out[key] = (part.t() if entry.transposed else part).contiguous().clone()
     return out
@@ -72,14 +78,19 @@ def _normalise_keys(state: dict[str, torch.Tensor], arch: str) -> dict[str, torc
     """Drop recomputed buffers; add the `transformer.` prefix that GPT2Model-level checkpoints lack."""
     if arch == "gpt2" and "transformer.wte.weight" not in state and "wte.weight" in state:
         state = {(k if k == "lm_head.weight" else f"transformer.{k}"): v for k, v in state.items()}
+    if arch in ("mixtral", "qwen2_moe"):
+        state = split_fused_experts(state, arch)
     return {k: v for k, v in state.items() if not _IGNORED.fullmatch(k)}
 
 
 def _from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], arch: str) -> GPT:
     state = _normalise_keys(state, arch)
     table = get_spec(cfg.family).hf_table(cfg)
-    ours, used, missing = {}, set(), []
+    ours, used, missing, zero = {}, set(), [], []
     for entry in table:
+        if not entry.theirs:  # a meshlm tensor HF lacks (a bias outside q/k/v): zero
+            zero.append(entry.ours)
+            continue
         if entry.ours == "lm_head.weight" and cfg.tie_embeddings:
             head, embedding = state.get("lm_head.weight"), state.get(table[0].theirs[0])
             if head is not None and embedding is not None and not torch.equal(head, embedding):
@@ -101,6 +112,11 @@ def _from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], arch: str) 
         raise ConfigError(f"Hugging Face {arch} state dict does not match its config: missing {missing[:8]}, "
                          f"unexpected {unexpected[:8]}; check n_layers, bias and tie_word_embeddings")
     model = GPT(cfg)
+    for name, tensor in model.state_dict().items():  # experts stacked (E, r, c) from their (r, c) tensors
+        if name in ours and tensor.dim() > 2 and ours[name].numel() == tensor.numel():
+            ours[name] = ours[name].reshape(tensor.shape)
+        if name in zero:
+            ours[name] = torch.zeros_like(tensor)
     model.load_state_dict(ours, strict=True)  # copies into the fp32 model, checking every shape
     return model
 
@@ -125,33 +141,32 @@ def from_hf_llama(hf_config: Any, state_dict: dict[str, torch.Tensor]) -> GPT:
     return _from_hf_state(model_config_from_hf(hf_config, "llama"), state_dict, "llama")
 
 
+def from_hf_moe(hf_config: Any, state_dict: dict[str, torch.Tensor]) -> GPT:
+    """A meshlm MoE GPT from a MixtralConfig or Qwen2MoeConfig (or its dict) and the state dict of the model:
+    per-expert tensors as saved, or transformers 5's fused ones (`hf_moe.split_fused_experts`)."""
+    cfg = model_config_from_hf(hf_config)
+    if not cfg.moe_experts:
+        raise ConfigError("from_hf_moe converts Mixtral and Qwen2-MoE models; use from_hf_llama or from_hf_gpt2")
+    return _from_hf_state(cfg, state_dict, hf_architecture(cfg))
+
+
 # ---------------------------------------------------------------------------------------------- files
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
-def save_hf(model: nn.Module, directory: str | Path) -> Path:
-    """Write config.json + model.safetensors that `transformers` loads with `from_pretrained`: a GPT as
-    GPT2LMHeadModel or LlamaForCausalLM, a BERT as the Bert* class of its head. Tied tensors are written
+def save_hf(model: nn.Module, directory: str | Path, max_shard_bytes: int | None = None) -> Path:
+    """Write config.json + the safetensors weights that `transformers` loads with `from_pretrained`: a GPT as
+    GPT2LMHeadModel or LlamaForCausalLM, a BERT as the Bert* class of its head, in the model's dtype
+    (`hf_stream.write_hf_model`: one file, or shards above `max_shard_bytes`). Tied tensors are written
     once (safetensors keeps no shared tensors; HF re-ties them on load)."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    arch = hf_architecture(model.cfg)
-    config = hf_config_dict(model.cfg, arch)
-    config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
-    if arch == "bert":
-        from meshlm.interop.hf_bert import to_hf_bert_state
+    from meshlm.interop.hf_stream import MAX_SHARD_BYTES, write_hf_model
 
-        state = to_hf_bert_state(model)
-        if "cls.predictions.decoder.bias" in state and model.cfg.tie_embeddings:
-            del state["cls.predictions.decoder.bias"], state["cls.predictions.decoder.weight"]
-    else:
-        state = _to_hf_state(model, arch)
-        if model.cfg.tie_embeddings:
-            del state["lm_head.weight"]
-    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    return directory
+    state = model.state_dict()
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    write_hf_model(state.__getitem__, model.cfg, shapes, directory, next(model.parameters()).dtype,
+                   max_shard_bytes or MAX_SHARD_BYTES)
+    return Path(directory)
 
 
 def read_hf_weights(directory: str | Path) -> dict[str, torch.Tensor]:

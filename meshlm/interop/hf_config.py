@@ -1,4 +1,5 @@
-"""Hugging Face config.json <-> `ModelConfig` for GPT-2, Llama and BERT.
+"""Hugging Face config.json <-> `ModelConfig` for GPT-2, Llama, BERT, Mixtral and Qwen2-MoE (the MoE map:
+`hf_moe.py`'s doc).
 
 `model_config_from_hf` reads a `transformers` config object or a plain config.json dict (missing keys take
 the HF defaults), so loading needs no `transformers`; only `hf_config_from_model_config` imports it. Every
@@ -67,13 +68,16 @@ def model_config_from_hf(hf_config: Any, expect: str | None = None) -> ModelConf
                           "use from_hf_gpt2 for 'gpt2', from_hf_llama for 'llama' and from_hf_bert for 'bert'")
     readers = {"gpt2": (_model_config_from_gpt2, GPT2_ARCHITECTURES),
                "llama": (_model_config_from_llama, LLAMA_ARCHITECTURES),
-               "bert": (_model_config_from_bert, tuple(BERT_HEADS))}
+               "bert": (_model_config_from_bert, tuple(BERT_HEADS)),
+               "mixtral": (model_config_from_mixtral, MIXTRAL_ARCHITECTURES),
+               "qwen2_moe": (model_config_from_qwen2_moe, QWEN2_MOE_ARCHITECTURES),
+               "qwen3_moe": (refuse_qwen3_moe, ())}
     if kind not in readers:
-        raise ConfigError(f"Hugging Face model_type={kind!r} is not supported; meshlm converts 'gpt2', 'llama' "
-                          "and 'bert'")
+        raise ConfigError(f"Hugging Face model_type={kind!r} is not supported; meshlm converts 'gpt2', 'llama', "
+                          "'bert', 'mixtral' and 'qwen2_moe'")
     read, known = readers[kind]
     architecture = hf_architecture_name(d)
-    if architecture is not None and architecture not in known:
+    if architecture is not None and known and architecture not in known:
         raise ConfigError(f"architectures={d['architectures']!r}: meshlm converts {kind} models of the classes "
                           f"{', '.join(known)}")
     return read(d)
@@ -229,6 +233,8 @@ def check_representable(cfg: ModelConfig, arch: str) -> None:
                           f"use {hf_architecture(cfg)!r}")
     if arch == "bert":
         return _check_bert(cfg)
+    if cfg.moe_experts or arch in ("mixtral", "qwen2_moe"):
+        return _check_moe(cfg, arch)
     need = {"gpt2": {"position": "learned", "norm": "layernorm", "activation": "gelu", "bias": True},
             "llama": {"position": "rope", "norm": "rmsnorm", "activation": "swiglu"}}[arch]
     problems = [f"model.{k}={getattr(cfg, k)!r} (set model.{k}={v!r})" for k, v in need.items()
@@ -238,6 +244,13 @@ def check_representable(cfg: ModelConfig, arch: str) -> None:
     other = "Llama needs position='rope', norm='rmsnorm', activation='swiglu'" if arch == "gpt2" else \
         "GPT-2 needs position='learned', norm='layernorm', activation='gelu', bias=true"
     _fail(problems and problems + [other], f"meshlm model as Hugging Face {arch}")
+
+
+def _check_moe(cfg: ModelConfig, arch: str) -> None:
+    if arch != hf_architecture(cfg):
+        raise ConfigError(f"a meshlm model with model.moe_experts={cfg.moe_experts} cannot be written as Hugging Face "
+                          f"{arch}; it converts to {hf_architecture(cfg)!r} (model.moe_experts=0 is a dense model)")
+    check_moe_representable(cfg, arch)
 
 
 def _check_bert(cfg: ModelConfig) -> None:
@@ -281,6 +294,8 @@ def hf_config_dict(cfg: ModelConfig, arch: str | None = None) -> dict[str, Any]:
     special = _ENDOFTEXT if cfg.vocab_size > _ENDOFTEXT else None
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
               "initializer_range": cfg.init_std, "bos_token_id": special, "eos_token_id": special}
+    if arch in ("mixtral", "qwen2_moe"):
+        return moe_config_dict(cfg, arch, common)
     if arch == "gpt2":
         return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **common, "n_positions": cfg.seq_len,
                 "n_embd": cfg.hidden_size, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
@@ -304,3 +319,122 @@ def hf_config_from_model_config(cfg: ModelConfig, arch: str | None = None) -> An
 
     d = hf_config_dict(cfg, arch)
     return AutoConfig.for_model(d.pop("model_type"), **d)
+
+
+# ---- mixtures of experts: Mixtral and Qwen2-MoE (the map and what is refused: hf_moe.py's doc) ----
+MIXTRAL_ARCHITECTURES = ("MixtralForCausalLM", "MixtralModel")
+QWEN2_MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen2MoeModel")
+# transformers' defaults where they differ from Llama's (`hf_config._LLAMA_DEFAULTS`)
+_MIXTRAL_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5,
+                     "rope_theta": 1e6, "sliding_window": None, "num_experts_per_tok": 2, "num_local_experts": 8,
+                     "router_aux_loss_coef": 0.001}
+_QWEN2_MOE_DEFAULTS = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+                       "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 32768,
+                       "use_sliding_window": False, "decoder_sparse_step": 1, "moe_intermediate_size": 1408,
+                       "shared_expert_intermediate_size": 5632, "num_experts_per_tok": 4, "num_experts": 60,
+                       "norm_topk_prob": False, "router_aux_loss_coef": 0.001, "mlp_only_layers": [], "qkv_bias": True}
+
+
+def _llama_part(g: dict[str, Any]) -> ModelConfig:
+    """The attention/norm/RoPE part, read as Llama's (no biases: checked by the callers)."""
+    keep = {k: v for k, v in g.items() if k not in ("architectures", "model_type")}
+    return _model_config_from_llama({**keep, "attention_bias": False, "mlp_bias": False})
+
+
+def model_config_from_mixtral(d: dict[str, Any]) -> ModelConfig:
+    g = {**_MIXTRAL_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
+    problems = []
+    window = g.get("sliding_window")
+    if window is not None and window < g["max_position_embeddings"]:
+        problems.append(f"sliding_window={window}: meshlm attends over the whole context; set sliding_window "
+                        "null (Mixtral-8x7B's own config has none)")
+    _fail(problems, "Hugging Face Mixtral config")
+    cfg = _llama_part(g)
+    cfg = replace(cfg, moe_experts=int(g["num_local_experts"]), moe_top_k=int(g["num_experts_per_tok"]),
+                  moe_norm_topk=True, moe_aux_loss=float(g["router_aux_loss_coef"]))
+    cfg = replace(cfg, ffn_hidden_size=_default_ffn(cfg, g["intermediate_size"]))
+    cfg.validate()
+    return cfg
+
+
+def _first_dense(g: dict[str, Any], problems: list[str]) -> int:
+    """meshlm's moe_first_dense giving Qwen2-MoE's layer set (mlp_only_layers and decoder_sparse_step)."""
+    n, step, dense = g["num_hidden_layers"], g["decoder_sparse_step"], set(g["mlp_only_layers"] or [])
+    theirs = [i not in dense and (i + 1) % step == 0 for i in range(n)]
+    for k in range(n + 1):
+        if theirs == [i >= k and (i + 1) % step == 0 for i in range(n)]:
+            return k
+    problems.append(f"mlp_only_layers={sorted(dense)}: meshlm's dense layers are the first moe_first_dense ones "
+                    "(and those decoder_sparse_step skips); list the first layers only, e.g. [0, 1]")
+    return 0
+
+
+def model_config_from_qwen2_moe(d: dict[str, Any]) -> ModelConfig:
+    g = {**_QWEN2_MOE_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
+    problems = []
+    if g["use_sliding_window"]:
+        problems.append("use_sliding_window=true: meshlm attends over the whole context; set it false")
+    experts, expert, shared = int(g["num_experts"]), int(g["moe_intermediate_size"]), \
+        int(g["shared_expert_intermediate_size"])
+    if experts < 1:
+        problems.append(f"num_experts={experts}: a dense Qwen2 model; convert it as Llama")
+    if shared <= 0 or shared % expert:
+        problems.append(f"shared_expert_intermediate_size={shared}: meshlm's shared expert is moe_shared_experts × "
+                        f"moe_intermediate_size wide; use a positive multiple of {expert}")
+    first = _first_dense(g, problems)
+    _fail(problems, "Hugging Face Qwen2-MoE config")
+    cfg = _llama_part(g)
+    cfg = replace(cfg, bias=bool(g["qkv_bias"]), moe_experts=experts, moe_top_k=int(g["num_experts_per_tok"]),
+                  moe_every=int(g["decoder_sparse_step"]), moe_first_dense=first, moe_shared_experts=shared // expert, moe_shared_gate=True,
+                  moe_norm_topk=bool(g["norm_topk_prob"]), moe_aux_loss=float(g["router_aux_loss_coef"]))
+    cfg = replace(cfg, ffn_hidden_size=_default_ffn(cfg, g["intermediate_size"]))
+    cfg = replace(cfg, moe_expert_hidden=0 if expert == cfg.ffn_size else expert)
+    cfg.validate()
+    return cfg
+
+
+def refuse_qwen3_moe(d: dict[str, Any]) -> ModelConfig:
+    raise ConfigError("Hugging Face model_type='qwen3_moe' is not supported: its attention normalises each head's "
+                      "queries and keys (q_norm, k_norm), which meshlm's attention lacks; meshlm converts 'mixtral' "
+                      "and 'qwen2_moe' mixtures of experts")
+
+
+def check_moe_representable(cfg: ModelConfig, arch: str) -> None:
+    """ConfigError naming every switch of MoE model `cfg` that Hugging Face `arch` cannot hold."""
+    need = {"position": "rope", "norm": "rmsnorm", "activation": "swiglu", "moe_router": "softmax",
+            "moe_capacity_factor": 0.0}
+    if arch == "mixtral":
+        need.update(bias=False, moe_norm_topk=True, moe_every=1, moe_first_dense=0, moe_shared_experts=0)
+    else:
+        need.update(moe_shared_gate=True)
+    problems = [f"model.{k}={getattr(cfg, k)!r} (set model.{k}={v!r})" for k, v in need.items()
+                if getattr(cfg, k) != v]
+    if problems and arch == "mixtral":
+        problems.append("Mixtral routes every layer with renormalised top-k weights and no shared expert; a model "
+                        "with a gated shared expert (moe_shared_experts >= 1, moe_shared_gate=true) exports as "
+                        "Qwen2-MoE")
+    _fail(problems, f"meshlm MoE model as Hugging Face {arch}")
+
+
+def moe_config_dict(cfg: ModelConfig, arch: str, common: dict[str, Any]) -> dict[str, Any]:
+    """config.json of the Mixtral or Qwen2-MoE model equal to `cfg` (`common`: vocabulary, ties, special ids)."""
+    check_moe_representable(cfg, arch)
+    base = {**common, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+            "hidden_act": "silu", "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
+            "rope_parameters": rope_parameters_for_hf(cfg), "rope_theta": cfg.rope_theta,
+            "attention_dropout": cfg.dropout, "num_experts_per_tok": cfg.moe_top_k,
+            "router_aux_loss_coef": cfg.moe_aux_loss, "output_router_logits": False}
+    if cfg.rope_scaling != "none":
+        base["rope_scaling"] = rope_parameters_for_hf(cfg)
+    if arch == "mixtral":
+        return {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], **base,
+                "intermediate_size": cfg.expert_size, "num_local_experts": cfg.moe_experts,
+                "sliding_window": None, "router_jitter_noise": 0.0}
+    return {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], **base,
+            "intermediate_size": cfg.ffn_size, "moe_intermediate_size": cfg.expert_size,
+            "shared_expert_intermediate_size": cfg.moe_shared_experts * cfg.expert_size,
+            "num_experts": cfg.moe_experts, "norm_topk_prob": cfg.moe_norm_topk,
+            "decoder_sparse_step": cfg.moe_every, "mlp_only_layers": list(range(cfg.moe_first_dense)),
+            "qkv_bias": cfg.bias, "use_sliding_window": False}

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.core.config import ModelConfig
+from meshlm.core.errors import ConfigError
 from meshlm.models.init import InitRule, draw_base_seed, init_parameters
 from meshlm.models.layers import MLP, Attention, make_norm
 from meshlm.models.loss import IGNORE_INDEX, PartsLoss, TokenOps, accumulation_dtype
@@ -78,6 +79,9 @@ class BertLayer(nn.Module):
 class BERT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        if cfg.moe_experts:
+            raise ConfigError(f"model.moe_experts={cfg.moe_experts}: mixture of experts is for the GPT family only "
+                              "(model.family='gpt'); set model.moe_experts=0 for BERT")
         self.cfg = cfg
         self.init_seed = draw_base_seed()  # the one draw from the global generator (also on the meta device)
         h, head = cfg.hidden_size, cfg.bert_head

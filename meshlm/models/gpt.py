@@ -23,6 +23,7 @@ from meshlm.core.config import ModelConfig
 from meshlm.models.init import InitRule, draw_base_seed, init_parameters
 from meshlm.models.layers import Block, KVCache, document_causal_mask, make_norm, positions_of, rope_tables
 from meshlm.models.loss import linear_cross_entropy
+from meshlm.models.moe import MoE
 
 
 class GPT(nn.Module):
@@ -45,7 +46,8 @@ class GPT(nn.Module):
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
             self.pos_emb = nn.Embedding(cfg.seq_len, cfg.hidden_size) if cfg.position == "learned" else None
             self.drop = nn.Dropout(cfg.dropout)
-            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.layers = nn.ModuleList(Block(cfg, MoE(cfg) if cfg.is_moe_layer(i) else None)
+                                        for i in range(cfg.n_layers))  # MoE layers: models/moe.py
             self.norm = make_norm(cfg)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -62,7 +64,11 @@ class GPT(nn.Module):
         init_parameters(self, init_rule)
 
     def init_buffers(self, device: torch.device | None = None) -> None:
-        """The RoPE tables (not saved in checkpoints), on `device` (default: the parameters')."""
+        """The RoPE tables (not saved in checkpoints), on `device` (default: the parameters'); the sigmoid
+        routers' selection bias starts at 0."""
+        for layer in self.layers:
+            if isinstance(getattr(layer, "mlp", None), MoE):  # (a pipeline stage holds None for others' layers)
+                layer.mlp.router.reset_bias()
         if self.cfg.position == "rope":
             device = device or next(self.parameters()).device
             self._build_rope(max(self.cfg.seq_len, self.rope_len), device)
@@ -148,9 +154,10 @@ class GPT(nn.Module):
 
 
 def init_rule(name: str, shape: tuple, cfg: ModelConfig) -> InitRule:
-    """GPT-2/Megatron init: N(0, std) everywhere, output projections N(0, std/√(2L)), biases 0, norms 1."""
+    """GPT-2/Megatron init: N(0, std) everywhere, output projections N(0, std/√(2L)) (the experts' `proj` too),
+    biases 0, norms 1; MoE routers N(0, std)."""
     if len(shape) == 1:
         return InitRule("ones") if "norm" in name and name.endswith("weight") else InitRule("zeros")
-    if name.endswith("proj.weight"):
+    if name.endswith(("proj.weight", "experts.proj")):
         return InitRule("normal", cfg.init_std / math.sqrt(2 * cfg.n_layers))
     return InitRule("normal", cfg.init_std)

@@ -268,14 +268,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)). `mlp`: another module in the
+    MLP's place (a mixture of experts, `models/moe.py`); None: the dense `MLP`."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module | None = None):
         super().__init__()
         self.norm1 = make_norm(cfg)
         self.attn = Attention(cfg)
         self.norm2 = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp if mlp is not None else MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope=None, cache: KVCache | None = None, start: int = 0, *,
                 positions: torch.Tensor | None = None, segments: torch.Tensor | None = None,

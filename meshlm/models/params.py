@@ -10,8 +10,9 @@ import re
 from torch import nn
 
 # The hidden layers' weight matrices (attention's qkv and output, the MLP's two linears): what Muon steps.
-# Embeddings, the output layer, norms, biases and adapters stay with AdamW, as in Jordan et al.'s Muon.
-HIDDEN_MATRIX = re.compile(r"(^|\.)layers\.\d+\.(attn|mlp)\.[A-Za-z_]+\.weight$")
+# Embeddings, the output layer, norms, biases and adapters stay with AdamW, as in Jordan et al.'s Muon; so do
+# a mixture of experts' router and shared-expert gate (models/moe.py) and its stacked 3-D expert weights.
+HIDDEN_MATRIX = re.compile(r"(^|\.)layers\.\d+\.(attn|mlp)\.(?!router\.|shared_gate\.)[A-Za-z_]+\.weight$")
 
 
 def param_groups(model: nn.Module, weight_decay: float, muon: bool = False) -> list[dict]:

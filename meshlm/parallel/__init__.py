@@ -24,6 +24,7 @@ from meshlm.families.spec import ModelSpec
 from meshlm.parallel.context import ContextParallelLoss, apply_context_parallel
 from meshlm.parallel.data import GradSync
 from meshlm.parallel.dp import apply_data_parallel
+from meshlm.parallel.expert import apply_expert_parallel
 from meshlm.parallel.materialize import materialize
 from meshlm.parallel.mesh import ParallelDims, destroy, init_distributed
 from meshlm.parallel.pipeline import Pipeline, build_pipeline, cut_stages, fused_head
@@ -70,7 +71,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, rng: TPRNGTra
        transform (activation recomputation, compile, data-parallel wrapping) must see, not the dense ones.
        Then context parallelism (`parallel.cp` > 1): the model takes whole rows and runs this rank's two
        chunks, its attention cores become the ring (`context.py`), the loss the row's mean; before the
-       pipeline's stages, which call the model's (now context-parallel) methods.
+       pipeline's stages, which call the model's (now context-parallel) methods. Then expert parallelism
+       (`parallel.ep` > 1, `expert.py`): each MoE layer keeps its rank's slice of the experts (before
+       materialisation: only that slice is allocated) and dispatches tokens by all-to-all.
     2. pipeline cutting (`parallel.pp` > 1): it groups the (parallel) modules into this rank's stages and
        prunes the rest. Before recomputation, whose chunks and `block` counts are per stage, as in Megatron.
     3. materialisation of a meta-built model: only now is it known what this rank holds, so only that is
@@ -94,6 +97,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, rng: TPRNGTra
     if dims.cp > 1:  # whole rows in, this rank's chunks run; the attention cores become the ring
         apply_context_parallel(model, dims, spec=spec, sequence_parallel=cfg.parallel.sp)
         loss_fn = ContextParallelLoss(loss_fn, dims)
+    if dims.ep > 1 or (dims.tp > 1 and cfg.parallel.sp):  # MoE layers: this rank's experts, the all-to-all
+        apply_expert_parallel(model, dims, cfg)
     cut = cut_stages(model, spec, cfg, dims.pp_rank, fused_head(cfg, dims, spec)) if dims.pp > 1 else None
     if any(p.is_meta for p in model.parameters()):
         materialize(model, spec, dims.device)

@@ -43,7 +43,8 @@ class BucketedDataParallel(GradSync):
         super().__init__(model, dims, pipe)
         self.zero, self.microbatches, self.overlap = zero, microbatches, overlap
         self.group, self.dp = dims.dpcp_group, dims.dpcp  # the weights' replicas: dp (× cp)
-        params = [p for p in model.parameters() if p.requires_grad]
+        # expert slices (ep > 1) are reduced over their own group by `expert.ExpertDataParallel`
+        params = [p for p in model.parameters() if p.requires_grad and getattr(p, "expert_rows", None) is None]
         if len({p.dtype for p in params}) > 1:
             raise ValueError("data parallelism needs parameters of one dtype (meshlm keeps them fp32)")
         tied = pipe.tied_weight if pipe is not None else None

@@ -10,6 +10,7 @@ from meshlm.core.layout import check_data_parallel
 from meshlm.families.spec import ModelSpec
 from meshlm.parallel.buckets import BucketedDataParallel
 from meshlm.parallel.data import GradSync
+from meshlm.parallel.expert import ExpertDataParallel
 from meshlm.parallel.fsdp import FullyShardedDataParallel
 from meshlm.parallel.mesh import ParallelDims
 
@@ -26,4 +27,7 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: Config, micro
         return GradSync(model, dims, pipe)
     if cfg.parallel.zero == 3:
         return FullyShardedDataParallel(model, dims, pipe, spec=spec)
-    return BucketedDataParallel(model, dims, microbatches, cfg.parallel.zero, pipe, cfg.parallel.bucket_mb, overlap)
+    sync = BucketedDataParallel(model, dims, microbatches, cfg.parallel.zero, pipe, cfg.parallel.bucket_mb, overlap)
+    if dims.ep > 1:  # the expert slices: reduced over their edp group (`expert.py`)
+        return ExpertDataParallel(sync, cfg.parallel.sp)
+    return sync

@@ -58,6 +58,8 @@ def materialize(model: nn.Module, spec, device: torch.device, seed: int | None =
         prefix, _, attr = name.rpartition(".")
         owner = model.get_submodule(prefix) if prefix else model
         rows, cols = owner.shard_index(attr) if isinstance(owner, Sharded) else (None, None)
+        if getattr(p, "expert_rows", None) is not None:  # this rank's experts (parallel/expert.py)
+            rows = torch.arange(*p.expert_rows)
         fill_(p.data, spec.init_rule(name, full[name], cfg), seed, name, full[name], rows, cols)
     model.init_buffers(device)  # the family's protocol (families/spec.py): every buffer, computed
     return model

@@ -5,7 +5,10 @@ ranks are adjacent, so on a node of 8 GPUs a tp=8 group never leaves the node (N
 ranks (whose ring sends every layer's keys and values) come next, and data/pipeline groups cross nodes
 where the traffic is lighter (Megatron's ordering). With cp > 1 there is also a `dp × cp` group (the
 weights are replicated over both, so their gradients are reduced over both); at cp = 1 the mesh is
-`pp × dp × tp` and that group is the dp group.
+`pp × dp × tp` and that group is the dp group. Expert parallelism (`ep` > 1, `expert.py`) is carved from
+the dp × cp ranks of one (pp, tp) coordinate: index i (`dpcp_rank`) is in ep group i // ep (ep consecutive
+indices, which hold different experts) and in expert-data-parallel group i % ep (the dp·cp/ep ranks that
+hold the same experts and reduce their gradients).
 
 `init_distributed(cfg)` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK), initialises the
 default process group (gloo on CPU, NCCL when CUDA is available: chosen from the hardware, never from an
@@ -24,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from meshlm.core.config import ParallelConfig
+from meshlm.core.errors import ConfigError
 from meshlm.core.layout import factor_world  # the world's factorisation is a layout rule (torch-free)
 
 DIM_NAMES = ("pp", "dp", "cp", "tp")
@@ -60,6 +64,23 @@ class ParallelDims:
     cp: int = 1
     cp_group: dist.ProcessGroup | None = None  # None when cp = 1
     dpcp_group: dist.ProcessGroup | None = None  # the weights' replicas: dp × cp (the dp group when cp = 1)
+    ep: int = 1
+    ep_group: dist.ProcessGroup | None = None  # ranks that split the experts (None when ep = 1)
+    edp_group: dist.ProcessGroup | None = None  # ranks holding the same experts (None when ep = 1)
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's index in its expert-parallel group: it holds experts [ep_rank·E/ep, (ep_rank+1)·E/ep)."""
+        return self.dpcp_rank % self.ep
+
+    @property
+    def edp(self) -> int:
+        """Replicas of each expert: dp × cp / ep ranks."""
+        return self.dpcp // self.ep
+
+    @property
+    def edp_rank(self) -> int:
+        return self.dpcp_rank // self.ep
 
     @property
     def world_size(self) -> int:
@@ -121,7 +142,7 @@ class ParallelDims:
             dist.barrier()
 
     @classmethod
-    def build(cls, tp: int = 1, pp: int = 1, dp: int = 0, *, cp: int = 1, timeout_s: float = 600.0,
+    def build(cls, tp: int = 1, pp: int = 1, dp: int = 0, *, cp: int = 1, ep: int = 1, timeout_s: float = 600.0,
               device: torch.device | None = None) -> ParallelDims:
         """The layout over the already-initialised default process group (or a world of one).
 
@@ -133,6 +154,9 @@ class ParallelDims:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         device = device or default_device(local_rank)
         pp, dp, tp = factor_world(world, tp, pp, dp, cp)
+        if (dp * cp) % ep:
+            raise ConfigError(f"parallel.ep={ep} is carved from the dp × cp = {dp * cp} ranks holding the same "
+                              f"weights, which it does not divide; use an ep that divides {dp * cp}")
         if world == 1:
             return cls(pp, dp, tp, rank, 0, device)
         from torch.distributed.device_mesh import DeviceMesh
@@ -147,9 +171,13 @@ class ParallelDims:
             groups[name] = _slice_groups(layout.movedim(axis, -1).reshape(-1, layout.shape[axis]), rank, timeout)
         if cp > 1:  # dp × cp: the (dp, cp) planes, ranks dp major
             groups["dpcp"] = _slice_groups(layout.movedim(-1, 1).reshape(pp * tp, dp * cp), rank, timeout)
+        if ep > 1:  # per (pp, tp): the dp × cp indices in blocks of ep (ep groups) and strided by ep (edp groups)
+            planes = layout.reshape(pp, dp * cp, tp).movedim(-1, 1).reshape(pp * tp, dp * cp // ep, ep)
+            groups["ep"] = _slice_groups(planes.reshape(-1, ep), rank, timeout)
+            groups["edp"] = _slice_groups(planes.movedim(-1, 1).reshape(-1, dp * cp // ep), rank, timeout)
         mesh = DeviceMesh.from_group([groups[n] for n in names], device.type, mesh=layout, mesh_dim_names=names)
         return cls(pp, dp, tp, rank, local_rank, device, mesh, groups["pp"], groups["dp"], groups["tp"], cp,
-                   groups.get("cp"), groups.get("dpcp", groups["dp"]))
+                   groups.get("cp"), groups.get("dpcp", groups["dp"]), ep, groups.get("ep"), groups.get("edp"))
 
 
 def _slice_groups(slices: torch.Tensor, rank: int, timeout: timedelta) -> dist.ProcessGroup:
@@ -160,6 +188,23 @@ def _slice_groups(slices: torch.Tensor, rank: int, timeout: timedelta) -> dist.P
         if rank in ranks:
             mine = group
     return mine
+
+
+def restarted_group_store(world: int, timeout: timedelta) -> dict:
+    """`init_process_group`'s store for a worker group torchrun restarted (`--max-restarts`): {} for the first.
+
+    torchrun's workers share the agent's store (TORCHELASTIC_USE_AGENT_STORE), which outlives a failed worker
+    group, and torch keys a new group's rendezvous without the attempt: a restarted group reads the dead
+    group's addresses and never connects (gloo: "connectFullMesh failed ... Connection refused"; NCCL alike,
+    pytorch/pytorch#167288). Each restart keys its process groups (and the heartbeat) under its own prefix."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or "MASTER_ADDR" not in os.environ:
+        return {}
+    rank = int(os.environ["RANK"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 serves the store, as torch does
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent and rank == 0, timeout=timeout, multi_tenant=not agent)
+    return {"store": dist.PrefixStore(f"meshlm/attempt_{attempt}", store), "rank": rank, "world_size": world}
 
 
 def init_distributed(cfg: ParallelConfig, device: torch.device | None = None) -> ParallelDims:
@@ -175,8 +220,9 @@ def init_distributed(cfg: ParallelConfig, device: torch.device | None = None) ->
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(pick_backend(device), timeout=timedelta(seconds=cfg.timeout_s),
-                                device_id=device if device.type == "cuda" else None)
-    return ParallelDims.build(cfg.tp, cfg.pp, cfg.dp, cp=cfg.cp, timeout_s=cfg.timeout_s, device=device)
+                                device_id=device if device.type == "cuda" else None,
+                                **restarted_group_store(world, timedelta(seconds=cfg.timeout_s)))
+    return ParallelDims.build(cfg.tp, cfg.pp, cfg.dp, cp=cfg.cp, ep=cfg.ep, timeout_s=cfg.timeout_s, device=device)
 
 
 def destroy(wait_for_all: bool = False) -> None:

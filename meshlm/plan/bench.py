@@ -72,9 +72,10 @@ def bench_memory(cfg: Config) -> str:
     lines += [total, "", outside, ""]
     if cp_layers:
         lines += _cp_lines(cfg, spec, cp_layers, formula, dtypes, backend)
-    lines.append("formula terms of a stored layer (bytes):")
+    moe = any(m.is_moe_layer(i) for i in range(m.n_layers))  # the terms of a MoE layer (models/moe.py)
+    lines.append(f"formula terms of a stored {'MoE ' if moe else ''}layer (bytes):")
     terms = activation_terms(m, t.micro_batch_size, p.tp, p.sp, "none" if t.recompute == "full" else t.recompute,
-                             dtypes, backend, cp=p.cp)
+                             dtypes, backend, cp=p.cp, moe=moe)
     lines += [f"  {name}: {value:,.0f}" for name, value in terms.items()]
     paper = korthikanti_bytes(m.seq_len, t.micro_batch_size, m.hidden_size, m.n_heads, p.tp, p.sp,
                               t.recompute if t.recompute != "full" else "full")

@@ -32,6 +32,7 @@ from meshlm.core.memory import (
     activation_terms,
     attention_backend,
     model_state_bytes_per_param,
+    moe_mlp_parameters,
     pipeline_activation_factor,
     ring_buffer_bytes,
     ring_send_bytes,
@@ -138,6 +139,7 @@ class Candidate:
     recompute_num_layers: int = 0  # full: 0 = every layer its own region; N > 0 = the first N of each stage
     zero: int = 0
     cp: int = 1  # context parallelism: the sequence split over cp ranks (ring attention)
+    ep: int = 1  # expert parallelism: each MoE layer's experts split over ep of the dp × cp ranks
 
     @property
     def world(self) -> int:
@@ -151,7 +153,8 @@ class Candidate:
 
     def label(self) -> str:
         return (f"tp={self.tp},pp={self.pp},vpp={self.vpp},dp={self.dp},cp={self.cp},sp={str(self.sp).lower()},"
-                f"mbs={self.micro_batch_size},recompute={self.recompute_label},zero={self.zero}")
+                f"mbs={self.micro_batch_size},recompute={self.recompute_label},zero={self.zero}"
+                + (f",ep={self.ep}" if self.ep > 1 else ""))
 
     def overrides(self) -> list[str]:
         """The config overrides that run this layout with `meshlm train`."""
@@ -161,6 +164,8 @@ class Candidate:
                f"--train.recompute={self.recompute}"]
         if self.recompute == "full" and self.recompute_num_layers:
             out += ["--train.recompute_method=block", f"--train.recompute_num_layers={self.recompute_num_layers}"]
+        if self.ep > 1:
+            out.append(f"--parallel.ep={self.ep}")
         return out
 
     def apply(self, cfg: Config, global_batch_size: int | None = None, sections: dict | None = None) -> Config:
@@ -169,10 +174,10 @@ class Candidate:
         block = self.recompute == "full" and self.recompute_num_layers > 0
         gbs = global_batch_size or cfg.train.global_batch_size
         cache = {} if sections is None else sections
-        pkey = ("parallel", self.tp, self.pp, self.dp, self.vpp, self.sp, self.zero, self.cp)
+        pkey = ("parallel", self.tp, self.pp, self.dp, self.vpp, self.sp, self.zero, self.cp, self.ep)
         if pkey not in cache:
             cache[pkey] = dataclasses.replace(cfg.parallel, tp=self.tp, pp=self.pp, dp=self.dp, vpp=self.vpp,
-                                              sp=self.sp, zero=self.zero, pp_layers=[], cp=self.cp)
+                                              sp=self.sp, zero=self.zero, pp_layers=[], cp=self.cp, ep=self.ep)
         tkey = ("train", self.micro_batch_size, gbs, self.recompute, self.recompute_num_layers)
         if tkey not in cache:
             cache[tkey] = dataclasses.replace(cfg.train, micro_batch_size=self.micro_batch_size, global_batch_size=gbs,
@@ -207,7 +212,7 @@ class Estimate:
 
     def to_dict(self) -> dict:
         c = self.candidate
-        out = {"tp": c.tp, "pp": c.pp, "vpp": c.vpp, "dp": c.dp, "cp": c.cp, "sp": c.sp,
+        out = {"tp": c.tp, "pp": c.pp, "vpp": c.vpp, "dp": c.dp, "cp": c.cp, "ep": c.ep, "sp": c.sp,
                "micro_batch_size": c.micro_batch_size,
                "recompute": c.recompute_label, "zero": c.zero, "memory_gb": round(self.memory_bytes / GIB, 3),
                "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
@@ -243,6 +248,19 @@ def rank_parameters(m: ModelConfig, layers: int, first: bool, last: bool, tp: in
     return (layers * per_layer + extra) / tp
 
 
+def rank_expert_parameters(m: ModelConfig, layers: int, tp: int, ep: int) -> tuple[float, float]:
+    """(what the MoE layers among `layers` add to `rank_parameters`'s count, which split them over tp; this
+    rank's expert parameters). meshlm does not split an MoE layer over tp (parallel/expert.py): its router
+    and shared experts are whole on every tp rank, its E experts split over ep only (E/ep per rank). The MoE
+    layers are taken spread evenly over the stages."""
+    if m.moe_experts <= 0:
+        return 0.0, 0.0
+    n_moe = layers * sum(m.is_moe_layer(i) for i in range(m.n_layers)) / m.n_layers
+    experts = n_moe * 3 * m.hidden_size * m.expert_size * m.moe_experts
+    whole = n_moe * moe_mlp_parameters(m)  # experts, router, shared experts and gate
+    return whole - whole / tp - experts + experts / ep, experts / ep
+
+
 def _rank_parameters(m: ModelConfig, layers: list[int], tp: int, pp: int) -> list[float]:
     """`rank_parameters` of every pipeline rank, given its layers; the middle ranks' once per layer count
     (pp can be 128)."""
@@ -270,6 +288,26 @@ def gather_time(nbytes: float, n: int, gbps: float, latency_us: float, eff: floa
     """All-gather or reduce-scatter of `nbytes` (the full tensor): `cost` of an all-reduce (`Gpu.gather_cost`;
     a ring's half by default)."""
     return all_reduce_time(nbytes, n, gbps, latency_us, eff) * cost
+
+
+def all_to_all_time(nbytes: float, n: int, gbps: float, latency_us: float, eff: float) -> float:
+    """All-to-all of `nbytes` per rank, spread evenly over the n ranks: (n−1)/n of them leave, one latency
+    step per peer."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) / n * nbytes / (gbps * 1e9 * eff) + (n - 1) * latency_us * 1e-6
+
+
+def dispatch_bytes(m: ModelConfig, b: int, tokens: int, c_bytes: int) -> float:
+    """The token rows one all-to-all of an MoE layer moves per rank: b · tokens · top_k rows of h elements."""
+    return b * tokens * m.moe_top_k * m.hidden_size * c_bytes
+
+
+def moe_layer_share(m: ModelConfig) -> float:
+    """The share of the layers that are MoE layers (0 for a dense model)."""
+    if m.moe_experts <= 0:
+        return 0.0
+    return sum(m.is_moe_layer(i) for i in range(m.n_layers)) / m.n_layers
 
 
 def _link(cluster: Cluster, span: int) -> tuple[float, float]:
@@ -383,6 +421,8 @@ class _Run:
     cp_link: tuple[float, float]
     dp_link: tuple[float, float]  # the gradient reduction's group: dp × cp ranks
     pp_link: tuple[float, float]
+    ep: int = 1  # expert parallelism (carved from dp × cp)
+    ep_link: tuple[float, float] = (1.0, 0.0)  # an ep group: ep consecutive dp × cp indices, tp · ep ranks
 
     @property
     def m(self) -> ModelConfig:
@@ -428,7 +468,8 @@ def _run(cfg: Config, cand: Candidate, cluster: Cluster, layout: Layout, opts: O
                 v=cand.vpp if pp > 1 else 1, sp=cand.sp and tp > 1, mb=layout.microbatches, peak=gpu.tflops * 1e12,
                 hbm=gpu.hbm_gbps * 1e9, c_bytes=2 if opts.precision in ("bf16", "fp16") else 4,
                 tp_link=_link(cluster, tp), cp_link=_link(cluster, tp * cp), dp_link=_link(cluster, tp * cp * dp),
-                pp_link=_link(cluster, tp * cp * dp * 2) if pp > 1 else (1.0, 0.0))
+                pp_link=_link(cluster, tp * cp * dp * 2) if pp > 1 else (1.0, 0.0), ep=cand.ep,
+                ep_link=_link(cluster, tp * cand.ep))
 
 
 @dataclass(frozen=True)
@@ -446,10 +487,12 @@ class _LayerTimes:
     sel_extra: float  # selective recomputation's
     stored: float  # bytes saved for backward (selective: without the attention core)
     ring: float = 0.0  # the cp ring's exposed traffic and latency, forward + backward
+    a2a: float = 0.0  # expert parallelism's all-to-alls (dispatch, combine; forward + backward), per layer on average
 
     @property
     def unit(self) -> float:
-        return self.gemm + self.attn + self.elem + self.n_coll * self.coll + self.regather + self.ops + self.ring
+        return (self.gemm + self.attn + self.elem + self.n_coll * self.coll + self.regather + self.ops + self.ring
+                + self.a2a)
 
 
 def ring_exposed_time(block_bytes: float, cp: int, attn_time: float, gbps: float, latency_us: float,
@@ -500,11 +543,17 @@ def _layer_times(r: _Run) -> _LayerTimes:
     sent = ring_send_bytes(m, b, tp, cp, dataclasses.replace(KORTHIKANTI_DTYPES, compute=r.c_bytes), s)
     ring_fwd, ring_bwd = ring_exposed_time(sent["block"], cp, t_attn, r.cp_link[0], r.cp_link[1], cal.link_efficiency,
                                            sent["grad_block"])
-    full_extra = t_gemm / 3 + t_attn / 3 + t_elem / cal.elementwise_passes + 2 * t_coll + t_ops / 3 + ring_fwd
+    # expert parallelism: each MoE layer's two all-to-alls (tokens out, results back) in forward and their two
+    # conjugates in backward, of this rank's tokens (its sequence shard under SP), not overlapped
+    a2a = 0.0
+    if r.ep > 1:
+        msg = dispatch_bytes(m, b, r.s // (tp if sp else 1), r.c_bytes)
+        a2a = 4 * moe_layer_share(m) * all_to_all_time(msg, r.ep, r.ep_link[0], r.ep_link[1], cal.link_efficiency)
+    full_extra = t_gemm / 3 + t_attn / 3 + t_elem / cal.elementwise_passes + 2 * t_coll + t_ops / 3 + ring_fwd + a2a / 2
     # selective: the attention core's GEMMs and the elementwise work on what it no longer stores (one pass)
     sel_extra = t_attn / 3 + (none_bytes - _layer_bytes(m, b, tp, sp, "selective", opts, s, cp)) / r.hbm + ring_fwd
     return _LayerTimes(t_gemm, t_attn, t_elem, n_coll, t_coll, t_regather, t_ops, full_extra, sel_extra, stored,
-                       ring_fwd + ring_bwd)
+                       ring_fwd + ring_bwd, a2a)
 
 
 @dataclass(frozen=True)
@@ -586,7 +635,7 @@ def _rank_terms(r: _Run, lt: _LayerTimes, st: _Stages, edges: _Edges, rank: int)
     extra = st.recomputed[rank] * (lt.full_extra if r.cand.recompute == "full" else lt.sel_extra)
     return {"GEMMs (layers)": n * lt.gemm, "attention": n * lt.attn, "elementwise (memory-bound)": n * lt.elem,
             "recompute (extra forward)": extra, "TP collectives": n * (lt.n_coll * lt.coll + lt.regather),
-            "CP ring (exposed)": n * lt.ring,
+            "CP ring (exposed)": n * lt.ring, "EP all-to-all": n * lt.a2a,
             "LM head + loss": edges.head if rank == r.pp - 1 else 0.0, "PP point-to-point": edges.p2p,
             "TP collectives (embedding, head, loss)": edges.coll[rank],
             "op overhead (host)": n * lt.ops}
@@ -611,12 +660,17 @@ def _pipeline_time(r: _Run, lt: _LayerTimes, st: _Stages, edges: _Edges
     return time, terms, rank_time, slowest
 
 
-def _update_time(r: _Run, terms: dict[str, float], p_max: float, slowest_layers: int) -> dict[str, float]:
+def _update_time(r: _Run, terms: dict[str, float], p_max: float, slowest_layers: int,
+                 p_expert: float = 0.0) -> dict[str, float]:
     """After the micro-batches: gradient accumulation, the data-parallel reduction, the tied embedding's
-    all-reduce, the ZeRO gathers and the optimizer step, for the fullest rank's `p_max` parameters."""
+    all-reduce, the ZeRO gathers and the optimizer step, for the fullest rank's `p_max` parameters, of which
+    `p_expert` are expert slices under ep > 1 (reduced over their dp·cp/ep replicas, not ZeRO-sharded)."""
     cal, opts, cand, dp, mb = r.cal, r.opts, r.cand, r.dpc, r.mb  # gradients reduce over dp × cp
     time = {"gradient accumulation": 0.0 if opts.fused_grad_accumulation else
             (mb - 1) * 3 * opts.grad_bytes * p_max / r.hbm}
+    if r.ep > 1:
+        time["EP expert gradient reduction"] = r.all_reduce(p_expert * opts.grad_bytes, dp // r.ep, r.dp_link)
+    p_max -= p_expert if r.ep > 1 else 0.0
     grads = p_max * opts.grad_bytes
     if dp > 1:  # ZeRO-3 too: FSDP2 accumulates unsharded gradients and reduce-scatters in the last backward
         reduce = r.gather(grads, dp, r.dp_link) if cand.zero >= 2 else r.all_reduce(grads, dp, r.dp_link)
@@ -638,11 +692,13 @@ def _update_time(r: _Run, terms: dict[str, float], p_max: float, slowest_layers:
         compute = terms["GEMMs (layers)"] + terms["attention"]
         time["ZeRO-3 gathers (exposed)"] = mb * max(per_mb - compute, 0.0) + per_mb / max(1, slowest_layers)
     shard = dp if cand.zero >= 1 else 1
-    time["optimizer step"] = cal.optimizer_bytes_per_param * p_max / shard / r.hbm
+    whole = p_expert if r.ep > 1 else 0.0
+    time["optimizer step"] = cal.optimizer_bytes_per_param * (p_max / shard + whole) / r.hbm
     return time
 
 
-def _memory(r: _Run, stored: float, st: _Stages, params: list[float]) -> dict[str, float]:
+def _memory(r: _Run, stored: float, st: _Stages, params: list[float], experts: list[float] | None = None
+            ) -> dict[str, float]:
     """Memory on the fullest rank, by term: the first, the last and the fullest middle rank can be the fullest
     one (ranks in between hold fewer micro-batches than the first and no embedding or head)."""
     # ZeRO shards over dp × cp (the ranks whose gradients are reduced together, as Megatron's distributed
@@ -652,13 +708,18 @@ def _memory(r: _Run, stored: float, st: _Stages, params: list[float]) -> dict[st
                                             muon_share=muon_share(r.cfg))
     if cand.zero >= 3:
         per_param["weights"] /= dp
+    # expert slices (ep > 1): their states whole on each of their dp·cp/ep replicas (parallel/expert.py)
+    experts = experts if experts is not None and r.ep > 1 else [0.0] * pp
+    whole = model_state_bytes_per_param(opts.states, 1, muon_share=muon_share(r.cfg))
+    a2a = 4 * dispatch_bytes(m, b, s // (tp if r.sp else 1), r.c_bytes) if r.ep > 1 else 0.0
     full_bytes = _layer_bytes(m, b, tp, r.sp, "full", opts, r.seq, r.cp)
     ring = _ring_buffers(r)
     factor = pipeline_activation_factor(pp, mb, v) if pp > 1 else 1.0
 
     def rank_memory(k: int) -> dict[str, float]:
-        mem = {"weights": per_param["weights"] * params[k], "gradients": 0.0,
-               "optimizer states": per_param["optimizer"] * params[k]}
+        dense, ex = params[k] - experts[k], experts[k]
+        mem = {"weights": per_param["weights"] * dense + whole["weights"] * ex, "gradients": 0.0,
+               "optimizer states": per_param["optimizer"] * dense + whole["optimizer"] * ex}
         if opts.precision != "fp32" and opts.states == "fp32":
             mem["16-bit weight copies (autocast)"] = 2.0 * params[k]
         if cand.recompute == "full":
@@ -672,8 +733,10 @@ def _memory(r: _Run, stored: float, st: _Stages, params: list[float]) -> dict[st
             mem["CP ring buffers (transient)"] = ring
         logits = 0.0 if (tp == 1 and opts.fused_loss) else 4.0 * b * s * m.vocab_size / tp
         mem["logits (last stage)"] = logits if k == pp - 1 else 0.0
-        mem["gradients"] = gradient_bytes(per_param["grads"] * params[k], cand.zero, dp, mb, opts.states,
-                                          mem["activations"] + mem["logits (last stage)"])
+        mem["gradients"] = gradient_bytes(per_param["grads"] * dense, cand.zero, dp, mb, opts.states,
+                                          mem["activations"] + mem["logits (last stage)"]) + whole["grads"] * ex
+        if a2a:  # one MoE layer's rows sent, received, their outputs and the outputs back (transient)
+            mem["EP all-to-all buffers (transient)"] = a2a
         if cand.zero == 3 and dp > 1:
             # FSDP2 keeps the root's own weights (embedding, final norm, head) gathered from its forward to
             # its backward, and gathers each layer whole while it runs: those full copies beside the shards
@@ -691,16 +754,20 @@ def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, op
     m, tp, pp = r.m, r.tp, r.pp
     st = _stages(layout, cand, pp, r.v)
     params = _rank_parameters(m, st.layers, tp, pp)
+    moe = [rank_expert_parameters(m, n, tp, r.ep) for n in st.layers]
+    params = [p + fix for p, (fix, _) in zip(params, moe)]
+    experts = [ex for _, ex in moe]
     stored = _layer_bytes(m, r.b, tp, r.sp, "selective" if cand.recompute == "selective" else "none", r.opts, r.seq,
                           r.cp)
-    memory = _memory(r, stored, st, params)
+    memory = _memory(r, stored, st, params, experts)
     limit = r.gpu.memory_gib * GIB
     fits = sum(memory.values()) <= limit
     if not fits and not time_too_big:  # a search ranks only what fits: the time of the others is not needed
         return Estimate(cand, memory, {}, math.inf, 0.0, 0.0, 0.0, 0.0, False, limit)
     lt = _layer_times(r)
     time, terms, rank_time, slowest = _pipeline_time(r, lt, st, _edges(r))
-    time.update(_update_time(r, terms, max(params), st.layers[slowest]))
+    fullest = max(range(pp), key=lambda k: params[k])
+    time.update(_update_time(r, terms, params[fullest], st.layers[slowest], experts[fullest]))
     step = sum(time.values())
 
     gbs = r.mb * r.b * r.dp

@@ -46,7 +46,7 @@ from meshlm.plan.search import (
 from meshlm.plan.trials import run_trials
 
 GIB = 2 ** 30
-LAYOUT_KEYS = {"tp", "cp", "pp", "dp", "vpp", "sp", "mbs", "micro_batch_size", "recompute", "zero"}
+LAYOUT_KEYS = {"tp", "cp", "pp", "dp", "vpp", "sp", "mbs", "micro_batch_size", "recompute", "zero", "ep"}
 
 
 # ---- inputs ------------------------------------------------------------------------------------------------
@@ -91,7 +91,7 @@ def parse_layout(text: str, gpus: int) -> dict:
                               f"{', '.join(sorted(LAYOUT_KEYS))}; e.g. tp=8,pp=8,dp=16,sp=true,recompute=selective")
         values["micro_batch_size" if key == "mbs" else key] = value.strip()
     given: dict = {}
-    for key in ("tp", "cp", "pp", "dp", "vpp", "micro_batch_size", "zero"):
+    for key in ("tp", "cp", "pp", "dp", "vpp", "micro_batch_size", "zero", "ep"):
         if key in values:
             raw, least = values[key], 0 if key == "zero" else 1
             if not raw.isdigit() or int(raw) < least:
@@ -146,7 +146,8 @@ def _options(args: argparse.Namespace, cfg: Config, gpu):
 # ---- output ------------------------------------------------------------------------------------------------
 def _row(i: int | str, e) -> str:
     c = e.candidate
-    return (f"| {i} | {c.tp} | {c.pp} | {c.vpp} | {c.dp} | {c.cp} | {'yes' if c.sp else 'no'} | {c.micro_batch_size} | "
+    return (f"| {i} | {c.tp} | {c.pp} | {c.vpp} | {c.dp} | {c.cp} | {c.ep} | {'yes' if c.sp else 'no'} | "
+            f"{c.micro_batch_size} | "
             f"{c.recompute_label} | {c.zero} | {e.memory_bytes / GIB:,.1f} | {_secs(e.step_time_s)} | "
             f"{e.tokens_per_s:,.0f} | {_tflops(e.tflops_per_gpu)} | {100 * e.mfu:.1f}% |")
 
@@ -159,8 +160,8 @@ def _tflops(x: float) -> str:
     return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
 
 
-TABLE_HEAD = [("| rank | tp | pp | vpp | dp | cp | sp | mbs | recompute | zero | memory GiB | step s | tokens/s | "
-              "TFLOP/s/GPU | MFU |"), "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+TABLE_HEAD = [("| rank | tp | pp | vpp | dp | cp | ep | sp | mbs | recompute | zero | memory GiB | step s | tokens/s | "
+              "TFLOP/s/GPU | MFU |"), "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
 
 def explain(e, cfg: Config) -> str:
@@ -300,7 +301,7 @@ def _one_layout(args: argparse.Namespace, cfg: Config, cluster: Cluster, opts) -
 
 # (--layout name, `parse_layout` key), in `Candidate.label`'s order
 LAYOUT_FIELDS = [("tp", "tp"), ("pp", "pp"), ("vpp", "vpp"), ("dp", "dp"), ("cp", "cp"), ("sp", "sp"),
-                 ("mbs", "micro_batch_size"), ("recompute", "recompute"), ("zero", "zero")]
+                 ("mbs", "micro_batch_size"), ("recompute", "recompute"), ("zero", "zero"), ("ep", "ep")]
 
 
 def _layout_does_not_fit(cfg: Config, cluster: Cluster, opts, text: str, given: dict, result) -> str:

@@ -110,9 +110,9 @@ def candidates(cfg: Config, world: int, gpus_per_node: int, global_batch_size: i
     """The search space. tp stays within a node (its collectives are the most frequent), up to 8; cp comes
     next in the mesh (`cp_sizes`: long sequences only).
 
-    `given` (`--layout`: any of tp, cp, pp, dp, vpp, sp, micro_batch_size, recompute as (mode, N), zero) fixes
+    `given` (`--layout`: any of tp, cp, pp, dp, vpp, sp, micro_batch_size, recompute as (mode, N), zero, ep) fixes
     those fields, even outside the ranges searched (the validity rules judge them); the others range as in
-    the full search: the completions of a partial layout."""
+    the full search: the completions of a partial layout. An MoE model's ep ranges over `ep_sizes`."""
     g = given or {}
     out = []
     for tp in [g["tp"]] if "tp" in g else tp_sizes(world, gpus_per_node):
@@ -140,8 +140,17 @@ def _variants(cfg: Config, g: dict, tp: int, cp: int, pp: int, dp: int, global_b
                     continue
                 for rec, n in _given_or(g, "recompute", recomputes):
                     for zero in _given_or(g, "zero", (0, 1, 2, 3) if dp * cp > 1 else (0,)):
-                        out.append(Candidate(tp, pp, dp, vpp, sp, mbs, rec, n, zero, cp))
+                        for ep in _given_or(g, "ep", ep_sizes(cfg, dp * cp)):
+                            out.append(Candidate(tp, pp, dp, vpp, sp, mbs, rec, n, zero, cp, ep))
     return out
+
+
+def ep_sizes(cfg: Config, replicas: int) -> list[int]:
+    """The expert-parallel sizes the search tries: 1, and for an MoE model the divisors of the dp × cp
+    `replicas` that divide model.moe_experts (ZeRO-3 with ep > 1 is refused by the validity rules)."""
+    if cfg.model.moe_experts <= 0:
+        return [1]
+    return [d for d in divisors(replicas) if cfg.model.moe_experts % d == 0]
 
 
 def _given_or(given: dict, key: str, searched):
@@ -177,7 +186,7 @@ def distinct(ranked: list[Estimate]) -> list[Estimate]:
     seen, out = set(), []
     for est in ranked:
         c = est.candidate
-        key = (c.tp, c.cp, c.pp, c.dp, c.sp, c.recompute)
+        key = (c.tp, c.cp, c.pp, c.dp, c.sp, c.recompute, c.ep)
         if key not in seen:
             seen.add(key)
             out.append(est)

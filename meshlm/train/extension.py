@@ -1,12 +1,14 @@
 """What the trainer is given instead of importing it: `Extension`s.
 
-The trainer runs pretraining and fine-tuning on its own. Two features of a run sit above `train` in the
+The trainer runs pretraining and fine-tuning on its own. Three features of a run sit above `train` in the
 layers and reach the loop as objects passed to `Trainer(cfg, ..., extensions=[...])`:
 
 * `meshlm tune`'s adapters (`tune.method`): `meshlm.tune.extension.tuning_extensions(cfg)`;
-* evaluation tasks at each evaluation (`train.eval_tasks`): `meshlm.eval.during_training.eval_extensions(cfg)`.
+* evaluation tasks at each evaluation (`train.eval_tasks`): `meshlm.eval.during_training.eval_extensions(cfg)`;
+* Hugging Face directories from the published checkpoints (`train.save_hf`):
+  `meshlm.interop.during_training.hf_extensions(cfg)`.
 
-Code that may import both (the commands, tests) assembles them: `meshlm.commands.train.build_trainer(cfg)`
+Code that may import them all (the commands, tests) assembles them: `meshlm.commands.train.build_trainer(cfg)`
 is the trainer of `meshlm train` for any config. A `Trainer` given a config that sets one of
 `EXTENSION_KEYS` without an extension that `implements` it refuses to start (rather than silently
 pretrain a tune run, or skip its evaluation tasks).
@@ -21,7 +23,12 @@ An extension overrides what it needs of this class; every hook runs on every ran
   checkpoint to resume (None: a fresh run), instead of the trainer's own resume and `train.init_from`;
   `save(trainer)` publishes each checkpoint (a collective) and returns its path;
 * `evaluate(trainer)`: more metrics at each evaluation, merged into the evaluation's record (metrics.jsonl,
-  TensorBoard's valid/ scalars and the log line).
+  TensorBoard's valid/ scalars and the log line);
+* `adapt_spec(spec)`: the model family's `ModelSpec` this run uses, before anything is built from it (`meshlm
+  align`: the preference loss as the spec's `loss_for`, which the trainer, tensor parallelism and the last
+  pipeline stage all compute the loss with);
+* `published(trainer, path)`: checkpoint `path` is published (its manifest in place), after a synchronous or
+  an asynchronous save; called on every rank, on the main thread.
 
 What an extension may use of the trainer: `cfg`, `spec`, `dims`, `device`, `model`, `parallel`,
 `optimizer`, `sync`, `loader`, `precision`, `tokenizer`, `tp_rng`, `out_dir`, `n_params`, `step`,
@@ -40,7 +47,8 @@ from meshlm.parallel import Transform
 
 # Config keys whose feature only an extension provides: key → whether `cfg` asks for it.
 EXTENSION_KEYS = {"tune.method": lambda cfg: cfg.tune.method != "none",
-                  "train.eval_tasks": lambda cfg: bool(cfg.train.eval_tasks)}
+                  "train.eval_tasks": lambda cfg: bool(cfg.train.eval_tasks),
+                  "train.save_hf": lambda cfg: bool(cfg.train.save_hf)}
 
 
 class Extension:
@@ -61,6 +69,14 @@ class Extension:
     def evaluate(self, trainer) -> dict:
         """Metrics to add to this evaluation's record (every rank calls it)."""
         return {}
+
+    def adapt_spec(self, spec):
+        """The family spec the run uses instead of `spec` (default: `spec` itself)."""
+        return spec
+
+    def published(self, trainer, path: Path) -> None:
+        """Checkpoint `path` is published (its manifest in place, sync or async save): called on every rank,
+        on the main thread."""
 
 
 def check_extensions(cfg: Config, extensions: Sequence[Extension]) -> Extension | None:

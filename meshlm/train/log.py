@@ -65,12 +65,12 @@ class RunLog:
 
     def write(self, rec: dict) -> None:
         """One record: a line of metrics.jsonl and its float values as TensorBoard scalars against
-        `rec["tokens"]` (`valid/` for an evaluation, `train/` else)."""
+        `rec["tokens"]` (`valid/` for an evaluation, `stragglers/` for a straggler report, `train/` else)."""
         if not self.is_main:
             return
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
-        prefix = "valid" if rec["kind"] == "eval" else "train"
+        prefix = {"eval": "valid", "stragglers": "stragglers"}.get(rec["kind"], "train")
         for key, value in rec.items():
             if isinstance(value, float) and key != "step":
                 self.writer.add_scalar(f"{prefix}/{key}", value, rec["tokens"])
@@ -86,8 +86,9 @@ def run_summary(trainer) -> list[str]:
     lines = [model]
     if d.world_size > 1:
         cp = f" × cp {d.cp} (ring attention, {m.seq_len // d.cp} tokens per rank)" if d.cp > 1 else ""
+        ep = f"; ep {d.ep} ({m.moe_experts // d.ep} experts per rank, all-to-all)" if d.ep > 1 else ""
         lines.append(f"layout: {d.world_size} processes = pp {d.pp} × dp {d.dp}{cp} × tp {d.tp}"
-                     f"{' with sequence parallelism' if cfg.parallel.sp else ''}")
+                     f"{' with sequence parallelism' if cfg.parallel.sp else ''}{ep}")
     pipe = trainer.pipeline
     if pipe is not None:
         lines.append(f"pipeline: {pipe.n_stages} stages ({d.pp} ranks × vpp {cfg.parallel.vpp}), layers per stage "
@@ -105,6 +106,9 @@ def num_tokens(dataset) -> int:
 def train_line(rec: dict, parts: dict) -> str:
     """The log line of a training record (`kind` train) with the loss parts `parts`."""
     more = "".join(f" | {k} {v:.4f}" for k, v in parts.items())
+    if "moe_max_load" in rec:  # mixture of experts (train/metrics.py `moe_metrics`)
+        more += (f" | moe aux {rec['moe_aux']:.3f} max load {rec['moe_max_load']:.2f}x"
+                 f" dropped {100 * rec['moe_dropped']:.1f}%")
     return (f"step {rec['step']:>6} | loss {rec['loss']:.4f}{more} | lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f}"
             f" | {rec['tokens_per_s']:,.0f} tok/s | {rec['tflops']:.3f} TFLOP/s | "
             f"MFU {100 * rec['mfu']:.1f}% | HFU {100 * rec['hfu']:.1f}% | mem {rec['peak_mem_mb']:,.0f} MiB")

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from meshlm.models.moe import moe_layers
 
 
 def measure_peak_tflops(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> float:
@@ -57,3 +61,49 @@ def truncate_metrics(path: Path, step: int) -> int:
     tmp.write_text("".join(line + "\n" for line in keep))
     os.replace(tmp, path)
     return torn
+
+
+def moe_groups(dims, sp: bool) -> list:
+    """The process groups whose ranks route different tokens through the same MoE layers: the weights' replicas
+    (dp × cp) and, under sequence parallelism, the tp ranks. Sums over them give the global expert load."""
+    groups = [dims.dpcp_group] if dims.dp * dims.cp > 1 else []
+    return groups + ([dims.tp_group] if sp and dims.tp > 1 else [])
+
+
+def moe_metrics(model, groups=()) -> dict:
+    """Every MoE layer's statistics since the last call, summed over `groups` (one collective; every rank calls
+    it): per layer i, `moe_load_i` (the share of routed assignments per expert), `moe_aux_i` and `moe_z_i` (the
+    mean unscaled aux and z losses), `moe_dropped_i` (share of assignments over capacity); and over the layers
+    `moe_aux`, `moe_max_load` (the largest expert share × experts: 1 is perfect balance) and `moe_dropped`.
+    {} without MoE layers. Under pipeline parallelism: the layers of this rank's stages."""
+    layers = moe_layers(model)
+    if not layers:
+        return {}
+    vecs = []
+    for _, m in layers:
+        s = m.take_stats()
+        E = m.experts.n_experts
+        if s is None:
+            vecs.append(torch.zeros(E + 4, device=m.router.weight.device))
+        else:
+            vecs.append(torch.cat([s["counts"], torch.stack([s["dropped"], s["aux"], s["z"], s["tokens"]])]))
+    flat = torch.cat(vecs).float()
+    for group in groups:
+        dist.all_reduce(flat, group=group)
+    rec, maxima = {}, []
+    for position, ((name, _), vec) in enumerate(zip(layers, flat.split([len(v) for v in vecs]))):
+        found = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        i = int(found.group(1)) if found else position
+        counts, (dropped, aux, z, tokens) = vec[:-4], vec[-4:].tolist()
+        routed = max(float(counts.sum()), 1.0)
+        rec[f"moe_load_{i}"] = [round(x, 5) for x in (counts / routed).tolist()]
+        rec[f"moe_aux_{i}"] = aux / max(tokens, 1.0)
+        rec[f"moe_z_{i}"] = z / max(tokens, 1.0)
+        rec[f"moe_dropped_{i}"] = dropped / routed
+        maxima.append(max(rec[f"moe_load_{i}"]) * len(counts))
+    n = len(layers)
+    rec["moe_aux"] = sum(v for k, v in rec.items() if k.startswith("moe_aux_")) / n
+    rec["moe_dropped"] = sum(v for k, v in rec.items() if k.startswith("moe_dropped_")) / n
+    rec["moe_max_load"] = max(maxima)
+    return rec
+

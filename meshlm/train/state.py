@@ -9,8 +9,15 @@ and restore them instead.
 
 `CheckpointState` is a part of `train.trainer.Trainer` (its base class): the methods use the trainer's
 attributes (`cfg`, `dims`, `out_dir`, `model`, `optimizer`, `sync`, `loader`, `precision`, `tokenizer`,
-`tp_rng`, `step`, `tokens_seen`, `skipped_steps`, `legacy_resume`, `checkpoints`, `budget`, `log`). A budget run's
-plan (`train/budget.py`: the step count it fixed) is part of the state, so a resumed run keeps its schedule.
+`tp_rng`, `step`, `tokens_seen`, `skipped_steps`, `legacy_resume`, `checkpoints`, `extensions`, `budget`,
+`log`). A budget run's plan (`train/budget.py`: the step count it fixed) is part of the state, so a resumed
+run keeps its schedule.
+
+With `train.async_save` the loop's `train.save_every` checkpoints are copied to host memory at the step and
+written by one background thread (`checkpoint/background.py`) while training goes on; `poll_save` completes
+one at a step boundary (publish, `keep_last`, the extensions' `published`), the next save and the end of the
+run wait for it, and its error stops the run with a synchronous save's message. The final save is
+synchronous.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import torch.distributed as dist
 from meshlm.checkpoint import files as ckpt_files
 from meshlm.checkpoint import sharded as dist_checkpoint
 from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.background import BackgroundWriter, SingleJob
 from meshlm.core.config import Config, ConfigError, config_from_dict
 from meshlm.core.errors import CheckpointError
 from meshlm.core.precision import resolve_precision, resume_precision
@@ -91,7 +99,7 @@ class CheckpointState:
         when > 1)."""
         d = self.dims
         return {"world_size": d.world_size, "tp": d.tp, "pp": d.pp, "dp": d.dp, "sp": self.cfg.parallel.sp,
-                "zero": self.sync.zero, **({"cp": d.cp} if d.cp > 1 else {})}
+                "zero": self.sync.zero, **({"cp": d.cp} if d.cp > 1 else {}), **({"ep": d.ep} if d.ep > 1 else {})}
 
     def run_state(self) -> dict:
         """The shared state of a multi-process (or tune) checkpoint: step, tokens seen, data position,
@@ -115,9 +123,17 @@ class CheckpointState:
         }
 
     # ---- saving ----------------------------------------------------------------------------------------
-    def save(self) -> Path:
+    _writer: BackgroundWriter | None = None  # train.async_save's worker thread, made at the first background save
+
+    def save(self, background: bool = False) -> Path | None:
         """Publish this step's checkpoint (never one with non-finite weights), then keep the newest
-        `train.keep_last` valid ones."""
+        `train.keep_last` valid ones. A save still in flight is completed first. `background` (the loop's
+        train.save_every saves) with train.async_save: the state is copied to host memory and written by the
+        background thread; it is published at a later step boundary (`poll_save`) and None is returned."""
+        self._complete_save(waiting=True)
+        if background and self.cfg.train.async_save and self.checkpoints is None:
+            self._save_in_background()
+            return None
         if self.checkpoints is not None:
             path = self.checkpoints.save(self)
         elif self.dims.world_size == 1:
@@ -126,9 +142,15 @@ class CheckpointState:
             path = ckpt.save_checkpoint(self.out_dir, self.step, parts, self.cfg.to_dict())
         else:
             path = self._save_sharded()
-        if self.dims.is_main:
-            ckpt_files.prune_old(self.out_dir, self.cfg.train.keep_last, self.step)
+        self._published(path, self.step)
         return path
+
+    def _published(self, path: Path, step: int) -> None:
+        """After a publish: rank 0 prunes to `train.keep_last`; every rank's extensions hear of it."""
+        if self.dims.is_main:
+            ckpt_files.prune_old(self.out_dir, self.cfg.train.keep_last, step)
+        for extension in self.extensions:
+            extension.published(self, path)
 
     def _save_sharded(self) -> Path:
         """Every rank writes the pieces of the layout-free tensors it owns (weights and Adam states) and its
@@ -137,6 +159,49 @@ class CheckpointState:
         rank_state = {"rng": rng_state(), "tp_rng": self.tp_rng.get_state()}
         return dist_checkpoint.save(self.out_dir, self.step, self.sync, self.optimizer, self.run_state(),
                                     self.cfg.to_dict(), rank_state)
+
+    def _save_in_background(self) -> None:
+        """Copy this step's state to host memory (every rank, this thread) and hand it to the worker thread
+        (`checkpoint/background.py`); with several processes, starting it is a collective (the temporary
+        directory's name) and so is completing it (`poll_save`)."""
+        writer = self._writer = self._writer or BackgroundWriter()
+        copier = writer.copier
+        if self.dims.world_size == 1:
+            parts = self.state_parts()
+            parts["state"]["skipped_steps"] = self.skipped_steps
+            job = SingleJob(self.out_dir, self.step, copier.copy(parts), self.cfg.to_dict())
+        else:
+            rank_state = {"rng": rng_state(), "tp_rng": self.tp_rng.get_state()}
+            job = dist_checkpoint.begin(self.out_dir, self.step, self.sync, self.optimizer,
+                                        copier.copy(self.run_state()), self.cfg.to_dict(), copier.copy(rank_state),
+                                        copy=copier.tensor)
+        writer.submit(job)
+
+    def poll_save(self) -> None:
+        """At a step boundary (every rank alike): publish the background save if every rank's worker finished
+        it (several processes: one small all-reduce while a save is in flight); its error stops the run here."""
+        if self._writer is not None and self._writer.job is not None and self._writer.done_everywhere(self.dims):
+            self._complete_save(waiting=False)
+
+    def _complete_save(self, waiting: bool) -> None:
+        """Complete the background save in flight, if any (`waiting`: first wait for this rank's worker, and
+        say so): publish it, or raise its error (the lines of a synchronous save)."""
+        writer = self._writer
+        if writer is None or writer.job is None:
+            return
+        step = writer.job.step
+        if waiting:
+            seconds = writer.wait()
+            self.log(f"checkpoint: waited {seconds:.2f} s at step {self.step} for step {step}'s background write "
+                     "to finish (train.async_save writes one checkpoint at a time)")
+        self._published(writer.collect(), step)
+
+    def close_saves(self) -> None:
+        """At the end of `run` (also after an error): let a background write in flight end and stop the
+        worker thread. A one-process save publishes itself; a sharded one is published only by
+        `_complete_save` (a collective), so here it stays a temporary directory, pruned by the next run."""
+        if self._writer is not None:
+            self._writer.close()
 
     # ---- loading ---------------------------------------------------------------------------------------
     def _load(self, path: Path) -> None:
@@ -187,3 +252,4 @@ class CheckpointState:
                               "the model.* keys as in its config.json")
         self.log(f"initialised from {source}: {total - len(new)} of {total} tensors"
                  + (f"; new: {', '.join(new)}" if new else ""))
+

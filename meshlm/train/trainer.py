@@ -41,15 +41,17 @@ from meshlm.families.registry import get_spec
 from meshlm.models.activations import measure_model_activations
 from meshlm.models.generate import generate
 from meshlm.models.loss import use_fused_loss
+from meshlm.models.moe import set_aux_grad_scale, update_router_bias
 from meshlm.parallel import TPRNGTracker, build_model, init_distributed
 from meshlm.parallel.data import memory_report
 from meshlm.parallel.heartbeat import start_heartbeat
 from meshlm.train.budget import TimeBudget, check_budget_schedule, duration, with_steps
 from meshlm.train.extension import Extension, check_extensions
 from meshlm.train.log import RunLog, eval_line, run_summary, train_line
-from meshlm.train.metrics import measure_peak_tflops, peak_memory_mb
+from meshlm.train.metrics import measure_peak_tflops, moe_groups, moe_metrics, peak_memory_mb
 from meshlm.train.optim import build_optimizer, lr_at
 from meshlm.train.state import CheckpointState
+from meshlm.train.stragglers import straggler_line, straggler_watch
 from meshlm.train.threads import thread_governor
 
 
@@ -176,6 +178,8 @@ class Trainer(CheckpointState):
         self.step = 0
         self.tokens_seen = 0
         self.stop_signal: str | None = None
+        # Every train.straggler_every steps the ranks' compute and wait times are compared (train/stragglers.py).
+        self.stragglers = straggler_watch(t.straggler_every, t.straggler_ratio, self.dims)
 
     def _restore(self) -> None:
         """The starting state: the checkpoint-owning extension's (a tune run: the frozen base, then the
@@ -206,6 +210,9 @@ class Trainer(CheckpointState):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = torch.zeros((), device=self.device)
+        self.stragglers.mark()  # the step's phases: compute, wait in collectives, the rest (train/stragglers.py)
+        # MoE layers' auxiliary-loss gradients get the LM loss's factor (models/moe.py)
+        set_aux_grad_scale(self.model, self.precision.scaler.get_scale() / self.accum)
         if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
             total = self._pipeline_forward_backward()
         else:
@@ -217,6 +224,7 @@ class Trainer(CheckpointState):
                     loss = self.loss(x, y) / self.accum
                 self.precision.scaler.scale(loss).backward()
                 total += loss.detach()  # the full-vocabulary loss: identical on every tp rank
+        self.stragglers.mark()
         total = self.sync.average_loss(total)  # the global batch's mean (over dp)
         # Wait for the dp reductions launched during backward, then complete the gradients tp ranks hold
         # parts of (SP norms, shared KV heads) and the tied embedding's two pipeline copies.
@@ -225,6 +233,7 @@ class Trainer(CheckpointState):
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         grad_norm = self.sync.clip_grad_norm_(clip)  # each parameter (shard) once, over the whole layout
         loss, norm = self._host_values(total, grad_norm)
+        self.stragglers.mark()
         scaler = self.precision.scaler
         # fp16: a finite loss with inf gradients is the GradScaler's to skip (it lowers the scale).
         if math.isfinite(loss) and (math.isfinite(norm) or scaler.is_enabled()):
@@ -234,10 +243,13 @@ class Trainer(CheckpointState):
             self._skip_step(loss, norm)
         scaler.update()
         self.sync.after_step()  # ZeRO-1/2: every rank's updated shard into everyone's parameters
+        update_router_bias(self.model, moe_groups(self.dims, self.cfg.parallel.sp))  # sigmoid MoE routers
         if not self._memory_logged:  # measured now: Adam's states exist, gradients not yet released
             self.log(memory_report(self.sync, self.optimizer))
             self._memory_logged = True
         self.sync.zero_grad(self.optimizer)
+        self.stragglers.mark()
+        self.stragglers.end_step()
         self.step += 1
         self.tokens_seen += cfg.train.global_batch_size * self.row_tokens
         return loss, norm
@@ -369,6 +381,7 @@ class Trainer(CheckpointState):
         try:
             return self._run()
         finally:
+            self.close_saves()  # a background write in flight ends before the process does
             for s, h in handlers.items():
                 signal.signal(s, h)
             if self.heartbeat is not None:
@@ -445,8 +458,12 @@ class Trainer(CheckpointState):
             if self.budget is not None:
                 self._follow_budget(time.perf_counter() - began)
                 t = self.cfg.train  # max_steps: the planned count once planned
+            self.poll_save()  # train.async_save: publish a finished background write, or stop on its error
             if self.threads is not None and (line := self.threads.after_step()):
                 self.log(line)
+            if (rec := self.stragglers.report(self.step)) is not None:  # a collective: every rank calls it
+                self.runlog.write({**rec, "tokens": self.tokens_seen})
+                self.log(straggler_line(rec))
             window_steps += 1
             self.runlog.bar.update(1)
             self.runlog.bar.set_postfix(loss=f"{loss:.3f}")
@@ -459,7 +476,7 @@ class Trainer(CheckpointState):
                 last_eval = self._eval_and_log()
                 window_start, window_steps = time.perf_counter(), 0
             if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
-                self.save()
+                self.save(background=True)  # train.async_save: written while the next steps run
         return last_eval
 
     def _follow_budget(self, seconds: float) -> None:
@@ -489,6 +506,7 @@ class Trainer(CheckpointState):
                "tflops": flops / dt / 1e12, "mfu": flops / dt / 1e12 / peak,
                "hfu": hw_flops / dt / 1e12 / peak, "peak_mem_mb": peak_memory_mb(self.device),
                "step_time_s": dt, "threads": torch.get_num_threads()}
+        rec.update(moe_metrics(self.model, moe_groups(self.dims, self.cfg.parallel.sp)))  # every rank: collective
         self.runlog.write(rec)
         self.log(train_line(rec, parts))
 

@@ -65,7 +65,7 @@ class HFModule:
 
 def hf_linears(cfg: Config) -> list[HFModule]:
     """The Hugging Face modules of every linear a LoRA target can sit on (the interop tables' weights)."""
-    from meshlm.families.common import split_sizes
+    from meshlm.families.common import entry_rows
     from meshlm.families.registry import get_spec
     from meshlm.interop.hf_config import hf_architecture
 
@@ -81,7 +81,7 @@ def hf_linears(cfg: Config) -> list[HFModule]:
         path = ours[:-len(".weight")]
         theirs = [t[:-len(".weight")] for t in entry.theirs]
         sizes = [m.hidden_size] * 3 if arch == "bert" and len(theirs) == 3 else \
-            split_sizes(m, len(theirs)) if len(theirs) > 1 else [-1]
+            entry_rows(m, entry) or [-1]
         lo = 0
         for name, n in zip(theirs, sizes):
             out.append(HFModule(prefix + name, path, lo, lo + n if n > 0 else -1))

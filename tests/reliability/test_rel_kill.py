@@ -9,6 +9,7 @@ import random
 import signal
 import time
 
+import pytest
 import torch
 
 from meshlm.checkpoint import single as ckpt
@@ -21,9 +22,9 @@ KILLS = 20
 EXACT_KEYS = ("kind", "step", "loss", "lr", "grad_norm", "tokens", "skipped_steps", "val_loss", "val_bpb")
 
 
-def config(out):
-    return tiny_config(out, train={"max_steps": STEPS, "save_every": 1, "keep_last": 2, "sample_tokens": 0},
-                       model={"dropout": 0.1})
+def config(out, async_save: bool = False):
+    return tiny_config(out, train={"max_steps": STEPS, "save_every": 1, "keep_last": 2, "sample_tokens": 0,
+                                   "async_save": async_save}, model={"dropout": 0.1})
 
 
 def records(out) -> list[dict]:
@@ -38,14 +39,14 @@ def _latest_step(out) -> int:
         return 0
 
 
-def run_and_kill(out, target: int, delay: float, deadline_s: float = 120) -> None:
+def run_and_kill(out, target: int, delay: float, deadline_s: float = 120, async_save: bool = False) -> None:
     """Fork (torch and the corpus already loaded: no start-up cost), train, and SIGKILL `delay` s after the
     run has published step `target`: kills land at chosen steps however fast the machine is, and the
     delay puts them anywhere in the next step or save."""
     pid = os.fork()
     if pid == 0:  # the child: train until killed (or finished), never return into pytest
         try:
-            Trainer(config(out)).run()
+            Trainer(config(out, async_save)).run()
         finally:
             os._exit(0)
     start = time.monotonic()
@@ -58,21 +59,24 @@ def run_and_kill(out, target: int, delay: float, deadline_s: float = 120) -> Non
     os.waitpid(pid, 0)
 
 
-def test_kill9_at_random_moments_resumes_bit_exactly(tmp_path):
+# async: the kills land in background writes too (train.async_save: steps run while a checkpoint is written)
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_kill9_at_random_moments_resumes_bit_exactly(tmp_path, async_save):
     ref = tmp_path / "ref"
     Trainer(config(ref)).run()
     out = tmp_path / "killed"
     rng = random.Random(13)
-    targets = sorted(rng.sample(range(1, STEPS - 1), KILLS))  # 20 distinct steps of 30, in the order a run reaches them
+    kills = KILLS // 2 if async_save else KILLS  # half as many with async_save: test_rel_async.py kills one mid-write
+    targets = sorted(rng.sample(range(1, STEPS - 1), kills))  # 20 distinct steps of 30, in the order a run reaches them
     reached = []
     for target in targets:
-        run_and_kill(out, target, rng.uniform(0.0, 0.3))  # a step + a save take ~0.1-0.3 s here
+        run_and_kill(out, target, rng.uniform(0.0, 0.3), async_save=async_save)  # a step + a save: ~0.1-0.3 s here
         found = ckpt.latest_checkpoint(out)
         reached.append(0 if found is None else int(found.name.split("_")[1]))
     print("kill after step:", targets, "newest valid checkpoint after each kill:", reached)
     assert all(r >= t for r, t in zip(reached, targets)), "each kill came after its target step was published"
-    assert sum(r < STEPS for r in reached) >= KILLS * 3 // 4, f"most kills should land mid-run ({reached})"
-    Trainer(config(out)).run()
+    assert sum(r < STEPS for r in reached) >= kills * 3 // 4, f"most kills should land mid-run ({reached})"
+    Trainer(config(out, async_save)).run()
     assert records(out) == records(ref)  # every step once, the same losses, norms, rates, evaluation
     a = ckpt.load_model_state(ckpt.resolve_checkpoint(ref))
     b = ckpt.load_model_state(ckpt.resolve_checkpoint(out))

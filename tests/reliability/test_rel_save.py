@@ -97,9 +97,13 @@ def assert_one_clear_line(err: str, step: int) -> None:
     assert "model.pt: it needs about " in err and " MiB" in err and "train.out_dir" in err, err
 
 
-def test_disk_full_gives_one_line_and_leaves_nothing_behind(tmp_path, monkeypatch, capsys):
+ASYNC = [pytest.param([], id="sync"), pytest.param(["--train.async_save=true"], id="async")]  # background writes
+
+
+@pytest.mark.parametrize("mode", ASYNC)
+def test_disk_full_gives_one_line_and_leaves_nothing_behind(tmp_path, monkeypatch, capsys, mode):
     full_disk_at(monkeypatch, ".tmp-step_0000002-")
-    rc = main(["train", *TINY, f"--train.out_dir={tmp_path}", "--train.max_steps=3", "--train.save_every=1"])
+    rc = main(["train", *TINY, f"--train.out_dir={tmp_path}", "--train.max_steps=3", "--train.save_every=1", *mode])
     assert rc == 2
     assert_one_clear_line(capsys.readouterr().err, 2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_0000001"]
@@ -152,8 +156,9 @@ def test_a_fresh_start_truncates_metrics_of_a_run_killed_before_its_first_checkp
     assert train_steps(tmp_path) == [1, 2]
 
 
+@pytest.mark.parametrize("mode", [[], ["--train.async_save=true", "--train.save_every=1"]], ids=["sync", "async"])
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_signal_saves_and_exits_128_plus_its_number(tmp_path, monkeypatch, sig, code, capsys):
+def test_a_signal_saves_and_exits_128_plus_its_number(tmp_path, monkeypatch, sig, code, capsys, mode):
     real = Trainer.train_step
 
     def step(self):
@@ -162,6 +167,6 @@ def test_a_signal_saves_and_exits_128_plus_its_number(tmp_path, monkeypatch, sig
             os.kill(os.getpid(), sig)
         return out
     monkeypatch.setattr(Trainer, "train_step", step)
-    assert main(["train", *TINY, f"--train.out_dir={tmp_path}", "--train.max_steps=50"]) == code
+    assert main(["train", *TINY, f"--train.out_dir={tmp_path}", "--train.max_steps=50", *mode]) == code
     assert f"stopped by {sig.name} at step 2" in capsys.readouterr().out
     assert ckpt.resolve_checkpoint(tmp_path).name == "step_0000002"
