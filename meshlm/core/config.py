@@ -192,6 +192,14 @@ class ModelConfig:
         """One routed expert's SwiGLU width (moe_expert_hidden, 0: ffn_size)."""
         return self.moe_expert_hidden or self.ffn_size
 
+    def moe_layers(self, n: int | None = None) -> int:
+        """How many of the first n layers (default all) are MoE, in closed form (no loop over the layers: a
+        config with a billion layers is refused by the memory check, not counted one by one)."""
+        n = self.n_layers if n is None else n
+        if self.moe_experts == 0 or n <= self.moe_first_dense:
+            return 0
+        return n // self.moe_every - self.moe_first_dense // self.moe_every
+
     def is_moe_layer(self, i: int) -> bool:
         """Layer i (from 0) is a mixture of experts (Qwen2-MoE's decoder_sparse_step, DeepSeek's first_k_dense)."""
         return self.moe_experts > 0 and i >= self.moe_first_dense and (i + 1) % self.moe_every == 0
@@ -206,7 +214,7 @@ class ModelConfig:
         E = self.moe_experts
         _check(self.moe_top_k <= E, f"model.moe_top_k={self.moe_top_k} exceeds model.moe_experts={E} (each token "
                f"picks top_k distinct experts); set model.moe_top_k <= {E}")
-        _check(any(self.is_moe_layer(i) for i in range(self.n_layers)),
+        _check(self.moe_layers() > 0,
                f"model.moe_experts={E} but no layer is MoE (model.moe_first_dense={self.moe_first_dense}, "
                f"model.moe_every={self.moe_every}, model.n_layers={self.n_layers}); lower moe_first_dense or moe_every")
         _check(not self.moe_shared_gate or self.moe_shared_experts > 0,

@@ -35,7 +35,7 @@ def parameter_count(m: ModelConfig) -> int:
     layer = 2 * norm + qkv + proj + mlp
     embed = m.vocab_size * h + (m.seq_len * h if m.position == "learned" else 0)
     head = 0 if m.tie_embeddings else m.vocab_size * h
-    n_moe = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    n_moe = m.moe_layers()
     return m.n_layers * layer + n_moe * (moe_mlp_parameters(m) - mlp) + embed + norm + head
 
 

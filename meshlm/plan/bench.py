@@ -72,7 +72,7 @@ def bench_memory(cfg: Config) -> str:
     lines += [total, "", outside, ""]
     if cp_layers:
         lines += _cp_lines(cfg, spec, cp_layers, formula, dtypes, backend)
-    moe = any(m.is_moe_layer(i) for i in range(m.n_layers))  # the terms of a MoE layer (models/moe.py)
+    moe = m.moe_layers() > 0  # the terms of a MoE layer (models/moe.py)
     lines.append(f"formula terms of a stored {'MoE ' if moe else ''}layer (bytes):")
     terms = activation_terms(m, t.micro_batch_size, p.tp, p.sp, "none" if t.recompute == "full" else t.recompute,
                              dtypes, backend, cp=p.cp, moe=moe)

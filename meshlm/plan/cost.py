@@ -255,7 +255,7 @@ def rank_expert_parameters(m: ModelConfig, layers: int, tp: int, ep: int) -> tup
     layers are taken spread evenly over the stages."""
     if m.moe_experts <= 0:
         return 0.0, 0.0
-    n_moe = layers * sum(m.is_moe_layer(i) for i in range(m.n_layers)) / m.n_layers
+    n_moe = layers * m.moe_layers() / m.n_layers
     experts = n_moe * 3 * m.hidden_size * m.expert_size * m.moe_experts
     whole = n_moe * moe_mlp_parameters(m)  # experts, router, shared experts and gate
     return whole - whole / tp - experts + experts / ep, experts / ep
@@ -307,7 +307,7 @@ def moe_layer_share(m: ModelConfig) -> float:
     """The share of the layers that are MoE layers (0 for a dense model)."""
     if m.moe_experts <= 0:
         return 0.0
-    return sum(m.is_moe_layer(i) for i in range(m.n_layers)) / m.n_layers
+    return m.moe_layers() / m.n_layers
 
 
 def _link(cluster: Cluster, span: int) -> tuple[float, float]:
