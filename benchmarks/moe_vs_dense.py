@@ -10,7 +10,8 @@ the bundled corpus; and expert parallelism's speed (ep 2 against ep 1, two proce
    `meshlm train --config gpt-moe-tiny` (the same decoder, each MLP replaced by 8 SwiGLU experts 192 wide,
    top 2: 2 × 192 = 384 active, as the dense MLP; + a 8 × 128 router per layer), each alone with
    `train.time_budget_s=--seconds` (the whole command, set-up included; the run fits its step count and
-   learning-rate schedule to it), no evaluation during training, no sample. Both are then scored by one
+   learning-rate schedule to it, WSD so that the count follows the clock until the decay starts), no
+   evaluation during training, no sample. Both are then scored by one
    evaluator (`demo_quality.bits_per_byte`): the held-out works of the corpus (meshlm's validation split, whole
    works) in bits per byte, windows of 128 tokens at a stride of 64. Tokens/s: the median of the run's
    logged `tokens_per_s` (metrics.jsonl), the first log step left out (warm-up).
@@ -91,8 +92,11 @@ def quality(config: str, seconds: float, work: Path, held_out: list[str]) -> dic
     from meshlm.checkpoint.load import load_model_from_checkpoint
 
     out = work / config
+    # WSD (warmup, constant, linear decay over the last 20%): the budget revises the step count from the
+    # measured step time until the decay starts (train/budget.py), so a change in the machine's load early in
+    # the run does not fix a wrong count; cosine would fix it after the warmup.
     cmd = [sys.executable, "-m", "meshlm", "train", "--config", config, f"--train.out_dir={out}",
-           f"--train.time_budget_s={seconds:g}", "--train.max_steps=100000", *COMMON, *SHAPE]
+           f"--train.time_budget_s={seconds:g}", "--train.max_steps=100000", "--optim.decay=wsd", *COMMON, *SHAPE]
     code, wall = _run(cmd, work / f"{config}.log", seconds * 3 + 300)
     if code:
         return {"error": f"exit {code}; see {work / f'{config}.log'}"}
