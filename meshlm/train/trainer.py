@@ -41,7 +41,7 @@ from meshlm.families.registry import get_spec
 from meshlm.models.activations import measure_model_activations
 from meshlm.models.generate import generate
 from meshlm.models.loss import use_fused_loss
-from meshlm.models.moe import set_aux_grad_scale, update_router_bias
+from meshlm.models.moe import moe_layers, set_aux_grad_scale, update_router_bias
 from meshlm.parallel import TPRNGTracker, build_model, init_distributed
 from meshlm.parallel.data import memory_report
 from meshlm.parallel.heartbeat import start_heartbeat
@@ -141,6 +141,7 @@ class Trainer(CheckpointState):
         transforms = [transform for e in self.extensions for transform in e.transforms]
         self.parallel = build_model(cfg, self.dims, rng=self.tp_rng, spec=self.spec, transforms=transforms)
         self.model = self.parallel.model  # this rank's part, plain parameter names
+        self.has_moe = bool(moe_layers(self.model))  # MoE layers' per-step hooks run only if there are any
         self.legacy_resume = (self.resume_from is not None and self.dims.world_size == 1 and self.checkpoints is None
                               and not dist_checkpoint.is_sharded(self.resume_from))
         if self.legacy_resume:  # a one-process checkpoint into one process: the plain state dicts
@@ -211,8 +212,8 @@ class Trainer(CheckpointState):
             group["lr"] = lr
         total = torch.zeros((), device=self.device)
         self.stragglers.mark()  # the step's phases: compute, wait in collectives, the rest (train/stragglers.py)
-        # MoE layers' auxiliary-loss gradients get the LM loss's factor (models/moe.py)
-        set_aux_grad_scale(self.model, self.precision.scaler.get_scale() / self.accum)
+        if self.has_moe:  # auxiliary-loss gradients get the LM loss's factor (models/moe.py); get_scale syncs
+            set_aux_grad_scale(self.model, self.precision.scaler.get_scale() / self.accum)
         if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
             total = self._pipeline_forward_backward()
         else:
@@ -243,7 +244,8 @@ class Trainer(CheckpointState):
             self._skip_step(loss, norm)
         scaler.update()
         self.sync.after_step()  # ZeRO-1/2: every rank's updated shard into everyone's parameters
-        update_router_bias(self.model, moe_groups(self.dims, self.cfg.parallel.sp))  # sigmoid MoE routers
+        if self.has_moe:
+            update_router_bias(self.model, moe_groups(self.dims, self.cfg.parallel.sp))  # sigmoid MoE routers
         if not self._memory_logged:  # measured now: Adam's states exist, gradients not yet released
             self.log(memory_report(self.sync, self.optimizer))
             self._memory_logged = True
