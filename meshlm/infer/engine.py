@@ -41,10 +41,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from meshlm.models.generate import sample_next
+from meshlm.infer import sampling
+from meshlm.infer.sampling import (  # noqa: F401 -- re-exported: the engine's API
+    MAX_TOP_LOGPROBS,
+    InvalidRequest,
+    SamplingParams,
+    TokenInfo,
+    apply_penalties,
+    sample_token,
+)
 from meshlm.models.layers import KVCache
-
-MAX_TOP_LOGPROBS = 20
 
 
 class QueueFull(RuntimeError):
@@ -53,65 +59,6 @@ class QueueFull(RuntimeError):
 
 class EngineDead(RuntimeError):
     """The engine loop stopped (an error in the model, or a shutdown)."""
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    repetition_penalty: float = 1.0  # > 1 discourages every token of the prompt and output (CTRL's rule)
-    presence_penalty: float = 0.0  # subtracted from tokens already in the output
-    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
-    logprobs: int | None = None  # None: none; N: the chosen token's and the top N
-    echo: bool = False  # the prompt's log-probabilities too (its first token has none)
-
-    def validate(self) -> None:
-        checks = [
-            (self.max_tokens >= 0, "max_tokens", "must be >= 0"),
-            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0"),
-            (self.top_k >= 0, "top_k", "must be >= 0 (0: off)"),
-            (math.isfinite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
-            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-             "must be > 0 (1: off)"),
-            (math.isfinite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
-             "must be in [-2, 2]"),
-            (math.isfinite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
-             "must be in [-2, 2]"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS, "logprobs",
-             f"must be in 0..{MAX_TOP_LOGPROBS}"),
-            (self.seed is None or 0 <= self.seed < 2 ** 63, "seed", "must be in 0..2^63-1"),
-        ]
-        for ok, param, message in checks:
-            if not ok:
-                raise InvalidRequest(f"{param} {message} (got {getattr(self, param)!r})", param)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
-
-
-class InvalidRequest(ValueError):
-    """A request the engine cannot take; `param` names the field."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass
-class TokenInfo:
-    """One token: its id, text, the model's log-probability, and the top N (id, log-probability)."""
-
-    id: int
-    text: str
-    logprob: float | None = None
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -292,32 +239,6 @@ def worker_loop(runner: Runner) -> None:
         getattr(Runner, op[0])(runner, *op[1:])
 
 
-# ---- sampling -----------------------------------------------------------------------------------------------
-def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
-    p = req.params
-    if p.repetition_penalty != 1.0 and req.seen:
-        ids = torch.tensor(sorted(req.seen), device=logits.device)
-        vals = logits[ids]
-        logits = logits.clone()
-        logits[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and req.counts:
-        ids = torch.tensor(list(req.counts), device=logits.device)
-        counts = torch.tensor(list(req.counts.values()), dtype=logits.dtype, device=logits.device)
-        logits = logits.clone()
-        logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
-    return logits
-
-
-def sample_token(logits: torch.Tensor, req: Request) -> int:
-    """One id from (V,) fp32 logits by the request's parameters (`models/generate.py`'s `sample_next`: however
-    small the temperature or extreme the penalties, no NaN reaches the draw)."""
-    p = req.params
-    logits = apply_penalties(logits, req)
-    if p.greedy:
-        return int(logits.argmax())
-    return int(sample_next(logits[None], p.temperature, p.top_k, p.top_p, req.generator)[0, 0])
-
-
 # ---- the engine ---------------------------------------------------------------------------------------------
 class Engine:
     """Continuous batching of generation requests over one model (see the module docstring).
@@ -396,6 +317,7 @@ class Engine:
         elif not params.greedy:
             req.generator = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 62, ()).item()))
         req.seen = set(prompt_ids)
+        sampling.begin(req, self.tokenizer)
         with self.lock:
             if self.dead is not None:
                 raise EngineDead(self.dead)
@@ -465,6 +387,7 @@ class Engine:
         req.output.append(self._token_info(logprobs, token, p.logprobs))
         req.counts[token] = req.counts.get(token, 0) + 1
         req.seen.add(token)
+        sampling.observe(req, token)
         self.stats["generation_tokens"] += 1
         if (token == self.eod_id and not p.ignore_eos) or token in p.stop_token_ids:
             req.text = self.tokenizer.decode(req.output_ids[:-1])
