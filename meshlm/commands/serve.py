@@ -67,9 +67,11 @@ def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    options = cache_options(args)
     _check_host(args.host)
     return serve(args.checkpoint, args.host, args.port, args.max_seqs, args.max_len, args.max_queue, args.api_key,
-                 args.served_model_name, tp, args.adapter, args.log_level, args.drain_timeout, args.max_body_bytes)
+                 args.served_model_name, tp, args.adapter, args.log_level, args.drain_timeout, args.max_body_bytes,
+                 options)
 
 
 def add_serve_command(sub) -> None:
@@ -92,4 +94,34 @@ def add_serve_command(sub) -> None:
     p.add_argument("--adapter", action="append", default=None, metavar="[NAME=]DIR", help="an adapter of meshlm "
                    "tune (or PEFT; LoRA or prompt tuning) tuned on --checkpoint, served as model NAME (default: DIR's "
                    "name) next to the base; repeat it for several, chosen per request by the model field")
+    g = p.add_argument_group("KV cache and scheduling (docs/serving.md)")
+    g.add_argument("--block-size", type=int, default=16, help="positions per KV cache block (default 16)")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks in the pool (default: "
+                   "--max-seqs rows of --max-len positions)")
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not share the cache blocks of identical prompt prefixes between requests")
+    g.add_argument("--max-batched-tokens", type=int, default=512, help="tokens one step runs at most: decoding "
+                   "rows first, then prefill chunks of long prompts (default 512; 0: whole prompts, no chunking)")
+    g.add_argument("--speculative", choices=["ngram", "draft"], default=None, help="speculative decoding: ngram "
+                   "(prompt lookup) or draft (a smaller checkpoint, --draft-checkpoint, with the same tokenizer)")
+    g.add_argument("--draft-checkpoint", default=None, help="the draft model of --speculative draft")
+    g.add_argument("--num-draft-tokens", type=int, default=4, help="tokens proposed per step (default 4)")
     p.set_defaults(func=_serve)
+
+
+def cache_options(args: argparse.Namespace):
+    """The engine's CacheOptions from the flags, each checked (ConfigError naming the flag)."""
+    from meshlm.infer.engine import CacheOptions
+
+    checks = [(args.block_size >= 1, f"--block-size {args.block_size} must be >= 1"),
+              (args.num_blocks is None or args.num_blocks >= 1, f"--num-blocks {args.num_blocks} must be >= 1"),
+              (args.max_batched_tokens >= 0,
+               f"--max-batched-tokens {args.max_batched_tokens} must be >= 0 (0: no limit)"),
+              (1 <= args.num_draft_tokens <= 16, f"--num-draft-tokens {args.num_draft_tokens} must be in 1..16"),
+              ((args.speculative == "draft") == (args.draft_checkpoint is not None),
+               "--speculative draft needs --draft-checkpoint DIR (and --draft-checkpoint needs --speculative draft)")]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    return CacheOptions(args.block_size, args.num_blocks, args.prefix_caching, args.max_batched_tokens or None,
+                        args.speculative, args.draft_checkpoint, args.num_draft_tokens)

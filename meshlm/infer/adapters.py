@@ -51,7 +51,7 @@ class AdapterSet:
         self.spec = get_spec(cfg.model.family)
         self.served: list[ServedAdapter] = []
         self.rows: dict[int, torch.Tensor | None] = {}  # adapter index → rows of this forward (None: all)
-        self.virtual: torch.Tensor | None = None  # this prefill's virtual tokens (n, h)
+        self.virtual: tuple[torch.Tensor, torch.Tensor] | None = None  # this forward's (rows, virtual tokens)
         self._loras: dict[int, list[tuple[int, torch.nn.Module]]] = {}  # id(linear) → its (adapter index, LoRA)
         self._embedding_hooked = False
         for name, adapter in adapters:
@@ -127,14 +127,14 @@ class AdapterSet:
     def _embedding_hook(self, embedding, args, output: torch.Tensor) -> torch.Tensor:
         if self.virtual is None:
             return output
-        n = self.virtual.shape[0]
-        virtual = self.virtual[None].expand(output.shape[0], -1, -1).to(output.dtype)
-        return torch.cat([virtual, output[:, n:]], dim=1)
+        rows, vectors = self.virtual
+        return output.index_copy(0, rows, vectors[:, None].to(output.dtype))  # output: (N, 1, h), a row a token
 
     @contextlib.contextmanager
-    def batch(self, indices: list[int], prefill: bool = False):
-        """Within: the model's forward runs row i of its batch with adapter `indices[i]` (0: the base); with
-        `prefill`, the first positions of the (one) row hold that adapter's virtual tokens."""
+    def batch(self, indices: list[int], virtual: list[tuple[int, int, int]] = ()):
+        """Within: the model's forward runs row i of its batch (the engine's: one token a row) with adapter
+        `indices[i]` (0: the base); `virtual`: (row, adapter, position) of the rows that hold a prompt adapter's
+        virtual token (their embeddings are that adapter's `position`-th virtual token)."""
         used = sorted(set(indices))
         rows: dict[int, torch.Tensor | None] = {}
         for index in used:
@@ -142,13 +142,12 @@ class AdapterSet:
                 continue
             rows[index] = None if len(used) == 1 else torch.tensor(
                 [i for i, k in enumerate(indices) if k == index], dtype=torch.long, device=self._device())
-        virtual = None
-        if prefill:
-            if len(indices) != 1:
-                raise ValueError("a prefill runs one row")
-            if indices[0] and self.served[indices[0] - 1].method == "prompt":
-                virtual = self.served[indices[0] - 1].table
-        self.rows, self.virtual = rows, virtual
+        placed = [(row, a, p) for row, a, p in virtual if a and self.served[a - 1].method == "prompt"]
+        vectors = None
+        if placed:
+            at = torch.tensor([row for row, _, _ in placed], dtype=torch.long, device=self._device())
+            vectors = (at, torch.stack([self.served[a - 1].table[p] for _, a, p in placed]))
+        self.rows, self.virtual = rows, vectors
         try:
             yield
         finally:

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from meshlm.infer import sampling
+from meshlm.infer.blocks import BlockPool, block_hashes
 from meshlm.infer.sampling import (  # noqa: F401 -- re-exported: the engine's API
     MAX_TOP_LOGPROBS,
     InvalidRequest,
@@ -50,7 +51,8 @@ from meshlm.infer.sampling import (  # noqa: F401 -- re-exported: the engine's A
     apply_penalties,
     sample_token,
 )
-from meshlm.models.layers import KVCache
+from meshlm.infer.speculative import target_probs, verify
+from meshlm.models.paged import Batch, PagedKV
 
 
 class QueueFull(RuntimeError):
@@ -84,6 +86,19 @@ class Request:
     counts: dict[int, int] = field(default_factory=dict)  # output token counts (penalties)
     seen: set[int] = field(default_factory=set)  # prompt + output ids (repetition penalty)
     done_event: threading.Event = field(default_factory=threading.Event)
+    # the paged cache (the engine's scheduler): blocks held, positions computed, chained hashes of full blocks,
+    # blocks registered for prefix reuse, this step's speculative drafts, the prompt's log-probabilities done
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0
+    hashes: list[int] = field(default_factory=list)
+    registered: int = 0
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    prompt_done: bool = False
+
+    def tokens(self, start: int = 0, end: int | None = None) -> list[int]:
+        """The ids of its row's positions start..end-1: the head, the prompt, the output."""
+        return (self.head + self.prompt_ids + self.output_ids)[start:end]
 
     @property
     def finished(self) -> bool:
@@ -119,32 +134,23 @@ class Histogram:
 
 
 # ---- running the model --------------------------------------------------------------------------------------
-class _Rows:
-    """A KVCache-like view of cache rows (`KVCache.update` on views of the engine's buffers)."""
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor):
-        self.k, self.v = k, v
-
-    update = KVCache.update
-
-
 class Runner:
-    """The model and its cache: `prefill(row, ids)`, `decode(tokens, positions)`, `move(src, dst)`; with
-    `adapters` (an `AdapterSet`), each row's adapter index too."""
+    """The model and its paged KV cache (`models/paged.py`): `forward(plan)` runs one step's tokens and returns the
+    fp32 logits of the tokens it selects; with `adapters` (an `AdapterSet`) each token's adapter too.
 
-    def __init__(self, model, max_seqs: int, max_len: int, vocab_size: int, tp_group=None, adapters=None):
+    plan: {"ids": [N token ids], "rows": [(positions, block table) per sequence, in token order], "select":
+    [token indices whose logits are returned], "adapters": [adapter index per
+    token] or None, "virtual": [(token index, adapter, position)]: a prompt adapter's virtual tokens}. Plain lists,
+    so that a tensor-parallel leader can broadcast it."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, vocab_size: int, tp_group=None, adapters=None):
         self.model, self.adapters = model, adapters
-        self.max_seqs, self.max_len, self.vocab_size, self.tp_group = max_seqs, max_len, vocab_size, tp_group
-        p = next(model.parameters())
-        self.device = p.device
-        self.buffers = []
-        for layer in model.layers:
-            shape = (max_seqs, layer.attn.n_kv_heads, max_len, layer.attn.head_dim)
-            self.buffers.append((torch.zeros(shape, dtype=p.dtype, device=p.device),
-                                 torch.zeros(shape, dtype=p.dtype, device=p.device)))
+        self.num_blocks, self.block_size, self.vocab_size, self.tp_group = num_blocks, block_size, vocab_size, tp_group
+        self.device = next(model.parameters()).device
+        self.kv = PagedKV(model, num_blocks, block_size)
 
     def cache_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.buffers)
+        return self.kv.nbytes()
 
     def _logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Whole-vocabulary fp32 logits (gathered over tp when the head is vocab-parallel)."""
@@ -156,46 +162,30 @@ class Runner:
             logits = torch.cat(parts, dim=-1)
         return logits[..., :self.vocab_size].float()
 
-    def _with(self, indices: list[int] | None, prefill: bool = False):
-        if self.adapters is None or indices is None:
+    def _with(self, plan: dict):
+        if self.adapters is None or plan.get("adapters") is None:
             return contextlib.nullcontext()
-        return self.adapters.batch(indices, prefill)
+        return self.adapters.batch(plan["adapters"], plan.get("virtual") or [])
 
     @torch.no_grad()
-    def prefill(self, row: int, ids: list[int], adapter: int = 0) -> torch.Tensor:
-        """Fill cache row `row` with the prompt (with adapter `adapter`: its virtual tokens at the first
-        positions, whose ids are placeholders); (T, V) logits."""
-        caches = [_Rows(k[row:row + 1], v[row:row + 1]) for k, v in self.buffers]
-        x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        with self._with([adapter], prefill=True):
-            return self._logits(self.model(x, caches=caches, start=0))[0]
-
-    @torch.no_grad()
-    def decode(self, tokens: list[int], positions: list[int], adapters: list[int] | None = None) -> torch.Tensor:
-        """Rows 0..n-1 take one token each at their own position (row i with adapter `adapters[i]`);
-        (n, V) logits."""
-        n = len(tokens)
-        caches = [_Rows(k[:n], v[:n]) for k, v in self.buffers]
-        x = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
-        if min(positions) == max(positions):  # one position for all (one row, or prompts of one length):
-            start = positions[0]  # the plain cache path, without a mask
-        else:
-            start = torch.tensor(positions, dtype=torch.long, device=self.device)
-        with self._with(adapters):
-            return self._logits(self.model(x, caches=caches, start=start))[:, -1]
+    def forward(self, plan: dict) -> torch.Tensor:
+        batch = Batch(plan["rows"], self.block_size, self.device)
+        ids = torch.tensor(plan["ids"], dtype=torch.long, device=self.device)[:, None]  # (N, 1): a row per token
+        start = batch.positions
+        m = self.model
+        with self._with(plan):
+            x = m.embed(ids, start)
+            x = m.run_layers(x, None, self.kv.caches(batch), start, m.rope(int(start.max()) + 1))
+            select = torch.tensor(plan["select"], dtype=torch.long, device=self.device)
+            return self._logits(m.head(x.index_select(0, select))[:, 0])
 
     def idle(self) -> None:
         """Called about once a second while there is nothing to do."""
 
-    def move(self, src: int, dst: int, length: int) -> None:
-        for k, v in self.buffers:
-            k[dst, :, :length] = k[src, :, :length]
-            v[dst, :, :length] = v[src, :, :length]
-
 
 class DistributedRunner(Runner):
-    """Rank 0's runner under tensor parallelism: each operation is broadcast to the other ranks first (and
-    a ping every few idle seconds, so that their wait for the next operation never reaches the timeout)."""
+    """Rank 0's runner under tensor parallelism: each step's plan is broadcast to the other ranks first (and a
+    ping every few idle seconds, so that their wait for the next step never reaches the timeout)."""
 
     PING_S = 5.0
     last_sent = 0.0
@@ -210,24 +200,16 @@ class DistributedRunner(Runner):
         if time.monotonic() - self.last_sent > self.PING_S:
             self._send(("idle",))
 
-    def prefill(self, row, ids, adapter=0):  # no adapters under tensor parallelism (the server refuses them)
-        self._send(("prefill", row, ids))
-        return super().prefill(row, ids)
-
-    def decode(self, tokens, positions, adapters=None):
-        self._send(("decode", tokens, positions))
-        return super().decode(tokens, positions)
-
-    def move(self, src, dst, length):
-        self._send(("move", src, dst, length))
-        super().move(src, dst, length)
+    def forward(self, plan):
+        self._send(("forward", plan))
+        return super().forward(plan)
 
     def shutdown(self) -> None:
         self._send(("stop",))
 
 
 def worker_loop(runner: Runner) -> None:
-    """Ranks other than 0: replay rank 0's operations until it says stop."""
+    """Ranks other than 0: replay rank 0's steps until it says stop."""
     import torch.distributed as dist
 
     while True:
@@ -239,6 +221,28 @@ def worker_loop(runner: Runner) -> None:
         getattr(Runner, op[0])(runner, *op[1:])
 
 
+@dataclass
+class CacheOptions:
+    """The engine's cache and scheduling options (`meshlm serve` flags; docs/serving.md).
+
+    block_size: positions per KV block; num_blocks: the pool (None: every row's `max_len` in blocks, as much
+    as before paging); prefix_caching: share the blocks of identical prompt prefixes; max_batched_tokens: the
+    tokens one step runs at most (decoding rows first, then prefill chunks; None: whole prompts, no chunking);
+    speculative: None, "ngram" (prompt lookup) or "draft" (the model at `draft_checkpoint`), proposing up to
+    `num_draft_tokens` tokens a step."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    prefix_caching: bool = True
+    max_batched_tokens: int | None = 512
+    speculative: str | None = None
+    draft_checkpoint: str | None = None
+    num_draft_tokens: int = 4
+
+    def blocks_for(self, max_seqs: int, max_len: int) -> int:
+        return self.num_blocks or max_seqs * -(-max_len // self.block_size)
+
+
 # ---- the engine ---------------------------------------------------------------------------------------------
 class Engine:
     """Continuous batching of generation requests over one model (see the module docstring).
@@ -247,27 +251,38 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer, max_seqs: int = 32, max_len: int | None = None, max_queue: int = 256,
-                 runner: Runner | None = None, adapters=None):
+                 runner: Runner | None = None, adapters=None, options: CacheOptions | None = None, speculator=None):
         self.model, self.tokenizer, self.adapters = model, tokenizer, adapters
         cfg = model.cfg
         self.max_len = max_len or cfg.seq_len
         if cfg.position == "learned" and self.max_len > cfg.seq_len:
             raise InvalidRequest(f"max_len {self.max_len} is more than the model's learned positions "
                                  f"(model.seq_len={cfg.seq_len})", "max_len")
-        self.max_seqs, self.max_queue = max_seqs, max_queue
-        self.runner = runner or Runner(model, max_seqs, self.max_len, cfg.vocab_size, adapters=adapters)
+        o = self.options = options or CacheOptions()
+        if o.max_batched_tokens is not None and o.max_batched_tokens < 1:
+            raise InvalidRequest(f"max_batched_tokens must be >= 1 or None (got {o.max_batched_tokens})",
+                                 "max_batched_tokens")
+        self.max_seqs, self.max_queue, self.max_batched_tokens = max_seqs, max_queue, o.max_batched_tokens
+        if runner is None:
+            runner = Runner(model, o.blocks_for(max_seqs, self.max_len), o.block_size, cfg.vocab_size,
+                            adapters=adapters)
+        self.runner, self.block_size = runner, runner.block_size
+        self.pool = BlockPool(runner.num_blocks, runner.block_size, o.prefix_caching)
+        self.speculator = speculator
         self.eod_id = getattr(tokenizer, "eod_id", None)
         self.waiting: deque[Request] = deque()
-        self.active: list[Request] = []  # row i holds active[i]
+        self.active: list[Request] = []  # the running requests, in the order they were admitted
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
         self.next_id = 0
         self.thread: threading.Thread | None = None
         self.stopping = False
         self.dead: str | None = None  # the error that stopped the loop
-        # mixed_steps: decode steps whose rows used more than one model (the base, adapters)
+        # mixed_steps: steps whose rows used more than one model (the base, adapters)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0, "steps": 0,
-                      "mixed_steps": 0, "requests_failed": 0}
+                      "mixed_steps": 0, "requests_failed": 0, "preemptions": 0, "prefix_queried_tokens": 0,
+                      "prefix_hit_tokens": 0,
+                      "batched_tokens": 0, "draft_tokens": 0, "accepted_tokens": 0}
         self.ttft = Histogram()  # seconds from arrival to the first token, of finished requests
         self.tpot = Histogram()  # seconds per output token after the first
 
@@ -303,6 +318,11 @@ class Engine:
         if len(prompt_ids) > room:
             raise InvalidRequest(f"the prompt is {len(prompt_ids)} tokens, more than the model's context of "
                                  f"{context}", "prompt")
+        blocks = -(-(head + len(prompt_ids) + params.max_tokens) // self.block_size)
+        if blocks > self.pool.num_blocks:
+            raise InvalidRequest(f"the prompt's {len(prompt_ids)} tokens and max_tokens {params.max_tokens} need "
+                                 f"{blocks} KV cache blocks of {self.block_size} positions; the cache holds "
+                                 f"{self.pool.num_blocks} (raise --num-blocks)", "max_tokens")
         if len(prompt_ids) + params.max_tokens > room:
             raise InvalidRequest(f"max_tokens {params.max_tokens} with the prompt's {len(prompt_ids)} tokens is "
                                  f"more than the model's context of {context}; at most "
@@ -371,15 +391,16 @@ class Engine:
                 info.top = list(zip(ids.tolist(), values.tolist()))
         return info
 
-    def _accept(self, req: Request, logits: torch.Tensor, argmax: int | None = None) -> None:
-        """Sample the next token of `req` from its (V,) logits (`argmax`: the greedy choice, when known);
-        update its text and finish reason."""
+    def _accept(self, req: Request, logits: torch.Tensor, argmax: int | None = None, token: int | None = None) -> None:
+        """Sample the next token of `req` from its (V,) logits (`argmax`: the greedy choice, when known), or take
+        `token` (verified by speculative decoding); update its text and finish reason."""
         p = req.params
         if p.max_tokens == 0:
             self._finish(req, "length")
             return
-        plain = p.greedy and p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty
-        token = argmax if plain and argmax is not None else sample_token(logits, req)
+        if token is None:
+            plain = p.greedy and not p.shapes_logits  # the step's argmax is the greedy choice
+            token = argmax if plain and argmax is not None else sample_token(logits, req)
         logprobs = F.log_softmax(logits, -1) if p.logprobs is not None else None
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
@@ -429,89 +450,269 @@ class Engine:
         try:
             return call(*args)
         except Exception as err:  # answered to the requests concerned
-            if isinstance(self.runner, DistributedRunner) and call in (self.runner.prefill, self.runner.decode):
+            if isinstance(self.runner, DistributedRunner) and call == self.runner.forward:
                 raise
             self._fail(reqs, err)
             return None
 
-    def _admit(self, req: Request) -> None:
-        row = len(self.active)
-        self.active.append(req)  # a failed request is finished: the next release frees its row
-        if req.adapter:  # the head first (virtual tokens' placeholders); no logits of it
-            logits = self._isolated([req], self.runner.prefill, row, req.head + req.prompt_ids, req.adapter)
-            logits = logits[len(req.head):] if logits is not None else None
-        else:
-            logits = self._isolated([req], self.runner.prefill, row, req.prompt_ids)
-        if logits is None:
-            return
-        self.stats["prompt_tokens"] += len(req.prompt_ids)
-        self._isolated([req], self._first_token, req, logits)
-
-    def _first_token(self, req: Request, logits: torch.Tensor) -> None:
-        """The prompt's log-probabilities (echo) and the first token of `req` from its prefill's logits."""
-        if req.params.echo:
-            lp = F.log_softmax(logits[:-1], -1) if req.params.logprobs is not None else None
-            req.prompt_tokens = [TokenInfo(req.prompt_ids[0], self.tokenizer.decode(req.prompt_ids[:1]))]
-            for i, t in enumerate(req.prompt_ids[1:]):
-                req.prompt_tokens.append(self._token_info(lp[i] if lp is not None else None, t,
-                                                          req.params.logprobs))
-        self._accept(req, logits[-1])
-        self._notify(req)
-
-    def _next_token(self, req: Request, logits: torch.Tensor, argmax: int) -> None:
-        self._accept(req, logits, argmax)
-        self._notify(req)
-
     def _release_finished(self) -> None:
-        """Free the rows of finished or cancelled requests, keeping the active ones in rows 0..n-1."""
-        i = 0
-        while i < len(self.active):
-            req = self.active[i]
+        """Finish cancelled requests and give finished ones' blocks back."""
+        keep = []
+        for req in self.active:
             if req.cancelled and not req.finished:
                 self._finish(req, "abort")
                 self._notify(req)
             if req.finished:
-                last = len(self.active) - 1
-                if i != last:
-                    moved = self.active[last]
-                    self.runner.move(last, i, moved.length)
-                    self.active[i] = moved
-                self.active.pop()
+                self._release(req)
             else:
-                i += 1
+                keep.append(req)
+        self.active[:] = keep
 
-    def step(self) -> bool:
-        """Admit waiting requests into free rows, then one decode step for every active row. Returns
-        whether anything was done."""
-        self._release_finished()
-        did = False
-        while len(self.active) < self.max_seqs:
+    # ---- the cache's blocks ----
+    def _release(self, req: Request) -> None:
+        """Give `req`'s blocks back to the pool (its registered ones stay reusable by prefix)."""
+        self.pool.release(req.blocks)
+        req.blocks = []
+        if self.speculator is not None:
+            self.speculator.release(req)
+
+    def _reserve(self, req: Request, positions: int) -> bool:
+        """Blocks for positions 0..positions-1 of `req` (more taken as needed); False when the pool is short."""
+        need = -(-positions // self.block_size) - len(req.blocks)
+        if need <= 0:
+            return True
+        got = self.pool.allocate(need)
+        if got is None:
+            return False
+        req.blocks.extend(got)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Take `req` out of the running batch (the pool ran short): its blocks go back, it waits at the head of
+        the queue, and is recomputed from its tokens (prompt and output so far) when it comes back."""
+        self.active.remove(req)
+        self._release(req)
+        req.computed = 0
+        self.waiting.appendleft(req)
+        self.stats["preemptions"] += 1
+
+    def _register(self, req: Request) -> None:
+        """Register `req`'s newly completed blocks for prefix reuse."""
+        full = req.computed // self.block_size
+        if not self.pool.prefix_caching or full <= len(req.hashes) and full <= req.registered:
+            return
+        tokens = req.tokens()
+        req.hashes = block_hashes(tokens[:full * self.block_size], self.block_size, req.adapter, req.hashes)
+        bs = self.block_size
+        for j in range(req.registered, full):
+            self.pool.register(req.blocks[j], req.hashes[j], tokens[j * bs:(j + 1) * bs])
+        req.registered = full
+
+    # ---- scheduling one step ----
+    def _schedule_running(self, budget: float) -> tuple[list[tuple[Request, int]], float]:
+        """(request, tokens) for the running requests, oldest first, within `budget` tokens; a request whose next
+        tokens find no free block preempts the newest running ones (itself last)."""
+        out, scheduled = [], set()
+        for req in sorted(self.active, key=lambda r: r.length - r.computed > 1):  # decoding rows first
+            if req not in self.active:  # preempted for an older one
+                continue
+            n = int(min(req.length - req.computed, max(budget, 1)))  # a decoding row always runs
+            if req.length - req.computed > 1 and budget <= 0:
+                break
+            while not self._reserve(req, req.computed + n):
+                victims = [r for r in reversed(self.active) if r is not req and id(r) not in scheduled]
+                self._preempt(victims[0] if victims else req)
+                if not victims:
+                    break
+            if req not in self.active:
+                continue
+            scheduled.add(id(req))
+            out.append((req, n))
+            budget -= n
+        return out, budget
+
+    def _admit(self, budget: float) -> tuple[list[tuple[Request, int]], float]:
+        """(request, tokens) for waiting requests that now join (rows and blocks free), within `budget` tokens;
+        their first blocks are taken from the prefix cache where another request computed the same tokens."""
+        out = []
+        while budget > 0 and len(self.active) < self.max_seqs:
             with self.lock:
                 if not self.waiting:
                     break
-                req = self.waiting.popleft()
+                req = self.waiting[0]
             if req.cancelled:
+                with self.lock:
+                    self.waiting.popleft()
+                self._release(req)
                 self._finish(req, "abort")
                 self._notify(req)
                 continue
-            self._admit(req)
-            did = True
+            if not req.blocks and req.computed == 0 and not self._wants_prompt_logits(req):
+                tokens = req.tokens()
+                req.hashes = block_hashes(tokens, self.block_size, req.adapter, req.hashes)
+                req.blocks = self.pool.match(tokens, req.hashes, req.length - 1)
+                req.computed = req.registered = len(req.blocks) * self.block_size
+            n = int(min(req.length - req.computed, budget))
+            if not self._reserve(req, req.computed + n):  # it waits, holding nothing
+                self._release(req)
+                req.computed = req.registered = 0
+                if not self.active:  # nothing will free blocks: cannot happen (check() bounds a request)
+                    raise RuntimeError("the KV cache pool cannot hold one request")
+                break
+            if self.pool.prefix_caching and not self._wants_prompt_logits(req):
+                self.stats["prefix_queried_tokens"] += req.length - 1
+                self.stats["prefix_hit_tokens"] += req.computed
+            with self.lock:
+                self.waiting.popleft()
+            self.active.append(req)
+            out.append((req, n))
+            budget -= n
+        return out, budget
+
+    def _wants_prompt_logits(self, req: Request) -> bool:
+        return req.params.echo and req.params.logprobs is not None and not req.prompt_done
+
+    def _plan(self, work: list[tuple[Request, int]]) -> dict:
+        """The runner's plan (see `Runner`) for `work`, sorted by tokens per sequence (decoding rows first;
+        sequences with as many tokens attend together)."""
+        work.sort(key=lambda w: w[1] + len(w[0].drafts))
+        ids, rows, select, adapters, virtual = [], [], [], [], []
+        for req, n in work:
+            first = len(ids)
+            tokens = req.tokens(req.computed, req.computed + n) + req.drafts
+            pos = list(range(req.computed, req.computed + len(tokens)))
+            ids.extend(tokens)
+            rows.append((pos, req.blocks))
+            adapters.extend([req.adapter] * len(tokens))
+            virtual.extend((first + i, req.adapter, p) for i, p in enumerate(pos) if p < len(req.head))
+            if self._wants_prompt_logits(req) or req.drafts:
+                select.extend(range(first, len(ids)))
+            elif req.computed + n == req.length:
+                select.append(len(ids) - 1)
+        return {"ids": ids, "rows": rows, "select": select,
+                "adapters": adapters if any(adapters) else None, "virtual": virtual}
+
+    def step(self) -> bool:
+        """Schedule (running requests first, then waiting ones, within the token budget and the pool's
+        blocks), run one forward over all their tokens, then take the next token of every request whose tokens
+        are all computed. Returns whether anything was done."""
         self._release_finished()
-        if self.active:
-            tokens = [r.output_ids[-1] for r in self.active]
-            positions = [r.length - 1 for r in self.active]
-            used = [r.adapter for r in self.active]
-            args = (tokens, positions, used) if any(used) else (tokens, positions)
-            logits = self._isolated(list(self.active), self.runner.decode, *args)  # fails: every row of the step
-            if logits is not None:
-                self.stats["mixed_steps"] += len(set(used)) > 1
-                argmax = logits.argmax(-1).tolist()  # every row's greedy choice at once
-                for i, req in enumerate(self.active):
-                    self._isolated([req], self._next_token, req, logits[i], argmax[i])
-                self.stats["steps"] += 1
-            did = True
+        budget = self.max_batched_tokens or math.inf
+        work, budget = self._schedule_running(budget)
+        admitted, budget = self._admit(budget)
+        work += admitted
+        if not work:
+            return False
+        self._speculate(work, budget)
+        self._run(work)
         self._release_finished()
-        return did
+        return True
+
+    def _run(self, work: list[tuple[Request, int]]) -> None:
+        """One forward over `work`. When it fails and holds several requests, each is run again alone, so that
+        an error caused by one request fails that request only (a step's writes to the cache are idempotent);
+        under tensor parallelism a failure is fatal (the other ranks would be out of step)."""
+        plan = self._plan(work)
+        try:
+            logits = self.runner.forward(plan)
+        except Exception as err:
+            if isinstance(self.runner, DistributedRunner) or len(work) == 1:
+                if isinstance(self.runner, DistributedRunner):
+                    raise
+                self._fail([work[0][0]], err)
+                return
+            for one in work:
+                self._run([one])
+            return
+        self.stats["steps"] += 1
+        self.stats["batched_tokens"] += len(plan["ids"])
+        self.stats["mixed_steps"] += len({r.adapter for r, _ in work}) > 1
+        self._after(work, logits)
+
+    def _after(self, work: list[tuple[Request, int]], logits: torch.Tensor) -> None:
+        """Advance each request of the step by its computed tokens and take its next token(s) from `logits`."""
+        argmax = logits.argmax(-1).tolist()  # every selected row's greedy choice at once
+        row = 0
+        for req, n in work:
+            wants_all = self._wants_prompt_logits(req) or bool(req.drafts)
+            k = n + len(req.drafts) if wants_all else int(req.computed + n == req.length)
+            mine, greedy = logits[row:row + k], argmax[row:row + k]
+            row += k
+            if not req.finished:
+                self._isolated([req], self._advance, req, n, mine, greedy)
+                self._notify(req)
+            req.drafts, req.draft_probs = [], None
+
+    def _advance(self, req: Request, n: int, logits: torch.Tensor, argmax: list[int]) -> None:
+        start = req.computed
+        req.computed += n
+        if req.params.echo and not req.prompt_done:
+            self._prompt_logprobs(req, start, logits if req.params.logprobs is not None else None)
+            req.prompt_done = req.computed == req.length
+        if req.drafts:
+            self._verify(req, logits, argmax)
+        elif req.computed == req.length:
+            if req.first_token_at is None:
+                self.stats["prompt_tokens"] += len(req.prompt_ids)
+            self._accept(req, logits[-1], argmax[-1])
+        self._register(req)
+
+    def _prompt_logprobs(self, req: Request, start: int, logits: torch.Tensor | None) -> None:
+        """Echo: the prompt's tokens (with logprobs, their log-probabilities) from the logits of positions
+        start.. of this step (position p's predict the token at p + 1; the prompt's first token has none)."""
+        h, ids = len(req.head), req.prompt_ids
+        if not req.prompt_tokens:
+            req.prompt_tokens = [TokenInfo(ids[0], self.tokenizer.decode(ids[:1]))]
+        end = start + (logits.shape[0] if logits is not None else req.length - start)
+        lp = F.log_softmax(logits, -1) if logits is not None else None
+        for p in range(max(start, h + len(req.prompt_tokens) - 1), min(end, h + len(ids) - 1)):
+            i = p - h + 1  # the prompt token predicted at position p
+            req.prompt_tokens.append(self._token_info(lp[p - start] if lp is not None else None, ids[i],
+                                                      req.params.logprobs))
+
+    # ---- speculative decoding ----
+    def _speculable(self, req: Request) -> bool:
+        """Whether `req` may take drafts: a base-model request decoding, nothing reshaping its logits (its
+        target distribution at each draft position is then the model's own)."""
+        return (not req.adapter and req.computed == req.length - 1 and not req.params.shapes_logits
+                and req.first_token_at is not None)
+
+    def _speculate(self, work: list[tuple[Request, int]], budget: float) -> None:
+        """Drafts for this step's decoding rows (`req.drafts`), within the budget left and the free blocks: a
+        row that finds no block decodes plainly (no request is preempted for a guess)."""
+        if self.speculator is None or budget < 1:
+            return
+        rows = [req for req, n in work if n == 1 and self._speculable(req)]
+        if not rows:
+            return
+        k = int(min(self.options.num_draft_tokens, budget // len(rows)))
+        if k < 1:
+            return
+        for req, (tokens, probs) in zip(rows, self.speculator.propose(rows, k)):
+            room = min(self.max_len - req.length, req.params.max_tokens - len(req.output_ids) - 1)
+            tokens = tokens[:max(room, 0)]
+            if tokens and self._reserve(req, req.length + len(tokens)):
+                req.drafts = tokens
+                req.draft_probs = probs[:len(tokens)] if probs is not None else None
+                self.stats["draft_tokens"] += len(tokens)
+
+    def _verify(self, req: Request, logits: torch.Tensor, argmax: list[int]) -> None:
+        """Accept `req`'s drafts by the target's (k + 1, V) logits: greedy by the argmax, sampled by rejection
+        sampling (`infer/speculative.py`); then each kept token as if sampled alone."""
+        drafts, p = req.drafts, req.params
+        if p.greedy:
+            m = next((i for i, t in enumerate(drafts) if argmax[i] != t), len(drafts))
+            tokens = drafts[:m] + [argmax[m]]
+        else:
+            tokens = verify(target_probs(logits, p), drafts, req.draft_probs, req.generator)
+        self.stats["accepted_tokens"] += len(tokens) - 1
+        req.computed = req.length + len(tokens) - 1  # the fed token and the accepted drafts are cached
+        for i, token in enumerate(tokens):
+            self._accept(req, logits[i], argmax[i], token=token)
+            if req.finished:
+                break
+        self.speculator.rollback(req, req.length - 1)
+
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  adapters: list[int] | None = None) -> list[Request]:

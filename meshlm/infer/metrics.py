@@ -48,8 +48,32 @@ def prometheus(server) -> str:
         metric("meshlm_decode_steps_total", "counter", "decode steps of the running batch", [({}, s["steps"])])
         metric("meshlm_mixed_decode_steps_total", "counter", "decode steps whose batch held rows of several "
                "models (the base and adapters)", [({}, s["mixed_steps"])])
-        metric("meshlm_kv_cache_bytes", "gauge", "bytes of the pre-allocated KV cache",
+        metric("meshlm_kv_cache_bytes", "gauge", "bytes of the pre-allocated KV cache (the block pool)",
                [({}, eng.runner.cache_bytes())])
+        pool = eng.pool
+        metric("meshlm_kv_cache_blocks", "gauge", "blocks of the KV cache pool", [({}, pool.num_blocks)])
+        metric("meshlm_kv_cache_blocks_used", "gauge", "blocks held by running requests", [({}, pool.used)])
+        metric("meshlm_kv_cache_usage", "gauge", "share of the pool's blocks held by running requests",
+               [({}, pool.used / pool.num_blocks)])
+        metric("meshlm_kv_cache_block_size", "gauge", "positions per block", [({}, pool.block_size)])
+        metric("meshlm_preemptions_total", "counter", "requests preempted (blocks freed, recomputed later) when "
+               "the pool ran short", [({}, s["preemptions"])])
+        metric("meshlm_batched_tokens_total", "counter", "tokens run by the steps (decoding rows, prefill chunks, "
+               "drafts)", [({}, s["batched_tokens"])])
+        q, h = s["prefix_queried_tokens"], s["prefix_hit_tokens"]
+        metric("meshlm_prefix_cache_queried_tokens_total", "counter", "prompt tokens looked up in the prefix cache",
+               [({}, q)])
+        metric("meshlm_prefix_cache_hit_tokens_total", "counter", "prompt tokens whose blocks the prefix cache "
+               "held (not recomputed)", [({}, h)])
+        metric("meshlm_prefix_cache_hit_rate", "gauge", "hit tokens / queried tokens since start",
+               [({}, h / q if q else 0.0)])
+        metric("meshlm_prefix_cache_evictions_total", "counter", "cached blocks reused for other tokens",
+               [({}, pool.stats["evictions"])])
+        d, a = s["draft_tokens"], s["accepted_tokens"]
+        metric("meshlm_spec_draft_tokens_total", "counter", "speculative tokens proposed", [({}, d)])
+        metric("meshlm_spec_accepted_tokens_total", "counter", "speculative tokens accepted", [({}, a)])
+        metric("meshlm_spec_acceptance_rate", "gauge", "accepted / proposed speculative tokens since start",
+               [({}, a / d if d else 0.0)])
         for name, hist, help_ in (("meshlm_time_to_first_token_seconds", eng.ttft, "time to first token"),
                                   ("meshlm_time_per_output_token_seconds", eng.tpot,
                                    "time per output token after the first")):

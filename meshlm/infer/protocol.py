@@ -140,7 +140,10 @@ SAMPLING_FIELDS = {
     "presence_penalty": ((NUM, "null"), None), "frequency_penalty": ((NUM, "null"), None),
     "repetition_penalty": ((NUM, "null"), None), "stop_token_ids": (("int_list", "null"), None),
     "ignore_eos": ((BOOL, "null"), None), "user": ((STR, "null"), None),
+    "logit_bias": (("object", "null"), None), "response_format": (("object", "null"), None),
 }
+MAX_N = 128  # choices per prompt (`n`), as OpenAI allows
+MAX_BEST_OF = 20  # candidates per prompt (`best_of`), as OpenAI allows
 COMPLETION_SCHEMA = {**SAMPLING_FIELDS, "prompt": (PROMPT_KINDS, REQUIRED), "logprobs": ((INT, "null"), None),
                      "echo": ((BOOL, "null"), None), "best_of": ((INT, "null"), None)}
 CHAT_SCHEMA = {**SAMPLING_FIELDS, "messages": (("list",), REQUIRED), "logprobs": ((BOOL, "null"), None),
@@ -161,6 +164,36 @@ MEGATRON_SCHEMA = {
 def or_default(value, default):
     """`value`, or `default` when it is None (a JSON null or an absent field)."""
     return default if value is None else value
+
+
+def choice_counts(f: dict) -> tuple[int, int]:
+    """(n, best_of) of a validated request: n choices returned per prompt, the best of best_of candidates (the
+    highest cumulative log-probability of their output); best_of needs best_of >= n and no streaming."""
+    n = or_default(f.get("n"), 1)
+    if not 1 <= n <= MAX_N:
+        raise bad(f"n must be in 1..{MAX_N}, not {n}", "n")
+    best_of = or_default(f.get("best_of"), n)
+    if not n <= best_of <= MAX_BEST_OF:
+        raise bad(f"best_of must be in n..{MAX_BEST_OF} (n={n}), not {best_of}", "best_of")
+    if best_of > n and f.get("stream"):
+        raise bad("best_of cannot be used with stream: the best candidates are known only at the end; drop best_of "
+                  "or stream", "best_of")
+    return n, best_of
+
+
+def logit_bias_of(value, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` ({"token id": bias in [-100, 100]}) as {id: bias}; a bad key or value is a 400."""
+    if not value:
+        return None
+    out = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()) or not 0 <= int(key) < vocab_size:
+            raise bad(f"logit_bias keys must be token ids in 0..{vocab_size - 1} written as strings, not "
+                      f"{preview(key)}", "logit_bias")
+        if not is_kind(bias, NUM) or not -100 <= bias <= 100:
+            raise bad(f"logit_bias[{key!r}] must be a number in [-100, 100], not {preview(bias)}", "logit_bias")
+        out[int(key)] = float(bias)
+    return out
 
 
 # ---- the response bodies ---------------------------------------------------------------------------------------
@@ -192,7 +225,9 @@ def include_usage(f: dict) -> bool:
     return bool(options.get("include_usage"))
 
 
-def usage(reqs: list) -> dict:
-    p = sum(len(r.prompt_ids) for r in reqs)
+def usage(reqs: list, per_prompt: int = 1) -> dict:
+    """OpenAI's usage of requests made `per_prompt` at a time for each prompt (n or best_of choices): the prompt's
+    tokens once per prompt (as OpenAI and vLLM count them), every candidate's output tokens."""
+    p = sum(len(r.prompt_ids) for r in reqs[::per_prompt])
     c = sum(len(r.output_ids) for r in reqs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}

@@ -9,6 +9,7 @@ checked by `infer/protocol.py`; `add_routes` registers them on the app. fastapi 
 
 import asyncio
 import base64
+import dataclasses
 import json
 import time
 import uuid
@@ -25,8 +26,10 @@ from meshlm.infer.protocol import (
     chat_logprobs,
     chat_template_of,
     chat_text,
+    choice_counts,
     completion_logprobs,
     include_usage,
+    logit_bias_of,
     or_default,
     usage,
     validate,
@@ -42,11 +45,11 @@ def add_routes(app, server) -> None:
 
     @app.post("/v1/completions")
     async def completions_route(request: HTTPRequest):
-        return await completions(server, await body_of(request, server.max_body_bytes))
+        return await completions(server, await body_of(request, server.max_body_bytes), request)
 
     @app.post("/v1/chat/completions")
     async def chat_route(request: HTTPRequest):
-        return await chat_completions(server, await body_of(request, server.max_body_bytes), template)
+        return await chat_completions(server, await body_of(request, server.max_body_bytes), template, request)
 
     @app.post("/v1/embeddings")
     async def embeddings_route(request: HTTPRequest):
@@ -118,9 +121,21 @@ def cancel_unfinished(server, reqs: list) -> None:
             server.engine.cancel(r)
 
 
-async def run(server, reqs_of, stream: bool, chunks, final, usage_chunk=None):
+async def watch_disconnect(http_request, left: asyncio.Event, wake: asyncio.Event) -> None:
+    """Set `left` (and `wake`) when the client of `http_request` disconnects: its body is read, so the next
+    ASGI message is the disconnect (the task is cancelled once the answer is ready)."""
+    while True:
+        message = await http_request.receive()
+        if message.get("type") == "http.disconnect":
+            left.set()
+            wake.set()
+            return
+
+
+async def run(server, reqs_of, stream: bool, chunks, final, usage_chunk=None, http_request=None):
     """Submit (via `reqs_of(on_update)`), then either stream `chunks(reqs, sent)` as SSE or return
-    `final(reqs)`; a client that goes away cancels its requests (their rows are freed)."""
+    `final(reqs)`; a client that goes away cancels its requests (their rows are freed): a streamed one when
+    its stream is closed, a whole one as soon as it disconnects (watched on `http_request`)."""
     from fastapi.responses import JSONResponse, StreamingResponse
 
     loop = asyncio.get_running_loop()
@@ -132,12 +147,18 @@ async def run(server, reqs_of, stream: bool, chunks, final, usage_chunk=None):
     reqs = reqs_of(on_update)
     if stream:
         return StreamingResponse(events(server, reqs, wake, chunks, usage_chunk), media_type="text/event-stream")
+    left = asyncio.Event()
+    watcher = asyncio.create_task(watch_disconnect(http_request, left, wake)) if http_request is not None else None
     try:
-        while not all(r.finished for r in reqs):
+        while not all(r.finished for r in reqs) and not left.is_set():
             await wake.wait()
             wake.clear()
     finally:
+        if watcher is not None:
+            watcher.cancel()
         cancel_unfinished(server, reqs)
+    if not all(r.finished for r in reqs):
+        return JSONResponse({}, status_code=499)  # the client went away; nobody reads this
     err = engine_failure(server, reqs)
     if err is not None:
         raise err
@@ -180,22 +201,62 @@ async def events(server, reqs: list, wake: asyncio.Event, chunks, usage_chunk):
 
 
 # ---- /v1/completions ---------------------------------------------------------------------------------------------
-async def completions(server, request_body):
-    """POST /v1/completions: one choice per prompt, streamed or whole."""
+async def request_sampling(server, f: dict, default_max: int | None, logprobs: int | None, echo: bool = False):
+    """(SamplingParams, n, best_of) of a validated request: the server's sampling fields, then `logit_bias`
+    and `response_format` (its grammar compiled off the event loop); with best_of > n the candidates' log-
+    probabilities are computed (they are ranked by them) even when the request does not ask for them."""
+    from meshlm.infer.guided import compile_format
+    from meshlm.infer.sampling import InvalidRequest
+
+    n, best_of = choice_counts(f)
+    sp = server.sampling({**f, "n": None, "best_of": None}, default_max, logprobs, echo)
+    vocab = server.engine.model.cfg.vocab_size
+    bias = logit_bias_of(f["logit_bias"], vocab)
+    try:
+        guide = await asyncio.to_thread(compile_format, server.tokenizer, vocab, f["response_format"])
+    except InvalidRequest as err:
+        raise bad(str(err), err.param) from None
+    if guide is not None and sp.ignore_eos:
+        raise bad("response_format ends the output with the end-of-document token once the JSON is complete; drop "
+                  "ignore_eos", "response_format")
+    if best_of > n and sp.logprobs is None:
+        logprobs = 0
+    return dataclasses.replace(sp, logit_bias=bias, guide=guide, logprobs=logprobs), n, best_of
+
+
+def choice_params(sp, k: int) -> list:
+    """The SamplingParams of k choices of one prompt: with a seed, choice i draws with seed + i (so that the
+    choices differ, and a request repeats exactly)."""
+    if sp.seed is None:
+        return [sp] * k
+    return [dataclasses.replace(sp, seed=sp.seed + i) for i in range(k)]
+
+
+def best(cands: list, n: int) -> list:
+    """The n candidates of highest cumulative log-probability of their output (ties: the first)."""
+    if len(cands) == n:
+        return cands
+    return sorted(cands, key=lambda r: -sum(t.logprob or 0.0 for t in r.output))[:n]
+
+
+async def completions(server, request_body, http_request=None):
+    """POST /v1/completions: n choices per prompt (the best n of best_of candidates), streamed or whole;
+    choice index = prompt index * n + choice."""
     f = validate(request_body, COMPLETION_SCHEMA)
     adapter = server.check_model(f["model"])
     model = server.names[adapter]
     server.need("engine")
     prompts = await asyncio.to_thread(server.prompts, f["prompt"])  # tokenized off the event loop
     echo = bool(f["echo"])
-    sp = server.sampling(f, 16, f["logprobs"], echo)
+    sp, n, k = await request_sampling(server, f, 16, f["logprobs"], echo)
+    want_logprobs = f["logprobs"] is not None
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     decode = server.tokenizer.decode
     echoed: set[int] = set()
 
     def choice(i, r, text, toks, finish, prompt_part=False):
         lp = None
-        if sp.logprobs is not None:
+        if want_logprobs:
             lp = completion_logprobs(r.prompt_tokens if prompt_part else toks,
                                      0 if prompt_part else len(decode(r.prompt_ids)) * echo, decode)
         return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
@@ -217,17 +278,20 @@ async def completions(server, request_body):
         return out
 
     def final(reqs):
+        chosen = [r for p in range(len(prompts)) for r in best(reqs[p * k:(p + 1) * k], n)]
         choices = []
-        for i, r in enumerate(reqs):
+        for i, r in enumerate(chosen):
             text = (decode(r.prompt_ids) if echo else "") + r.text
             c = choice(i, r, text, r.output, r.finish_reason)
-            if echo and sp.logprobs is not None:
+            if echo and want_logprobs:
                 c["logprobs"] = completion_logprobs(r.prompt_tokens + r.output, 0, decode)
             choices.append(c)
-        return body(choices, usage(reqs))
+        return body(choices, usage(reqs, k))
 
-    return await run(server, lambda cb: server.submit_all(prompts, [sp] * len(prompts), cb, adapter),
-                     bool(f["stream"]), chunks, final, (lambda reqs: body([], usage(reqs))) if include_usage(f) else None)
+    every = [ids for ids in prompts for _ in range(k)]
+    params = choice_params(sp, k) * len(prompts)
+    return await run(server, lambda cb: server.submit_all(every, params, cb, adapter), bool(f["stream"]), chunks,
+                     final, (lambda reqs: body([], usage(reqs, k))) if include_usage(f) else None, http_request)
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------------------------------
@@ -249,7 +313,7 @@ def chat_messages(f: dict) -> list[dict]:
     return messages
 
 
-async def chat_completions(server, request_body, template=None):
+async def chat_completions(server, request_body, template=None, http_request=None):
     """POST /v1/chat/completions: the assistant's reply to `messages`, rendered by the checkpoint's chat
     template (`template`, a `data.chat.ChatTemplate`; `protocol.chat_template_of` when None) and ended at
     the template's end of turn (`data.chat.stop_strings`) or the end-of-document token."""
@@ -270,39 +334,38 @@ async def chat_completions(server, request_body, template=None):
     if top is not None and not f["logprobs"]:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     room = server.max_len - len(ids) - len(server.engine.head(adapter))  # the rest of the context
-    sp = server.sampling(f, max(1, room), (top or 0) if f["logprobs"] else None)
+    sp, n, _ = await request_sampling(server, f, max(1, room), (top or 0) if f["logprobs"] else None)
     sp.stop = (*sp.stop, *stops)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     decode = server.tokenizer.decode
 
-    def chunk(delta, finish, toks=None):
-        c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def chunk(i, delta, finish, toks=None):
+        c = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
         if toks and sp.logprobs is not None:
             c["logprobs"] = chat_logprobs(toks, lambda t: decode([t]))
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [c]}
 
     def chunks(i, r, delta, toks, first=False, finished=False):
         if first:
-            return [chunk({"role": "assistant", "content": ""}, None)]
-        out = [chunk({"content": delta}, None, toks)] if delta or (toks and sp.logprobs is not None) else []
+            return [chunk(j, {"role": "assistant", "content": ""}, None) for j in range(n)]
+        out = [chunk(i, {"content": delta}, None, toks)] if delta or (toks and sp.logprobs is not None) else []
         if finished:
-            out.append(chunk({}, r.finish_reason))
+            out.append(chunk(i, {}, r.finish_reason))
         return out
 
     def final(reqs):
-        r = reqs[0]
-        c = {"index": 0, "message": {"role": "assistant", "content": r.text}, "finish_reason": r.finish_reason,
-             "logprobs": chat_logprobs(r.output, lambda t: decode([t])) if sp.logprobs is not None else None}
+        choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "finish_reason": r.finish_reason,
+                    "logprobs": chat_logprobs(r.output, lambda t: decode([t])) if sp.logprobs is not None else None}
+                   for i, r in enumerate(reqs)]
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [c], "usage": usage(reqs)}
+                "choices": choices, "usage": usage(reqs, n)}
 
     def usage_chunk(reqs):
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [], "usage": usage(reqs)}
+                "choices": [], "usage": usage(reqs, n)}
 
-    return await run(server, lambda cb: server.submit_all([ids], [sp], cb, adapter, names), bool(f["stream"]), chunks,
-                     final,
-                     usage_chunk if include_usage(f) else None)
+    return await run(server, lambda cb: server.submit_all([ids] * n, choice_params(sp, n), cb, adapter, names),
+                     bool(f["stream"]), chunks, final, usage_chunk if include_usage(f) else None, http_request)
 
 
 # ---- /v1/embeddings ----------------------------------------------------------------------------------------------

@@ -6,6 +6,11 @@ The engine calls `begin(req, tokenizer)` when a request is submitted and `observ
 accepts, so that per-request state (a guided-decoding matcher, say) follows the output; `sample_token` applies
 everything that shapes the logits before the draw. Plain functions of the request: nothing here knows about the
 cache or the batch.
+
+What shapes the logits, in order: the penalties, `logit_bias` (OpenAI's: added to the token's logit, -100..100),
+then the guide's mask (`infer/guided.py`: a `response_format`'s grammar; a token it refuses is -inf whatever its
+bias). `SamplingParams.shapes_logits` says whether any of them is on: when it is not, a greedy request's token is
+the plain argmax of the logits, which the engine may take from a batched argmax.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     logprobs: int | None = None  # None: none; N: the chosen token's and the top N
     echo: bool = False  # the prompt's log-probabilities too (its first token has none)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before the draw, in [-100, 100]
+    guide: object | None = None  # a grammar the output follows: `infer/guided.py`'s `Format` (`start()`: a Guide)
 
     def validate(self) -> None:
         checks = [
@@ -51,6 +58,9 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS, "logprobs",
              f"must be in 0..{MAX_TOP_LOGPROBS}"),
             (self.seed is None or 0 <= self.seed < 2 ** 63, "seed", "must be in 0..2^63-1"),
+            (self.logit_bias is None or all(isinstance(t, int) and t >= 0 and isinstance(b, int | float)
+                                            and -100 <= b <= 100 for t, b in self.logit_bias.items()),
+             "logit_bias", "must map token ids (>= 0) to biases in [-100, 100]"),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -59,6 +69,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether anything changes the logits before the draw (penalties, logit_bias, a guide): when not, a
+        greedy token is the argmax of the model's logits."""
+        return (self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+                or bool(self.logit_bias) or self.guide is not None)
 
 
 class InvalidRequest(ValueError):
@@ -94,19 +111,43 @@ def apply_penalties(logits: torch.Tensor, req) -> torch.Tensor:
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float] | None) -> torch.Tensor:
+    """`logits` with each biased token's bias added (ids past the logits are ignored: the engine checks them)."""
+    if not bias:
+        return logits
+    ids = [t for t in bias if t < logits.shape[-1]]
+    if not ids:
+        return logits
+    logits = logits.clone()
+    logits[torch.tensor(ids, device=logits.device)] += torch.tensor([float(bias[t]) for t in ids],
+                                                                    dtype=logits.dtype, device=logits.device)
+    return logits
+
+
+def shape_logits(logits: torch.Tensor, req) -> torch.Tensor:
+    """The (V,) logits the draw sees: penalties, then logit_bias, then the guide's mask."""
+    logits = apply_logit_bias(apply_penalties(logits, req), req.params.logit_bias)
+    guide = getattr(req, "guide", None)
+    return guide.mask(logits) if guide is not None else logits
+
+
 def sample_token(logits: torch.Tensor, req) -> int:
     """One id from (V,) fp32 logits by the request's parameters (`models/generate.py`'s `sample_next`: however
     small the temperature or extreme the penalties, no NaN reaches the draw)."""
     p = req.params
-    logits = apply_penalties(logits, req)
+    logits = shape_logits(logits, req)
     if p.greedy:
         return int(logits.argmax())
     return int(sample_next(logits[None], p.temperature, p.top_k, p.top_p, req.generator)[0, 0])
 
 
 def begin(req, tokenizer) -> None:
-    """Per-request state, set up when `req` is submitted (after `validate`)."""
+    """Per-request state, set up when `req` is submitted (after `validate`): the guide of its grammar."""
+    req.guide = req.params.guide.start() if req.params.guide is not None else None
 
 
 def observe(req, token: int) -> None:
     """`req` accepted `token` (after `sample_token` chose it, or a speculative step verified it)."""
+    guide = getattr(req, "guide", None)
+    if guide is not None:
+        guide.advance(token)

@@ -212,7 +212,7 @@ def _read_adapters(checkpoint: str, adapters: list[str], name: str, tp: int) -> 
 
 
 def _tensor_parallel_server(checkpoint: str, max_seqs: int, max_len: int | None, max_queue: int,
-                            api_key: str | None, name: str, tp: int) -> Server | None:
+                            api_key: str | None, name: str, tp: int, options) -> Server | None:
     """Rank 0's server over this rank's part of the model; the other ranks run the worker loop (replaying
     rank 0's engine steps) and return None when it stops."""
     from meshlm.checkpoint.load import load_tensor_parallel
@@ -221,11 +221,13 @@ def _tensor_parallel_server(checkpoint: str, max_seqs: int, max_len: int | None,
     model, tokenizer, cfg, dims = load_tensor_parallel(checkpoint, tp)
     length = max_len or cfg.model.seq_len
     runner_cls = Runner if dims.tp_rank != 0 else DistributedRunner
-    runner = runner_cls(model, max_seqs, length, cfg.model.vocab_size, tp_group=dims.tp_group)
+    runner = runner_cls(model, options.blocks_for(max_seqs, length), options.block_size, cfg.model.vocab_size,
+                        tp_group=dims.tp_group)
     if dims.tp_rank != 0:
         worker_loop(runner)
         return None
-    engine = Engine(model, tokenizer, max_seqs, length, max_queue, runner=runner)
+    engine = Engine(model, tokenizer, max_seqs, length, max_queue, runner=runner, options=options,
+                    speculator=make_speculator(options, model, tokenizer, max_seqs, length))
     return Server(engine, None, tokenizer, name, length, api_key)
 
 
@@ -243,7 +245,7 @@ def _embedding_server(checkpoint: str, cfg, device: str, max_seqs: int, api_key:
 
 def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None, max_queue: int = 256,
                  api_key: str | None = None, model_name: str | None = None, tp: int = 1,
-                 adapters: list[str] | str | None = None) -> Server | None:
+                 adapters: list[str] | str | None = None, options=None) -> Server | None:
     """The server state for a checkpoint; under torchrun with tp > 1 only rank 0 gets one (the other ranks
     replay rank 0's engine steps here and return None when it stops). `adapters`: `--adapter` values
     (NAME=DIR or DIR), adapters of `meshlm tune` (or PEFT) tuned on the checkpoint, each served under its
@@ -253,14 +255,15 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
     from meshlm.checkpoint.load import checkpoint_config, load_model_from_checkpoint
     from meshlm.core.fit import check_fits, kv_cache_bytes
     from meshlm.families.registry import get_spec
-    from meshlm.infer.engine import Engine
+    from meshlm.infer.engine import CacheOptions, Engine
     from meshlm.train.fit import weights_bytes
 
+    options = options or CacheOptions()
     name = model_name or os.path.basename(os.path.normpath(checkpoint))
     adapters = [adapters] if isinstance(adapters, str) else list(adapters or [])
     tuned = _read_adapters(checkpoint, adapters, name, tp) if adapters else []
     if tp > 1:
-        return _tensor_parallel_server(checkpoint, max_seqs, max_len, max_queue, api_key, name, tp)
+        return _tensor_parallel_server(checkpoint, max_seqs, max_len, max_queue, api_key, name, tp, options)
     cfg = checkpoint_config(checkpoint)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if not get_spec(cfg.model.family).decoder:
@@ -269,18 +272,42 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
     if cfg.model.position == "learned" and length > cfg.model.seq_len:
         raise ConfigError(f"--max-len {length} is more than the model's model.seq_len={cfg.model.seq_len} (learned "
                           "positions); lower it")
-    needed = {"weights": weights_bytes(cfg.model), "KV cache": kv_cache_bytes(cfg.model, max_seqs, length)}
+    blocks = options.blocks_for(max_seqs, length)
+    needed = {"weights": weights_bytes(cfg.model), "KV cache": kv_cache_bytes(cfg.model, 1, blocks * options.block_size)}
     if tuned:
         needed["adapters"] = sum(t.numel() * 4 for _, a in tuned for t in a.tensors.values())
-    check_fits(needed, f"serving {max_seqs} sequences of {length} tokens", "lower --max-seqs or --max-len", device)
+    check_fits(needed, f"serving {max_seqs} sequences of {length} tokens ({blocks} KV blocks of "
+               f"{options.block_size})", "lower --max-seqs, --max-len or --num-blocks", device)
     model, tokenizer, cfg = load_model_from_checkpoint(checkpoint, device, cfg)
     served = None
     if tuned:
         from meshlm.infer.adapters import AdapterSet
 
         served = AdapterSet(model, cfg, tuned)  # one copy of the base; each row runs its own adapter
-    engine = Engine(model, tokenizer, max_seqs, length, max_queue, adapters=served)
+    engine = Engine(model, tokenizer, max_seqs, length, max_queue, adapters=served, options=options,
+                    speculator=make_speculator(options, model, tokenizer, max_seqs, length))
     return Server(engine, None, tokenizer, name, engine.max_len, api_key)
+
+
+def make_speculator(options, model, tokenizer, max_seqs: int, max_len: int):
+    """The engine's speculative proposer for `options.speculative` (None: none)."""
+    if options.speculative is None:
+        return None
+    from meshlm.infer.speculative import DraftModel, Speculator
+
+    if options.speculative == "ngram":
+        return Speculator("ngram")
+    from meshlm.checkpoint.load import checkpoint_config, load_model_from_checkpoint
+
+    draft_cfg = checkpoint_config(options.draft_checkpoint)
+    device = next(model.parameters()).device
+    draft, draft_tokenizer, _ = load_model_from_checkpoint(options.draft_checkpoint, str(device), draft_cfg)
+    mine, theirs = getattr(tokenizer, "identity", None), getattr(draft_tokenizer, "identity", None)
+    if draft.cfg.vocab_size != model.cfg.vocab_size or (mine and theirs and mine["sha256"] != theirs["sha256"]):
+        raise ConfigError(f"--draft-checkpoint {options.draft_checkpoint}: its tokenizer ({theirs or '?'}, "
+                          f"{draft.cfg.vocab_size} ids) is not the served model's ({mine or '?'}, "
+                          f"{model.cfg.vocab_size} ids); a draft model must share the tokenizer")
+    return Speculator("draft", DraftModel(draft.eval(), max_seqs, max_len, model.cfg.vocab_size))
 
 
 # ---- serving ---------------------------------------------------------------------------------------------------
@@ -307,7 +334,7 @@ def _draining_server_class():
 def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, max_seqs: int = 32, max_len: int | None = None,
           max_queue: int = 256, api_key: str | None = None, model_name: str | None = None, tp: int = 1,
           adapters: list[str] | None = None, log_level: str = "warning", drain_timeout: float = 60.0,
-          max_body_bytes: int = MAX_BODY_BYTES) -> int:
+          max_body_bytes: int = MAX_BODY_BYTES, options=None) -> int:
     """Serve `checkpoint` on http://host:port until SIGTERM/SIGINT (which drains the open requests for up to
     `drain_timeout` seconds); under torchrun with tp > 1 the ranks other than 0 are the workers. A request
     body over `max_body_bytes` is a 413. Returns 0."""
@@ -318,7 +345,7 @@ def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, max_seqs: 
     draining_server = _draining_server_class()
     server = None
     try:
-        server = build_server(checkpoint, max_seqs, max_len, max_queue, api_key, model_name, tp, adapters)
+        server = build_server(checkpoint, max_seqs, max_len, max_queue, api_key, model_name, tp, adapters, options)
         if server is not None:
             server.max_body_bytes = max_body_bytes
             also = f" with adapters {', '.join(repr(a.name) for a in server.adapters)}" if server.adapters else ""

@@ -228,10 +228,13 @@ class Attention(nn.Module):
         if per_row:
             if cache is None:
                 raise ValueError("per-row positions need a KV cache")
-            k, v = cache.update(start, k, v)
-            pos = positions_of(start, T, x.device)  # key j is visible to query (b, t) when j <= pos[b, t]
-            keys = torch.arange(k.shape[2], device=x.device)
-            y = self.core(q, k, v, False, (keys <= pos[..., None]).unsqueeze(1))  # mask (B, 1, T, K)
+            if hasattr(cache, "attend"):  # a paged cache (models/paged.py): one token per row, its own layout
+                y = cache.attend(q, k, v, self.core)
+            else:
+                k, v = cache.update(start, k, v)
+                pos = positions_of(start, T, x.device)  # key j is visible to query (b, t) when j <= pos[b, t]
+                keys = torch.arange(k.shape[2], device=x.device)
+                y = self.core(q, k, v, False, (keys <= pos[..., None]).unsqueeze(1))  # mask (B, 1, T, K)
             y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
             return self.resid_dropout(self.proj(y))
         if cache is not None:

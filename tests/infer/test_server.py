@@ -184,7 +184,7 @@ BAD = [
     ("max_tokens past context", "/v1/completions", {"prompt": "a", "max_tokens": 64}, None),
     ("temperature negative", "/v1/completions", {"prompt": "a", "temperature": -1}, None),
     ("top_p zero", "/v1/completions", {"prompt": "a", "top_p": 0}, None),
-    ("n > 1", "/v1/completions", {"prompt": "a", "n": 2}, None),
+    ("n > 128", "/v1/completions", {"prompt": "a", "n": 129}, None),
     ("token id out of range", "/v1/completions", {"prompt": [1, 99999999]}, None),
     ("chat bad role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, None),
     ("chat no messages", "/v1/chat/completions", {"messages": []}, None),

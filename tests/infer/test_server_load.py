@@ -46,16 +46,16 @@ def tiny_engine(max_seqs=1, max_queue=1) -> Engine:
     return Engine(model, get_tokenizer("gpt2"), max_seqs=max_seqs, max_queue=max_queue)
 
 
-def gate_decode(engine: Engine, gate: threading.Event, delay: float = 0.0):
-    """Make each decode step wait for `gate` (and sleep `delay`): the test decides when the engine moves."""
-    decode = engine.runner.decode
+def gate_steps(engine: Engine, gate: threading.Event, delay: float = 0.0):
+    """Make each step's forward wait for `gate` (and sleep `delay`): the test decides when the engine moves."""
+    forward = engine.runner.forward
 
-    def gated(tokens, positions):
+    def gated(plan):
         gate.wait(30)
         time.sleep(delay)
-        return decode(tokens, positions)
+        return forward(plan)
 
-    engine.runner.decode = gated
+    engine.runner.forward = gated
 
 
 def wait_until(cond, timeout=30.0):
@@ -68,7 +68,7 @@ def wait_until(cond, timeout=30.0):
 def test_full_queue_is_429_with_retry_after():
     engine = tiny_engine(max_seqs=1, max_queue=1)
     gate = threading.Event()
-    gate_decode(engine, gate)
+    gate_steps(engine, gate)
     body = {"prompt": "hello", "max_tokens": 5, "temperature": 0}
     results = {}
 
@@ -97,7 +97,7 @@ def test_a_client_leaving_mid_stream_frees_its_row():
     engine = tiny_engine(max_seqs=1, max_queue=4)
     gate = threading.Event()
     gate.set()
-    gate_decode(engine, gate, delay=0.02)
+    gate_steps(engine, gate, delay=0.02)
     with serve_in_thread(engine) as url:
         port = int(url.rsplit(":", 1)[1])
         payload = json.dumps({"prompt": "hello", "max_tokens": 60, "temperature": 0, "ignore_eos": True,
@@ -128,14 +128,14 @@ def test_a_failed_step_fails_its_requests_and_a_dead_engine_fails_health():
     def broken(*args):
         raise RuntimeError("simulated device failure")
 
-    engine.runner.decode = broken
+    engine.runner.forward = broken
     with serve_in_thread(engine) as url:
         assert http("GET", url + "/health")[0] == 200
         status, _, text = http("POST", url + "/v1/completions", {"prompt": "hello", "max_tokens": 5})
         error = json.loads(text)["error"]
         assert status == 500 and error["code"] == "generation_failed" and "simulated device failure" in error["message"]
         assert http("GET", url + "/health")[0] == 200 and engine.alive
-        del engine.runner.decode  # the device recovers: the engine served on
+        del engine.runner.forward  # the device recovers: the engine served on
         assert http("POST", url + "/v1/completions", {"prompt": "hello", "max_tokens": 5})[0] == 200
         engine.runner.idle = broken  # an error outside any request: the engine loop stops
         wait_until(lambda: not engine.alive)
@@ -180,6 +180,11 @@ def test_serve_without_fastapi_is_one_error_line(monkeypatch, tmp_path):
     (["--max-seqs", "0"], ["--max-seqs"]),
     (["--train.lr=1"], ["--parallel.tp"]),
     (["--parallel.tp=x"], ["--parallel.tp"]),
+    (["--block-size", "0"], ["--block-size"]),
+    (["--num-blocks", "0"], ["--num-blocks"]),
+    (["--max-batched-tokens", "-1"], ["--max-batched-tokens"]),
+    (["--speculative", "draft"], ["--draft-checkpoint"]),
+    (["--speculative", "ngram", "--num-draft-tokens", "0"], ["--num-draft-tokens"]),
 ])
 def test_serve_argument_errors(tmp_path, argv, words):
     one_error_line(["serve", "--checkpoint", str(tmp_path), *argv], *words)

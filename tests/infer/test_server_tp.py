@@ -1,4 +1,6 @@
-"""`torchrun --nproc-per-node 2 -m meshlm serve --parallel.tp=2` (gloo on CPU): greedy tokens equal tp=1's."""
+"""`torchrun --nproc-per-node 2 -m meshlm serve --parallel.tp=2` (gloo on CPU): greedy tokens equal tp=1's, also
+with small blocks, chunked prefill and speculative decoding (the leader broadcasts each step's plan); so do n=2
+seeded, sampled choices with a logit_bias (sampling runs on rank 0)."""
 
 import json
 import sys
@@ -15,16 +17,21 @@ LLAMA = {"position": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": 
 
 
 @pytest.mark.slow
-def test_tp2_server_greedy_equals_tp1(tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--block-size", "4", "--max-batched-tokens", "8", "--speculative", "ngram"]],
+                         ids=["default", "chunked+speculative"])
+def test_tp2_server_greedy_equals_tp1(tmp_path, flags):
     ckpt = save_gpt_checkpoint(tmp_path / "llama", seed=3, **LLAMA)  # GQA: 4 query heads, 2 KV heads
     prompts = ["Hello there", "ROMEO. But soft, what light", "a", "To be, or not to be: that is"]
     lengths = [12, 7, 15, 9]
     model, tokenizer, _ = load_model_from_checkpoint(str(ckpt))
     expected = Engine(model, tokenizer, max_seqs=4).generate(
         [tokenizer.encode(p) for p in prompts], [SamplingParams(max_tokens=n, temperature=0) for n in lengths])
+    bias = {str(tokenizer.encode(" the")[0]): 4.0, str(tokenizer.encode(",")[0]): 2.5}  # n=2, seeded, biased
+    choices = Engine(model, tokenizer, max_seqs=4).generate([tokenizer.encode("Hello there")] * 2, [
+        SamplingParams(max_tokens=10, seed=7 + i, logit_bias={int(t): b for t, b in bias.items()}) for i in range(2)])
 
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "meshlm"]
-    server = ServeProcess("--checkpoint", str(ckpt), "--parallel.tp=2", "--max-seqs", "4", prefix=launcher)
+    server = ServeProcess("--checkpoint", str(ckpt), "--parallel.tp=2", "--max-seqs", "4", *flags, prefix=launcher)
     try:
         results = [None] * len(prompts)
 
@@ -43,5 +50,9 @@ def test_tp2_server_greedy_equals_tp1(tmp_path):
             assert out["choices"][0]["text"] == req.text
             assert out["usage"]["completion_tokens"] == len(req.output_ids)
             assert "".join(out["choices"][0]["logprobs"]["tokens"]) == tokenizer.decode(req.output_ids)
+        status, _, body = http("POST", server.url + "/v1/completions", {"prompt": "Hello there", "max_tokens": 10,
+                                                                        "n": 2, "seed": 7, "logit_bias": bias})
+        assert status == 200, body
+        assert [c["text"] for c in json.loads(body)["choices"]] == [r.text for r in choices]
     finally:
         server.stop(timeout=60)

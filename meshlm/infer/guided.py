@@ -1,0 +1,151 @@
+"""Guided decoding: OpenAI's `response_format` (`{"type": "json_object"}`, `{"type": "json_schema", ...}`)
+through xgrammar (the optional extra `meshlm[guided]`).
+
+`compile_format(tokenizer, vocab_size, response_format)` checks the request's field and compiles its grammar
+(cached per tokenizer and format: the first request of a format pays for it), before the request is submitted:
+a bad schema is an `InvalidRequest` naming `response_format`, as is a missing xgrammar; the `Format` it returns
+goes in `SamplingParams.guide`. Per request, `Format.start()` (in `sampling.begin`) is a `Guide`, a matcher over
+that grammar: `mask(logits)` leaves only the tokens the grammar allows next (a token it
+refuses gets -inf, whatever its logit or bias), `advance(token)` moves it past the chosen one. The end of
+document token is the grammar's only way out, so a request ends ("stop") as soon as its JSON is complete.
+
+The tokenizer's vocabulary is read as xgrammar needs it: the raw bytes of each token (GPT-2's tiktoken ranks
+file), a Hugging Face tokenizer.json through transformers, else each token's decoded text.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+from meshlm.infer.sampling import InvalidRequest
+
+INSTALL = "pip install 'meshlm[guided]'"
+FORMAT_TYPES = ("text", "json_object", "json_schema")
+_compilers: dict[tuple[int, int], object] = {}  # (id of the tokenizer, vocab size) -> xgrammar.GrammarCompiler
+_grammars: dict[tuple[int, int, str], object] = {}  # ... + the format's JSON -> CompiledGrammar
+_lock = threading.Lock()
+
+
+def require_xgrammar():
+    """The xgrammar module, or an InvalidRequest naming `response_format` and the extra that installs it."""
+    try:
+        import xgrammar
+    except ImportError:
+        raise InvalidRequest("response_format needs guided decoding, whose package (xgrammar) is not installed on "
+                             f"this server; {INSTALL}", "response_format") from None
+    return xgrammar
+
+
+def check_format(response_format) -> dict | None:
+    """The request's `response_format` checked: None for plain text, else {"type", "schema" (or None)}."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict) or response_format.get("type") not in FORMAT_TYPES:
+        raise InvalidRequest("response_format must be an object with type 'text', 'json_object' or "
+                             "'json_schema'", "response_format")
+    kind = response_format["type"]
+    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    extra = sorted(set(response_format) - allowed)
+    if extra:
+        raise InvalidRequest(f"response_format has unknown field {extra[0]!r}", "response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": kind, "schema": None}
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise InvalidRequest("response_format.json_schema must be an object with a 'name' (and 'schema', "
+                             "'strict', 'description')", "response_format")
+    extra = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if extra:
+        raise InvalidRequest(f"response_format.json_schema has unknown field {extra[0]!r}", "response_format")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict) or not isinstance(spec.get("strict", False), bool | None):
+        raise InvalidRequest("response_format.json_schema.schema must be a JSON Schema object and strict true or "
+                             "false", "response_format")
+    return {"type": kind, "schema": schema}
+
+
+def token_vocabulary(xgr, tokenizer, vocab_size: int):
+    """xgrammar's TokenizerInfo of a meshlm tokenizer (`data.tokenizers`) for a model of `vocab_size` logits."""
+    stop = [tokenizer.eod_id]
+    path = str(getattr(tokenizer, "vocab_file", "") or "")
+    if getattr(tokenizer, "spec", None) == "gpt2" and path:  # tiktoken's ranks file: base64 bytes, rank
+        import base64
+
+        vocab: list[bytes] = [b""] * tokenizer.vocab_size
+        with open(path, "rb") as fh:
+            for line in fh:
+                if line.strip():
+                    token, rank = line.split()
+                    vocab[int(rank)] = base64.b64decode(token)
+        return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop)
+    if path.endswith(".json"):  # a Hugging Face tokenizer.json
+        from transformers import PreTrainedTokenizerFast
+
+        hf = PreTrainedTokenizerFast(tokenizer_file=path)
+        return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop)
+    vocab = [tokenizer.decode([i]).encode() for i in range(tokenizer.vocab_size)]  # whole characters only
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop)
+
+
+def compile_format(tokenizer, vocab_size: int, response_format):
+    """The `Format` of a request's `response_format` (None for plain text), for `SamplingParams.guide`; slow the
+    first time for a format (run it off the event loop). InvalidRequest naming `response_format` for a bad one."""
+    fmt = check_format(response_format)
+    if fmt is None:
+        return None
+    xgr = require_xgrammar()
+    key = (id(tokenizer), vocab_size)
+    text = json.dumps(fmt, sort_keys=True)
+    with _lock:
+        if (*key, text) in _grammars:
+            return _grammars[(*key, text)]
+        if key not in _compilers:
+            _compilers[key] = xgr.GrammarCompiler(token_vocabulary(xgr, tokenizer, vocab_size))
+        compiler = _compilers[key]
+        try:
+            # json_object: any JSON object (OpenAI's JSON mode); compact JSON, no free whitespace to loop in
+            schema = {"type": "object"} if fmt["schema"] is None else fmt["schema"]
+            grammar = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+        except Exception as err:  # noqa: BLE001 -- xgrammar's errors (RuntimeError, ValueError, ...) are the schema's
+            raise InvalidRequest(f"response_format.json_schema.schema is not a JSON Schema guided decoding can "
+                                 f"follow ({str(err).splitlines()[0] if str(err) else type(err).__name__})",
+                                 "response_format") from None
+        _grammars[(*key, text)] = Format(grammar)
+        return _grammars[(*key, text)]
+
+
+class Format:
+    """A compiled grammar, shared by the requests of its format; `start()` is one request's `Guide`."""
+
+    def __init__(self, grammar):
+        self.grammar = grammar
+
+    def start(self) -> Guide:
+        return Guide(self.grammar)
+
+
+class Guide:
+    """One request's position in its grammar: the token mask before a draw, and the token drawn."""
+
+    def __init__(self, grammar):
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.matcher = xgr.GrammarMatcher(grammar)
+        self.bitmask = xgr.allocate_token_bitmask(1, grammar.tokenizer_info.vocab_size)
+
+    def mask(self, logits):
+        """(V,) logits with every token the grammar refuses next at -inf (a new tensor)."""
+        logits = logits.clone()
+        if self.matcher.is_terminated():  # complete: only the end of document remains (the engine stops at it)
+            return logits
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        self.xgr.apply_token_bitmask_inplace(logits[None], self.bitmask.to(logits.device))
+        return logits
+
+    def advance(self, token: int) -> None:
+        if not self.matcher.is_terminated():
+            self.matcher.accept_token(token)

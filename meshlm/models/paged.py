@@ -1,0 +1,148 @@
+"""Paged attention for serving: keys and values in fixed-size blocks of one pool, read through block tables.
+
+One forward of the serving engine runs a flat list of N tokens from many sequences (`Batch`): some sequences
+give one token (decoding), others a run of tokens (a prefill chunk, or a token and its speculative drafts). The
+model sees them as N rows of one token each, with per-row positions, so every linear layer is one GEMM over all
+the tokens of the step. In attention each layer's `PagedCache.attend`:
+- writes each token's key and value into its slot (block × block_size + offset) of the pool;
+- for each group of sequences with the same number of tokens (all the decoding rows; the rows verifying k
+  drafts): gathers each row's blocks by its block table (padded to the longest) into a reused buffer, then one
+  masked attention call;
+- for a longer run (a prefill chunk): gathers its sequence's keys up to its last token, causal attention from
+  the run's offset.
+The layout tensors are built once per step (`Batch`) and shared by the layers. Which blocks a sequence holds
+is the engine's business (`infer/blocks.py`); this module only reads and writes the slots it is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class PagedKV:
+    """The pool's tensors: per layer, keys and values of shape (num_blocks × block_size, n_kv_heads, head_dim)."""
+
+    def __init__(self, model, num_blocks: int, block_size: int):
+        p = next(model.parameters())
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.layers = []
+        for layer in model.layers:
+            shape = (num_blocks * block_size, layer.attn.n_kv_heads, layer.attn.head_dim)
+            self.layers.append((torch.zeros(shape, dtype=p.dtype, device=p.device),
+                                torch.zeros(shape, dtype=p.dtype, device=p.device)))
+        self.scratch = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)
+
+    def gather_buffer(self, numel: int) -> torch.Tensor:
+        """A reused (2, numel) buffer for the keys and values a layer gathers: the layers run one after the other,
+        and a fresh tensor of that size a layer would cost page faults on every step, many times the copy."""
+        if self.scratch.numel() < 2 * numel:
+            self.scratch = torch.empty(2 * numel + 2 * numel // 4, dtype=self.scratch.dtype,
+                                       device=self.scratch.device)
+        return self.scratch[:2 * numel].view(2, numel)
+
+    def caches(self, batch: Batch) -> list[PagedCache]:
+        """One cache view per layer for the forward of `batch`."""
+        return [PagedCache(k, v, batch, self) for k, v in self.layers]
+
+
+@dataclass
+class Group:
+    """`rows` sequences of `T` tokens each, tokens `start`..`start + rows × T - 1` of the step (row by row): row
+    r's keys are in `blocks[r]` (in order), and its token t may see key j when `mask[r, 0, t, j]`; `causal`: one
+    row from position 0, whose mask is plain causal attention."""
+
+    start: int
+    rows: int
+    T: int
+    blocks: torch.Tensor
+    mask: torch.Tensor | None
+    keys: int
+    causal: bool = False
+
+
+class Batch:
+    """The layout of one step's tokens: per sequence (in token order) its positions and block table; each
+    position's slot is block × block_size + offset. Consecutive sequences with the same number of tokens, up
+    to `group_max` (decoding rows: one; a token and its speculative drafts: a few), attend in one call; a longer
+    run (a prefill chunk) attends alone. Built from plain lists (what a tensor-parallel leader broadcasts)."""
+
+    def __init__(self, rows: list[tuple[list[int], list[int]]], block_size: int, device, group_max: int = 16):
+        self.block_size = block_size
+        positions, slots = [], []
+        for pos, blocks in rows:
+            positions.extend(pos)
+            slots.extend(blocks[p // block_size] * block_size + p % block_size for p in pos)
+        self.positions = torch.tensor(positions, dtype=torch.long, device=device)
+        self.slots = torch.tensor(slots, dtype=torch.long, device=device)
+        self.groups: list[Group] = []
+        i = start = 0
+        while i < len(rows):
+            T = len(rows[i][0])
+            j = i + 1
+            while T <= group_max and j < len(rows) and len(rows[j][0]) == T:
+                j += 1
+            self.groups.append(self._group(rows[i:j], start, T, device))
+            start += (j - i) * T
+            i = j
+
+    def _group(self, rows, start: int, T: int, device) -> Group:
+        bs = self.block_size
+        ends = [pos[-1] + 1 for pos, _ in rows]
+        width = -(-max(ends) // bs)
+        table = [blocks[:width] + [0] * (width - len(blocks[:width])) for _, blocks in rows]
+        blocks = torch.tensor(table, dtype=torch.long, device=device)
+        if len(rows) == 1 and rows[0][0][0] == 0:  # a prompt's first chunk: causal, no mask
+            return Group(start, 1, T, blocks, None, ends[0], causal=True)
+        first = torch.tensor([pos[0] for pos, _ in rows], dtype=torch.long, device=device)
+        query = first[:, None] + torch.arange(T, device=device)  # (R, T) positions
+        keys = torch.arange(width * bs, device=device)
+        mask = (keys[None, None, :] <= query[:, :, None])[:, None]  # (R, 1, T, width × bs)
+        return Group(start, len(rows), T, blocks, mask, width * bs)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+class PagedCache:
+    """One layer's view of the pool for one step: Attention calls `attend` in place of its cache update and core
+    (models/layers.py)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, batch: Batch, pool: PagedKV):
+        self.k, self.v, self.batch, self.pool = k, v, batch, pool
+
+    def gather(self, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of `blocks` (B, nb) (in order) as (B, nkv, length, hd) views of the gather
+        buffer: whole blocks copied row by row (`index_select` into a reused buffer)."""
+        B, nb = blocks.shape
+        nkv, hd = self.k.shape[1:]
+        per_block = self.batch.block_size * nkv * hd
+        buf = self.pool.gather_buffer(B * nb * per_block)
+        flat = blocks.reshape(-1)
+        out = []
+        for i, src in enumerate((self.k, self.v)):
+            dst = buf[i].view(B * nb, per_block)
+            torch.index_select(src.view(-1, per_block), 0, flat, out=dst)
+            out.append(dst.view(B, nb * self.batch.block_size, nkv, hd)[:, :length].transpose(1, 2))
+        return out[0], out[1]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core) -> torch.Tensor:
+        """q (N, nh, 1, hd), k and v (N, nkv, 1, hd) for the step's N tokens → (N, nh, 1, hd). `core(q, k, v,
+        causal, mask)` is the layer's attention kernel (scaled dot product, GQA aware)."""
+        b = self.batch
+        self.k.index_copy_(0, b.slots, k[:, :, 0].to(self.k.dtype))
+        self.v.index_copy_(0, b.slots, v[:, :, 0].to(self.v.dtype))
+        out = torch.empty_like(q)
+        nh, hd = q.shape[1], q.shape[3]
+        for g in b.groups:
+            n = g.rows * g.T
+            qg = q[g.start:g.start + n, :, 0].view(g.rows, g.T, nh, hd).transpose(1, 2)  # (R, nh, T, hd)
+            keys, values = self.gather(g.blocks, g.keys)  # (R, nkv, L, hd)
+            y = core(qg, keys.to(q.dtype), values.to(q.dtype), g.causal, g.mask)
+            out[g.start:g.start + n, :, 0] = y.transpose(1, 2).reshape(n, nh, hd)
+        return out

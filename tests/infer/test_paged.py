@@ -1,0 +1,197 @@
+"""The paged KV cache (models/paged.py, infer/blocks.py) and the scheduler built on it (infer/engine.py): greedy
+outputs equal the plain model's whatever the block size, prefix caching, chunked prefill, batching and
+preemption; the pool stays bounded under a load that overflows it."""
+
+import pytest
+import torch
+
+from meshlm.infer.blocks import BlockPool, block_hashes
+from meshlm.infer.engine import CacheOptions, Engine, InvalidRequest, SamplingParams
+from meshlm.models.paged import Batch, PagedKV
+from tests.infer.test_engine import CONFIGS, CharTokenizer, alone, model_of, prompts_of
+
+
+def engine_of(model, max_seqs=4, **options):
+    return Engine(model, CharTokenizer(), max_seqs=max_seqs, options=CacheOptions(**options))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_paged_step_of_mixed_rows_equals_the_plain_forward(name):
+    """Decoding rows, prefill chunks and grouped short runs of several sequences in one step, their blocks
+    scattered over the pool: each token's logits equal the plain forward's at its position (float64, 1e-10)."""
+    model = model_of(name).double()
+    bs, kv = 4, PagedKV(model, 32, 4)
+    seqs = prompts_of([9, 6, 13], seed=3)
+    tables = [[5, 1, 30], [7, 2, 12], [0, 9, 3, 11]]  # not in order, not contiguous
+    # step 1: the first 5 tokens of seq 0, all of seq 1, the first 3 of seq 2 (three runs)
+    cut = [5, 6, 3]
+    ids = [t for s, c in zip(seqs, cut) for t in s[:c]]
+    rows = [(list(range(c)), t) for c, t in zip(cut, tables)]
+    run(model, kv, Batch(rows, bs, "cpu"), ids)
+    # step 2: seq 1 decodes one token (a row), seq 0's rest and seq 2's rest are runs after an offset
+    rows = [([6], tables[1]), (list(range(5, 9)), tables[0]), (list(range(3, 13)), tables[2])]
+    extra = 41
+    ids = [extra] + seqs[0][5:] + seqs[2][3:]
+    logits = run(model, kv, Batch(rows, bs, "cpu"), ids)
+    full = [seqs[1] + [extra], seqs[0], seqs[2]]
+    refs = [model(torch.tensor([s]))[0] for s in full]
+    torch.testing.assert_close(logits[0], refs[0][6], rtol=0, atol=1e-10)
+    torch.testing.assert_close(logits[1:5], refs[1][5:9], rtol=0, atol=1e-10)
+    torch.testing.assert_close(logits[5:], refs[2][3:13], rtol=0, atol=1e-10)
+    # step 3: two sequences of three tokens each (as a token and two drafts), one grouped attention call
+    more = [[7, 8, 9], [10, 11, 12]]
+    rows = [(list(range(9, 12)), tables[0]), (list(range(7, 10)), tables[1])]
+    batch = Batch(rows, bs, "cpu")
+    assert [(g.rows, g.T) for g in batch.groups] == [(2, 3)]
+    logits = run(model, kv, batch, more[0] + more[1])
+    torch.testing.assert_close(logits[:3], model(torch.tensor([seqs[0] + more[0]]))[0, 9:12], rtol=0, atol=1e-10)
+    torch.testing.assert_close(logits[3:], model(torch.tensor([full[0] + more[1]]))[0, 7:10], rtol=0, atol=1e-10)
+
+
+@torch.no_grad()
+def run(model, kv, batch, ids):
+    x = model.embed(torch.tensor(ids)[:, None], batch.positions)
+    x = model.run_layers(x, None, kv.caches(batch), batch.positions, model.rope(int(batch.positions.max()) + 1))
+    return model.head(x)[:, 0]
+
+
+def test_the_pool_shares_prefixes_counts_references_and_evicts_oldest_first():
+    pool = BlockPool(4, 2)
+    a = [1, 2, 3, 4, 5]
+    ha = block_hashes(a, 2)
+    assert len(ha) == 2 and block_hashes(a, 2, salt=1) != ha  # full blocks only; an adapter salts the chain
+    assert block_hashes([9, 9, 3, 4], 2)[1] != ha[1]  # a block's hash depends on the blocks before it
+    blocks = pool.allocate(3)
+    for j in range(2):
+        pool.register(blocks[j], ha[j], a[2 * j:2 * j + 2])
+    assert pool.match(a, ha, 4) == blocks[:2] and pool.refs[blocks[0]] == 2
+    assert pool.match([1, 2, 9, 9], block_hashes([1, 2, 9, 9], 2), 4) == blocks[:1]  # the shared first block
+    assert pool.available == 1
+    pool.release(blocks[:1])
+    pool.release(blocks[:2])
+    pool.release(blocks)
+    assert pool.available == 4 and pool.used == 0
+    assert pool.allocate(5) is None and pool.available == 4  # all or nothing
+    got = pool.allocate(3)  # the unregistered blocks first, then the least recently used registered one:
+    assert got[2] == blocks[1] and pool.stats["evictions"] == 1  # a sequence's later block goes before its first
+    assert pool.match(a, ha, 4) == blocks[:1]  # the first block is still shared
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("options", [
+    {"block_size": 4},
+    {"block_size": 3, "max_batched_tokens": 5},  # chunked prefill: prompts over several steps
+    {"block_size": 4, "prefix_caching": False, "max_batched_tokens": None},
+    {"block_size": 2, "num_blocks": 24, "max_batched_tokens": 7},  # a small pool: preemption
+], ids=["paged", "chunked", "no-prefix-cache", "preempting"])
+def test_greedy_outputs_equal_the_plain_model_batched_and_alone(name, options):
+    model = model_of(name)
+    shared = prompts_of([10], seed=7)[0]
+    prompts = prompts_of([3, 11, 1, 7, 17], seed=1) + [shared + p for p in prompts_of([2, 5, 1], seed=2)]
+    lengths = [12, 5, 18, 9, 3, 14, 7, 10]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    engine = engine_of(model, **options)
+    reqs = engine.generate(prompts, params)
+    for p, n, r in zip(prompts, lengths, reqs):
+        assert r.output_ids == alone(model, p, n)
+    solo = engine_of(model, max_seqs=1, **options).generate([prompts[-1]], params[-1])[0]
+    assert solo.output_ids == reqs[-1].output_ids
+    assert engine.pool.used == 0  # every block given back
+    if options.get("prefix_caching", True):
+        assert engine.stats["prefix_hit_tokens"] > 0  # the shared 10-token prefix was reused
+    if "num_blocks" in options:
+        assert engine.stats["preemptions"] > 0
+
+
+def test_a_load_that_overflows_the_pool_completes_and_stays_bounded():
+    """Twenty requests whose tokens need four times the pool: requests wait or are preempted and recomputed,
+    every one completes with the plain model's output, and the pool never grows."""
+    model = model_of("llama")
+    engine = engine_of(model, max_seqs=8, block_size=4, num_blocks=12, max_batched_tokens=16)
+    prompts = prompts_of([5, 9, 14, 3] * 5, seed=11)
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    peak = 0
+    reqs = [engine.submit(p, sp) for p in prompts]
+    while not all(r.finished for r in reqs):
+        engine.step()
+        peak = max(peak, engine.pool.used)
+    assert peak <= 12 and engine.stats["preemptions"] > 0
+    assert all(r.finish_reason == "length" and r.output_ids == alone(model, p, 20) for r, p in zip(reqs, prompts))
+    with pytest.raises(InvalidRequest, match="--num-blocks") as err:  # more than the whole pool: refused now
+        engine.submit([1] * 40, SamplingParams(max_tokens=10))
+    assert err.value.param == "max_tokens"
+
+
+def test_echo_prompt_logprobs_over_chunks_equal_one_forward():
+    model = model_of("gpt2")
+    prompt = prompts_of([23], seed=5)[0]
+    sp = SamplingParams(max_tokens=1, temperature=0, echo=True, logprobs=2)
+    whole = engine_of(model, max_batched_tokens=None).generate([prompt], sp)[0]
+    chunked = engine_of(model, block_size=4, max_batched_tokens=5).generate([prompt, prompt], sp)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt]))[0, :-1].float(), -1)
+    expected = [float(logp[i, t]) for i, t in enumerate(prompt[1:])]
+    for r in [whole, *chunked]:
+        assert [t.id for t in r.prompt_tokens] == prompt and r.prompt_tokens[0].logprob is None
+        assert [t.logprob for t in r.prompt_tokens[1:]] == pytest.approx(expected, abs=1e-5)
+
+
+def test_metrics_show_the_pool_and_the_prefix_cache():
+    from tests.infer.server_helpers import http
+    from tests.infer.test_server_load import serve_in_thread, tiny_engine, wait_until
+
+    engine = tiny_engine(max_seqs=2, max_queue=4)
+    prompt = "a shared system prompt, long enough to fill several blocks of sixteen positions; " * 2
+    with serve_in_thread(engine) as url:
+        for tail in ("one", "two"):
+            assert http("POST", url + "/v1/completions", {"prompt": prompt + tail, "max_tokens": 2})[0] == 200
+        wait_until(lambda: engine.running == 0)  # the engine frees a finished request's blocks after answering
+        text = http("GET", url + "/metrics")[2]
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert int(values["meshlm_kv_cache_blocks"]) == engine.pool.num_blocks == 2 * 64 // 16
+    assert int(values["meshlm_kv_cache_blocks_used"]) == 0  # both finished: every block given back
+    hits = int(values["meshlm_prefix_cache_hit_tokens_total"])
+    assert hits >= 16 and hits % 16 == 0 and hits == engine.stats["prefix_hit_tokens"]  # whole blocks reused
+    assert 0 < float(values["meshlm_prefix_cache_hit_rate"]) < 1
+
+
+def speculators(name):
+    from meshlm.infer.speculative import DraftModel, Speculator
+
+    draft = model_of(name, seed=1)  # another model: its guesses are often wrong
+    return {"ngram": lambda: Speculator("ngram"),
+            "draft": lambda: Speculator("draft", DraftModel(draft, 8, 64)),
+            "same-model draft": lambda: Speculator("draft", DraftModel(model_of(name), 8, 64))}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("method", ["ngram", "draft", "same-model draft"])
+def test_speculative_greedy_outputs_equal_the_plain_model(name, method):
+    model = model_of(name)
+    prompts = prompts_of([3, 11, 1, 7], seed=1) + [[5, 6, 7, 5, 6, 7, 5, 6]]
+    lengths = [12, 5, 18, 9, 14]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    engine = Engine(model, CharTokenizer(), max_seqs=4, options=CacheOptions(block_size=4, num_draft_tokens=3),
+                    speculator=speculators(name)[method]())
+    reqs = engine.generate(prompts, params)
+    for p, n, r in zip(prompts, lengths, reqs):
+        assert r.output_ids == alone(model, p, n)
+    s = engine.stats
+    assert s["draft_tokens"] > 0 and 0 < s["accepted_tokens"] <= s["draft_tokens"]
+    if method == "same-model draft":  # the target's own guesses: every one accepted
+        assert s["accepted_tokens"] == s["draft_tokens"]
+    assert engine.pool.used == 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_sampling_with_a_seed_repeats(method):
+    model = model_of("llama")
+    prompts = prompts_of([4, 9, 2], seed=3)
+    params = [SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    runs = []
+    for _ in range(2):
+        engine = Engine(model, CharTokenizer(), max_seqs=4, options=CacheOptions(block_size=4),
+                        speculator=speculators("llama")[method]())
+        runs.append([r.output_ids for r in engine.generate(prompts, params)])
+        assert engine.stats["draft_tokens"] > 0
+    assert runs[0] == runs[1] and len({tuple(r) for r in runs[0]}) == 3
