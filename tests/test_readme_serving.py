@@ -48,21 +48,26 @@ def tune_adapters(tmp_path: Path) -> None:
 def test_readme_serving_commands(tmp_path):
     save_gpt_checkpoint(tmp_path / "runs" / "gpt-tiny")  # 2 × 64, 64 positions, random weights
     commands = _section_commands("Serving")
-    assert len(commands) == 11, commands
-    first, last, adapters = commands[:5], commands[5], commands[6:]
+    assert len(commands) == 12, commands
+    first, last, adapters = commands[:6], commands[6], commands[7:]
     assert first[0].endswith("&") and first[-1] == "kill %1" and last.startswith("torchrun")
     assert adapters[0].endswith("&") and " --adapter " in adapters[0] and adapters[-1] == "kill %1"
 
     stdout = run_script(first, tmp_path)
     completion, end = json.JSONDecoder().raw_decode(stdout)  # curl prints no newline after it
-    out = stdout[end:].splitlines()
     assert completion["object"] == "text_completion" and completion["usage"]["completion_tokens"] == 20
     # the openai client's chat call succeeded (an HTTP error would raise, and `set -e` fail the script)
+    at = stdout.index('{"id":"chatcmpl', end)  # the response_format request: its reply is the schema's JSON
+    guided, end = json.JSONDecoder().raw_decode(stdout, at)
+    assert json.loads(guided["choices"][0]["message"]["content"])["color"] in ("red", "blue")
+    out = stdout[end:].splitlines()
     metrics = {line.split()[0]: float(line.split()[1]) for line in out if line.startswith("meshlm_")}
     assert set(metrics) == {"meshlm_generation_tokens_total", "meshlm_queue_length",
-                            "meshlm_time_to_first_token_seconds_count"}
+                            "meshlm_time_to_first_token_seconds_count", "meshlm_prefix_cache_hit_rate",
+                            "meshlm_spec_acceptance_rate"}
     assert metrics["meshlm_generation_tokens_total"] >= 21 and metrics["meshlm_queue_length"] == 0
-    assert metrics["meshlm_time_to_first_token_seconds_count"] == 2
+    assert metrics["meshlm_time_to_first_token_seconds_count"] == 3
+    assert 0 <= metrics["meshlm_prefix_cache_hit_rate"] < 1 and 0 <= metrics["meshlm_spec_acceptance_rate"] <= 1
 
     port = str(free_port())
     line = last.replace("runs/", f"{tmp_path}/runs/").replace("8001", port)

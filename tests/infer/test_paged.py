@@ -195,3 +195,36 @@ def test_speculative_sampling_with_a_seed_repeats(method):
         runs.append([r.output_ids for r in engine.generate(prompts, params)])
         assert engine.stats["draft_tokens"] > 0
     assert runs[0] == runs[1] and len({tuple(r) for r in runs[0]}) == 3
+
+
+def test_a_server_under_a_load_that_overflows_the_pool_answers_every_request():
+    """Twenty concurrent clients against a pool of 12 blocks and a queue of 6: every request completes (200,
+    its full length) or is refused with a clear 429; requests are preempted; the pool never grows."""
+    import json
+    import threading
+
+    from tests.infer.server_helpers import http
+    from tests.infer.test_server_load import serve_in_thread, wait_until
+
+    torch.manual_seed(0)
+    engine = Engine(model_of("gpt2"), CharTokenizer(), max_seqs=6, max_queue=6,
+                    options=CacheOptions(block_size=4, num_blocks=12, max_batched_tokens=16))
+    engine.tokenizer.encode = lambda text: [1 + ord(c) % 90 for c in text]
+    results = [None] * 20
+    with serve_in_thread(engine) as url:
+        def ask(i):
+            results[i] = http("POST", url + "/v1/completions", {"prompt": "abcdefghij"[: 3 + i % 7], "max_tokens": 24,
+                                                                "temperature": 0, "ignore_eos": True}, timeout=120)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(20)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        wait_until(lambda: engine.running == 0)
+    done = [json.loads(r[2]) for r in results if r[0] == 200]
+    refused = [json.loads(r[2])["error"] for r in results if r[0] != 200]
+    assert len(done) + len(refused) == 20 and len(done) >= 6
+    assert all(d["usage"]["completion_tokens"] == 24 for d in done)
+    assert all(e["code"] == "queue_full" for e in refused) and all(r[0] in (200, 429) for r in results)
+    assert engine.pool.used == 0 and engine.pool.num_blocks == 12 and engine.stats["preemptions"] > 0
