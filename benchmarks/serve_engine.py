@@ -58,7 +58,12 @@ def corpus_ids(tokenizer, n: int, seed: int) -> list[int]:
         return torch.randint(1, 4096, (n,), generator=g).tolist()
     from meshlm.data.assets import shakespeare_files
 
-    text = shakespeare_files()[seed % 42].read_text(encoding="utf-8", errors="replace")
+    files = shakespeare_files()
+    text = ""
+    for i in range(len(files)):  # a text long enough (a few are short poems)
+        text = files[(seed + i) % len(files)].read_text(encoding="utf-8", errors="replace")
+        if len(text) > 40 * n:
+            break
     start = int(torch.randint(0, len(text) - 20 * n, (), generator=g))
     return tokenizer.encode(text[start:start + 20 * n])[:n]
 

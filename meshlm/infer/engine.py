@@ -63,7 +63,7 @@ class EngineDead(RuntimeError):
     """The engine loop stopped (an error in the model, or a shutdown)."""
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: compared by identity (the scheduler's lists)
 class Request:
     prompt_ids: list[int]
     params: SamplingParams

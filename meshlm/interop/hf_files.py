@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from meshlm.core.config import ConfigError, ModelConfig
+from meshlm.data.tokenizers import SHAKESPEARE_BPE, get_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt", "chat_template.jinja")
@@ -210,6 +211,8 @@ def write_tokenizer_files(spec: str, target: Path, seq_len: int, log: Callable[[
         return _copy_present(minilm_dir(), target, ("vocab.txt", "tokenizer.json", "tokenizer_config.json",
                                                     "special_tokens_map.json"))
     path = Path(spec).expanduser()
+    if spec.startswith(SHAKESPEARE_BPE):  # trained from the bundled corpus into the cache: its tokenizer.json
+        path = Path(get_tokenizer(spec).vocab_file)
     if path.is_dir():
         names = _copy_present(path, target, TOKENIZER_FILES)
     elif path.is_file():

@@ -22,14 +22,16 @@ import torch
 
 
 class PagedKV:
-    """The pool's tensors: per layer, keys and values of shape (num_blocks × block_size, n_kv_heads, head_dim)."""
+    """The pool's tensors: per layer, keys and values of shape (n_kv_heads, num_blocks × block_size, head_dim).
+    Head-major, so that a gather of whole blocks lands as (heads, rows, positions, head_dim), whose every
+    (row, head) is contiguous: the layout the attention kernel reads fastest."""
 
     def __init__(self, model, num_blocks: int, block_size: int):
         p = next(model.parameters())
         self.num_blocks, self.block_size = num_blocks, block_size
         self.layers = []
         for layer in model.layers:
-            shape = (num_blocks * block_size, layer.attn.n_kv_heads, layer.attn.head_dim)
+            shape = (layer.attn.n_kv_heads, num_blocks * block_size, layer.attn.head_dim)  # head-major
             self.layers.append((torch.zeros(shape, dtype=p.dtype, device=p.device),
                                 torch.zeros(shape, dtype=p.dtype, device=p.device)))
         self.scratch = torch.empty(0, dtype=p.dtype, device=p.device)
@@ -118,25 +120,25 @@ class PagedCache:
 
     def gather(self, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values of `blocks` (B, nb) (in order) as (B, nkv, length, hd) views of the gather
-        buffer: whole blocks copied row by row (`index_select` into a reused buffer)."""
+        buffer: whole blocks of each head copied (`index_select` into a reused buffer)."""
         B, nb = blocks.shape
-        nkv, hd = self.k.shape[1:]
-        per_block = self.batch.block_size * nkv * hd
-        buf = self.pool.gather_buffer(B * nb * per_block)
-        flat = blocks.reshape(-1)
+        nkv, slots, hd = self.k.shape
+        bs = self.batch.block_size
+        index = (torch.arange(nkv, device=blocks.device)[:, None] * (slots // bs) + blocks.reshape(1, -1)).reshape(-1)
+        buf = self.pool.gather_buffer(nkv * B * nb * bs * hd)
         out = []
         for i, src in enumerate((self.k, self.v)):
-            dst = buf[i].view(B * nb, per_block)
-            torch.index_select(src.view(-1, per_block), 0, flat, out=dst)
-            out.append(dst.view(B, nb * self.batch.block_size, nkv, hd)[:, :length].transpose(1, 2))
+            dst = buf[i].view(nkv * B * nb, bs * hd)
+            torch.index_select(src.view(-1, bs * hd), 0, index, out=dst)
+            out.append(dst.view(nkv, B, nb * bs, hd)[:, :, :length].transpose(0, 1))
         return out[0], out[1]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core) -> torch.Tensor:
         """q (N, nh, 1, hd), k and v (N, nkv, 1, hd) for the step's N tokens → (N, nh, 1, hd). `core(q, k, v,
         causal, mask)` is the layer's attention kernel (scaled dot product, GQA aware)."""
         b = self.batch
-        self.k.index_copy_(0, b.slots, k[:, :, 0].to(self.k.dtype))
-        self.v.index_copy_(0, b.slots, v[:, :, 0].to(self.v.dtype))
+        self.k.index_copy_(1, b.slots, k[:, :, 0].transpose(0, 1).to(self.k.dtype))
+        self.v.index_copy_(1, b.slots, v[:, :, 0].transpose(0, 1).to(self.v.dtype))
         out = torch.empty_like(q)
         nh, hd = q.shape[1], q.shape[3]
         for g in b.groups:

@@ -218,3 +218,16 @@ def test_every_bert_tensor_moves_the_outputs(tmp_path):
         param.copy_(saved)
         assert moved > 1e3 * TOL, name
     assert _max_diff(_ours(model, batch), want, batch["attention_mask"]) <= TOL
+
+
+def test_exported_shakespeare_bpe_tokenizer_equals_meshlm_s(tmp_path):
+    """The default run's tokenizer (`shakespeare-bpe:4096`, trained into the cache) goes with an export: it was
+    once left out ("not there any more"), so `vllm serve` and `AutoTokenizer` could not load the directory."""
+    from meshlm.interop.hf_files import write_tokenizer_files
+
+    names = write_tokenizer_files("shakespeare-bpe:4096", tmp_path, 256)
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(names)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = get_tokenizer("shakespeare-bpe:4096")
+    for text in ("ROMEO.\nBut soft, what light through yonder window breaks?", "naïve café 🙂 1234 don't"):
+        assert hf_tok(text)["input_ids"] == ours.encode(text), text
