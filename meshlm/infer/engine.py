@@ -574,8 +574,9 @@ class Engine:
 
     def _plan(self, work: list[tuple[Request, int]]) -> dict:
         """The runner's plan (see `Runner`) for `work`, sorted by tokens per sequence (decoding rows first;
-        sequences with as many tokens attend together)."""
-        work.sort(key=lambda w: w[1] + len(w[0].drafts))
+        sequences with as many tokens attend together), then by length (similar lengths share an attention
+        call, `models/paged.py`)."""
+        work.sort(key=lambda w: (w[1] + len(w[0].drafts), w[0].computed))
         ids, rows, select, adapters, virtual = [], [], [], [], []
         for req, n in work:
             first = len(ids)

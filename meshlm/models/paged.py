@@ -70,8 +70,8 @@ class Group:
 class Batch:
     """The layout of one step's tokens: per sequence (in token order) its positions and block table; each
     position's slot is block × block_size + offset. Consecutive sequences with the same number of tokens, up
-    to `group_max` (decoding rows: one; a token and its speculative drafts: a few), attend in one call; a longer
-    run (a prefill chunk) attends alone. Built from plain lists (what a tensor-parallel leader broadcasts)."""
+    to `group_max` (decoding rows: one; a token and its speculative drafts: a few), and of lengths not far apart
+    (the engine sorts them by length), attend in one call; a longer run (a prefill chunk) attends alone. Built from plain lists (what a tensor-parallel leader broadcasts)."""
 
     def __init__(self, rows: list[tuple[list[int], list[int]]], block_size: int, device, group_max: int = 16):
         self.block_size = block_size
@@ -86,11 +86,16 @@ class Batch:
         while i < len(rows):
             T = len(rows[i][0])
             j = i + 1
-            while T <= group_max and j < len(rows) and len(rows[j][0]) == T:
+            while T <= group_max and j < len(rows) and len(rows[j][0]) == T and not self._longer(rows[i], rows[j]):
                 j += 1
             self.groups.append(self._group(rows[i:j], start, T, device))
             start += (j - i) * T
             i = j
+
+    def _longer(self, first, row) -> bool:
+        """Whether `row` is long enough against the group's `first` (rows come shortest first) to start a
+        group of its own: every row of a group is padded to its longest, so lengths far apart waste copies."""
+        return row[0][-1] > 1.25 * first[0][-1] + 2 * self.block_size
 
     def _group(self, rows, start: int, T: int, device) -> Group:
         bs = self.block_size
