@@ -56,7 +56,9 @@ class PagedKV:
 class Group:
     """`rows` sequences of `T` tokens each, tokens `start`..`start + rows × T - 1` of the step (row by row): row
     r's keys are in `blocks[r]` (in order), and its token t may see key j when `mask[r, 0, t, j]`; `causal`: one
-    row from position 0, whose mask is plain causal attention."""
+    row from position 0, whose mask is plain causal attention. `shared`: blocks that every row of a group of
+    decoding rows starts with (a common prompt prefix, shared by prefix caching); then `blocks` and `mask` are
+    each row's own blocks after them, and attention runs as a cascade (`PagedCache.cascade`)."""
 
     start: int
     rows: int
@@ -65,6 +67,8 @@ class Group:
     mask: torch.Tensor | None
     keys: int
     causal: bool = False
+    shared: torch.Tensor | None = None  # decoding rows' common first blocks (cascade attention), else None
+    shared_keys: int = 0
 
 
 class Batch:
@@ -97,6 +101,15 @@ class Batch:
         group of its own: every row of a group is padded to its longest, so lengths far apart waste copies."""
         return row[0][-1] > 1.25 * first[0][-1] + 2 * self.block_size
 
+    def _common(self, rows) -> int:
+        """How many first blocks every row holds alike (each row keeps at least its last position's block)."""
+        first = rows[0][1]
+        limit = min((pos[-1]) // self.block_size for pos, _ in rows)
+        n = 0
+        while n < limit and all(len(b) > n and b[n] == first[n] for _, b in rows):
+            n += 1
+        return n
+
     def _group(self, rows, start: int, T: int, device) -> Group:
         bs = self.block_size
         ends = [pos[-1] + 1 for pos, _ in rows]
@@ -105,6 +118,16 @@ class Batch:
         blocks = torch.tensor(table, dtype=torch.long, device=device)
         if len(rows) == 1 and rows[0][0][0] == 0:  # a prompt's first chunk: causal, no mask
             return Group(start, 1, T, blocks, None, ends[0], causal=True)
+        common = self._common(rows) if T == 1 and len(rows) > 1 else 0
+        if common:  # cascade: the shared blocks once for every row, then each row's own
+            own = [(pos, b[common:]) for pos, b in rows]
+            shift = common * bs
+            width = -(-max(ends) // bs) - common
+            table = [b[:width] + [0] * (width - len(b[:width])) for _, b in own]
+            lens = torch.tensor([e - shift for e in ends], dtype=torch.long, device=device)
+            mask = (torch.arange(width * bs, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            return Group(start, len(rows), 1, torch.tensor(table, dtype=torch.long, device=device), mask, width * bs,
+                         shared=torch.tensor(rows[0][1][:common], dtype=torch.long, device=device), shared_keys=shift)
         first = torch.tensor([pos[0] for pos, _ in rows], dtype=torch.long, device=device)
         query = first[:, None] + torch.arange(T, device=device)  # (R, T) positions
         keys = torch.arange(width * bs, device=device)
@@ -147,9 +170,38 @@ class PagedCache:
         out = torch.empty_like(q)
         nh, hd = q.shape[1], q.shape[3]
         for g in b.groups:
+            if g.shared is not None:
+                out[g.start:g.start + g.rows] = self.cascade(q[g.start:g.start + g.rows], g)
+                continue
             n = g.rows * g.T
             qg = q[g.start:g.start + n, :, 0].view(g.rows, g.T, nh, hd).transpose(1, 2)  # (R, nh, T, hd)
             keys, values = self.gather(g.blocks, g.keys)  # (R, nkv, L, hd)
             y = core(qg, keys.to(q.dtype), values.to(q.dtype), g.causal, g.mask)
             out[g.start:g.start + n, :, 0] = y.transpose(1, 2).reshape(n, nh, hd)
         return out
+
+    def cascade(self, q: torch.Tensor, g: Group) -> torch.Tensor:
+        """Decoding rows q (R, nh, 1, hd) over their shared first blocks and then their own: softmax attention
+        split in two parts by keys and merged by their log-sum-exps. The shared keys are read once for all the
+        rows (one matrix product), not copied once per row."""
+        R, nh, _, hd = q.shape
+        nkv = self.k.shape[0]
+        scale = hd ** -0.5
+        qh = q[:, :, 0].reshape(R, nkv, nh // nkv, hd)  # a KV head's query heads together (GQA)
+        keys, values = self.gather(g.shared[None], g.shared_keys)  # (1, nkv, P, hd)
+        qp = qh.transpose(0, 1).reshape(nkv, -1, hd)  # (nkv, R × group, hd)
+        sp = torch.matmul(qp, keys[0].to(q.dtype).transpose(1, 2)) * scale
+        mp = sp.amax(-1, keepdim=True)
+        ep = (sp - mp).exp()
+        shared = (mp, ep.sum(-1, keepdim=True), torch.matmul(ep, values[0].to(q.dtype)))  # before the next gather
+        parts = [tuple(t.view(nkv, R, -1, t.shape[-1]).transpose(0, 1) for t in shared)]  # (R, nkv, group, ·)
+        keys, values = self.gather(g.blocks, g.keys)  # (R, nkv, S, hd): the buffer is free again
+        ss = (torch.matmul(qh, keys.to(q.dtype).transpose(-1, -2)) * scale).masked_fill(~g.mask, float("-inf"))
+        ms = ss.amax(-1, keepdim=True)
+        es = (ss - ms).exp()
+        parts.append((ms, es.sum(-1, keepdim=True), torch.matmul(es, values.to(q.dtype))))
+        (m1, l1, o1), (m2, l2, o2) = parts
+        m = torch.maximum(m1, m2)
+        a, b = (m1 - m).exp(), (m2 - m).exp()
+        return ((o1 * a + o2 * b) / (l1 * a + l2 * b)).reshape(R, nh, 1, hd)
+

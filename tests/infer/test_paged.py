@@ -48,6 +48,33 @@ def test_a_paged_step_of_mixed_rows_equals_the_plain_forward(name):
     torch.testing.assert_close(logits[3:], model(torch.tensor([full[0] + more[1]]))[0, 7:10], rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("name", CONFIGS)
+def test_decoding_rows_sharing_prefix_blocks_attend_as_a_cascade_equal_to_the_plain_forward(name):
+    """Three decoding rows whose first two blocks are the same blocks (a prompt prefix shared by prefix
+    caching) and a fourth that shares nothing: the shared keys are read once (cascade attention, merged by
+    log-sum-exp) and every row's logits equal the plain forward's (float64, 1e-10)."""
+    model = model_of(name).double()
+    bs, kv = 4, PagedKV(model, 32, 4)
+    prefix = prompts_of([8], seed=8)[0]
+    tails = prompts_of([3, 6, 1], seed=9)
+    run(model, kv, Batch([(list(range(8)), [3, 4])], bs, "cpu"), prefix)  # the shared blocks 3 and 4
+    own = [[10, 11], [12, 13, 14], [15]]
+    for tail, blocks in zip(tails, own):  # each row's own tokens after the prefix, in its own blocks
+        run(model, kv, Batch([(list(range(8, 8 + len(tail))), [3, 4, *blocks])], bs, "cpu"), tail)
+    lone = prompts_of([5], seed=10)[0]
+    run(model, kv, Batch([(list(range(5)), [20, 21])], bs, "cpu"), lone)
+    nxt = [7, 8, 9, 10]
+    rows = [([8 + len(t)], [3, 4, *b]) for t, b in zip(tails, own)]
+    batch = Batch(rows, bs, "cpu")
+    assert [g.shared.tolist() for g in batch.groups] == [[3, 4]]  # one cascade group of the three rows
+    logits = run(model, kv, batch, nxt[:3])
+    for i, tail in enumerate(tails):
+        ref = model(torch.tensor([prefix + tail + [nxt[i]]]))[0, -1]
+        torch.testing.assert_close(logits[i], ref, rtol=0, atol=1e-10)
+    mixed = Batch([*rows[:2], ([5], [20, 21])], bs, "cpu")  # the lone row shares nothing: no cascade
+    assert all(g.shared is None for g in mixed.groups)
+
+
 @torch.no_grad()
 def run(model, kv, batch, ids):
     x = model.embed(torch.tensor(ids)[:, None], batch.positions)
