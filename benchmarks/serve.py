@@ -43,14 +43,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-
-def pct(values, q):
-    values = sorted(values)
-    if not values:
-        return float("nan")
-    k = (len(values) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+from serve_load import percentile
 
 
 def meshlm_cli(*args: str) -> None:
@@ -105,8 +98,8 @@ async def _level(url, concurrency, n_requests, prompt, max_tokens):
     tpot = [(e - f) / (max_tokens - 1) for _, f, e in results]
     return {"clients": concurrency, "requests": n_requests, "wall_s": wall, "req_per_s": n_requests / wall,
             "out_tok_per_s": n_requests * max_tokens / wall, "ttft_med_ms": 1e3 * statistics.median(ttft),
-            "ttft_p99_ms": 1e3 * pct(ttft, 0.99), "tpot_med_ms": 1e3 * statistics.median(tpot),
-            "tpot_p99_ms": 1e3 * pct(tpot, 0.99)}
+            "ttft_p99_ms": 1e3 * percentile(ttft, 0.99), "tpot_med_ms": 1e3 * statistics.median(tpot),
+            "tpot_p99_ms": 1e3 * percentile(tpot, 0.99)}
 
 
 def serving(ckpt: Path, args) -> list[dict]:

@@ -26,6 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from serve_load import percentile  # benchmarks/, the script's directory
+
 from meshlm.core.config import load_config
 from meshlm.infer.engine import CacheOptions, Engine, SamplingParams
 
@@ -66,11 +68,6 @@ def corpus_ids(tokenizer, n: int, seed: int) -> list[int]:
             break
     start = int(torch.randint(0, len(text) - 20 * n, (), generator=g))
     return tokenizer.encode(text[start:start + 20 * n])[:n]
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 def chunked(model, tokenizer, max_len: int) -> list[tuple]:

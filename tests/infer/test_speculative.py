@@ -5,7 +5,6 @@ model's per-row cache (greedy speculative decoding equals greedy decoding)."""
 import pytest
 import torch
 
-from meshlm.core.config import ModelConfig
 from meshlm.infer.sampling import SamplingParams
 from meshlm.infer.speculative import (
     DraftModel,
@@ -17,12 +16,8 @@ from meshlm.infer.speculative import (
 )
 from meshlm.models.generate import generate, sample_next
 from meshlm.models.gpt import GPT
+from tests.infer.test_engine import CONFIGS  # the tiny GPT-2 and Llama (GQA) shapes
 
-CONFIGS = {
-    "gpt2": ModelConfig(n_layers=2, hidden_size=32, n_heads=4, seq_len=64, vocab_size=97),
-    "llama": ModelConfig(n_layers=2, hidden_size=32, n_heads=4, n_kv_heads=2, seq_len=64, vocab_size=97,
-                         position="rope", norm="rmsnorm", activation="swiglu", bias=False, tie_embeddings=False),
-}
 GREEDY = SamplingParams(temperature=0, max_tokens=64)
 
 
