@@ -97,7 +97,11 @@ class Request:
     prompt_done: bool = False
 
     def tokens(self, start: int = 0, end: int | None = None) -> list[int]:
-        """The ids of its row's positions start..end-1: the head, the prompt, the output."""
+        """The ids of its row's positions start..end-1: the head, the prompt, the output (a decoding step asks
+        for the last one only: no copy of the whole row)."""
+        fixed = len(self.head) + len(self.prompt_ids)
+        if start >= fixed:
+            return self.output_ids[start - fixed:None if end is None else end - fixed]
         return (self.head + self.prompt_ids + self.output_ids)[start:end]
 
     @property
@@ -444,14 +448,11 @@ class Engine:
                     self._notify(req)
 
     def _isolated(self, reqs: list[Request], call, *args):
-        """`call(*args)`; an exception fails `reqs` (the requests it was for) and returns None, so that one
-        request never stops the engine for the others. Under tensor parallelism a failed model call is fatal
-        (the other ranks replay each call: they would be out of step)."""
+        """`call(*args)` (work on requests after a forward, no model call); an exception fails `reqs` (the
+        requests it was for) and returns None, so that one request never stops the engine for the others."""
         try:
             return call(*args)
-        except Exception as err:  # answered to the requests concerned
-            if isinstance(self.runner, DistributedRunner) and call == self.runner.forward:
-                raise
+        except Exception as err:  # noqa: BLE001 -- answered to the requests concerned
             self._fail(reqs, err)
             return None
 
@@ -617,9 +618,9 @@ class Engine:
         try:
             logits = self.runner.forward(plan)
         except Exception as err:
-            if isinstance(self.runner, DistributedRunner) or len(work) == 1:
-                if isinstance(self.runner, DistributedRunner):
-                    raise
+            if isinstance(self.runner, DistributedRunner):
+                raise
+            if len(work) == 1:
                 self._fail([work[0][0]], err)
                 return
             for one in work:
