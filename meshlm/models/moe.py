@@ -19,6 +19,9 @@ CONTRACT (read by parallel/ and interop/; changes to it are written here first)
   Statistics for metrics and the sigmoid router's bias: `MoE.stats` (on the device, summed over the micro-batches
   since the last `take_stats`; `train.metrics.moe_metrics` logs them); `update_router_bias(model, groups)` after
   each optimizer step, the load summed over `groups` (`train.metrics.moe_groups`: dp × cp, + tp under SP).
+  Rows split over ranks (cp; tp under SP): `MoE.token_groups` (the aux loss's f_i counted over all their
+  tokens, `route`) and `MoE.aux_weight` (1/tp under SP), set by parallel/expert.py, so the aux and z losses
+  and their gradients are one process's.
 
 Routing per token (logits z = W_r x in fp32):
   softmax: p = softmax(z), the top_k of p; weights = those p (renormalised to sum 1 with moe_norm_topk).
@@ -133,8 +136,15 @@ class Routing:
     z: torch.Tensor  # () router z-loss (unscaled)
 
 
-def route(logits: torch.Tensor, cfg: ModelConfig, score_bias: torch.Tensor | None = None) -> Routing:
-    """Top-k routing of logits (N, E) (see the module doc): selection, weights, aux and z losses, capacity."""
+def route(logits: torch.Tensor, cfg: ModelConfig, score_bias: torch.Tensor | None = None,
+          token_groups=()) -> Routing:
+    """Top-k routing of logits (N, E) (see the module doc): selection, weights, aux and z losses, capacity.
+
+    `token_groups`: the process groups holding the other tokens of the same rows (context parallelism, tp
+    under sequence parallelism). The aux loss is not linear in the token set: its f_i are then counted over
+    all of them (one all-reduce of E numbers per group), while P_i stays this rank's mean, so that the mean of
+    the ranks' aux losses (and of their gradients) is one process's aux loss of the whole rows. `counts`
+    stays this rank's own (the metrics and the bias update sum it over their groups)."""
     N, E = logits.shape
     k = cfg.moe_top_k
     if cfg.moe_router == "softmax":
@@ -150,8 +160,14 @@ def route(logits: torch.Tensor, cfg: ModelConfig, score_bias: torch.Tensor | Non
         weights = weights / weights.sum(-1, keepdim=True)
     experts = chosen.reshape(-1)
     counts = torch.bincount(experts, minlength=E).to(torch.float32)
+    share = counts / max(N * k, 1)  # f_i: each token has k assignments, so counts sum to N·k
+    if token_groups:
+        load = counts.clone()
+        for group in token_groups:
+            dist.all_reduce(load, group=group)
+        share = load / load.sum().clamp_min(1)
     with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.moe_aux_loss > 0):  # else a metric only
-        aux = E * (counts / max(N * k, 1) * probs.mean(0)).sum()
+        aux = E * (share * probs.mean(0)).sum()
     with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.moe_z_loss > 0):
         z = torch.logsumexp(logits, dim=-1).pow(2).mean()
     tokens = torch.arange(N, device=logits.device).repeat_interleave(k)
@@ -192,6 +208,11 @@ class MoE(nn.Module):
             self.shared = None
         self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.moe_shared_gate else None
         self.dispatch = LocalDispatch()
+        # The process groups holding other tokens of this rank's rows, and this rank's weight of the aux and z
+        # losses (1/tp under sequence parallelism, whose MoE gradients are summed over tp): `route`'s
+        # `token_groups`; set by parallel/expert.py (none in one process).
+        self.token_groups: tuple = ()
+        self.aux_weight = 1.0
         self.aux_grad_scale = 1.0  # the trainer's loss scale / micro-batches (`set_aux_grad_scale`)
         self.stats: dict[str, torch.Tensor] | None = None  # summed since the last take_stats
         self.step_counts: torch.Tensor | None = None  # routed assignments per expert since the last bias update
@@ -199,7 +220,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        r = route(self.router(flat), self.cfg, self.router.score_bias)
+        r = route(self.router(flat), self.cfg, self.router.score_bias, self.token_groups if self.training else ())
         y = self.dispatch(flat, r.tokens, r.experts, r.weights, self.experts)
         if self.shared is not None:
             s = self.shared(flat)
@@ -208,7 +229,7 @@ class MoE(nn.Module):
             y = y + s
         if self.training and torch.is_grad_enabled():
             self._record(r, flat.shape[0])
-            loss = self.cfg.moe_aux_loss * r.aux + self.cfg.moe_z_loss * r.z
+            loss = (self.cfg.moe_aux_loss * r.aux + self.cfg.moe_z_loss * r.z) * self.aux_weight
             if loss.requires_grad:  # some coefficient > 0
                 y = AuxLossGrad.apply(y, loss, self.aux_grad_scale)
         return y.reshape(shape)

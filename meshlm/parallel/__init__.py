@@ -97,7 +97,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, rng: TPRNGTra
     if dims.cp > 1:  # whole rows in, this rank's chunks run; the attention cores become the ring
         apply_context_parallel(model, dims, spec=spec, sequence_parallel=cfg.parallel.sp)
         loss_fn = ContextParallelLoss(loss_fn, dims)
-    if dims.ep > 1 or (dims.tp > 1 and cfg.parallel.sp):  # MoE layers: this rank's experts, the all-to-all
+    if dims.ep > 1 or dims.cp > 1 or (dims.tp > 1 and cfg.parallel.sp):  # MoE: experts, all-to-all, token groups
         apply_expert_parallel(model, dims, cfg)
     cut = cut_stages(model, spec, cfg, dims.pp_rank, fused_head(cfg, dims, spec)) if dims.pp > 1 else None
     if any(p.is_meta for p in model.parameters()):

@@ -27,7 +27,9 @@ Tensor parallelism: the MoE layer is not split over tp (the family's tp plan nam
 rank holds the router, its ep slice of the experts and the shared experts whole, and runs them on the
 tokens it has, the whole sequence without SP (the tp ranks compute the same thing), its sequence shard
 with SP (then the MoE parameters saw only this rank's tokens and their gradients are summed over tp, as
-the norms' are; the load-balancing and z losses are then those of each tp rank's tokens). The ep groups
+the norms' are; the load-balancing loss counts the expert load over the tp group, and each rank's aux and z
+losses weigh 1/tp, so they are one process's). Context parallelism counts the load over the cp group
+alike (its gradients are averaged, so no weight). The ep groups
 are per tp rank. Pipeline stages and recomputation need nothing more: every rank of an ep group is at the
 same stage and runs the same micro-batches in the same order, so the all-to-alls pair up (a recomputed
 forward replays them).
@@ -103,9 +105,13 @@ class AllToAllDispatch:
 
 def apply_expert_parallel(model: nn.Module, dims: ParallelDims, cfg: Config) -> None:
     """This rank's experts of every MoE layer (meta or real parameters: the slice of the whole stack), the
-    all-to-all dispatch (ep > 1), and under tp + SP the MoE parameters marked to be summed over tp."""
+    all-to-all dispatch (ep > 1), under tp + SP the MoE parameters marked to be summed over tp, and under cp
+    or SP the groups holding the rest of each row's tokens, over which the router's load is counted
+    (`MoE.token_groups`; each SP rank's aux and z losses weighted 1/tp, as its gradients are summed)."""
     ep, sp = dims.ep, cfg.parallel.sp and dims.tp > 1
+    token_groups = tuple(([dims.cp_group] if dims.cp > 1 else []) + ([dims.tp_group] if sp else []))
     for _, moe in moe_layers(model):
+        moe.token_groups, moe.aux_weight = token_groups, 1.0 / dims.tp if sp else 1.0
         experts = moe.experts
         if sp:  # ep > 1: the expert slices' tp sums are `ExpertDataParallel`'s
             for p in moe.parameters():
