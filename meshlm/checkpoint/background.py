@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.single import save_checkpoint
 
 
 class HostCopier:
@@ -134,7 +134,7 @@ class SingleJob:
 
     def write(self) -> None:
         try:
-            self.path = ckpt.save_checkpoint(self.out_dir, self.step, self.parts, self.config)
+            self.path = save_checkpoint(self.out_dir, self.step, self.parts, self.config)
         except Exception as err:  # noqa: BLE001 (raised again on the training thread by `finish`)
             self.error = err
         finally:

@@ -1,64 +1,101 @@
-"""Loading a model for inference: the whole model in one process, or this rank's tensor-parallel part.
+"""The one door to a checkpoint for inference: open it once, then load the whole model or this rank's part.
 
-Checkpoints of any training layout load (a parallel run's pieces are assembled by `load_model_state`).
+`open_checkpoint(path)` resolves what the user gave (a run directory, its checkpoints/, one step directory,
+or `meshlm convert --to-single` output) to one verified step directory, exactly once per command: the newest
+valid checkpoint is taken and any fallback note ("passing over step N ...") is printed once. The frozen
+`Checkpoint` it returns (what was given, the verified step directory, its `Config`, whether it holds a
+parallel run's pieces) is what every lower function takes, never the path string again. Two loaders take
+it, with the family's spec passed in (checkpoint/ never looks a family up):
+
+* `load_model`: the whole model in one process, built on the meta device and given the checkpoint's
+  tensors (`load_state_dict(assign=True)`), so no time goes into an initialisation that is overwritten;
+* `load_parallel`: this rank's part under a layout (`build_model` + `sharded.load_matching_weights`),
+  for a checkpoint of any training layout.
+
+Other formats (a `.gguf` file) come in through `meshlm.interop.checkpoints.open_checkpoint`, which converts
+them to a run directory first and then opens it here.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
-def checkpoint_config(path: str):
-    """The full `Config` saved with a run directory's newest checkpoint (or one step directory)."""
-    from meshlm.checkpoint import single as ckpt
-    from meshlm.core.config import config_from_dict
+import torch
+from torch import nn
 
-    return config_from_dict(ckpt.load_config_dict(ckpt.resolve_checkpoint(path)))
-
-
-def load_model_from_checkpoint(path: str, device: str = "cpu", cfg=None):
-    """(model in eval mode, tokenizer, config) from a run directory or checkpoint directory."""
-    import torch
-
-    from meshlm.checkpoint import single as ckpt
-    from meshlm.data.tokenizers import get_tokenizer
-    from meshlm.families.registry import get_spec
-
-    target = ckpt.resolve_checkpoint(path)
-    cfg = cfg or checkpoint_config(path)
-    model = get_spec(cfg.model.family).model_class(cfg.model)
-    model.load_state_dict(ckpt.load_model_state(target))
-    return model.to(torch.device(device)).eval(), get_tokenizer(cfg.data.tokenizer), cfg
+from meshlm.checkpoint.files import load_config_dict
+from meshlm.checkpoint.sharded import is_sharded, load_matching_weights
+from meshlm.checkpoint.single import read_model_state, resolve_checkpoint
+from meshlm.core.config import Config, config_from_dict
+from meshlm.core.errors import CheckpointError
+from meshlm.families.spec import ModelSpec
 
 
-def load_tensor_parallel(path: str, tp: int, timeout_s: float = 300):
-    """(this rank's part of the model in eval mode, tokenizer, config, ParallelDims) under torchrun with
-    `tp` ranks (tensor parallelism only: the world is tp). The checkpoint may come from any layout; its
-    tensors are resharded to this one (`sharded.load_matching_weights`). Collective: every rank calls it."""
-    import torch
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
-    from meshlm.checkpoint import sharded as dist_checkpoint
-    from meshlm.checkpoint import single as ckpt
-    from meshlm.core.config import ConfigError, config_from_dict
-    from meshlm.data.tokenizers import get_tokenizer
-    from meshlm.families.registry import get_spec
-    from meshlm.parallel import build_model, init_distributed
-    from meshlm.parallel.rng import TPRNGTracker
 
-    source = ckpt.resolve_checkpoint(path)
-    saved = checkpoint_config(str(source))
-    spec = get_spec(saved.model.family)
-    if not spec.decoder:
-        raise ConfigError(f"--parallel.tp={tp} serves GPT checkpoints; {path} is model.family={saved.model.family!r}")
-    values = saved.to_dict()
-    values["parallel"] = {**values["parallel"], "tp": tp, "pp": 1, "dp": 0, "sp": False, "vpp": 1, "pp_layers": [],
-                          "zero": 0, "timeout_s": timeout_s}
-    values["model"] = {**values["model"], "dropout": 0.0}
-    cfg = config_from_dict(values)
-    dims = init_distributed(cfg.parallel, torch.device("cpu") if not torch.cuda.is_available() else None)
-    if dims.world_size != tp:
-        raise ConfigError(f"--parallel.tp={tp} serves on exactly tp ranks; this world has {dims.world_size} "
-                          f"(torchrun --nproc-per-node {tp})")
-    torch.manual_seed(0)
-    par = build_model(cfg, dims, rng=TPRNGTracker(0, dims.tp_rank), spec=spec)
-    dist_checkpoint.load_matching_weights(source, par.grad_sync, saved.model)
+@dataclass(frozen=True)
+class Checkpoint:
+    """A resolved, verified checkpoint: what the user gave (`given`, for messages), the step directory
+    (`path`), the run's `Config` saved with it, and whether it holds a parallel run's pieces (`sharded`)."""
+
+    given: str
+    path: Path
+    config: Config
+    sharded: bool
+
+
+def open_checkpoint(path: str | Path, log: Callable[[str], None] | None = _stderr,
+                    spec_of: Callable[[str], ModelSpec] | None = None) -> Checkpoint:
+    """Resolve and verify `path` once (`single.resolve_checkpoint`: sizes, checksums, finite weights, with
+    `spec_of` (family name → spec) the weights' shapes against its config.json; a note on what was passed
+    over goes to `log`) and read its config."""
+    found = resolve_checkpoint(path, log=log, spec_of=spec_of)
+    return Checkpoint(str(path), found, config_from_dict(load_config_dict(found)), is_sharded(found))
+
+
+def load_model(checkpoint: Checkpoint, spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Module:
+    """The plain model of `checkpoint` (any layout, family `spec`) in eval mode on `device`: built on the
+    meta device and given the checkpoint's tensors, buffers initialised on `device`."""
+    device = torch.device(device)
+    state = read_model_state(checkpoint.path, device, spec=spec)
+    with torch.device("meta"):
+        model = spec.model_class(checkpoint.config.model)
+    tied = _tied_names(model)
+    model.load_state_dict(state, strict=True, assign=True)
+    for first, *others in tied:  # `assign` gave each name its own Parameter: tie them again
+        for name in others:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, model.get_parameter(first))
+    model.init_buffers(device)
+    return model.eval()
+
+
+def _tied_names(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that are one Parameter (tied weights, e.g. a head tied to the embedding)."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def load_parallel(checkpoint: Checkpoint, spec: ModelSpec, cfg: Config, dims, rng=None):
+    """This rank's part of `checkpoint`'s model under the layout of `cfg` (the checkpoint's model, the
+    caller's `parallel` section) and `dims` (an initialised `ParallelDims`), in eval mode: `Parallelized`.
+    The checkpoint may come from any layout; its tensors are resharded to this one. Collective: every rank
+    calls it. CheckpointError when the checkpoint lacks some of the model's tensors."""
+    from meshlm.parallel import build_model
+
+    par = build_model(cfg, dims, rng=rng, spec=spec)
+    missing = load_matching_weights(checkpoint.path, par.grad_sync, checkpoint.config.model, spec=spec)
+    if missing:
+        raise CheckpointError(f"{checkpoint.given}: the checkpoint lacks {', '.join(missing)}; it is not a whole "
+                              "model of this shape")
     par.model.eval()
-    return par.model, get_tokenizer(cfg.data.tokenizer), cfg, dims
+    for stage in (par.pipeline.modules if par.pipeline is not None else []):
+        stage.eval()
+    return par

@@ -42,10 +42,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.checkpoint import files as ckpt_files
+from meshlm.checkpoint.files import (
+    Entry,
+    begin_checkpoint,
+    checkpoints_dir,
+    load_torch,
+    non_finite,
+    publish_checkpoint,
+    save_bytes,
+    save_torch,
+    state_nbytes,
+    step_name,
+    write_failure,
+)
 from meshlm.core.config import ModelConfig
 from meshlm.core.errors import CheckpointError, CheckpointWriteError, TrainingError
-from meshlm.families.registry import get_spec
+from meshlm.families.spec import ModelSpec
 from meshlm.models.params import param_groups
 from meshlm.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -58,59 +70,60 @@ KINDS = ("weight", *ADAM_KINDS, *MUON_KINDS)
 
 
 # ---- logical tensors ----------------------------------------------------------------------------------------
-def fused_blocks(name: str, cfg: ModelConfig) -> list[tuple[str, int]]:
+def fused_blocks(name: str, cfg: ModelConfig, *, spec: ModelSpec) -> list[tuple[str, int]]:
     """The logical tensors stacked along dim 0 of plain parameter `name`, with their row counts (the
     family's `logical_blocks`; a whole parameter keeps its name and rows)."""
-    blocks = get_spec(cfg.family).logical_blocks(name, cfg)
-    return [(n, plain_shapes(cfg)[name][0] if rows < 0 else rows) for n, rows in blocks]
+    blocks = spec.logical_blocks(name, cfg)
+    return [(n, plain_shapes(cfg, spec=spec)[name][0] if rows < 0 else rows) for n, rows in blocks]
 
 
 @functools.lru_cache(maxsize=8)
-def plain_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def plain_shapes(cfg: ModelConfig, *, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Shapes of the plain model's parameters (each tensor once: a tied LM head is `tok_emb.weight`)."""
     from meshlm.parallel.materialize import plain_shapes as shapes
 
     with torch.random.fork_rng(devices=[]):  # a meta build still draws from the CPU generator: keep it untouched
-        return shapes(get_spec(cfg.family), cfg)
+        return shapes(spec, cfg)
 
 
-def _plain_model(cfg: ModelConfig) -> nn.Module:
+def _plain_model(cfg: ModelConfig, spec: ModelSpec) -> nn.Module:
     """The plain model (callers build it on the meta device), the CPU random stream left as it was: a save
     or load must not move the run's dropout masks."""
     with torch.random.fork_rng(devices=[]):
-        return get_spec(cfg.family).model_class(cfg)
+        return spec.model_class(cfg)
 
 
-def logical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def logical_shapes(cfg: ModelConfig, *, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     out = {}
-    for name, shape in plain_shapes(cfg).items():
-        for lname, rows in fused_blocks(name, cfg):
+    for name, shape in plain_shapes(cfg, spec=spec).items():
+        for lname, rows in fused_blocks(name, cfg, spec=spec):
             out[lname] = (rows, *shape[1:])
     return out
 
 
-def split_plain(state: dict[str, torch.Tensor], cfg: ModelConfig, partial: bool = False) -> dict[str, torch.Tensor]:
+def split_plain(state: dict[str, torch.Tensor], cfg: ModelConfig, partial: bool = False, *,
+                spec: ModelSpec) -> dict[str, torch.Tensor]:
     """A plain GPT state dict → logical tensors (2-D: rows × the rest); `partial`: of the parameters it has."""
     out = {}
-    for name in plain_shapes(cfg):
+    for name in plain_shapes(cfg, spec=spec):
         if partial and name not in state:
             continue
         t = state[name]
         start = 0
-        for lname, n in fused_blocks(name, cfg):
+        for lname, n in fused_blocks(name, cfg, spec=spec):
             out[lname] = t[start:start + n].reshape(n, -1)
             start += n
     return out
 
 
-def fuse_logical(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def fuse_logical(tensors: dict[str, torch.Tensor], cfg: ModelConfig, *, spec: ModelSpec) -> dict[str, torch.Tensor]:
     """Logical tensors → a plain GPT state dict (the tied LM head included, as `GPT.state_dict` has it)."""
     out = {}
-    for name, shape in plain_shapes(cfg).items():
-        parts = [tensors[lname] for lname, _ in fused_blocks(name, cfg)]
+    for name, shape in plain_shapes(cfg, spec=spec).items():
+        parts = [tensors[lname] for lname, _ in fused_blocks(name, cfg, spec=spec)]
         out[name] = torch.cat(parts).reshape(shape)
     with torch.device("meta"):  # tied parameters appear under every name in a state dict
-        model = _plain_model(cfg)
+        model = _plain_model(cfg, spec)
     first = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         first.setdefault(id(p), name)
@@ -132,7 +145,7 @@ class Segment:
 
 
 def param_segments(model: nn.Module, name: str, shape: tuple[int, ...], tp_rank: int,
-                   tied_copy: bool = False) -> list[Segment]:
+                   tied_copy: bool = False, *, spec: ModelSpec) -> list[Segment]:
     """How this rank's local parameter `name` (of local `shape`) maps onto logical tensors.
 
     Tensor-parallel modules say which full rows (column-parallel, vocab-parallel) or columns
@@ -156,7 +169,7 @@ def param_segments(model: nn.Module, name: str, shape: tuple[int, ...], tp_rank:
     elif getattr(getattr(module, attr, None), "expert_rows", None) is not None:  # this rank's experts (ep)
         full_rows = list(range(*getattr(module, attr).expert_rows))
     blocks, start = [], 0
-    for lname, n in fused_blocks(name, cfg):
+    for lname, n in fused_blocks(name, cfg, spec=spec):
         blocks.append((start, start + n, lname))
         start += n
     base_write = (sharded or tp_rank == 0) and not tied_copy
@@ -202,11 +215,11 @@ def pieces(segments: list[Segment], shape: tuple[int, ...], lo: int, hi: int):
             yield seg, (seg.row + r - seg.local_row, seg.col + c0, n, c1 - c0), r * cols + c0 - lo
 
 
-def _segments_for(sync, owned) -> list[Segment]:
+def _segments_for(sync, owned, spec: ModelSpec) -> list[Segment]:
     pipe = sync.pipe
     tied_copy = (pipe is not None and pipe.tied_weight is not None and owned.name == pipe.tied_names[0]
                  and not pipe.has_first)  # the last stage's copy: the first stage writes the embedding
-    return param_segments(sync.model, owned.name, owned.shape, sync.dims.tp_rank, tied_copy)
+    return param_segments(sync.model, owned.name, owned.shape, sync.dims.tp_rank, tied_copy, spec=spec)
 
 
 # ---- saving -----------------------------------------------------------------------------------------------
@@ -214,7 +227,7 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.cpu().clone()
 
 
-def _rank_pieces(sync, optimizer, copy=None) -> tuple[dict[str, torch.Tensor], list[list]]:
+def _rank_pieces(sync, optimizer, spec: ModelSpec, copy=None) -> tuple[dict[str, torch.Tensor], list[list]]:
     """This rank's pieces: tensors for its safetensors file (copies in host memory, by `copy`) and their
     index entries."""
     copy = copy or _host_copy
@@ -223,7 +236,7 @@ def _rank_pieces(sync, optimizer, copy=None) -> tuple[dict[str, torch.Tensor], l
         state = optimizer.state.get(owned.opt_key, {})
         flats = {"weight": owned.weight}
         flats.update({k: owned.opt_flat(state[k]) for k in (*ADAM_KINDS, *MUON_KINDS) if k in state})
-        for seg, (row, col, n, w), off in pieces(_segments_for(sync, owned), owned.shape, owned.lo, owned.hi):
+        for seg, (row, col, n, w), off in pieces(_segments_for(sync, owned, spec), owned.shape, owned.lo, owned.hi):
             if not seg.write:
                 continue
             for kind, flat in flats.items():
@@ -242,27 +255,29 @@ def _adam_step(optimizer) -> float | None:
 
 
 def _write_rank(tmp: Path, rank: int, tensors: dict[str, torch.Tensor], rank_state: dict,
-                layout: dict | None) -> dict[str, ckpt_files.Entry]:
+                layout: dict | None) -> dict[str, Entry]:
     """This rank's two files (its pieces, its random streams); their manifest entries."""
     from safetensors.torch import save as to_bytes
 
-    bad = ckpt_files.non_finite({k: v for k, v in tensors.items() if k.startswith("weight/")})
+    bad = non_finite({k: v for k, v in tensors.items() if k.startswith("weight/")})
     if bad:
         raise TrainingError(f"refusing to save: the model's weights hold NaN or inf ({bad[0].split('/')[1]}); the "
                             "previous checkpoint is kept. Lower optim.lr or raise optim.warmup_steps")
     (tmp / SHARDS).mkdir(exist_ok=True)
     name = f"rank{rank:05d}"
-    return {f"{SHARDS}/{name}.safetensors": ckpt_files.save_bytes(to_bytes(tensors), tmp / SHARDS / f"{name}.safetensors"),
-            f"{SHARDS}/{name}.pt": ckpt_files.save_torch({"rank_state": rank_state, "layout": layout},
+    return {f"{SHARDS}/{name}.safetensors": save_bytes(to_bytes(tensors), tmp / SHARDS / f"{name}.safetensors"),
+            f"{SHARDS}/{name}.pt": save_torch({"rank_state": rank_state, "layout": layout},
                                                          tmp / SHARDS / f"{name}.pt")}
 
 
-def save(out_dir: str | Path, step: int, sync, optimizer, state: dict, config: dict, rank_state: dict) -> Path:
+def save(out_dir: str | Path, step: int, sync, optimizer, state: dict, config: dict, rank_state: dict, *,
+         spec: ModelSpec) -> Path:
     """Write this layout's checkpoint of step `step` and publish it as `latest` (a collective).
 
-    `state` (rank 0's): step, data position, layout, …; `rank_state`: this rank's random streams. No rank
-    publishes unless every rank wrote its files; a failed write removes the temporary directory."""
-    pending = begin(out_dir, step, sync, optimizer, state, config, rank_state)
+    `state` (rank 0's): step, data position, layout, …; `rank_state`: this rank's random streams; `spec`: the
+    model's family (how its fused tensors split). No rank publishes unless every rank wrote its files; a
+    failed write removes the temporary directory."""
+    pending = begin(out_dir, step, sync, optimizer, state, config, rank_state, spec=spec)
     pending.write()
     return pending.finish()
 
@@ -284,6 +299,7 @@ class PendingSave:
     tensors: dict
     entries: list
     adam_step: float | None
+    shapes: dict  # the logical tensors' shapes, for the index
     error: BaseException | None = None
     files: dict | None = None
 
@@ -306,7 +322,7 @@ class PendingSave:
         if world:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if not ok.item():
-            _fail(self.error, self.tmp, self.step, d.is_main, ckpt_files.state_nbytes(self.tensors))
+            _fail(self.error, self.tmp, self.step, d.is_main, state_nbytes(self.tensors))
         mine = (d.rank, self.entries, self.adam_step, self.files)
         gathered = [None] * d.world_size if d.is_main else None
         if world:
@@ -314,26 +330,27 @@ class PendingSave:
         else:
             gathered = [mine]
         self.tensors = {}  # written: the host copy is no longer needed
-        path = ckpt_files.checkpoints_dir(self.out_dir) / ckpt_files.step_name(self.step)
+        path = checkpoints_dir(self.out_dir) / step_name(self.step)
         if d.is_main:
-            path = _publish(self.out_dir, self.step, self.tmp, self.sync, self.state, self.config, gathered)
+            path = _publish(self.out_dir, self.step, self.tmp, self.shapes, self.state, self.config, gathered)
         if world:
             dist.barrier()
         return path
 
 
 def begin(out_dir: str | Path, step: int, sync, optimizer, state: dict, config: dict, rank_state: dict,
-          copy=None) -> PendingSave:
+          copy=None, *, spec: ModelSpec) -> PendingSave:
     """Start step `step`'s checkpoint (a collective): rank 0 makes the temporary directory and tells every
     rank; this rank's pieces are copied off the training tensors (`copy(tensor)`: to host memory; default a
     plain CPU copy). A failure here is kept for `finish`, which every rank reaches."""
     d = sync.dims
-    box = [str(ckpt_files.begin_checkpoint(out_dir, step)) if d.is_main else None]
+    box = [str(begin_checkpoint(out_dir, step)) if d.is_main else None]
     if d.world_size > 1:
         dist.broadcast_object_list(box, src=0)
-    pending = PendingSave(Path(out_dir), step, sync, Path(box[0]), state, config, rank_state, {}, [], None)
+    pending = PendingSave(Path(out_dir), step, sync, Path(box[0]), state, config, rank_state, {}, [], None,
+                          logical_shapes(sync.model.cfg, spec=spec))
     try:
-        pending.tensors, pending.entries = _rank_pieces(sync, optimizer, copy)
+        pending.tensors, pending.entries = _rank_pieces(sync, optimizer, spec, copy)
     except Exception as err:  # noqa: BLE001 (reported by every rank in `finish`)
         pending.error = err
     pending.adam_step = _adam_step(optimizer)
@@ -347,28 +364,28 @@ def _fail(error: BaseException | None, tmp: Path, step: int, main: bool, need_by
             shutil.rmtree(tmp, ignore_errors=True)
         raise error
     if error is not None:
-        raise ckpt_files.write_failure(error, tmp, step, need_bytes) from error
+        raise write_failure(error, tmp, step, need_bytes) from error
     if main:
         shutil.rmtree(tmp, ignore_errors=True)
     raise CheckpointWriteError(f"another rank failed to write its part of step {step}'s checkpoint; nothing was "
                                "published, the previous checkpoints are intact")
 
 
-def _publish(out_dir, step: int, tmp: Path, sync, state: dict, config: dict, gathered: list) -> Path:
+def _publish(out_dir, step: int, tmp: Path, shapes: dict, state: dict, config: dict, gathered: list) -> Path:
     """Rank 0: the index of every rank's pieces, the shared state, the manifest; then the rename."""
     steps = {s for _, _, s, _ in gathered if s is not None}
-    index = {"format": FORMAT, "shapes": logical_shapes(sync.model.cfg), "ranks": len(gathered),
+    index = {"format": FORMAT, "shapes": shapes, "ranks": len(gathered),
              "adam_step": steps.pop() if steps else None,
              "chunks": [[f"rank{r:05d}.safetensors", *e] for r, es, _, _ in gathered for e in es]}
     files = {k: v for _, _, _, fs in gathered for k, v in fs.items()}
     try:
-        files[INDEX] = ckpt_files.save_bytes(json.dumps(index).encode(), tmp / INDEX)
-        files["state.pt"] = ckpt_files.save_torch(state, tmp / "state.pt")
-        return ckpt_files.publish_checkpoint(out_dir, step, tmp, config, files)
+        files[INDEX] = save_bytes(json.dumps(index).encode(), tmp / INDEX)
+        files["state.pt"] = save_torch(state, tmp / "state.pt")
+        return publish_checkpoint(out_dir, step, tmp, config, files)
     except (OSError, RuntimeError) as err:
         if not tmp.exists():
             raise
-        raise ckpt_files.write_failure(err, tmp, step, ckpt_files.state_nbytes(state)) from err
+        raise write_failure(err, tmp, step, state_nbytes(state)) from err
 
 
 # ---- sources of logical tensors ---------------------------------------------------------------------------
@@ -472,15 +489,15 @@ def check_same_optimizer(path: Path, trained_muon: bool, optimizer) -> None:
         f"fresh) with --optim.name={asked} --train.init_from={path} and another train.out_dir")
 
 
-def _single_process_source(path: Path, cfg: ModelConfig) -> _TensorSource:
+def _single_process_source(path: Path, cfg: ModelConfig, spec: ModelSpec) -> _TensorSource:
     """`model.pt` + `optim.pt` of a one-process run → logical tensors (its AdamW's state, by parameter; with
     `optim.name=muon`, Muon's buffer for the matrices it steps: param groups marked `"muon"` in `optim.pt`)."""
-    tensors = {("weight", k): v for k, v in split_plain(ckpt_files.load_torch(path / "model.pt"), cfg).items()}
+    tensors = {("weight", k): v for k, v in split_plain(load_torch(path / "model.pt"), cfg, spec=spec).items()}
     adam_step = None
     if (path / "optim.pt").exists():
-        optim = ckpt_files.load_torch(path / "optim.pt")
+        optim = load_torch(path / "optim.pt")
         with torch.device("meta"):
-            model = _plain_model(cfg)
+            model = _plain_model(cfg, spec)
         names = {id(p): n for n, p in model.named_parameters()}
         muon = saved_muon(optim)  # what the state itself is, not what config.json says
         order = [names[id(p)] for g in param_groups(model, 0.0, muon) for p in g["params"]]
@@ -493,18 +510,18 @@ def _single_process_source(path: Path, cfg: ModelConfig) -> _TensorSource:
                     plain[order[i]] = st[kind]
         for kind, plain in per_kind.items():
             if len(plain) == len(order) or (muon and plain):
-                tensors.update({(kind, k): v for k, v in split_plain(plain, cfg, partial=muon).items()})
-    return _TensorSource(tensors, adam_step, logical_shapes(cfg))
+                tensors.update({(kind, k): v for k, v in split_plain(plain, cfg, partial=muon, spec=spec).items()})
+    return _TensorSource(tensors, adam_step, logical_shapes(cfg, spec=spec))
 
 
-def open_source(path: Path, cfg: ModelConfig):
-    """The logical tensors of checkpoint `path`, whichever format it has."""
+def open_source(path: Path, cfg: ModelConfig, *, spec: ModelSpec):
+    """The logical tensors of checkpoint `path` (of a model `cfg` of family `spec`), whichever format it has."""
     if (path / INDEX).exists():
         return _ShardedSource(path)
     if not (path / "model.pt").exists() or any(path.glob("rank*.pt")):
         raise CheckpointError(f"{path} was written by an earlier parallel meshlm whose checkpoints cannot be "
                                    "resumed (`meshlm generate` still reads its weights); train.resume=never starts over")
-    return _single_process_source(path, cfg)
+    return _single_process_source(path, cfg, spec)
 
 
 def is_sharded(path: Path) -> bool:
@@ -512,10 +529,10 @@ def is_sharded(path: Path) -> bool:
 
 
 # ---- loading ------------------------------------------------------------------------------------------------
-def _fill(source, kind: str, sync, owned, flat: torch.Tensor) -> None:
+def _fill(source, kind: str, sync, owned, flat: torch.Tensor, spec: ModelSpec) -> None:
     want = 0
     got = 0
-    for seg, (row, col, n, w), off in pieces(_segments_for(sync, owned), owned.shape, owned.lo, owned.hi):
+    for seg, (row, col, n, w), off in pieces(_segments_for(sync, owned, spec), owned.shape, owned.lo, owned.hi):
         out = flat[off:off + n * w].view(n, w)
         want += n * w
         got += source.read(kind, seg.name, row, col, out)
@@ -525,14 +542,15 @@ def _fill(source, kind: str, sync, owned, flat: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def load(path: str | Path, sync, optimizer) -> None:
-    """Load weights and Adam's state from a checkpoint of any layout into this rank's part of the model.
+def load(path: str | Path, sync, optimizer, *, spec: ModelSpec) -> None:
+    """Load weights and Adam's state from a checkpoint of any layout into this rank's part of the model
+    (of family `spec`).
 
     Call after every parallel transform and after building the optimizer (`sync.build_optimizer`)."""
     path = Path(path)
     cfg = sync.model.cfg
-    source = open_source(path, cfg)
-    if source.shapes != logical_shapes(cfg):
+    source = open_source(path, cfg, spec=spec)
+    if source.shapes != logical_shapes(cfg, spec=spec):
         raise CheckpointError(f"checkpoint {path} was saved for a model of another shape; set the model.* "
                                    "keys as in its config.json")
     has_state = source.adam_step is not None or source.has_kind(MUON_KINDS[0])
@@ -540,37 +558,37 @@ def load(path: str | Path, sync, optimizer) -> None:
         check_same_optimizer(path, source.has_kind(MUON_KINDS[0]), optimizer)
     try:
         for owned in sync.load_weight_ranges():
-            _fill(source, "weight", sync, owned, owned.weight)
+            _fill(source, "weight", sync, owned, owned.weight, spec)
         if not has_state:
             return
         for owned in sync.load_state_ranges():
             st = optimizer.state[owned.opt_key]
-            names = {seg.name for seg in _segments_for(sync, owned)}
+            names = {seg.name for seg in _segments_for(sync, owned, spec)}
             muon = all(source.has(MUON_KINDS[0], n) for n in names)  # Muon's buffer, else Adam's moments
             if not muon:
                 st["step"] = torch.tensor(source.adam_step, dtype=torch.float32)
             for kind in MUON_KINDS if muon else ADAM_KINDS:
                 st[kind] = torch.zeros_like(owned.opt_key, memory_format=torch.preserve_format)
-                _fill(source, kind, sync, owned, owned.opt_flat(st[kind]))
+                _fill(source, kind, sync, owned, owned.opt_flat(st[kind]), spec)
     finally:
         source.close()
 
 
 @torch.no_grad()
-def load_matching_weights(path: str | Path, sync, source_cfg: ModelConfig) -> list[str]:
+def load_matching_weights(path: str | Path, sync, source_cfg: ModelConfig, *, spec: ModelSpec) -> list[str]:
     """Initialise this rank's part of the model from the weights of checkpoint `path` (any layout) of a
     model `source_cfg` that may differ in its heads (a pretrained BERT → a classifier): every parameter
     whose logical tensors the checkpoint holds with the same shapes is read, the others keep their seeded
-    initialisation. No optimizer state is read. Returns the logical tensors this model has that the
+    initialisation (`spec`: the family of both). No optimizer state is read. Returns the logical tensors this model has that the
     checkpoint lacks (on every rank alike: from the shapes, not from what this rank holds)."""
     path = Path(path)
-    source = open_source(path, source_cfg)
-    mine = logical_shapes(sync.model.cfg)
+    source = open_source(path, source_cfg, spec=spec)
+    mine = logical_shapes(sync.model.cfg, spec=spec)
     usable = {n for n, shape in mine.items() if source.shapes.get(n) == shape}
     try:
         for owned in sync.load_weight_ranges():
-            if all(seg.name in usable for seg in _segments_for(sync, owned)):
-                _fill(source, "weight", sync, owned, owned.weight)
+            if all(seg.name in usable for seg in _segments_for(sync, owned, spec)):
+                _fill(source, "weight", sync, owned, owned.weight, spec)
     finally:
         source.close()
     return sorted(set(mine) - usable)
@@ -581,11 +599,11 @@ def load_rank_state(path: str | Path, rank: int, layout: dict) -> dict | None:
     part = Path(path) / SHARDS / f"rank{rank:05d}.pt"
     if not part.exists():
         return None
-    saved = ckpt_files.load_torch(part)
+    saved = load_torch(part)
     return saved["rank_state"] if saved.get("layout") == layout else None
 
 
-def full_model_state(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def full_model_state(path: str | Path, cfg: ModelConfig, *, spec: ModelSpec) -> dict[str, torch.Tensor]:
     """The plain GPT state dict of a sharded checkpoint (`index.json`), in one process, without
     torch.distributed."""
     source = _ShardedSource(path)
@@ -599,4 +617,4 @@ def full_model_state(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tens
             tensors[name] = t
     finally:
         source.close()
-    return fuse_logical(tensors, cfg)
+    return fuse_logical(tensors, cfg, spec=spec)

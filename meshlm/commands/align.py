@@ -22,7 +22,8 @@ def add_align_command(sub) -> None:
                        description="DPO, IPO or SimPO of a checkpoint (or of a LoRA adapter on it) on .jsonl lines "
                                    "{\"prompt\", \"chosen\", \"rejected\"} (docs/align.md); extra "
                                    "--section.key=value override the config.")
-    p.add_argument("--checkpoint", required=True, help="the base (and frozen reference): a run directory or a step dir")
+    p.add_argument("--checkpoint", required=True, help="the base (and frozen reference): a run directory, a step dir "
+                   "or a .gguf file")
     p.add_argument("--method", required=True, choices=METHODS)
     p.add_argument("--train", required=True, metavar="FILE.jsonl")
     p.add_argument("--valid", required=True, metavar="FILE.jsonl")

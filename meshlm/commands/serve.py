@@ -77,7 +77,8 @@ def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
 def add_serve_command(sub) -> None:
     """Register `meshlm serve` on the CLI's subparsers."""
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for a checkpoint (needs meshlm[serve])")
-    p.add_argument("--checkpoint", required=True, help="run directory (its latest checkpoint) or a step directory")
+    p.add_argument("--checkpoint", required=True, help="run directory (its latest checkpoint), a step directory, "
+                   "or a .gguf file (converted once into $MESHLM_CACHE/gguf/)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")

@@ -26,7 +26,7 @@ def add_tune_command(sub) -> None:
                                    "on .jsonl data: input/output lines or conversations ({\"messages\": [...]}, the "
                                    "loss on the assistant's turns) (docs/tune.md); extra --section.key=value override "
                                    "the config.")
-    p.add_argument("--checkpoint", required=True, help="the frozen base: a run directory (its latest checkpoint) or "
+    p.add_argument("--checkpoint", required=True, help="the frozen base: a run directory (its latest checkpoint), a .gguf file or "
                                                        "a step dir")
     p.add_argument("--method", required=True, choices=METHODS,
                    help="full: every weight trains (SFT, no adapter); prompt, ptuning, lora: an adapter on the frozen base")

@@ -61,12 +61,13 @@ def _batch_size(value) -> int:
 
 @register_model("meshlm")
 class MeshlmLM(LM):
-    """A meshlm GPT-family checkpoint (`checkpoint=DIR`: a run directory or a step directory)."""
+    """A meshlm GPT-family checkpoint (`checkpoint=DIR`: a run directory, a step directory, or a .gguf file)."""
 
     def __init__(self, checkpoint: str | None = None, batch_size=None, device: str | None = None,
                  max_gen_toks: int = 256, **_ignored):
         super().__init__()
         from meshlm.eval.load import load
+        from meshlm.interop.checkpoints import open_checkpoint
 
         if not checkpoint:
             raise ConfigError("--model meshlm needs --model_args checkpoint=DIR (a meshlm run or checkpoint directory)")
@@ -76,7 +77,7 @@ class MeshlmLM(LM):
             # lm_eval's --device defaults to cuda; its hf backend falls back to the CPU too
             print(f"note: device {device!r} is not available; evaluating on the CPU", file=sys.stderr)
             device = "cpu"
-        loaded = load(str(checkpoint), [], _batch_size(batch_size), progress=False, device=device)
+        loaded = load(open_checkpoint(str(checkpoint)), [], _batch_size(batch_size), progress=False, device=device)
         if loaded.scorer is None:
             raise ConfigError(f"--model_args checkpoint={checkpoint}: a model.family={loaded.cfg.model.family!r} "
                               "model; the harness needs a language model (GPT family)")

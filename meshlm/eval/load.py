@@ -1,5 +1,6 @@
 """A checkpoint as a `Scorer`: whole in one process, or this rank's part of a parallel layout under torchrun
-(`--parallel.tp=2`-style overrides; weights read from a checkpoint of any layout)."""
+(`--parallel.tp=2`-style overrides; weights read from a checkpoint of any layout). The checkpoint comes in
+opened (`interop.checkpoints.open_checkpoint`, once per command); the loading is `checkpoint.load`'s."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+from meshlm.checkpoint.load import Checkpoint, load_model, load_parallel
 from meshlm.core.config import ConfigError, apply_overrides, build
+from meshlm.data.tokenizers import get_tokenizer
 from meshlm.eval.scorer import Scorer, parallel_forward, plain_forward, world_size
 from meshlm.families.registry import get_spec
 
@@ -54,25 +57,24 @@ def with_virtual_tokens(model: torch.nn.Module, head: list[int]):
     return forward
 
 
-def load(checkpoint: str, overrides: list[str] | None = None, batch_size: int = 8, progress: bool = False,
+def load(checkpoint: Checkpoint, overrides: list[str] | None = None, batch_size: int = 8, progress: bool = False,
          device: str | None = None, adapter: str | None = None, adapter_task: str | None = None) -> Loaded:
-    """The model of `checkpoint` for evaluation; with `adapter`, a `meshlm tune` (or PEFT) adapter on it (one
-    process): LoRA merged into the weights, virtual tokens before every row (`adapter_task` picks a task's)."""
-    from meshlm.checkpoint.load import checkpoint_config, load_model_from_checkpoint
-    from meshlm.families.registry import get_spec
-
+    """The model of the opened `checkpoint` for evaluation; with `adapter`, a `meshlm tune` (or PEFT) adapter
+    on it (one process): LoRA merged into the weights, virtual tokens before every row (`adapter_task` picks
+    a task's)."""
     overrides = check_overrides(overrides or [])
     if batch_size < 1:
         raise ConfigError(f"--batch-size {batch_size} must be >= 1")
-    cfg = checkpoint_config(checkpoint)
-    decoder = get_spec(cfg.model.family).decoder
+    cfg = checkpoint.config
+    spec = get_spec(cfg.model.family)
+    decoder = spec.decoder
     if world_size() == 1:
         layout = build(apply_overrides(_without_layout(cfg), overrides)).parallel
         if layout.tp * layout.pp > 1:
             raise ConfigError(f"{overrides[0]} needs several processes: launch with torchrun --nproc_per_node=N "
                               "-m meshlm eval ...")
         dev = pick_device(device)
-        model, tokenizer, cfg = load_model_from_checkpoint(checkpoint, str(dev), cfg)
+        model, tokenizer = load_model(checkpoint, spec, dev), get_tokenizer(cfg.data.tokenizer)
         forward, context = model, cfg.model.seq_len
         if adapter is not None:
             from meshlm.tune.export import apply_adapter, read_adapter
@@ -90,9 +92,9 @@ def load(checkpoint: str, overrides: list[str] | None = None, batch_size: int = 
     if adapter is not None:
         raise ConfigError("--adapter evaluates in one process (the adapter goes onto the whole model); drop torchrun")
     if not decoder:
-        raise ConfigError(f"{checkpoint} holds a model.family={cfg.model.family!r} model; its evaluation "
+        raise ConfigError(f"{checkpoint.given} holds a model.family={cfg.model.family!r} model; its evaluation "
                           "(--task classify) runs in one process: drop torchrun")
-    return _load_parallel(checkpoint, cfg, overrides, batch_size, progress, device)
+    return _load_parallel(checkpoint, spec, overrides, batch_size, progress, device)
 
 
 def _without_layout(cfg) -> dict:
@@ -102,12 +104,10 @@ def _without_layout(cfg) -> dict:
     return values
 
 
-def _load_parallel(checkpoint, cfg, overrides, batch_size, progress, device) -> Loaded:
-    from meshlm.checkpoint import sharded as dist_checkpoint
-    from meshlm.checkpoint import single as ckpt
-    from meshlm.data.tokenizers import get_tokenizer
-    from meshlm.parallel import build_model, init_distributed
+def _load_parallel(checkpoint: Checkpoint, spec, overrides, batch_size, progress, device) -> Loaded:
+    from meshlm.parallel import init_distributed
 
+    cfg = checkpoint.config
     values = apply_overrides(_without_layout(cfg), overrides)
     dp = max(1, world_size() // (values["parallel"].get("tp", 1) * values["parallel"].get("pp", 1)))
     # Forward only: logits from the last stage (no fused head), no recomputation or compile, one
@@ -117,14 +117,7 @@ def _load_parallel(checkpoint, cfg, overrides, batch_size, progress, device) -> 
     eval_cfg = build(values)
     dev = pick_device(device)
     dims = init_distributed(eval_cfg.parallel, dev if dev.type == "cpu" else None)
-    parallelized = build_model(eval_cfg, dims, spec=get_spec(eval_cfg.model.family))
-    source = ckpt.resolve_checkpoint(checkpoint)
-    missing = dist_checkpoint.load_matching_weights(source, parallelized.grad_sync, cfg.model)
-    if missing:
-        raise ConfigError(f"{checkpoint}: the checkpoint lacks {', '.join(missing)}; it is not a whole model")
-    parallelized.model.eval()
-    for m in (parallelized.pipeline.modules if parallelized.pipeline is not None else []):
-        m.eval()
+    parallelized = load_parallel(checkpoint, spec, eval_cfg, dims)
     tokenizer = get_tokenizer(cfg.data.tokenizer)
     scorer = Scorer(parallel_forward(parallelized, cfg.model.vocab_size), cfg.model.seq_len, tokenizer, batch_size,
                     dims.device, progress, dims.is_main)

@@ -158,17 +158,17 @@ def embed_file(checkpoint: str, input_path: str, output: str, batch_size: int = 
     if batch_size < 1:
         raise ConfigError(f"--batch-size {batch_size} must be >= 1")
     _check_output(output)
-    from meshlm.checkpoint.load import checkpoint_config
-    from meshlm.checkpoint.single import resolve_checkpoint
+    from meshlm.checkpoint.load import load_model
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.families.registry import get_spec
-    from meshlm.interop.convert import load_checkpoint_model
+    from meshlm.interop.checkpoints import open_checkpoint
     from meshlm.interop.hf_files import checkpoint_files, max_seq_length
 
-    source = resolve_checkpoint(checkpoint)
-    cfg = checkpoint_config(str(source))
+    opened = open_checkpoint(checkpoint)  # resolved and verified once
+    source, cfg = opened.path, opened.config
     m = cfg.model
-    if not get_spec(m.family).sentence_embeddings:
+    spec = get_spec(m.family)
+    if not spec.sentence_embeddings:
         raise ConfigError(f"meshlm embed needs a BERT checkpoint (model.family='bert'); {checkpoint} is "
                           f"model.family={m.family!r}")
     carried = max_seq_length(checkpoint_files(source, cfg.data.tokenizer))
@@ -183,7 +183,7 @@ def embed_file(checkpoint: str, input_path: str, output: str, batch_size: int = 
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_checkpoint_model(source, m, device)
+    model = load_model(opened, spec, device)
     vectors = embed_ids(model, ids, tokenizer.special_ids["pad"], batch_size, m.pooling, m.normalize_embeddings)
     path = write_embeddings(vectors, output)
     print(f"wrote {len(texts)} embeddings of {vectors.shape[1]} dims ({m.pooling} pooling"

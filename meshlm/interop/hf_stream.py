@@ -151,11 +151,11 @@ class CheckpointTensors:
     float32, each checked finite. A context manager: closes the files it opened."""
 
     def __init__(self, path: str | Path, cfg: ModelConfig):
-        self.path, self.cfg = Path(path), cfg
-        self.shapes = sharded.plain_shapes(cfg)
+        self.path, self.cfg, self.spec = Path(path), cfg, get_spec(cfg.family)
+        self.shapes = sharded.plain_shapes(cfg, spec=self.spec)
         self.source = self.state = None
         if sharded.is_sharded(self.path):
-            self.source = sharded.open_source(self.path, cfg)
+            self.source = sharded.open_source(self.path, cfg, spec=self.spec)
         elif (self.path / "model.pt").exists():
             try:
                 self.state = torch.load(self.path / "model.pt", map_location="cpu", mmap=True, weights_only=True)
@@ -185,7 +185,7 @@ class CheckpointTensors:
         shape = self.shapes[name]
         cols = max(1, math.prod(shape[1:]))
         blocks = []
-        for logical, rows in sharded.fused_blocks(name, self.cfg):
+        for logical, rows in sharded.fused_blocks(name, self.cfg, spec=self.spec):
             block = torch.empty(rows, cols)
             if self.source.read("weight", logical, 0, 0, block) != block.numel():
                 raise CheckpointError(f"checkpoint {self.path} is missing parts of {logical}")

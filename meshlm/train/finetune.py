@@ -508,7 +508,7 @@ def _class_counts(data: Encoded, labels: Labels) -> str:
 def prepare(args: argparse.Namespace, overrides: list[str]):
     """Everything before training, without writing anything: (config, tokenizer, train set, padded valid
     set, info for DIR/finetune.json)."""
-    from meshlm.checkpoint.load import checkpoint_config
+    from meshlm.checkpoint.load import open_checkpoint
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.families.registry import get_spec
 
@@ -517,7 +517,7 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
     check_output_dir("--out", args.out)
     train_lines = read_jsonl(args.train, "--train")
     valid_lines = read_jsonl(args.valid, "--valid")
-    base = checkpoint_config(args.checkpoint)
+    base = open_checkpoint(args.checkpoint).config  # the trainer reads its weights (`train.init_from`)
     if not get_spec(base.model.family).task_heads:
         raise ConfigError(f"--checkpoint {args.checkpoint!r} holds a model.family={base.model.family!r} model; "
                           "meshlm finetune needs a BERT checkpoint (model.family=bert)")

@@ -92,17 +92,18 @@ def apply_prompt(model: nn.Module, spec, cfg: Config, dims) -> bool:
     return True
 
 
-def new_parameter_names(cfg: Config) -> set[str]:
-    """Plain parameters of this model that the base checkpoint lacks (a new task head): they train too."""
-    from meshlm.checkpoint.load import checkpoint_config
+def new_parameter_names(cfg: Config, spec) -> set[str]:
+    """Plain parameters of this model (of family `spec`) that the base checkpoint lacks (a new task head):
+    they train too."""
+    from meshlm.checkpoint.load import open_checkpoint
     from meshlm.checkpoint.sharded import fused_blocks, logical_shapes, plain_shapes
 
-    base = checkpoint_config(cfg.tune.base).model
-    have = logical_shapes(base)
-    mine = logical_shapes(cfg.model)
+    base = open_checkpoint(cfg.tune.base, log=None).config.model
+    have = logical_shapes(base, spec=spec)
+    mine = logical_shapes(cfg.model, spec=spec)
     missing = {n for n, shape in mine.items() if have.get(n) != shape}
-    return {name for name in plain_shapes(cfg.model)
-            if all(lname in missing for lname, _ in fused_blocks(name, cfg.model))}
+    return {name for name in plain_shapes(cfg.model, spec=spec)
+            if all(lname in missing for lname, _ in fused_blocks(name, cfg.model, spec=spec))}
 
 
 def apply_adapters(model: nn.Module, spec, cfg: Config, dims, rng=None) -> None:
@@ -112,7 +113,7 @@ def apply_adapters(model: nn.Module, spec, cfg: Config, dims, rng=None) -> None:
         apply_lora(model, spec, cfg, dims, rng)
     elif method in ("prompt", "ptuning"):
         apply_prompt(model, spec, cfg, dims)
-    new = new_parameter_names(cfg)
+    new = new_parameter_names(cfg, spec)
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(p) or name in new)
 
@@ -141,8 +142,7 @@ def vocab_rows(cfg: Config, tokenizer, generator: torch.Generator) -> list[int]:
 def init_virtual_tokens(trainer) -> None:
     """A fresh prompt-tuning run: the table from the base's word embeddings (`tune.prompt_init`), read
     from the base checkpoint (the same rows whatever the layout)."""
-    from meshlm.checkpoint import single as ckpt
-    from meshlm.checkpoint.load import checkpoint_config
+    from meshlm.checkpoint.load import open_checkpoint
     from meshlm.checkpoint.sharded import open_source
     from meshlm.tune.lora import seeded
 
@@ -151,8 +151,8 @@ def init_virtual_tokens(trainer) -> None:
     if prompt is None or cfg.tune.method != "prompt" or cfg.tune.prompt_init == "random":
         return
     ids = vocab_rows(cfg, trainer.tokenizer, seeded(cfg.train.seed, "prompt.vocab"))
-    base = ckpt.resolve_checkpoint(cfg.tune.base, log=None)
-    source = open_source(base, checkpoint_config(cfg.tune.base).model)
+    base = open_checkpoint(cfg.tune.base, log=None)
+    source = open_source(base.path, base.config.model, spec=trainer.spec)
     name = f"{trainer.spec.pipeline.first[0]}.weight"
     rows = torch.zeros(len(ids), cfg.model.hidden_size)
     try:

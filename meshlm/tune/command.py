@@ -117,9 +117,9 @@ def _io_sets(args, items: tuple, lines: tuple, length: int, n_virtual: int, task
 
 def prepare(args: argparse.Namespace, overrides: list[str]):
     """Everything before training, writing nothing: (config, tokenizer, train set, valid set, info)."""
-    from meshlm.checkpoint.load import checkpoint_config
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.families.registry import get_spec
+    from meshlm.interop.checkpoints import open_checkpoint
     from meshlm.tune.chat_data import is_chat
     from meshlm.tune.data import examples, parse_templates
     from meshlm.tune.export import base_fingerprint
@@ -127,7 +127,8 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
     if args.epochs < 1:
         raise ConfigError(f"--epochs {args.epochs} must be >= 1")
     check_output_dir("--out", args.out)
-    base = checkpoint_config(args.checkpoint)
+    checkpoint = open_checkpoint(args.checkpoint)  # resolved and verified once, for the whole command
+    base = checkpoint.config
     if not get_spec(base.model.family).decoder:
         raise ConfigError(f"--checkpoint {args.checkpoint!r} holds a model.family={base.model.family!r} model; for it "
                           "give --task classify|span|tokens (meshlm finetune's data) with --method lora")
@@ -142,7 +143,8 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
     if tasks and args.method in ("lora", "full"):
         raise ConfigError(f"--method {args.method} with several tasks ({', '.join(tasks[:3])}): only prompt tuning has a "
                           "prompt per task; train one run per task, or use --method prompt|ptuning")
-    values = tune_values(base.to_dict(), args.method, args.checkpoint, args.out, tasks,
+    # The run names the verified step directory: a resumed run reads the very weights this one starts from.
+    values = tune_values(base.to_dict(), args.method, str(checkpoint.path), args.out, tasks,
                          (["--data.document_mask=true"] if args.pack else []) + overrides)
     first = build(values)
     if args.pack and not first.data.document_mask:
@@ -159,7 +161,7 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
     n_valid = len(valid)
     valid = valid.padded(first.train.micro_batch_size, tokenizer.eod_id)
     cfg = with_schedule(values, overrides, len(train), len(valid), args.epochs)
-    info = {"method": args.method, "checkpoint": args.checkpoint, "base_fingerprint": base_fingerprint(args.checkpoint),
+    info = {"method": args.method, "checkpoint": args.checkpoint, "base_fingerprint": base_fingerprint(checkpoint.path),
             "train": args.train, "valid": args.valid, "train_examples": len(train), "valid_examples": n_valid,
             "max_length": length, "tasks": tasks, "templates": {k: t.text for k, t in templates.items()}, **extra}
     return cfg, tokenizer, train, valid, info

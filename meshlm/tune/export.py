@@ -36,17 +36,16 @@ PEFT_PREFIX = "base_model.model."
 
 
 # ---- the base's identity ------------------------------------------------------------------------------------
-def base_fingerprint(checkpoint: str | Path) -> str:
-    """A short hash of the base checkpoint's weights files (their sizes and CRC-32s, from its manifest when
-    it has one): an adapter records it, and loading it onto other weights is refused."""
-    from meshlm.checkpoint import files as ckpt_files
-    from meshlm.checkpoint import single as ckpt
+def base_fingerprint(path: Path) -> str:
+    """A short hash of the weights files of the base's verified step directory `path` (`Checkpoint.path`;
+    their sizes and CRC-32s, from its manifest when it has one): an adapter records it, and loading it onto
+    other weights is refused."""
+    from meshlm.checkpoint.files import file_crc32, read_manifest
 
-    path = ckpt.resolve_checkpoint(checkpoint, log=None)
     try:
-        files = ckpt_files.read_manifest(path)["files"]
+        files = read_manifest(path)["files"]
     except CheckpointError:  # a directory without a manifest (`meshlm convert --to-single`): read the files
-        files = {p.name: {"size": p.stat().st_size, "crc32": ckpt_files.file_crc32(p)}
+        files = {p.name: {"size": p.stat().st_size, "crc32": file_crc32(p)}
                  for p in sorted(path.glob("model*")) if p.is_file()}
     weights = {k: v for k, v in files.items() if k.startswith(("model", "shards/")) or k == "index.json"}
     return hashlib.sha256(json.dumps(weights, sort_keys=True).encode()).hexdigest()[:16]
@@ -116,10 +115,12 @@ def peft_lora(cfg: Config, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict
     blocks = _blocks_by_path(cfg)
     out, targets, rank_pattern, alpha_pattern = {}, set(), {}, {}
     from meshlm.checkpoint.sharded import plain_shapes
+    from meshlm.families.registry import get_spec
 
+    spec = get_spec(cfg.model.family)
     for hf in hf_linears(cfg):
         mine = blocks.get(hf.path, [])
-        rows = plain_shapes(cfg.model)[f"{hf.path}.weight"][0]  # the meshlm linear's whole output
+        rows = plain_shapes(cfg.model, spec=spec)[f"{hf.path}.weight"][0]  # the meshlm linear's whole output
         hi = hf.hi if hf.hi > 0 else rows
         inside = [(name, lo, b_hi if b_hi > 0 else rows) for name, lo, b_hi in mine
                   if lo >= hf.lo and (b_hi if b_hi > 0 else rows) <= hi]
@@ -198,13 +199,13 @@ def table_of(cfg: Config, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def export_run(out: str | Path) -> list[Path]:
     """Write DIR's adapter files from its newest checkpoint; returns the paths written."""
-    from meshlm.checkpoint import files as ckpt_files
-    from meshlm.checkpoint import single as ckpt
+    from meshlm.checkpoint.files import load_config_dict, load_torch
+    from meshlm.checkpoint.single import load_part, resolve_checkpoint
 
     out = Path(out)
-    source = ckpt.resolve_checkpoint(out, log=None)
-    cfg = config_from_dict(ckpt.load_config_dict(source))
-    tensors = {k: v.detach().float().cpu() for k, v in ckpt_files.load_torch(source / "model.pt").items()}
+    source = resolve_checkpoint(out, log=None)
+    cfg = config_from_dict(load_config_dict(source))
+    tensors = {k: v.detach().float().cpu() for k, v in load_torch(source / "model.pt").items()}
     t = cfg.tune
     mine = dict(tensors)
     if t.method in ("prompt", "ptuning"):
@@ -212,8 +213,9 @@ def export_run(out: str | Path) -> list[Path]:
         mine = {k: v for k, v in tensors.items() if not k.startswith("prompt.")}
         mine["prompt.table"] = table
     heads = sorted(k for k in mine if ".lora." not in k and not k.startswith("prompt."))
-    meta = {"format": FORMAT, "method": t.method, "base": t.base, "base_fingerprint": base_fingerprint(t.base),
-            "step": ckpt.load_part(source, "state")["step"], "tune": cfg.to_dict()["tune"],
+    base = resolve_checkpoint(t.base, log=None)  # the run's base, as the run's config names it
+    meta = {"format": FORMAT, "method": t.method, "base": t.base, "base_fingerprint": base_fingerprint(base),
+            "step": load_part(source, "state")["step"], "tune": cfg.to_dict()["tune"],
             "model": cfg.to_dict()["model"], "tokenizer": cfg.data.tokenizer, "tasks": list(t.tasks),
             "heads": heads, "peft": None}
     written = []
@@ -265,8 +267,9 @@ class Adapter:
         return self.tasks.index(task)
 
 
-def read_adapter(directory: str | Path, cfg: Config, base: str | None = None) -> Adapter:
-    """The adapter in `directory` (meshlm's files, or PEFT's) for base model `cfg` (checkpoint `base`):
+def read_adapter(directory: str | Path, cfg: Config, base=None) -> Adapter:
+    """The adapter in `directory` (meshlm's files, or PEFT's) for base model `cfg` (opened checkpoint `base`, a
+    `checkpoint.load.Checkpoint`, whose weights' fingerprint is compared when given):
     ConfigError when it was made for another base (other shapes, or other weights by fingerprint)."""
     from safetensors.torch import load_file
 
@@ -284,9 +287,10 @@ def read_adapter(directory: str | Path, cfg: Config, base: str | None = None) ->
             raise ConfigError(f"--adapter {directory!r} was tuned on another base model (model.{diff[0]}="
                               f"{getattr(theirs, diff[0])!r}, this one has {getattr(cfg.model, diff[0])!r}); give the "
                               f"checkpoint it was tuned on ({meta['base']})")
-        if base is not None and base_fingerprint(base) != meta["base_fingerprint"]:
-            raise ConfigError(f"--adapter {directory!r} was tuned on other weights than {base!r} (fingerprint "
-                              f"{meta['base_fingerprint']}, this checkpoint's {base_fingerprint(base)}); give the "
+        mine = base_fingerprint(base.path) if base is not None else None
+        if mine is not None and mine != meta["base_fingerprint"]:
+            raise ConfigError(f"--adapter {directory!r} was tuned on other weights than {base.given!r} (fingerprint "
+                              f"{meta['base_fingerprint']}, this checkpoint's {mine}); give the "
                               f"checkpoint it was tuned on ({meta['base']})")
         tune = config_from_dict({"tune": meta["tune"]}).tune
         if tune.method == "ptuning":  # exported as its table: inference is prompt tuning

@@ -95,7 +95,7 @@ def gather_to_main(obj, dims):
 
 def save(trainer) -> Path:
     """Publish the trainable tensors, their optimizer states and the run state (a collective)."""
-    from meshlm.checkpoint import single as ckpt
+    from meshlm.checkpoint.single import save_checkpoint
 
     dims = trainer.dims
     weights, states = _collect(trainer.sync, trainer.optimizer)
@@ -108,7 +108,7 @@ def save(trainer) -> Path:
             all_s.update(s)
         state = {**trainer.run_state(), "rng": [g[2] for g in gathered], "tp_rng": [g[3] for g in gathered]}
         try:
-            box[0] = str(ckpt.save_checkpoint(trainer.out_dir, trainer.step,
+            box[0] = str(save_checkpoint(trainer.out_dir, trainer.step,
                                               {"model": all_w, "optim": all_s, "state": state}, trainer.cfg.to_dict()))
         except (OSError, RuntimeError, CheckpointError, CheckpointWriteError, TrainingError) as err:  # every rank raises the same
             box[0] = err
@@ -122,13 +122,13 @@ def save(trainer) -> Path:
 @torch.no_grad()
 def load(trainer, path: Path) -> None:
     """The trainable tensors, their optimizer states and the run state of tune checkpoint `path`."""
-    from meshlm.checkpoint import files as ckpt_files
-    from meshlm.checkpoint import single as ckpt
+    from meshlm.checkpoint.files import load_torch
+    from meshlm.checkpoint.single import load_part
 
     model, optimizer, dims = trainer.model, trainer.optimizer, trainer.dims
-    weights = ckpt_files.load_torch(path / "model.pt")
-    states = ckpt_files.load_torch(path / "optim.pt") if (path / "optim.pt").exists() else {}
-    state = ckpt.load_part(path, "state")
+    weights = load_torch(path / "model.pt")
+    states = load_torch(path / "optim.pt") if (path / "optim.pt").exists() else {}
+    state = load_part(path, "state")
     mine = trainable(model)
     extra = sorted(set(weights) - {n for n in _all_trainable_names(trainer)})
     for name, p in mine.items():

@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.files import checkpoints_dir, step_name
+from meshlm.checkpoint.single import latest_checkpoint, load_part
 from meshlm.commands.train import build_trainer
 from meshlm.core.config import ModelConfig, OptimConfig
 from meshlm.data.dataset import BatchLoader
@@ -196,7 +197,7 @@ def test_trainer_steps_gpt_tiny_on_cuda_in_bf16(tmp_path, data):
     assert sum(losses[-3:]) / 3 < losses[0] - 0.3, losses
     for r in rows:
         assert r["tflops"] > 0 and 0 < r["mfu"] < 1 and r["hfu"] == r["mfu"] and r["peak_mem_mb"] > 0, r
-    state = ckpt.load_part(ckpt.latest_checkpoint(tmp_path), "state")
+    state = load_part(latest_checkpoint(tmp_path), "state")
     assert state["loader"] == {"consumed": steps * cfg.train.global_batch_size}
 
 
@@ -297,7 +298,7 @@ def test_lora_tune_on_cuda_in_bf16_resumes_with_fused_adamw(tmp_path, data):
     before = {n: p.detach().clone() for n, p in straight.model.named_parameters() if not p.requires_grad}
     straight.run()
     assert all(torch.equal(p, dict(straight.model.named_parameters())[n]) for n, p in before.items())
-    step4 = ckpt.checkpoints_dir(tmp_path / "straight") / ckpt.step_name(4)
+    step4 = checkpoints_dir(tmp_path / "straight") / step_name(4)
     trainer(tmp_path / "resumed", resume=str(step4)).run()
     a = [r["loss"] for r in _train_rows(tmp_path / "straight")][4:]
     b = [r["loss"] for r in _train_rows(tmp_path / "resumed")]

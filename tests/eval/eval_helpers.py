@@ -119,9 +119,9 @@ PROMPTS = ["To be, or not to be", "Now is the winter of our", "Friends, Romans, 
 def make_task_files(checkpoint: Path, out: Path) -> dict[str, Path]:
     """Task files for the tiny model: cloze passages = prompt + 6 greedily generated tokens (so some last words
     are the model's own predictions), choices among those passages, and a text for perplexity."""
-    from meshlm.checkpoint.load import load_model_from_checkpoint
+    from tests.checkpoint_helpers import load_run
 
-    model, tok, _ = load_model_from_checkpoint(str(checkpoint))
+    model, tok, _ = load_run(str(checkpoint))
     texts = []
     with torch.no_grad():
         for p in PROMPTS:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from meshlm.checkpoint.load import load_model_from_checkpoint
 from meshlm.cli import main
+from tests.checkpoint_helpers import load_run
 from tests.eval.eval_helpers import close, last_logprob, write_jsonl
 
 
@@ -26,7 +26,7 @@ def run(*args: str) -> tuple[int, dict | None, str]:
 
 
 def test_cloze_and_choice_equal_brute_force(tiny_gpt, task_files, tmp_path):
-    model, tok, _ = load_model_from_checkpoint(str(tiny_gpt))
+    model, tok, _ = load_run(str(tiny_gpt))
     out_file = tmp_path / "results.json"
     code, res, _ = run("--checkpoint", str(tiny_gpt), "--task", "cloze", "--data", str(task_files["cloze"]),
                        "--out", str(out_file), "--batch-size", "3")
@@ -64,7 +64,7 @@ def test_cloze_and_choice_equal_brute_force(tiny_gpt, task_files, tmp_path):
 
 
 def test_perplexity_stride_one_equals_brute_force(tiny_gpt, tmp_path):
-    model, tok, cfg = load_model_from_checkpoint(str(tiny_gpt))
+    model, tok, cfg = load_run(str(tiny_gpt))
     text = "Good morrow, kind sir; what news from the court of the king? " * 4
     path = tmp_path / "t.txt"
     path.write_text(text)
@@ -106,7 +106,7 @@ def test_classify_on_a_finetuned_bert(tmp_path):
     # by hand: each example alone through the model, string labels mapped by finetune.json's sorted names
     from meshlm.models.bert import pack_inputs
 
-    model, tok, _ = load_model_from_checkpoint(str(tmp_path / "ft"))
+    model, tok, _ = load_run(str(tmp_path / "ft"))
     names = json.loads((tmp_path / "ft" / "finetune.json").read_text())["names"]
     preds, gold = [], []
     for line in valid.read_text().splitlines():

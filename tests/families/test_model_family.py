@@ -20,7 +20,7 @@ import pytest
 import toy_family  # noqa: F401 (registers the family, here and in the spawned workers)
 from parallel_world import run_world
 
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.single import latest_checkpoint, load_model_state
 from meshlm.core.config import build
 from meshlm.families.registry import get_spec
 from meshlm.parallel import ParallelDims, build_model
@@ -67,8 +67,8 @@ def test_toy_family_trains_like_one_process(reference, tmp_path, name):
     for a, b in zip(got, want):
         assert abs(a - b) <= TOL * abs(b), f"{name}: losses {got} vs {want}"
     assert want[-1] < want[0], "the family should learn in 4 steps"
-    mine = ckpt.load_model_state(ckpt.latest_checkpoint(tmp_path / "run"))
-    ref = ckpt.load_model_state(ckpt.latest_checkpoint(reference))
+    mine = load_model_state(latest_checkpoint(tmp_path / "run"))
+    ref = load_model_state(latest_checkpoint(reference))
     assert mine.keys() == ref.keys()
     worst = max(float((mine[k] - ref[k]).abs().max()) for k in ref)
     assert worst <= TOL, f"{name}: final weights off by {worst:.2e}"

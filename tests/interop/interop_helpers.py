@@ -89,7 +89,7 @@ def _save_sharded(rank: int, world: int, out_dir: str, family: str) -> None:
 
     import torch.distributed as dist
 
-    from meshlm.checkpoint import sharded as dist_checkpoint
+    from meshlm.checkpoint import sharded
     from meshlm.parallel import build_model
     from meshlm.parallel.mesh import ParallelDims
     from meshlm.parallel.rng import TPRNGTracker
@@ -105,8 +105,8 @@ def _save_sharded(rank: int, world: int, out_dir: str, family: str) -> None:
         par = build_model(cfg, dims, rng=TPRNGTracker(SHARDED_SEED, dims.tp_rank), spec=get_spec(cfg.model.family))
         opt = build_optimizer(par.grad_sync, cfg.optim)
         layout = {"world_size": world, "tp": world, "pp": 1, "dp": 1, "sp": False, "zero": 0}
-        dist_checkpoint.save(Path(out_dir) / "run", 0, par.grad_sync, opt, {"step": 0, "layout": layout},
-                             cfg.to_dict(), {})
+        sharded.save(Path(out_dir) / "run", 0, par.grad_sync, opt, {"step": 0, "layout": layout},
+                     cfg.to_dict(), {}, spec=par.spec)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -19,11 +19,12 @@ import pytest
 import torch
 from interop_helpers import SENTENCES, assert_same_state, ok
 
-from meshlm.checkpoint import single as ckpt
-from meshlm.checkpoint.load import checkpoint_config, load_model_from_checkpoint
+from meshlm.checkpoint.load import open_checkpoint
+from meshlm.checkpoint.single import load_model_state, load_part, resolve_checkpoint
 from meshlm.data.assets import minilm_dir
 from meshlm.data.tokenizers import get_tokenizer
 from meshlm.models.bert import pack_inputs
+from tests.checkpoint_helpers import load_run
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-5
@@ -61,7 +62,7 @@ def _real_diff(a: torch.Tensor, b: torch.Tensor, batch) -> float:
 
 
 def test_imported_encoder_equals_bert_model(dirs, ref):
-    model, _, cfg = load_model_from_checkpoint(str(dirs["run"]))
+    model, _, cfg = load_run(str(dirs["run"]))
     assert (cfg.model.family, cfg.model.bert_head, cfg.model.pooling, cfg.model.normalize_embeddings) == \
         ("bert", "encoder", "mean", True)
     assert (cfg.model.n_layers, cfg.model.hidden_size, cfg.model.activation) == (6, 384, "gelu_exact")
@@ -69,7 +70,7 @@ def test_imported_encoder_equals_bert_model(dirs, ref):
 
 
 def test_checkpoint_carries_a_working_tokenizer(dirs, ref):
-    cfg = checkpoint_config(str(dirs["run"]))
+    cfg = open_checkpoint(str(dirs["run"])).config
     assert cfg.data.tokenizer == str(dirs["run"] / "hf")
     tokenizer = get_tokenizer(cfg.data.tokenizer)
     assert {k: tokenizer.special_ids[k] for k in ("cls", "sep", "pad", "mask", "unk")} == \
@@ -77,7 +78,7 @@ def test_checkpoint_carries_a_working_tokenizer(dirs, ref):
     for text in SENTENCES:
         assert [101, *tokenizer.encode(text), 102] == ref["tok"](text)["input_ids"]
     assert json.loads((dirs["run"] / "hf" / "modules.json").read_text())[1]["path"] == "1_Pooling"
-    state = ckpt.load_part(ckpt.resolve_checkpoint(dirs["run"]), "state")
+    state = load_part(resolve_checkpoint(dirs["run"]), "state")
     assert state["step"] == 0 and state["tokenizer"] == tokenizer.name
 
 
@@ -92,9 +93,9 @@ def test_exported_directory_loads_in_transformers_with_the_same_states(dirs, ref
 
 
 def test_reimport_round_trips_bit_exactly(dirs):
-    first, second = (ckpt.resolve_checkpoint(dirs[k]) for k in ("run", "again"))
-    assert_same_state(ckpt.load_model_state(second), ckpt.load_model_state(first))
-    a, b = checkpoint_config(str(dirs["run"])), checkpoint_config(str(dirs["again"]))
+    first, second = (resolve_checkpoint(dirs[k]) for k in ("run", "again"))
+    assert_same_state(load_model_state(second), load_model_state(first))
+    a, b = open_checkpoint(str(dirs["run"])).config, open_checkpoint(str(dirs["again"])).config
     assert a.model == b.model
     for name in ("tokenizer.json", "vocab.txt"):
         assert (dirs["again"] / "hf" / name).read_bytes() == (dirs["run"] / "hf" / name).read_bytes(), name

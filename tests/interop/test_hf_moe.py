@@ -18,13 +18,12 @@ import pytest
 import torch
 from interop_helpers import assert_same_state, ok, one_error_line, perturbed
 
-from meshlm.checkpoint import single as ckpt
-from meshlm.checkpoint.load import load_model_from_checkpoint
+from meshlm.checkpoint.single import resolve_checkpoint, save_checkpoint
 from meshlm.commands.train import build_trainer
-from meshlm.core.config import ConfigError, config_from_dict
-from meshlm.interop.convert import load_checkpoint_model
+from meshlm.core.config import ConfigError
 from meshlm.interop.hf import from_hf_moe
 from meshlm.interop.hf_config import model_config_from_hf
+from tests.checkpoint_helpers import load_run
 from tests.conftest import ROOT, tiny_config
 
 transformers = pytest.importorskip("transformers")
@@ -68,7 +67,7 @@ def test_moe_converts_both_ways(make, cls, tmp_path):
     hf = make()
     hf.save_pretrained(str(tmp_path / "hf"))
     ok(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")])
-    model, _, cfg = load_model_from_checkpoint(str(tmp_path / "run"))
+    model, _, cfg = load_run(str(tmp_path / "run"))
     assert cfg.model.moe_experts == 4 and cfg.data.tokenizer == "gpt2"
     if cls == "Qwen2MoeForCausalLM":
         m = cfg.model
@@ -98,8 +97,7 @@ def test_fused_in_memory_state_dict_converts(make):
 
 def _same_logits(hf_dir, checkpoint) -> float:
     hf = _loaded(transformers.AutoModelForCausalLM, hf_dir)
-    source = ckpt.resolve_checkpoint(checkpoint)
-    ours = load_checkpoint_model(source, config_from_dict(ckpt.load_config_dict(source)).model)
+    ours = load_run(checkpoint)[0]
     ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         return float((hf(ids).logits - ours(ids)).abs().max())
@@ -151,7 +149,7 @@ def test_export_of_what_hf_cannot_hold_is_one_line(model, words, tmp_path):
 
     run = tmp_path / "run"
     cfg = tiny_config(run, model={**LLAMA, "moe_experts": 4, **model})
-    ckpt.save_checkpoint(run, 1, {"model": perturbed(GPT(cfg.model)).state_dict()}, cfg.to_dict())
+    save_checkpoint(run, 1, {"model": perturbed(GPT(cfg.model)).state_dict()}, cfg.to_dict())
     one_error_line(["convert", "--checkpoint", str(run), "--to-hf", str(tmp_path / "hf")], *words)
     assert not (tmp_path / "hf").exists()
 
@@ -169,7 +167,7 @@ def test_expert_parallel_checkpoint_exports(tmp_path):
            "--config", "gpt-moe-tiny", *small, "--parallel.ep=2", "--train.save_hf=end", f"--train.out_dir={out}"]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (ckpt.resolve_checkpoint(out) / "index.json").exists(), "per-rank pieces"
+    assert (resolve_checkpoint(out) / "index.json").exists(), "per-rank pieces"
     ok(["convert", "--checkpoint", str(out), "--to-hf", str(tmp_path / "hf")])
     assert _same_logits(tmp_path / "hf", out) <= TOL
     assert _same_logits(out / "hf_checkpoints" / "latest", out) <= TOL

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.single import load_model_state, resolve_checkpoint
 from tests.conftest import run_cli
 
 transformers = pytest.importorskip("transformers")
@@ -36,8 +36,8 @@ def test_imported_gpt2_generates_and_resumes_training(tmp_path):
                     timeout=240)
     assert train.returncode == 0, train.stderr
     assert "at step 0" in train.stdout, train.stdout
-    imported = ckpt.load_model_state(run / "checkpoints" / "step_0000000")
-    trained = ckpt.load_model_state(ckpt.resolve_checkpoint(run))
-    assert ckpt.resolve_checkpoint(run).name == "step_0000001"
+    imported = load_model_state(run / "checkpoints" / "step_0000000")
+    trained = load_model_state(resolve_checkpoint(run))
+    assert resolve_checkpoint(run).name == "step_0000001"
     moved = max(float((trained[k] - v).abs().max()) for k, v in imported.items())
     assert 0 < moved < 1e-3, "one AdamW step of lr 1e-4 from the imported weights, not a fresh start"

@@ -7,7 +7,7 @@ import pytest
 import torch
 from interop_helpers import SHARDED_SEED, ok, save_sharded_checkpoint, sharded_config
 
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.single import resolve_checkpoint
 from meshlm.families.registry import get_spec
 
 transformers = pytest.importorskip("transformers")
@@ -17,7 +17,7 @@ TOL = 1e-5
 @pytest.mark.parametrize("family, cls", [("gpt", "GPT2LMHeadModel"), ("bert", "BertForMaskedLM")])
 def test_tensor_parallel_checkpoint_to_hf(family, cls, tmp_path):
     save_sharded_checkpoint(family, tmp_path)
-    source = ckpt.resolve_checkpoint(tmp_path / "run")
+    source = resolve_checkpoint(tmp_path / "run")
     assert (source / "index.json").exists() and not (source / "model.pt").exists(), "a sharded checkpoint"
     ok(["convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "hf")])
     hf, info = getattr(transformers, cls).from_pretrained(str(tmp_path / "hf"), output_loading_info=True)

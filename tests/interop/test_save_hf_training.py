@@ -17,12 +17,11 @@ import pytest
 import torch
 from interop_helpers import one_error_line, perturbed
 
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.single import resolve_checkpoint
 from meshlm.commands.train import build_trainer
-from meshlm.core.config import config_from_dict
-from meshlm.interop.convert import load_checkpoint_model
 from meshlm.interop.hf import save_hf
 from meshlm.models.gpt import GPT
+from tests.checkpoint_helpers import load_run
 from tests.conftest import ROOT, tiny_config
 
 transformers = pytest.importorskip("transformers")
@@ -35,9 +34,8 @@ def _same_logits(hf_dir: Path, checkpoint: Path) -> float:
     """Max |logits| difference between `transformers`' model of `hf_dir` and meshlm's of `checkpoint`."""
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    source = ckpt.resolve_checkpoint(checkpoint)
-    cfg = config_from_dict(ckpt.load_config_dict(source)).model
-    ours = load_checkpoint_model(source, cfg)
+    ours, _, config = load_run(checkpoint)
+    cfg = config.model
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         return float((hf.eval()(ids).logits - ours(ids)).abs().max())
@@ -85,7 +83,7 @@ def test_tp2_pp2_run_of_four_processes(tmp_path):
     proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("wrote Hugging Face directory") == 1, "rank 0 converts, once"
-    source = ckpt.resolve_checkpoint(out)
+    source = resolve_checkpoint(out)
     assert (source / "index.json").exists() and not (source / "model.pt").exists(), "per-rank pieces"
     assert _steps(out / "hf_checkpoints") == ["latest", "step_0000002"]
     assert _same_logits(out / "hf_checkpoints" / "latest", out) <= TOL

@@ -226,20 +226,21 @@ def compare(ref: dict, got: Run) -> dict:
 
 def save(run: Run, out_dir, config: dict | None = None):
     """A checkpoint of this layout after `len(run.losses)` steps (data position included)."""
-    from meshlm.checkpoint import sharded as dist_checkpoint
+    from meshlm.checkpoint import sharded
 
     state = {"step": len(run.losses), "loader": run.loader.state_dict(), "losses": list(run.losses),
              "norms": list(run.norms)}
-    return dist_checkpoint.save(out_dir, len(run.losses), run.sync, run.opt, state, config or {}, {})
+    return sharded.save(out_dir, len(run.losses), run.sync, run.opt, state, config or {}, {},
+                        spec=spec_of(run.sync.model))
 
 
 def resume(cfg, dims: ParallelDims | None, path) -> Run:
     """A fresh layout (possibly another one) that continues from checkpoint `path`."""
-    from meshlm.checkpoint import sharded as dist_checkpoint
-    from meshlm.checkpoint import single as ckpt
+    from meshlm.checkpoint import sharded
+    from meshlm.checkpoint.single import load_part
 
-    state = ckpt.load_part(path, "state")
+    state = load_part(path, "state")
     run = build_run(cfg, dims, consumed=state["loader"]["consumed"])
-    dist_checkpoint.load(path, run.sync, run.opt)
+    sharded.load(path, run.sync, run.opt, spec=get_spec(cfg.model.family))
     run.losses, run.norms = list(state["losses"]), list(state["norms"])
     return run

@@ -24,10 +24,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from parallel_world import run_world
 
+from meshlm.families.registry import get_spec
 from meshlm.parallel.context import chunk_bounds, local_positions, ring_attention, shard_sequence
 from meshlm.parallel.mesh import ParallelDims
 
 B, T, D = 2, 16, 8
+GPT_SPEC = get_spec("gpt")  # every run here is of the gpt family (its pieces need the spec)
+
 CASES = [(4, 2, False), (4, 2, True), (2, 2, False), (4, 1, True)]  # (query heads, KV heads, segments)
 
 
@@ -237,7 +240,7 @@ def test_torchrun_cp2_matches_single_process(tmp_path):
     import subprocess
     import sys
 
-    from meshlm.checkpoint import single as ckpt
+    from meshlm.checkpoint.single import load_model_state, resolve_checkpoint
     from meshlm.core.config import load_config
     from meshlm.train.trainer import Trainer
     from tests.conftest import ROOT
@@ -263,7 +266,7 @@ def test_torchrun_cp2_matches_single_process(tmp_path):
     got, want = metrics(out), metrics(ref)
     assert [k for k, _ in got] == [k for k, _ in want] and len(got) == 3, (got, want)
     assert max(abs(a - b) / b for (_, a), (_, b) in zip(got, want)) < 1e-5, (got, want)
-    full, plain = (ckpt.load_model_state(ckpt.resolve_checkpoint(d)) for d in (out, ref))
+    full, plain = (load_model_state(resolve_checkpoint(d), spec=GPT_SPEC) for d in (out, ref))
     assert full.keys() == plain.keys()
     assert max(float((full[k] - v).abs().max()) for k, v in plain.items()) < 1e-5
 
@@ -325,7 +328,7 @@ def _layout_run(model: str, layout, consumed: int = 0, path=None):
 
 def _reshard_world(rank: int, world: int, out_dir: str) -> dict:
     """Under a cp layout: save after HALF steps (cp first), or resume a one-process checkpoint for HALF more."""
-    from meshlm.checkpoint import single as ckpt
+    from meshlm.checkpoint.single import resolve_checkpoint
 
     out = {}
     with H.float64():
@@ -337,7 +340,7 @@ def _reshard_world(rank: int, world: int, out_dir: str) -> dict:
                     H.step(run)
                 H.save(run, root, {})
             else:
-                run = _layout_run(model, second, path=ckpt.resolve_checkpoint(root))
+                run = _layout_run(model, second, path=resolve_checkpoint(root))
                 for _ in range(HALF):
                     H.step(run)
                 out[name] = H.compare(_REFS[f"{model}4"], run)
@@ -348,7 +351,7 @@ def test_checkpoints_reshard_across_cp(tmp_path):
     """A one-process checkpoint resumes under cp2 × tp2 + SP, and cp2 × tp2 + SP, cp2 × dp2 ZeRO-1 and ZeRO-3 ones
     (pieces of rows sharded over dp × cp) in one process: the 4 losses and the final weights as 4 uninterrupted steps of
     one process."""
-    from meshlm.checkpoint import single as ckpt
+    from meshlm.checkpoint.single import resolve_checkpoint
 
     with H.float64(), H.one_thread():
         _REFS["llama4"] = H.reference("llama", 2 * HALF)
@@ -359,7 +362,7 @@ def test_checkpoints_reshard_across_cp(tmp_path):
     results = run_world(_reshard_world, 4, tmp_path / "world")
     with H.float64(), H.one_thread():
         for name in TO_ONE:
-            run = _layout_run(RESHARD[name][0], None, path=ckpt.resolve_checkpoint(tmp_path / name))
+            run = _layout_run(RESHARD[name][0], None, path=resolve_checkpoint(tmp_path / name))
             for _ in range(HALF):
                 H.step(run)
             results.append({name: H.compare(_REFS["llama4"], run)})

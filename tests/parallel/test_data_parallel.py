@@ -29,7 +29,7 @@ import pytest
 import torch
 from parallel_world import run_world
 
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.single import resolve_checkpoint, save_checkpoint
 from meshlm.parallel.data import theory_bytes_per_param
 
 STEPS, HALF, TOL = 3, 2, H.TOL
@@ -81,7 +81,7 @@ def _first_half(name: str, root: Path) -> None:
         H.step(run)
     if name.startswith("legacy"):  # what Trainer.save writes in one process
         state = {"step": HALF, "loader": run.loader.state_dict(), "losses": run.losses, "norms": run.norms}
-        ckpt.save_checkpoint(root / name, HALF, {"model": run.model.state_dict(), "optim": run.opt.state_dict(),
+        save_checkpoint(root / name, HALF, {"model": run.model.state_dict(), "optim": run.opt.state_dict(),
                                                  "state": state}, cfg.to_dict())
     else:
         H.save(run, root / name, cfg.to_dict())
@@ -90,7 +90,7 @@ def _first_half(name: str, root: Path) -> None:
 def _second_half(name: str, root: Path, refs: dict) -> dict:
     model, _, layout = PAIRS[name]
     cfg, dims = _run(model, *layout)
-    run = H.resume(cfg, dims, ckpt.resolve_checkpoint(root / name))
+    run = H.resume(cfg, dims, resolve_checkpoint(root / name))
     for _ in range(HALF):
         H.step(run)
     return H.compare(refs[model], run)

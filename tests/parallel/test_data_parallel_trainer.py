@@ -20,11 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.single import load_model_state, resolve_checkpoint
 from meshlm.core.config import config_from_dict, load_config
+from meshlm.families.registry import get_spec
 from meshlm.models.gpt import GPT
 from meshlm.train.trainer import Trainer
 from tests.conftest import ROOT
+
+GPT_SPEC = get_spec("gpt")  # every run here is of the gpt family (its pieces need the spec)
 
 DOC = ROOT / "docs" / "parallel.md"
 SECTION = "## Data parallelism, ZeRO and the 3D layout"
@@ -95,8 +98,8 @@ def _check_against(out: Path, ref: Path) -> None:
     got, want = _losses(out), _losses(ref)
     assert len(got) == len(want)
     assert max(abs(a - b) / b for a, b in zip(got, want)) <= TOL, (got, want)
-    full = ckpt.load_model_state(ckpt.resolve_checkpoint(out))
-    plain = ckpt.load_model_state(ckpt.resolve_checkpoint(ref))
+    full = load_model_state(resolve_checkpoint(out), spec=GPT_SPEC)
+    plain = load_model_state(resolve_checkpoint(ref), spec=GPT_SPEC)
     assert full.keys() == plain.keys()
     assert max(float((full[k] - v).abs().max()) for k, v in plain.items()) <= TOL
 
@@ -114,11 +117,11 @@ def test_3d_run_resumed_under_dp4_zero2_matches_single_process(runs):
 
 def test_converted_single_file_gives_the_reference_logits(runs):
     root = runs["root"]
-    ref = ckpt.resolve_checkpoint(_reference(root, runs["results"][1]["argv"], 4))
+    ref = resolve_checkpoint(_reference(root, runs["results"][1]["argv"], 4))
     cfg = config_from_dict(json.loads((root / "runs/3d-single/config.json").read_text()))
     converted, reference = GPT(cfg.model).eval(), GPT(cfg.model).eval()
-    converted.load_state_dict(ckpt.load_model_state(root / "runs/3d-single"))
-    reference.load_state_dict(ckpt.load_model_state(ref))
+    converted.load_state_dict(load_model_state(root / "runs/3d-single", spec=GPT_SPEC))
+    reference.load_state_dict(load_model_state(ref, spec=GPT_SPEC))
     ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a, b = converted(ids), reference(ids)

@@ -21,9 +21,12 @@ import torch
 import torch.distributed as dist
 from parallel_world import run_world
 
+from meshlm.families.registry import get_spec
 from meshlm.parallel.mesh import ParallelDims
 
 STEPS, HALF = 2, 1
+GPT_SPEC = get_spec("gpt")  # every run here is of the gpt family (its pieces need the spec)
+
 MOE = {"n_layers": 2, "hidden_size": 32, "n_heads": 4, "n_kv_heads": 2, "seq_len": 16, "vocab_size": 101,
        "position": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False, "tie_embeddings": False,
        "moe_experts": 4, "moe_top_k": 2, "moe_expert_hidden": 24, "moe_shared_experts": 1, "moe_shared_gate": True,
@@ -141,7 +144,7 @@ def _layout_run(layout, path=None):
 
 
 def _reshard_world(rank: int, world: int, out_dir: str) -> dict:
-    from meshlm.checkpoint import single as ckpt
+    from meshlm.checkpoint.single import resolve_checkpoint
 
     out = {}
     with H.float64():
@@ -153,7 +156,7 @@ def _reshard_world(rank: int, world: int, out_dir: str) -> dict:
                     H.step(run)
                 H.save(run, root, {})
             if second is not None and second[0] == world:
-                run = _layout_run(second, path=ckpt.resolve_checkpoint(root))
+                run = _layout_run(second, path=resolve_checkpoint(root))
                 for _ in range(HALF):
                     H.step(run)
                 out[name] = _compare(_REFS["moe2"], run)
@@ -163,7 +166,7 @@ def _reshard_world(rank: int, world: int, out_dir: str) -> dict:
 def test_checkpoints_reshard_across_ep(tmp_path):
     """ep2 → one process, one process → ep2, ep4 ZeRO-1 → dp4 × ep2 ZeRO-2: the losses and the final weights
     as 2 uninterrupted steps of one process (the experts saved as whole (E, …) logical tensors)."""
-    from meshlm.checkpoint import single as ckpt
+    from meshlm.checkpoint.single import resolve_checkpoint
 
     with H.float64(), H.one_thread():
         _REFS["moe2"] = H.reference("moe", 2 * HALF)
@@ -174,7 +177,7 @@ def test_checkpoints_reshard_across_ep(tmp_path):
     results = run_world(_reshard_world, 2, tmp_path / "world2")
     results += run_world(_reshard_world, 4, tmp_path / "world4")
     with H.float64(), H.one_thread():
-        run = _layout_run(None, path=ckpt.resolve_checkpoint(tmp_path / "ep2_to_one"))
+        run = _layout_run(None, path=resolve_checkpoint(tmp_path / "ep2_to_one"))
         for _ in range(HALF):
             H.step(run)
         results.append({"ep2_to_one": H.compare(_REFS["moe2"], run)})
@@ -222,7 +225,7 @@ def test_torchrun_ep2_matches_single_process(tmp_path):
     import subprocess
     import sys
 
-    from meshlm.checkpoint import single as ckpt
+    from meshlm.checkpoint.single import load_model_state, resolve_checkpoint
     from meshlm.core.config import load_config
     from meshlm.train.trainer import Trainer
     from tests.conftest import ROOT
@@ -244,6 +247,6 @@ def test_torchrun_ep2_matches_single_process(tmp_path):
     got, want = metrics(out), metrics(ref)
     assert [k for k, _ in got] == [k for k, _ in want] and len(got) == 3, (got, want)
     assert max(abs(a - b) / b for (_, a), (_, b) in zip(got, want)) < 1e-5, (got, want)
-    full, plain = (ckpt.load_model_state(ckpt.resolve_checkpoint(d)) for d in (out, ref))
+    full, plain = (load_model_state(resolve_checkpoint(d), spec=GPT_SPEC) for d in (out, ref))
     assert full.keys() == plain.keys() and full["layers.0.mlp.experts.fc"].shape == (4, 96, 32)
     assert max(float((full[k] - v).abs().max()) for k, v in plain.items()) < 1e-5

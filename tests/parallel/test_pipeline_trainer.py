@@ -20,12 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.single import load_model_state, resolve_checkpoint
 from meshlm.core.config import load_config
+from meshlm.families.registry import get_spec
 from meshlm.train.trainer import Trainer
 from tests.conftest import ROOT
 
 DOC, README = ROOT / "docs" / "parallel.md", ROOT / "README.md"
+GPT_SPEC = get_spec("gpt")  # every run here is of the gpt family (its pieces need the spec)
+
 BIN = Path(sys.executable).parent
 STEPS = 2
 # Narrow and short, but the documented layers and batch shape (6 layers; micro-batches of 2 of 8).
@@ -128,8 +131,8 @@ def test_pipeline_training_matches_single_process(runs, references, tmp_path_fac
     got, want = _losses(run["out"]), _losses(ref_out)
     assert max(abs(a - b) / b for a, b in zip(got, want)) <= TOL, (got, want)
     assert abs(_val_loss(run["out"]) - _val_loss(ref_out)) / _val_loss(ref_out) <= TOL
-    full = ckpt.load_model_state(ckpt.resolve_checkpoint(run["out"]))
-    plain = ckpt.load_model_state(ckpt.resolve_checkpoint(ref_out))
+    full = load_model_state(resolve_checkpoint(run["out"]), spec=GPT_SPEC)
+    plain = load_model_state(resolve_checkpoint(ref_out), spec=GPT_SPEC)
     assert full.keys() == plain.keys()
     assert max(float((full[k] - v).abs().max()) for k, v in plain.items()) <= TOL
     # A tied embedding is stored once (by the first stage); that its two copies stay bit-equal in training
@@ -143,11 +146,11 @@ def test_pipeline_checkpoint_resumes_exactly_and_under_another_layout(runs, tmp_
         proc = _run(straight["argv"], tmp_path, [*TINY, f"--train.max_steps={steps}", f"--train.out_dir={split}"])
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
-    files = sorted(p.name for p in ckpt.resolve_checkpoint(split).iterdir())
+    files = sorted(p.name for p in resolve_checkpoint(split).iterdir())
     assert files == ["config.json", "index.json", "manifest.json", "shards", "state.pt"]
     assert _losses(split) == _losses(straight["out"])
-    a = ckpt.load_model_state(ckpt.resolve_checkpoint(straight["out"]))
-    b = ckpt.load_model_state(ckpt.resolve_checkpoint(split))
+    a = load_model_state(resolve_checkpoint(straight["out"]), spec=GPT_SPEC)
+    b = load_model_state(resolve_checkpoint(split), spec=GPT_SPEC)
     assert all(torch.equal(a[k], b[k]) for k in a)
     resumed = Trainer(load_config("gpt-tiny", [*TINY, "--train.micro_batch_size=2", f"--train.max_steps={STEPS + 1}",
                                                f"--train.out_dir={split}"]))

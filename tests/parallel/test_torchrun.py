@@ -14,10 +14,13 @@ import sys
 
 import torch
 
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.single import load_model_state, resolve_checkpoint
 from meshlm.core.config import load_config
+from meshlm.families.registry import get_spec
 from meshlm.train.trainer import Trainer
 from tests.conftest import ROOT, run_cli
+
+GPT_SPEC = get_spec("gpt")  # every run here is of the gpt family (its pieces need the spec)
 
 SMALL = ["--model.n_layers=2", "--model.hidden_size=32", "--model.seq_len=32", "--train.micro_batch_size=2",
          "--train.global_batch_size=4", "--train.eval_iters=1", "--train.eval_every=0", "--train.log_every=1",
@@ -39,7 +42,7 @@ def _losses(out) -> list[float]:
 
 
 def _weights(out) -> dict:
-    return ckpt.load_model_state(ckpt.resolve_checkpoint(out))
+    return load_model_state(resolve_checkpoint(out), spec=GPT_SPEC)
 
 
 def test_torchrun_tp2_sp_matches_single_process_and_generates(tmp_path):
@@ -69,7 +72,7 @@ def test_torchrun_tp2_resumes_exactly_and_under_another_layout(tmp_path):
         proc = _torchrun("--parallel.tp=2", dropout, f"--train.max_steps={steps}", f"--train.out_dir={out}")
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
-    assert sorted(p.name for p in ckpt.resolve_checkpoint(split).iterdir()) == [
+    assert sorted(p.name for p in resolve_checkpoint(split).iterdir()) == [
         "config.json", "index.json", "manifest.json", "shards", "state.pt"]
     assert _losses(straight) == _losses(split)
     a, b = _weights(straight), _weights(split)

@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from meshlm.checkpoint import files as ckpt_files
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.files import load_torch
+from meshlm.checkpoint.single import resolve_checkpoint
 from meshlm.cli import main
 from tests.tune.tune_helpers import LLAMA, QUIET, metrics, repeat_rows, save_base, train_losses, write_jsonl
 
@@ -56,7 +56,7 @@ def root(tmp_path_factory):
 
 
 def adapter(run) -> dict[str, torch.Tensor]:
-    return ckpt_files.load_torch(ckpt.resolve_checkpoint(run, log=None) / "model.pt")
+    return load_torch(resolve_checkpoint(run, log=None) / "model.pt")
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -30,7 +30,7 @@ import torch
 from parallel_world import run_world
 from torch import nn
 
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.single import resolve_checkpoint
 from meshlm.core.config import build
 
 STEPS, HALF, TOL = 3, 2, H.TOL
@@ -91,7 +91,7 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
         for _ in range(HALF):
             H.step(run)
         H.save(run, f"{root}/zero3_tp2", cfg.to_dict())
-        run = H.resume(cfg, dims, ckpt.resolve_checkpoint(f"{root}/one_process"))
+        run = H.resume(cfg, dims, resolve_checkpoint(f"{root}/one_process"))
         for _ in range(HALF):
             H.step(run)
         out["one_process_to_zero3_tp2"] = _compare(refs["mqa"], run)
@@ -111,7 +111,7 @@ def results(tmp_path_factory):
         H.save(run, root / "one_process", cfg.to_dict())
     worlds = {world: run_world(_worker, world, root / f"world{world}", deadline_s=180) for world in CASES}
     with H.float64(), H.one_thread():
-        run = H.resume(_config("mqa"), None, ckpt.resolve_checkpoint(root / "zero3_tp2"))
+        run = H.resume(_config("mqa"), None, resolve_checkpoint(root / "zero3_tp2"))
         for _ in range(HALF):
             H.step(run)
         single = H.compare(refs["mqa"], run)

@@ -18,9 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from meshlm.checkpoint import files as ckpt_files
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint import files
+from meshlm.checkpoint.files import read_manifest, step_name, usable
+from meshlm.checkpoint.single import latest_checkpoint, load_model_state, load_part, resolve_checkpoint
 from meshlm.cli import main
+from meshlm.families.registry import get_spec
 from meshlm.train.extension import Extension
 from meshlm.train.trainer import Trainer
 from tests.conftest import tiny_config
@@ -29,6 +31,7 @@ from tests.reliability.test_rel_kill import records
 from tests.reliability.test_rel_save import TINY
 from tests.reliability.threads import _one_thread  # noqa: F401 (autouse: one intra-op thread)
 
+GPT_SPEC = get_spec("gpt")  # every run here is of the gpt family (its pieces need the spec)
 
 def config(out, steps: int = 4, parallel: dict | None = None, **train):
     return tiny_config(out, train={"max_steps": steps, "save_every": 1, "keep_last": 0, "sample_tokens": 0,
@@ -50,7 +53,7 @@ def same(a, b) -> bool:
 
 def entries(step_dir: Path) -> dict:
     """The manifest's size and CRC-32 of every file but config.json (which names the run's out_dir)."""
-    files = ckpt_files.read_manifest(step_dir)["files"]
+    files = read_manifest(step_dir)["files"]
     return {k: v for k, v in files.items() if k != "config.json"}
 
 
@@ -68,12 +71,12 @@ def test_an_async_checkpoint_holds_exactly_what_a_sync_one_holds(tmp_path):
         hooks[mode] = Published()
         Trainer(config(tmp_path / mode, steps=3, async_save=mode == "async"), extensions=[hooks[mode]]).run()
     for step in (1, 2, 3):
-        a, b = (tmp_path / mode / "checkpoints" / ckpt_files.step_name(step) for mode in ("sync", "async"))
-        assert ckpt_files.usable(b, resume=True) is None
+        a, b = (tmp_path / mode / "checkpoints" / step_name(step) for mode in ("sync", "async"))
+        assert usable(b, resume=True) is None
         assert entries(a) == entries(b), f"step {step}: the same bytes in every file"
         for part in ("model", "optim", "state"):
-            assert same(ckpt.load_part(a, part), ckpt.load_part(b, part)), (step, part)
-    names = [(ckpt_files.step_name(s), "MainThread") for s in (1, 2, 3)]
+            assert same(load_part(a, part), load_part(b, part)), (step, part)
+    names = [(step_name(s), "MainThread") for s in (1, 2, 3)]
     assert hooks["sync"].seen == names and hooks["async"].seen == names, hooks["async"].seen
 
 
@@ -82,22 +85,22 @@ def test_resuming_from_an_async_checkpoint_is_exact(tmp_path):
     out = tmp_path / "async"
     Trainer(config(out, async_save=True)).run()
     for step in (3, 4):  # as if killed after step 2's background checkpoint was published
-        shutil.rmtree(out / "checkpoints" / ckpt_files.step_name(step))
+        shutil.rmtree(out / "checkpoints" / step_name(step))
     Trainer(config(out, async_save=True)).run()
     assert records(out) == records(tmp_path / "ref")
-    a, b = (ckpt.load_model_state(ckpt.resolve_checkpoint(p)) for p in (tmp_path / "ref", out))
+    a, b = (load_model_state(resolve_checkpoint(p), spec=GPT_SPEC) for p in (tmp_path / "ref", out))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def slow_write(monkeypatch, step: int, until: threading.Event) -> None:
     """Writes into step `step`'s temporary directory block until `until` is set (at most 60 s)."""
-    real = ckpt_files._ChecksumWriter._disk_write
+    real = files._ChecksumWriter._disk_write
 
     def write(self, view):
-        if f".tmp-{ckpt_files.step_name(step)}-" in self.fh.name:
+        if f".tmp-{step_name(step)}-" in self.fh.name:
             assert until.wait(60), "the gate was never opened"
         return real(self, view)
-    monkeypatch.setattr(ckpt_files._ChecksumWriter, "_disk_write", write)
+    monkeypatch.setattr(files._ChecksumWriter, "_disk_write", write)
 
 
 def test_the_next_save_waits_for_the_write_in_flight_and_says_so(tmp_path, monkeypatch, capsys):
@@ -115,7 +118,7 @@ def test_the_next_save_waits_for_the_write_in_flight_and_says_so(tmp_path, monke
     assert out.count(" s at step 2 for step 1's background write to finish") == 1, out
     assert "checkpoint: waited " in out.split("step      2 |")[1].split("step      3 |")[0], "at step 2's save"
     for step in (1, 2, 3):
-        assert ckpt_files.usable(tmp_path / "checkpoints" / ckpt_files.step_name(step), resume=True) is None
+        assert usable(tmp_path / "checkpoints" / step_name(step), resume=True) is None
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -142,7 +145,7 @@ def test_a_signal_during_a_background_write_waits_for_it_and_publishes_it(tmp_pa
     assert "waited" in out and "at step 3 for step 2's background write" in out, out
     assert f"stopped by {sig.name} at step 3" in out
     for step in (2, 3):
-        assert ckpt_files.usable(tmp_path / "checkpoints" / ckpt_files.step_name(step), resume=True) is None
+        assert usable(tmp_path / "checkpoints" / step_name(step), resume=True) is None
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
 
 
@@ -169,14 +172,14 @@ def test_kill9_during_a_background_write_keeps_the_previous_checkpoint_and_resum
     pid = os.fork()
     if pid == 0:  # the child: step 3's background write never ends; training goes on until step 4's save waits
         try:
-            real = ckpt_files._ChecksumWriter._disk_write
+            real = files._ChecksumWriter._disk_write
 
             def write(self, view):
                 if ".tmp-step_0000003-" in self.fh.name:
                     marker.touch()
                     time.sleep(3600)
                 return real(self, view)
-            ckpt_files._ChecksumWriter._disk_write = write
+            files._ChecksumWriter._disk_write = write
             Trainer(config(out, steps=6, async_save=True)).run()
         finally:
             os._exit(0)
@@ -188,10 +191,10 @@ def test_kill9_during_a_background_write_keeps_the_previous_checkpoint_and_resum
     os.waitpid(pid, 0)
     assert marker.exists() and 4 in _train_steps_logged(out), "step 4 ran while step 3 was being written"
     assert list((out / "checkpoints").glob(".tmp-step_0000003-*")), "killed in the middle of step 3's write"
-    assert ckpt.latest_checkpoint(out).name == "step_0000002"
+    assert latest_checkpoint(out).name == "step_0000002"
     Trainer(config(out, steps=6, async_save=True)).run()
     assert records(out) == records(tmp_path / "ref")
-    a, b = (ckpt.load_model_state(ckpt.resolve_checkpoint(p)) for p in (tmp_path / "ref", out))
+    a, b = (load_model_state(resolve_checkpoint(p), spec=GPT_SPEC) for p in (tmp_path / "ref", out))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not list((out / "checkpoints").glob(".tmp-*"))
 
@@ -205,7 +208,7 @@ def test_a_corrupt_async_checkpoint_falls_back_to_the_previous_one(tmp_path):
     data[len(data) // 2] ^= 0xFF
     model.write_bytes(bytes(data))
     notes = []
-    assert ckpt.resolve_checkpoint(tmp_path, log=notes.append).name == "step_0000001"
+    assert resolve_checkpoint(tmp_path, log=notes.append).name == "step_0000001"
     assert "step_0000002 is incomplete (model.pt: checksum mismatch" in notes[0], notes
 
 
@@ -220,10 +223,10 @@ def _sync_and_async(rank: int, world: int, out_dir: str) -> None:
 def test_a_two_process_async_checkpoint_equals_the_synchronous_one(tmp_path):
     run_world(_sync_and_async, 2, tmp_path)
     for step in (1, 2, 3):
-        a, b = (tmp_path / mode / "checkpoints" / ckpt_files.step_name(step) for mode in ("sync", "async"))
-        assert ckpt_files.usable(b) is None
+        a, b = (tmp_path / mode / "checkpoints" / step_name(step) for mode in ("sync", "async"))
+        assert usable(b) is None
         assert len(entries(b)) == 6 and entries(a) == entries(b), f"step {step}: the same bytes in every file"
-        assert same(ckpt.load_part(a, "state"), ckpt.load_part(b, "state"))
+        assert same(load_part(a, "state"), load_part(b, "state"))
     assert not list((tmp_path / "async" / "checkpoints").glob(".tmp-*"))
 
 
@@ -231,10 +234,12 @@ def test_a_sharded_save_leaves_the_random_generator_untouched(tmp_path):
     """Building the plain model on the meta device (the index's shapes, at a process's first sharded save)
     drew from the CPU generator: dropout masks after a save differed from a resumed run's."""
     from meshlm.checkpoint import sharded
+    from meshlm.families.registry import get_spec
 
     cfg = config(tmp_path).model
+    spec = get_spec(cfg.family)
     sharded.plain_shapes.cache_clear()
     before = torch.get_rng_state()
-    shapes = sharded.logical_shapes(cfg)
-    sharded.fuse_logical({name: torch.zeros(shape) for name, shape in shapes.items()}, cfg)
+    shapes = sharded.logical_shapes(cfg, spec=spec)
+    sharded.fuse_logical({name: torch.zeros(shape) for name, shape in shapes.items()}, cfg, spec=spec)
     assert torch.equal(before, torch.get_rng_state())

@@ -11,9 +11,11 @@ import sys
 import pytest
 import torch
 
-from meshlm.checkpoint import files as ckpt_files
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.files import read_manifest
+from meshlm.checkpoint.single import load_model_state, load_part, resolve_checkpoint
 from meshlm.cli import main
+from meshlm.core.errors import CheckpointError
+from meshlm.families.registry import get_spec
 from meshlm.train.trainer import Trainer
 from tests.conftest import ROOT
 from tests.reliability.threads import _one_thread  # noqa: F401 (autouse: one intra-op thread)
@@ -43,10 +45,10 @@ def corrupt(path, kind: str) -> None:
 def test_a_corrupt_file_falls_back_to_the_previous_checkpoint(copy, name, kind):
     corrupt(copy / "checkpoints" / "step_0000002" / name, kind)
     notes = []
-    found = ckpt.resolve_checkpoint(copy, log=notes.append)
+    found = resolve_checkpoint(copy, log=notes.append)
     assert found.name == "step_0000001"
     assert len(notes) == 1 and "step_0000002, which is incomplete" in notes[0] and name in notes[0], notes
-    assert ckpt.load_model_state(found).keys()
+    assert load_model_state(found, spec=get_spec("gpt")).keys()
 
 
 @pytest.mark.parametrize("name", ["model.pt", "state.pt"])
@@ -84,17 +86,17 @@ def test_no_valid_checkpoint_stops_with_one_line_unless_resume_never(copy, capsy
     assert err.count("\n") == 1 and "none is valid" in err and "train.resume=never" in err, err
     assert "step_0000002, which is incomplete (model.pt: size" in err
     assert main([*args, "--train.resume=never", "--train.keep_last=0"]) == 0
-    fresh = ckpt.resolve_checkpoint(copy)  # the new run's step 1 (the old, broken step 2 is passed over)
-    assert fresh.name == "step_0000001" and ckpt.load_part(fresh, "state")["tokens_seen"] == 2 * 32
+    fresh = resolve_checkpoint(copy)  # the new run's step 1 (the old, broken step 2 is passed over)
+    assert fresh.name == "step_0000001" and load_part(fresh, "state")["tokens_seen"] == 2 * 32
 
 
 def test_an_explicit_bad_step_directory_is_an_error_naming_the_problem(copy):
     step = copy / "checkpoints" / "step_0000002"
     corrupt(step / "optim.pt", "emptied")
-    with pytest.raises(ckpt.CheckpointError, match="optim.pt: size 0 != "):
-        ckpt.resolve_checkpoint(step)
-    with pytest.raises(ckpt.CheckpointError, match="incomplete"):
-        ckpt.load_model_state(step)  # the size check always runs
+    with pytest.raises(CheckpointError, match="optim.pt: size 0 != "):
+        resolve_checkpoint(step)
+    with pytest.raises(CheckpointError, match="incomplete"):
+        load_model_state(step)  # the size check always runs
 
 
 def test_generate_falls_back_with_a_message(copy):
@@ -128,13 +130,13 @@ def test_a_corrupt_sharded_checkpoint_falls_back(sharded, tmp_path, name, kind):
     out = tmp_path / "run"
     shutil.copytree(sharded, out, copy_function=os.link)
     step2 = out / "checkpoints" / "step_0000002"
-    assert {*ckpt_files.read_manifest(step2)["files"]} == {
+    assert {*read_manifest(step2)["files"]} == {
         "config.json", "index.json", "state.pt", "shards/rank00000.safetensors", "shards/rank00001.safetensors",
         "shards/rank00000.pt", "shards/rank00001.pt"}
     corrupt(step2 / name, kind)
     notes = []
-    found = ckpt.resolve_checkpoint(out, log=notes.append)
+    found = resolve_checkpoint(out, log=notes.append)
     assert found.name == "step_0000001" and name in notes[0], notes
-    weights = ckpt.load_model_state(found)
+    weights = load_model_state(found, spec=get_spec("gpt"))
     assert all(torch.isfinite(v).all() for v in weights.values())
     assert Trainer(small(out, max_steps=3, global_batch_size=4)).step == 1  # one process resumes it

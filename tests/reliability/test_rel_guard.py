@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.single import load_model_state, load_part, save_checkpoint
 from meshlm.cli import main
 from meshlm.core.errors import TrainingError
 from meshlm.train.trainer import Trainer
@@ -40,14 +40,14 @@ def test_a_nan_step_is_skipped_counted_and_never_saved(tmp_path, nan_at, capsys)
     assert "warning: step 2: loss nan, gradient norm nan not finite; update skipped" in capsys.readouterr().out
     recs = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_steps"] for r in recs if r["kind"] == "train"] == [0, 1, 1]
-    states = {s: ckpt.load_model_state(tmp_path / "checkpoints" / f"step_000000{s}") for s in (1, 2, 3)}
+    states = {s: load_model_state(tmp_path / "checkpoints" / f"step_000000{s}") for s in (1, 2, 3)}
     for state in states.values():
         assert all(torch.isfinite(v).all() for v in state.values())
     assert all(torch.equal(states[1][k], states[2][k]) for k in states[1]), "no update at the skipped step"
     assert not all(torch.equal(states[2][k], states[3][k]) for k in states[1]), "training goes on after it"
-    optim1, optim2 = (ckpt.load_part(tmp_path / "checkpoints" / f"step_000000{s}", "optim") for s in (1, 2))
+    optim1, optim2 = (load_part(tmp_path / "checkpoints" / f"step_000000{s}", "optim") for s in (1, 2))
     assert all(torch.equal(optim1["state"][i]["exp_avg"], optim2["state"][i]["exp_avg"]) for i in optim1["state"])
-    assert ckpt.load_part(tmp_path / "checkpoints" / "step_0000003", "state")["skipped_steps"] == 1
+    assert load_part(tmp_path / "checkpoints" / "step_0000003", "state")["skipped_steps"] == 1
 
 
 def test_max_bad_steps_in_a_row_stop_with_exit_2_and_no_checkpoint_after_them(tmp_path, nan_at, capsys):
@@ -68,12 +68,12 @@ def test_a_huge_learning_rate_stops_cleanly_without_a_nan_checkpoint(tmp_path, c
     err = capsys.readouterr().err
     assert rc == 2 and "train.max_bad_steps=5" in err and "Traceback" not in err, err
     for step in (tmp_path / "checkpoints").glob("step_*"):
-        assert all(torch.isfinite(v).all() for v in ckpt.load_model_state(step).values()), step
+        assert all(torch.isfinite(v).all() for v in load_model_state(step).values()), step
 
 
 def test_weights_with_nan_are_never_published(tmp_path):
     with pytest.raises(TrainingError, match="refusing to save step 1: the model's weights hold NaN or inf"):
-        ckpt.save_checkpoint(tmp_path, 1, {"model": {"w": torch.tensor([1.0, float("nan")])}}, {})
+        save_checkpoint(tmp_path, 1, {"model": {"w": torch.tensor([1.0, float("nan")])}}, {})
     assert not any((tmp_path / "checkpoints").glob("*")), "nothing published, nothing left behind"
 
 

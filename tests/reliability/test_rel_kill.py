@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.single import latest_checkpoint, load_model_state, resolve_checkpoint
 from meshlm.train.trainer import Trainer
 from tests.conftest import tiny_config
 from tests.reliability.threads import _one_thread  # noqa: F401 (autouse: one intra-op thread)
@@ -71,14 +71,14 @@ def test_kill9_at_random_moments_resumes_bit_exactly(tmp_path, async_save):
     reached = []
     for target in targets:
         run_and_kill(out, target, rng.uniform(0.0, 0.3), async_save=async_save)  # a step + a save: ~0.1-0.3 s here
-        found = ckpt.latest_checkpoint(out)
+        found = latest_checkpoint(out)
         reached.append(0 if found is None else int(found.name.split("_")[1]))
     print("kill after step:", targets, "newest valid checkpoint after each kill:", reached)
     assert all(r >= t for r, t in zip(reached, targets)), "each kill came after its target step was published"
     assert sum(r < STEPS for r in reached) >= kills * 3 // 4, f"most kills should land mid-run ({reached})"
     Trainer(config(out, async_save)).run()
     assert records(out) == records(ref)  # every step once, the same losses, norms, rates, evaluation
-    a = ckpt.load_model_state(ckpt.resolve_checkpoint(ref))
-    b = ckpt.load_model_state(ckpt.resolve_checkpoint(out))
+    a = load_model_state(resolve_checkpoint(ref))
+    b = load_model_state(resolve_checkpoint(out))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", f"step_{STEPS - 1:07d}", f"step_{STEPS:07d}"]

@@ -11,10 +11,11 @@ import shutil
 import pytest
 import torch
 
-from meshlm.checkpoint import files as ckpt_files
-from meshlm.checkpoint import sharded as dist_checkpoint
-from meshlm.checkpoint import single as ckpt
+import meshlm.checkpoint.sharded
+from meshlm.checkpoint.files import file_crc32, verify
+from meshlm.checkpoint.single import resolve_checkpoint
 from meshlm.cli import main
+from meshlm.core.errors import CheckpointError
 from meshlm.train.trainer import Trainer
 from tests.reliability.threads import _one_thread  # noqa: F401 (autouse: one intra-op thread)
 from tests.reliability.trained_run import small  # the run behind the `run` and `copy` fixtures (conftest.py)
@@ -42,7 +43,7 @@ def edit_manifest(step_dir, drop=(), recompute=(), files=None) -> None:
         del manifest["files"][name]
     for name in recompute:
         manifest["files"][name] = {"size": (step_dir / name).stat().st_size,
-                                   "crc32": ckpt_files.file_crc32(step_dir / name)}
+                                   "crc32": file_crc32(step_dir / name)}
     if files == "absent":
         del manifest["files"]
     elif files is not None:
@@ -72,10 +73,10 @@ def test_generate_needs_only_the_model_and_config_but_never_an_unlisted_model(co
     step2 = copy / "checkpoints" / STEP2
     edit_manifest(step2, drop=["optim.pt"])
     (step2 / "optim.pt").unlink()  # a weights-only checkpoint: fine for reading the model
-    assert ckpt.resolve_checkpoint(copy, log=None).name == STEP2
+    assert resolve_checkpoint(copy, log=None).name == STEP2
     edit_manifest(step2, drop=["model.pt"])
     notes = []
-    assert ckpt.resolve_checkpoint(copy, log=notes.append).name == STEP1
+    assert resolve_checkpoint(copy, log=notes.append).name == STEP1
     assert "model.pt is not in manifest.json" in notes[0]
 
 
@@ -87,8 +88,8 @@ def sharded(tmp_path_factory):
     for step in (1, 2):
         trainer.step = step
         rank_state = {"rng": torch.get_rng_state(), "tp_rng": trainer.tp_rng.get_state()}
-        dist_checkpoint.save(out, step, trainer.sync, trainer.optimizer, trainer.run_state(), trainer.cfg.to_dict(),
-                             rank_state)
+        meshlm.checkpoint.sharded.save(out, step, trainer.sync, trainer.optimizer, trainer.run_state(),
+                                       trainer.cfg.to_dict(), rank_state, spec=trainer.spec)
     return out
 
 
@@ -100,7 +101,7 @@ def test_a_sharded_checkpoint_needs_every_shard_its_index_names(sharded, tmp_pat
     edit_manifest(step2, drop=[name])
     (step2 / name).unlink()
     notes = []
-    assert ckpt.resolve_checkpoint(out, log=notes.append).name == STEP1
+    assert resolve_checkpoint(out, log=notes.append).name == STEP1
     assert f"{name} is not in manifest.json" in notes[0] or (name == "index.json" and "model.pt" in notes[0]), notes
     assert json.loads((out / "checkpoints" / STEP1 / "index.json").read_text())["ranks"] == 1  # every rank's files
 
@@ -121,8 +122,8 @@ def test_a_step_directory_named_for_a_later_step_is_refused(copy, capsys):
     step, out = resumed_step(copy, capsys)
     assert step == 2, "the newest consistently named checkpoint wins, not a renamed copy of step 1"
     assert "step_0000999 is misnamed (its manifest.json is of step 1, not 999" in out, out
-    with pytest.raises(ckpt.CheckpointError, match="misnamed"):
-        ckpt.resolve_checkpoint(root / "step_0000999")
+    with pytest.raises(CheckpointError, match="misnamed"):
+        resolve_checkpoint(root / "step_0000999")
 
 
 # ---- 8: `latest` is a directory ------------------------------------------------------------------------------
@@ -138,7 +139,7 @@ def test_a_latest_directory_is_left_alone_and_training_saves(copy, capsys):
     assert "checkpoints/latest is a directory" in captured.out
     assert captured.err.count("latest is a directory") == 1, captured.err
     assert (latest / "mine.txt").read_text() == "user data"
-    assert ckpt.resolve_checkpoint(copy, log=None).name == "step_0000003"
+    assert resolve_checkpoint(copy, log=None).name == "step_0000003"
 
 
 def test_a_latest_directory_alone_is_not_a_checkpoint(tmp_path):
@@ -154,7 +155,7 @@ def poison(step_dir) -> str:
     (step_dir / "model.pt").unlink()
     torch.save(state, step_dir / "model.pt")
     edit_manifest(step_dir, recompute=["model.pt"])
-    assert ckpt_files.verify(step_dir) is None  # the manifest vouches for it
+    assert verify(step_dir) is None  # the manifest vouches for it
     return name
 
 
@@ -175,7 +176,7 @@ def test_generate_and_convert_refuse_a_step_with_non_finite_weights(copy, tmp_pa
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and name in err and "NaN or inf" in err, err
     assert not (tmp_path / "single").exists()
-    assert ckpt.resolve_checkpoint(copy, log=None).name == STEP1  # the run directory falls back
+    assert resolve_checkpoint(copy, log=None).name == STEP1  # the run directory falls back
 
 
 def test_non_finite_sharded_weights_fall_back(sharded, tmp_path):
@@ -192,5 +193,5 @@ def test_non_finite_sharded_weights_fall_back(sharded, tmp_path):
     save_file(tensors, str(shard))
     edit_manifest(step2, recompute=["shards/rank00000.safetensors"])
     notes = []
-    assert ckpt.resolve_checkpoint(out, log=notes.append).name == STEP1
+    assert resolve_checkpoint(out, log=notes.append).name == STEP1
     assert f"tensor {key.split('/')[1]!r} holds NaN or inf" in notes[0], notes

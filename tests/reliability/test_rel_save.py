@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshlm.checkpoint import files as ckpt_files
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint import files
+from meshlm.checkpoint.files import prune_old, prune_temporaries, verify
+from meshlm.checkpoint.single import load_model_state, resolve_checkpoint, save_checkpoint
 from meshlm.cli import main
 from meshlm.train.trainer import Trainer
 from tests.conftest import tiny_config
@@ -35,7 +36,7 @@ class Injected(BaseException):  # a crash: nothing handles it
 
 @pytest.mark.parametrize("point", ["moving the new copy in", "renamed", "pointed"])
 def test_a_resave_keeps_a_valid_checkpoint_of_the_step_at_every_moment(tmp_path, monkeypatch, point):
-    ckpt.save_checkpoint(tmp_path, 1, parts(1.0), {})
+    save_checkpoint(tmp_path, 1, parts(1.0), {})
     if point == "moving the new copy in":  # the old copy is aside, the new one fails to move in
         real, calls = os.rename, []
 
@@ -44,7 +45,7 @@ def test_a_resave_keeps_a_valid_checkpoint_of_the_step_at_every_moment(tmp_path,
             if len(calls) == 2:
                 raise Injected(point)
             real(src, dst)
-        monkeypatch.setattr(ckpt_files.os, "rename", rename)
+        monkeypatch.setattr(files.os, "rename", rename)
     elif point == "renamed":  # the new copy moved in, `latest` not yet rewritten
         real = os.rename
 
@@ -52,43 +53,43 @@ def test_a_resave_keeps_a_valid_checkpoint_of_the_step_at_every_moment(tmp_path,
             real(src, dst)
             if Path(src).name.startswith(".tmp-") and Path(dst).name == "step_0000001":
                 raise Injected(point)
-        monkeypatch.setattr(ckpt_files.os, "rename", rename)
+        monkeypatch.setattr(files.os, "rename", rename)
     else:  # `latest` rewritten and synced, the old copy not yet removed
-        real_sync = ckpt_files.fsync_dir
+        real_sync = files.fsync_dir
 
         def fsync_dir(path):
             real_sync(path)
             if Path(path) == tmp_path / "checkpoints":
                 raise Injected(point)
-        monkeypatch.setattr(ckpt_files, "fsync_dir", fsync_dir)
+        monkeypatch.setattr(files, "fsync_dir", fsync_dir)
     with pytest.raises(Injected):
-        ckpt.save_checkpoint(tmp_path, 1, parts(2.0), {})
+        save_checkpoint(tmp_path, 1, parts(2.0), {})
     monkeypatch.undo()
-    found = ckpt.resolve_checkpoint(tmp_path, log=None)  # what a reader sees right after the crash
-    assert float(ckpt.load_model_state(found)["w"][0]) in (1.0, 2.0)
-    ckpt.prune_temporaries(tmp_path)  # what the next run does first
+    found = resolve_checkpoint(tmp_path, log=None)  # what a reader sees right after the crash
+    assert float(load_model_state(found)["w"][0]) in (1.0, 2.0)
+    prune_temporaries(tmp_path)  # what the next run does first
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_0000001"]
-    assert ckpt_files.verify(tmp_path / "checkpoints" / "step_0000001") is None
+    assert verify(tmp_path / "checkpoints" / "step_0000001") is None
 
 
 def test_rerunning_a_finished_run_resaves_its_step_in_place(tmp_path):
     Trainer(tiny_config(tmp_path, train={"max_steps": 2})).run()
-    before = ckpt.load_model_state(ckpt.resolve_checkpoint(tmp_path))
+    before = load_model_state(resolve_checkpoint(tmp_path))
     Trainer(tiny_config(tmp_path, train={"max_steps": 2})).run()
-    after = ckpt.load_model_state(ckpt.resolve_checkpoint(tmp_path, log=None))
+    after = load_model_state(resolve_checkpoint(tmp_path, log=None))
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_0000002"]
 
 
 def full_disk_at(monkeypatch, step_dir_part: str) -> None:
     """Every write into a temporary directory of `step_dir_part` fails with ENOSPC after 4 KiB."""
-    real = ckpt_files._ChecksumWriter._disk_write
+    real = files._ChecksumWriter._disk_write
 
     def write(self, view):
         if step_dir_part in self.fh.name and self.size > 4096:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(self, view)
-    monkeypatch.setattr(ckpt_files._ChecksumWriter, "_disk_write", write)
+    monkeypatch.setattr(files._ChecksumWriter, "_disk_write", write)
 
 
 def assert_one_clear_line(err: str, step: int) -> None:
@@ -107,7 +108,7 @@ def test_disk_full_gives_one_line_and_leaves_nothing_behind(tmp_path, monkeypatc
     assert rc == 2
     assert_one_clear_line(capsys.readouterr().err, 2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_0000001"]
-    assert ckpt.resolve_checkpoint(tmp_path).name == "step_0000001"
+    assert resolve_checkpoint(tmp_path).name == "step_0000001"
 
 
 def test_a_real_full_tmpfs_gives_one_line_and_leaves_nothing_behind(tmp_path, capsys):
@@ -132,7 +133,7 @@ def test_keep_last_keeps_the_newest_valid_checkpoints(tmp_path):
     Trainer(tiny_config(tmp_path / "b", train={"max_steps": 3, "save_every": 1, "keep_last": 0})).run()
     assert len(list((tmp_path / "b" / "checkpoints").glob("step_*"))) == 3
     (tmp_path / "b" / "checkpoints" / "step_0000003" / "optim.pt").write_bytes(b"")  # the newest is broken
-    ckpt_files.prune_old(tmp_path / "b", keep_last=1, newest=3)
+    prune_old(tmp_path / "b", keep_last=1, newest=3)
     assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").glob("step_*")) == ["step_0000002", "step_0000003"]
 
 
@@ -169,4 +170,4 @@ def test_a_signal_saves_and_exits_128_plus_its_number(tmp_path, monkeypatch, sig
     monkeypatch.setattr(Trainer, "train_step", step)
     assert main(["train", *TINY, f"--train.out_dir={tmp_path}", "--train.max_steps=50", *mode]) == code
     assert f"stopped by {sig.name} at step 2" in capsys.readouterr().out
-    assert ckpt.resolve_checkpoint(tmp_path).name == "step_0000002"
+    assert resolve_checkpoint(tmp_path).name == "step_0000002"

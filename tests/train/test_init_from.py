@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.single import latest_checkpoint, load_model_state
 from meshlm.core.config import ConfigError
 from meshlm.train.trainer import Trainer
 from tests.conftest import tiny_config
@@ -14,7 +14,7 @@ from tests.conftest import tiny_config
 def test_init_from_copies_the_weights_and_starts_fresh(tmp_path):
     base = Trainer(tiny_config(tmp_path / "base", train={"max_steps": 2}))
     base.run()
-    saved = ckpt.load_model_state(ckpt.latest_checkpoint(tmp_path / "base"))
+    saved = load_model_state(latest_checkpoint(tmp_path / "base"))
     fresh = Trainer(tiny_config(tmp_path / "fresh"))  # the seed's weights
     tuned = Trainer(tiny_config(tmp_path / "tuned", train={"init_from": str(tmp_path / "base")}))
     assert tuned.step == 0 and not tuned.optimizer.state  # a new run: step 0, no Adam state
@@ -31,7 +31,7 @@ def test_init_from_keeps_new_tensors_seeded(tmp_path):
     untied = {"tie_embeddings": False}
     fresh = Trainer(tiny_config(tmp_path / "fresh", model=untied))
     tuned = Trainer(tiny_config(tmp_path / "tuned", model=untied, train={"init_from": str(tmp_path / "base")}))
-    saved = ckpt.load_model_state(ckpt.latest_checkpoint(tmp_path / "base"))
+    saved = load_model_state(latest_checkpoint(tmp_path / "base"))
     state = tuned.model.state_dict()
     # the tied checkpoint stores one embedding; the untied model's lm_head is its own tensor
     assert torch.equal(state["tok_emb.weight"], saved["tok_emb.weight"])

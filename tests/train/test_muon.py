@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.single import load_part, resolve_checkpoint
 from meshlm.core.config import ConfigError, ModelConfig, OptimConfig
 from meshlm.core.layout import check_optimizer_sharding
 from meshlm.families.registry import spec_of
@@ -112,13 +112,13 @@ def test_trainer_with_muon_learns_and_resumes_exactly(tmp_path):
     run(tmp_path / "b", 3)
     resumed = run(tmp_path / "b", 6, resume="auto")
     assert resumed.step == 6
-    a = ckpt.load_part(ckpt.resolve_checkpoint(tmp_path / "a"), "model")
-    b = ckpt.load_part(ckpt.resolve_checkpoint(tmp_path / "b"), "model")
+    a = load_part(resolve_checkpoint(tmp_path / "a"), "model")
+    b = load_part(resolve_checkpoint(tmp_path / "b"), "model")
     assert all(torch.equal(a[k], b[k]) for k in a)
     losses = train_losses(tmp_path / "a")
     assert losses == train_losses(tmp_path / "b")  # Muon's buffers came back with the checkpoint
     assert [s for s, _ in losses] == list(range(1, 7)) and losses[-1][1] < losses[0][1]
-    assert "optim.pt" in {p.name for p in ckpt.resolve_checkpoint(tmp_path / "a").iterdir()}
+    assert "optim.pt" in {p.name for p in resolve_checkpoint(tmp_path / "a").iterdir()}
     assert straight.step == 6
 
 

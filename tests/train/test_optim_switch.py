@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from meshlm.checkpoint import sharded as dist_checkpoint
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint import sharded
+from meshlm.checkpoint.single import load_part, resolve_checkpoint
 from meshlm.cli import main
 from meshlm.core.errors import CheckpointError
 from meshlm.train.trainer import Trainer
@@ -55,7 +55,7 @@ def test_switching_optimizer_on_a_one_process_checkpoint_is_one_clear_error(tmp_
     out = tmp_path / "run"
     code, stderr = _train(*tiny_overrides(out, max_steps=2), f"--optim.name={trained}")
     assert code == 0, stderr[-3000:]
-    assert (ckpt.resolve_checkpoint(out) / "optim.pt").exists()
+    assert (resolve_checkpoint(out) / "optim.pt").exists()
     _assert_switch_refused(out, trained, asked)
 
 
@@ -68,21 +68,21 @@ def test_switching_optimizer_on_a_sharded_checkpoint_is_one_clear_error(tmp_path
            "--parallel.dp=2", "--parallel.timeout_s=60", f"--optim.name={trained}"]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert dist_checkpoint.is_sharded(ckpt.resolve_checkpoint(out))
+    assert sharded.is_sharded(resolve_checkpoint(out))
     _assert_switch_refused(out, trained, asked)
 
 
 @pytest.mark.parametrize("trained,asked", SWITCHES)
 def test_one_process_checkpoint_read_as_logical_tensors_refuses_the_switch(tmp_path, trained, asked):
-    """`model.pt` + `optim.pt` loaded as a parallel run loads them (`dist_checkpoint.load`): the optimizer is
+    """`model.pt` + `optim.pt` loaded as a parallel run loads them (`sharded.load`): the optimizer is
     told from the saved param groups, not from config.json (here edited to lie)."""
     Trainer(tiny_config(tmp_path / "a", optim={"name": trained}, train={"max_steps": 2})).run()
-    path = ckpt.resolve_checkpoint(tmp_path / "a")
+    path = resolve_checkpoint(tmp_path / "a")
     (path / "config.json").write_text((path / "config.json").read_text().replace(f'"{trained}"', f'"{asked}"'))
     same = Trainer(tiny_config(tmp_path / "b", optim={"name": trained}, train={"resume": "never"}))
-    dist_checkpoint.load(path, same.sync, same.optimizer)  # the same optimizer: loads as before
+    sharded.load(path, same.sync, same.optimizer, spec=same.spec)  # the same optimizer: loads as before
     legacy = Trainer(tiny_config(tmp_path / "c", optim={"name": trained}, train={"resume": "never"}))
-    legacy.optimizer.load_state_dict(ckpt.load_part(path, "optim"))
+    legacy.optimizer.load_state_dict(load_part(path, "optim"))
     for p, q in zip(same.optimizer.param_groups, legacy.optimizer.param_groups, strict=True):
         for a, b in zip(p["params"], q["params"], strict=True):
             mine, theirs = same.optimizer.state[a], legacy.optimizer.state[b]
@@ -90,4 +90,4 @@ def test_one_process_checkpoint_read_as_logical_tensors_refuses_the_switch(tmp_p
             assert all(torch.equal(mine[k].float(), theirs[k].float()) for k in mine)
     other = Trainer(tiny_config(tmp_path / "d", optim={"name": asked}, train={"resume": "never"}))
     with pytest.raises(CheckpointError, match=f"--optim.name={trained}"):
-        dist_checkpoint.load(path, other.sync, other.optimizer)
+        sharded.load(path, other.sync, other.optimizer, spec=other.spec)

@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.files import load_config_dict, prune_temporaries, step_name
+from meshlm.checkpoint.single import latest_checkpoint, load_part, resolve_checkpoint
 from meshlm.train.trainer import Trainer
 from tests.conftest import ROOT, tiny_config
 
@@ -32,8 +33,8 @@ def test_resume_is_exact_in_fp32(tmp_path):
     a, b = train_losses(straight), train_losses(split)
     assert [s for s, _ in a] == list(range(1, 2 * n + 1))
     assert a == b  # bit-identical: same data position, RNG, optimizer and schedule state
-    final_a = ckpt.load_part(ckpt.resolve_checkpoint(straight), "model")
-    final_b = ckpt.load_part(ckpt.resolve_checkpoint(split), "model")
+    final_a = load_part(resolve_checkpoint(straight), "model")
+    final_b = load_part(resolve_checkpoint(split), "model")
     for key in final_a:
         assert torch.equal(final_a[key], final_b[key]), key
 
@@ -48,29 +49,28 @@ def test_resume_never_starts_fresh_and_explicit_path_resumes(tmp_path):
 
 def test_checkpoint_holds_everything_needed(tmp_path):
     Trainer(tiny_config(tmp_path, train={"max_steps": 2})).run()
-    path = ckpt.resolve_checkpoint(tmp_path)
+    path = resolve_checkpoint(tmp_path)
     assert path.name == "step_0000002"
-    state = ckpt.load_part(path, "state")
+    state = load_part(path, "state")
     assert {"step", "rng", "loader", "tokens_seen", "tokenizer"} <= set(state)
     assert state["loader"]["consumed"] == 2 * 4
-    assert ckpt.load_config_dict(path)["train"]["max_steps"] == 2
-    assert "state" in ckpt.load_part(path, "optim")
+    assert load_config_dict(path)["train"]["max_steps"] == 2
+    assert "state" in load_part(path, "optim")
 
 
 KILLER = textwrap.dedent("""
     import sys, time
-    from meshlm.checkpoint import single as ckpt
-    from meshlm.checkpoint import files as ckpt_files
+    from meshlm.checkpoint import single
     out = sys.argv[1]
-    ckpt.save_checkpoint(out, 1, {"model": {"w": list(range(10))}}, {"step": 1})
-    real = ckpt_files.save_torch
+    single.save_checkpoint(out, 1, {"model": {"w": list(range(10))}}, {"step": 1})
+    real = single.save_torch  # looked up in single.py, where save_checkpoint calls it
     def slow(obj, path):            # a slow disk: the process is killed in the middle of step 2's write
         entry = real(obj, path)
         print("writing", flush=True)
         time.sleep(60)
         return entry
-    ckpt_files.save_torch = slow
-    ckpt.save_checkpoint(out, 2, {"model": {"w": [0]}, "optim": {}}, {"step": 2})
+    single.save_torch = slow
+    single.save_checkpoint(out, 2, {"model": {"w": [0]}, "optim": {}}, {"step": 2})
 """)
 
 
@@ -82,10 +82,10 @@ def test_sigkill_during_checkpoint_write_keeps_previous_loadable(tmp_path):
     proc.wait(timeout=30)
     leftovers = list((tmp_path / "checkpoints").glob(".tmp-*"))
     assert leftovers, "the kill should have interrupted a write in progress"
-    latest = ckpt.resolve_checkpoint(tmp_path)
+    latest = resolve_checkpoint(tmp_path)
     assert latest.name == "step_0000001"
-    assert ckpt.load_part(latest, "model") == {"w": list(range(10))}
-    ckpt.prune_temporaries(tmp_path)
+    assert load_part(latest, "model") == {"w": list(range(10))}
+    prune_temporaries(tmp_path)
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
 
 
@@ -103,15 +103,15 @@ def test_sigkill_of_real_training_at_random_moments_never_corrupts(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         proc.stdout.close()
-        latest = ckpt.latest_checkpoint(tmp_path)
+        latest = latest_checkpoint(tmp_path)
         if latest is None:  # killed before the first save finished: allowed only on the first run
             assert delay == 0.0
             continue
-        state = ckpt.load_part(latest, "state")
-        ckpt.load_part(latest, "model")
-        ckpt.load_part(latest, "optim")
-        assert latest.name == ckpt.step_name(state["step"])
-    assert ckpt.latest_checkpoint(tmp_path) is not None
+        state = load_part(latest, "state")
+        load_part(latest, "model")
+        load_part(latest, "optim")
+        assert latest.name == step_name(state["step"])
+    assert latest_checkpoint(tmp_path) is not None
 
 
 def tiny_overrides(out_dir, max_steps: int, save_every: int = 0) -> list[str]:
@@ -132,5 +132,5 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     rest = proc.stdout.read()
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM, "a stopped run is not a finished one"
     assert "stopped by SIGTERM" in rest
-    state = ckpt.load_part(ckpt.resolve_checkpoint(tmp_path), "state")
+    state = load_part(resolve_checkpoint(tmp_path), "state")
     assert 1 <= state["step"] < 100_000

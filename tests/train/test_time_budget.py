@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.single import load_part, resolve_checkpoint
 from meshlm.core.config import ConfigError
 from meshlm.train.budget import REPLAN_EVERY, TimeBudget, decay_start, end_seconds, plan_step, steps_for_budget
 from meshlm.train.optim import lr_at
@@ -169,9 +169,9 @@ def test_a_budget_run_follows_its_printed_plan_and_saves_and_evaluates_at_the_en
     for r in train:  # the whole schedule is that of max_steps = n
         assert r["lr"] == pytest.approx(lr_at(r["step"] - 1, cfg.optim, n), rel=1e-12), r["step"]
     assert [r["step"] for r in records(tmp_path, "eval")] == [n]
-    final = ckpt.resolve_checkpoint(tmp_path)
+    final = resolve_checkpoint(tmp_path)
     assert final.name == f"step_{n:07d}"
-    assert ckpt.load_part(final, "state")["time_budget"]["steps"] == n
+    assert load_part(final, "state")["time_budget"]["steps"] == n
 
 
 def test_a_wsd_budget_run_is_the_run_of_its_final_step_count(tmp_path, capsys):
@@ -186,7 +186,7 @@ def test_a_wsd_budget_run_is_the_run_of_its_final_step_count(tmp_path, capsys):
     assert [r["step"] for r in train] == list(range(1, n + 1))
     for r in train:  # revised or not, the whole schedule is that of max_steps = n
         assert r["lr"] == pytest.approx(lr_at(r["step"] - 1, cfg.optim, n), rel=1e-12), r["step"]
-    assert ckpt.load_part(ckpt.resolve_checkpoint(tmp_path), "state")["time_budget"]["fixed"]
+    assert load_part(resolve_checkpoint(tmp_path), "state")["time_budget"]["fixed"]
 
 
 def test_a_resumed_budget_run_keeps_its_planned_step_count(tmp_path, capsys):
@@ -194,7 +194,7 @@ def test_a_resumed_budget_run_keeps_its_planned_step_count(tmp_path, capsys):
     Trainer(tiny_config(first, train={"time_budget_s": 600, "max_steps": 8, "save_every": 4, "keep_last": 0},
                         optim={"warmup_steps": 3})).run()
     mid = first / "checkpoints" / "step_0000004"
-    assert ckpt.load_part(mid, "state")["time_budget"]["steps"] == 8
+    assert load_part(mid, "state")["time_budget"]["steps"] == 8
     capsys.readouterr()
     # Resumed with another cap and budget: measuring again would plan up to 40 steps; the plan says 8.
     again = tmp_path / "again"
@@ -208,6 +208,6 @@ def test_a_resumed_budget_run_keeps_its_planned_step_count(tmp_path, capsys):
     assert [s for s in b] == [5, 6, 7, 8]
     for step in b:  # the same schedule and the same training: bit-identical losses and learning rates
         assert (b[step]["loss"], b[step]["lr"]) == (a[step]["loss"], a[step]["lr"]), step
-    final_a = ckpt.load_part(ckpt.resolve_checkpoint(first), "model")
-    final_b = ckpt.load_part(ckpt.resolve_checkpoint(again), "model")
+    final_a = load_part(resolve_checkpoint(first), "model")
+    final_b = load_part(resolve_checkpoint(again), "model")
     assert all(bool((final_a[k] == final_b[k]).all()) for k in final_a)

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from meshlm.checkpoint import files as ckpt_files
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.files import checkpoints_dir, load_torch, step_name
+from meshlm.checkpoint.single import resolve_checkpoint
 from meshlm.data.chat import BUILTIN_TEMPLATE, render
 from meshlm.data.tokenizers import get_tokenizer
 from meshlm.train.finetune import Line
@@ -80,7 +80,7 @@ def test_resume_is_exact(data, tmp_path):
     short = ["--train.max_steps=4", "--train.eval_every=2"]
     code, _, err = run(*align_args(data, "ipo", tmp_path / "whole", *short, "--train.save_every=2"))
     assert code == 0, err
-    step2 = ckpt.checkpoints_dir(tmp_path / "whole") / ckpt.step_name(2)
+    step2 = checkpoints_dir(tmp_path / "whole") / step_name(2)
     code, _stdout, err = run(*align_args(data, "ipo", tmp_path / "resumed", *short, f"--train.resume={step2}"))
     assert code == 0, err
     whole, resumed = train_losses(tmp_path / "whole"), train_losses(tmp_path / "resumed")
@@ -94,7 +94,7 @@ def test_lora_adapter_and_simpo(data, tmp_path):
     assert code == 0, err
     assert not (out / REFERENCE_FILE).exists()  # SimPO has no reference
     assert (out / "adapter_model.safetensors").exists()
-    tensors = ckpt_files.load_torch(ckpt.resolve_checkpoint(out, log=None) / "model.pt")
+    tensors = load_torch(resolve_checkpoint(out, log=None) / "model.pt")
     assert tensors and all(".lora." in k for k in tensors)
     train = metrics(out)
     assert train[-1]["loss"] < train[0]["loss"]

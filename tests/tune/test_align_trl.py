@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from meshlm.checkpoint.load import load_model_from_checkpoint
+from meshlm.checkpoint.load import open_checkpoint
 from meshlm.data.chat import BUILTIN_TEMPLATE
 from meshlm.data.tokenizers import get_tokenizer
 from meshlm.models.loss import cross_entropy
 from meshlm.train.finetune import Line
 from meshlm.tune import preference
 from meshlm.tune.align import reference_logps
+from tests.checkpoint_helpers import load_run
 from tests.tune.tune_helpers import GPT2, run, save_base
 
 trl = pytest.importorskip("trl")
@@ -67,8 +68,8 @@ def meshlm_side(bases, objective: preference.Objective, rows=PAIRS, length: int 
     texts = [preference.pair_texts(line, lambda: BUILTIN_TEMPLATE) for line in lines]
     data = preference.encode_pairs(texts, [x.where for x in lines], tokenizer, length)
     if objective.reference:
-        data = data.with_reference(reference_logps(str(bases / "reference"), [data], "cpu")[0])
-    model, _, _ = load_model_from_checkpoint(str(bases / "policy"))
+        data = data.with_reference(reference_logps(open_checkpoint(bases / "reference"), [data], "cpu")[0])
+    model, _, _ = load_run(str(bases / "policy"))
     x, y = data.collate(np.stack([data[i] for i in range(len(data))]))
     loss_fn = preference.make_loss(objective, cross_entropy, whole=True)
     loss = loss_fn(model(x), y)

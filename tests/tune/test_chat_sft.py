@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.files import checkpoints_dir, step_name
 from meshlm.core.config import build
 from meshlm.families.gpt import document_inputs
 from meshlm.models.gpt import GPT
@@ -182,7 +182,7 @@ def test_chat_sft_packed_trains_and_resumes(chat, tmp_path):
     info = json.loads((whole / "tune.json").read_text())
     assert info["pack"] is True and "{% generation %}" in info["chat_template"]
     shutil.copytree(whole, cut)  # as if stopped after step 3: its last checkpoint gone, its log kept
-    shutil.rmtree(ckpt.checkpoints_dir(cut) / ckpt.step_name(6))
+    shutil.rmtree(checkpoints_dir(cut) / step_name(6))
     code, stdout, err = run(*chat_args(chat, cut, "--pack", "--train.save_every=3"))
     assert code == 0, err
     assert "resumed from" in stdout and "step_0000003" in stdout

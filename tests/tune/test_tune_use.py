@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from meshlm.checkpoint.load import load_model_from_checkpoint
+from meshlm.checkpoint.load import open_checkpoint
 from meshlm.tune.export import apply_adapter, read_adapter
+from tests.checkpoint_helpers import load_run
 from tests.eval.eval_helpers import last_logprob
 from tests.tune.tune_helpers import QUIET, repeat_rows, run, save_base, write_jsonl
 
@@ -37,8 +38,8 @@ def tuned(tmp_path_factory):
 
 
 def tuned_model(tuned, method: str):
-    model, tok, cfg = load_model_from_checkpoint(str(tuned["base"]))
-    adapter = read_adapter(tuned[method], cfg, str(tuned["base"]))
+    model, tok, cfg = load_run(str(tuned["base"]))
+    adapter = read_adapter(tuned[method], cfg, open_checkpoint(tuned["base"]))
     apply_adapter(model, cfg, adapter)
     return model, tok, [0] * adapter.virtual_tokens
 
@@ -69,7 +70,7 @@ def test_eval_with_adapter_equals_brute_force(tuned, method):
            for name, extra in (("tuned", ["--adapter", str(tuned[method])]), ("base", []))}
     assert abs(ppl["tuned"] - ppl["base"]) > 1e-6 * ppl["base"], ppl
     # the per-choice log-likelihoods moved too (not just the same argmax)
-    plain, ptok, _ = load_model_from_checkpoint(str(tuned["base"]))
+    plain, ptok, _ = load_run(str(tuned["base"]))
     row = CHOICES[0]
     stream = ptok.encode(row["context"] + " red")
     ctx = ptok.encode(row["context"])
