@@ -13,6 +13,7 @@ interleaved rounds, median; next to it the FLOP overhead recomputation adds (HFU
 
     .venv/bin/python benchmarks/activation_memory.py                  # GPT, dropout 0.1 (math SDPA on CPU)
     .venv/bin/python benchmarks/activation_memory.py --arch llama --dropout 0   # flash SDPA, no s×s scores
+    .venv/bin/python benchmarks/activation_memory.py --smoke          # a tiny shape at t = 1, 2: that it runs
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import time
 
 import torch
+from smoke import add_smoke_flag  # benchmarks/smoke.py, beside this script
 from world import run_world  # benchmarks/world.py, beside this script
 
 from meshlm.core.config import Config, build
@@ -59,7 +61,7 @@ def measure_layout(args: argparse.Namespace, dims: ParallelDims) -> list[tuple]:
             torch.manual_seed(0)
             model = GPT(cfg.model)
             rng = TPRNGTracker(0, dims.tp_rank)
-            loss_fn = parallelize(model, dims, cfg, rng=rng, spec=spec_of(model))
+            loss_fn = parallelize(model, dims, cfg, rng=rng, spec=spec_of(model)).loss_fn
             autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
             report = measure_model_activations(model, loss_fn, args.batch, args.seq, args.vocab, autocast, rng)
             formula = sum(layer_activation_bytes(cfg)) / args.layers
@@ -84,7 +86,7 @@ def throughput(args: argparse.Namespace) -> dict[str, list[float]]:
         cfg = make_config(args, 1, False, recompute)
         torch.manual_seed(0)
         model = GPT(cfg.model)
-        loss_fn = parallelize(model, ParallelDims(), cfg, spec=spec_of(model))
+        loss_fn = parallelize(model, ParallelDims(), cfg, spec=spec_of(model)).loss_fn
         setups[recompute] = (model, loss_fn, torch.optim.AdamW(model.parameters(), lr=1e-4))
     batch = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
@@ -158,7 +160,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the throughput part (1 is the "
                         "least disturbed by other processes on a shared CPU)")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:  # still held to the formula: a tiny shape measures the same terms
+        args.tp, args.batch, args.seq, args.hidden, args.heads, args.layers, args.vocab = [1, 2], 1, 16, 32, 4, 1, 64
+        args.steps, args.rounds = 1, 1
     cfg = make_config(args, 1, False, "none")
     m = cfg.model
     print(f"{args.arch}: b={args.batch} s={args.seq} h={args.hidden} a={args.heads} g={m.kv_heads} f={m.ffn_size}, "

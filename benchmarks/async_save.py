@@ -1,6 +1,7 @@
 """How long a checkpoint stalls training: a synchronous save against `train.async_save`, one run each.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/async_save.py [--steps 15 --save-every 5 --seq 128 --out DIR]
+    .venv/bin/python benchmarks/async_save.py --smoke      # gpt-tiny's config at a tiny width, 4 steps
 
 The model is `configs/gpt2-124m.toml`'s shape (12 layers, h = 768, 12 heads, GPT-2's 50,257-token vocabulary,
 tied head) trained in fp32 on this CPU with one row of `--seq` tokens a step (the shape sets the checkpoint's
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from smoke import add_smoke_flag  # benchmarks/smoke.py, beside this script
 
 from meshlm.checkpoint.background import SingleJob
 from meshlm.core.config import load_config
@@ -54,7 +56,8 @@ def run(out: Path, async_save: bool, args) -> list[dict]:
         "--train.micro_batch_size=1", "--train.global_batch_size=1", f"--model.seq_len={args.seq}",
         "--train.precision=fp32", "--train.device=cpu", "--train.eval_iters=1", "--train.log_every=1",
         "--train.peak_tflops=1", "--train.progress=false", "--train.sample_tokens=0", "--train.keep_last=0",
-        "--train.adapt_threads=false", f"--train.async_save={str(async_save).lower()}", "--train.resume=never"])
+        "--train.adapt_threads=false", f"--train.async_save={str(async_save).lower()}", "--train.resume=never",
+        *args.model])
     log: list[dict] = []
     real = {name: getattr(Trainer, name) for name in ("train_step", "save", "poll_save", "_complete_save")}
     write = SingleJob.write
@@ -111,7 +114,12 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=5)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--out", default=None, help="a directory on the disk to measure (default: a temporary one)")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    args.model = []
+    if args.smoke:
+        args.config, args.steps, args.save_every, args.seq = "gpt-tiny", 4, 2, 16
+        args.model = ["--model.n_layers=1", "--model.hidden_size=32", "--model.n_heads=2"]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.config} shape, seq {args.seq}, fp32, "
           f"{args.steps} steps, a save every {args.save_every}")
     with tempfile.TemporaryDirectory(dir=args.out) as tmp:
@@ -124,6 +132,8 @@ def main() -> None:
             print(f"| {mode} | {r['step']} | {r['write_s']:.2f} | {r['save_s']:.3f} | {r['wait_s']:.3f} | "
                   f"{r['stall_s']:.3f} | {normal:.2f} | {r['overlap_s']:+.2f} |")
     for label, first in (("all saves", 0), ("after the first (buffers reused)", 1)):
+        if any(len(rows) <= first for _, rows in results.values()):
+            continue  # a single save: nothing after the first
         mean = {mode: statistics.mean(r["stall_s"] for r in rows[first:]) for mode, (_, rows) in results.items()}
         ratio = mean["async"] / mean["sync"]
         print(f"mean stall, {label}: sync {mean['sync']:.3f} s, async {mean['async']:.3f} s; async / sync = "

@@ -1,6 +1,7 @@
 """The demo model's training step alone and with one busy process beside it, under several thread settings.
 
     python benchmarks/busy_step.py [--steps 10] [--warmup 3] [--settings default,passive,...] [--batch 16]
+    python benchmarks/busy_step.py --smoke     # the default setting, one step of one row of a 1-layer demo model
 
 On a small CPU a training step uses every core through OpenMP; when another process holds one of them,
 OpenMP's threads that wait for each other (libgomp spins 300,000 iterations before it sleeps) burn their
@@ -33,7 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from smoke import SMOKE_HELP  # benchmarks/smoke.py, beside this script
+
 ROOT = Path(__file__).resolve().parent.parent
+SMOKE_MODEL = ["--model.n_layers=1", "--model.hidden_size=64", "--model.seq_len=64"]
 
 # name: (environment, torch threads or 0 for torch's default, what it is)
 SETTINGS = {
@@ -74,7 +78,8 @@ def child(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config("demo", [f"--train.out_dir={out}", "--train.progress=false", "--train.log_every=1000",
                                    f"--train.micro_batch_size={args.batch}", f"--train.global_batch_size={args.batch}",
-                                   f"--train.adapt_threads={str(args.adapt).lower()}"])
+                                   f"--train.adapt_threads={str(args.adapt).lower()}",
+                                   *(SMOKE_MODEL if args.smoke else [])])
         trainer = Trainer(cfg, progress=False)
         times, counts = [], []
         for i in range(args.warmup + args.steps):
@@ -93,7 +98,8 @@ def measure(name: str, args: argparse.Namespace, busy: bool) -> dict:
     env_vars, threads, _ = SETTINGS[name]
     env = {**clean_env(), **env_vars}
     cmd = [sys.executable, __file__, "--child", f"--steps={args.steps}", f"--warmup={args.warmup}",
-           f"--threads={threads}", f"--batch={args.batch}"] + (["--adapt"] if name in ADAPTIVE else [])
+           f"--threads={threads}", f"--batch={args.batch}"] + (["--adapt"] if name in ADAPTIVE else []) + \
+        (["--smoke"] if args.smoke else [])
     hog = subprocess.Popen([sys.executable, "-c", BUSY]) if busy else None
     try:
         result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
@@ -115,7 +121,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--adapt", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
+    if args.smoke and not args.child:
+        args.settings, args.steps, args.warmup, args.batch = "default", 1, 0, 1
     if args.child:
         child(args)
         return
@@ -123,7 +132,9 @@ def main() -> None:
     unknown = [n for n in names if n not in SETTINGS]
     if unknown:
         parser.error(f"unknown setting(s) {', '.join(unknown)}; pick from {', '.join(SETTINGS)}")
-    print(f"{os.cpu_count()} CPUs; demo model, batch {args.batch} × 256, {args.warmup} warm-up + {args.steps} timed "
+    shape = f"a 1-layer, 64-wide demo model, batch {args.batch} × 64" if args.smoke else \
+        f"demo model, batch {args.batch} × 256"
+    print(f"{os.cpu_count()} CPUs; {shape}, {args.warmup} warm-up + {args.steps} timed "
           "steps per measurement; busy: one pure-Python loop")
     print(f"{'setting':<16} {'threads':>7} {'alone s/step':>12} {'busy s/step':>11} {'slowdown':>8} "
           f"{'vs default alone':>16}  what")

@@ -3,6 +3,7 @@
 conversation per row (padded) against several per row (packed, data.document_mask), the same model and data.
 
     .venv/bin/python benchmarks/chat_packing.py [--conversations 512] [--seq-len 256] [--steps 20] [--device auto]
+    .venv/bin/python benchmarks/chat_packing.py --smoke    # 24 conversations, a 1-layer model, 1 timed step
 
 The conversations are real and of mixed length: `scripts/make_chat_task.py`'s builder (a character's next
 speeches in the bundled Shakespeare plays, 1 to 3 assistant turns, half with a system message), drawn from
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from smoke import add_smoke_flag  # benchmarks/smoke.py, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -48,14 +50,14 @@ def conversations(n: int, seed: int) -> list[dict]:
     return task.chat_rows(task.load_plays(names), names, n, random.Random(f"chat_packing:{seed}"), args)
 
 
-def save_base(out: Path, seq_len: int) -> None:
+def save_base(out: Path, seq_len: int, **shape) -> None:
     import torch
 
     from meshlm.checkpoint.single import save_checkpoint
     from meshlm.core.config import build
     from meshlm.models.gpt import GPT
 
-    cfg = build({"model": {**MODEL, "seq_len": seq_len}, "data": {"tokenizer": "gpt2"},
+    cfg = build({"model": {**MODEL, "seq_len": seq_len, **shape}, "data": {"tokenizer": "gpt2"},
                  "train": {"out_dir": str(out), "progress": False}})
     torch.manual_seed(0)
     gpt = GPT(cfg.model)
@@ -131,14 +133,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="timed steps of each run (after 2 warm-up steps)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    add_smoke_flag(ap)
     a = ap.parse_args()
+    shape = {}
+    if a.smoke:
+        a.conversations, a.seq_len, a.steps = 24, 256, 1
+        shape = {"n_layers": 1, "hidden_size": 32, "n_heads": 2}
     began, load = time.time(), os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         rows = conversations(a.conversations + 32, a.seed)
         for name, part in (("chat.jsonl", rows[:a.conversations]), ("valid.jsonl", rows[a.conversations:])):
             (work / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in part))
-        save_base(work / "base", a.seq_len)
+        save_base(work / "base", a.seq_len, **shape)
         results = measure(work, a.steps, a.device, a.seq_len)
     print(f"{a.conversations} conversations (make_chat_task), rows of {a.seq_len} tokens, {ROWS_PER_STEP} rows a "
           f"step, device {a.device}; load average {load[0]:.1f} before, {os.getloadavg()[0]:.1f} after "

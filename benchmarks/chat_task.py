@@ -6,6 +6,8 @@ play's true next line).
     .venv/bin/python benchmarks/chat_task.py --base runs/demo [--work runs/chat-task]
         [--sft-steps 40] [--dpo-steps 20] [--dpo-batch 8] [--method dpo] [--stages sft,dpo] [--reuse]
         [--sft-lr 1e-3] [--dpo-lr 1e-4] [--beta 0.1] [--sft-extra="..."] [--dpo-extra="..."] [--samples 3]
+    .venv/bin/python benchmarks/chat_task.py --smoke     # a tiny random base, a few conversations and pairs, one
+                                                         # step of SFT and of DPO, no samples
 
 Every stage is its command, run as a subprocess and printed: `scripts/make_chat_task.py` (the data),
 `meshlm tune --method full` on the conversations (SFT, from --base), `meshlm align --method dpo` on the
@@ -41,6 +43,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,7 +52,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from meshlm.checkpoint.load import checkpoint_config, load_model_from_checkpoint
+from checkpoints import load_run  # benchmarks/checkpoints.py, beside this script
+from smoke import add_smoke_flag, skipped, tiny_checkpoint
+
+from meshlm.checkpoint.load import open_checkpoint
 from meshlm.data.chat import encode_chat, render, stop_strings, template_for
 from meshlm.data.tokenizers import get_tokenizer
 
@@ -148,10 +154,10 @@ def load(path: str, base_for_adapter: str | None = None):
     if (Path(path) / "adapter.json").exists():
         from meshlm.tune.export import apply_adapter, read_adapter
 
-        cfg = checkpoint_config(base_for_adapter)
-        model = load_model_from_checkpoint(base_for_adapter)[0]
-        return apply_adapter(model, cfg, read_adapter(path, cfg, base_for_adapter)).eval()
-    return load_model_from_checkpoint(path)[0].eval()
+        base = open_checkpoint(base_for_adapter)
+        model = load_run(base_for_adapter)[0]
+        return apply_adapter(model, base.config, read_adapter(path, base.config, base)).eval()
+    return load_run(path)[0].eval()
 
 
 def evaluate(name: str, model, tok, template, convs, pairs, reference: dict | None = None) -> tuple[dict, dict]:
@@ -224,7 +230,15 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=40)
     ap.add_argument("--reuse", action="store_true", help="keep what an earlier run of --work measured and trained "
                     "(WORK/results.json, WORK/sft, WORK/dpo) instead of doing it again")
-    return ap.parse_args()
+    add_smoke_flag(ap)
+    args = ap.parse_args()
+    if args.smoke:
+        args.data_args = "--train 16 --pref-train 8 --valid 4 --pref-valid 4 --test 4 --pref-test 4"
+        args.sft_steps, args.dpo_steps, args.dpo_batch, args.dpo_pairs, args.dpo_valid_pairs = 1, 1, 4, 4, 4
+        args.samples, args.reuse = 0, False
+        args.sft_extra += " --train.peak_tflops=1"
+        args.dpo_extra += " --train.peak_tflops=1"
+    return args
 
 
 def stage_commands(args, py: str, data: Path, work: Path, base: str) -> dict[str, list[str]]:
@@ -272,6 +286,17 @@ def trained(out: Path) -> bool:
 
 def main() -> int:
     args = parse_args()
+    if args.smoke:
+        skipped("the greedy samples (meshlm generate)")
+        with tempfile.TemporaryDirectory() as tmp:
+            args.work = tmp
+            args.base = str(tiny_checkpoint(Path(tmp) / "base", n_layers=1, hidden_size=32, n_heads=2, seq_len=256))
+            return run_task(args)
+    return run_task(args)
+
+
+def run_task(args: argparse.Namespace) -> int:
+    """Data, every stage of `args.stages` and its evaluation, the report."""
     py = sys.executable
     work = (ROOT / args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -281,7 +306,7 @@ def main() -> int:
     print(f"load average at the start: {os.getloadavg()}", flush=True)
     data = work / "data"
     run([py, "scripts/make_chat_task.py", "--out", data, *shlex.split(args.data_args)], work / "data.log")
-    cfg = checkpoint_config(base)
+    cfg = open_checkpoint(base).config
     tok = get_tokenizer(cfg.data.tokenizer)
     template = template_for(cfg.data.tokenizer)
     stops = stop_strings(template)

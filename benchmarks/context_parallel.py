@@ -15,6 +15,7 @@ fused head + loss and one backward on a micro-batch of whole rows, and counts on
 
     .venv/bin/python benchmarks/context_parallel.py                     # seq 8,192, cp 1, 2, 4
     .venv/bin/python benchmarks/context_parallel.py --seq 1024 --cp 1 2 --layers 2
+    .venv/bin/python benchmarks/context_parallel.py --smoke             # seq 64 at cp 2, one small layer
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from smoke import add_smoke_flag  # benchmarks/smoke.py, beside this script
 from world import run_world  # benchmarks/world.py, beside this script
 
 from meshlm.core.config import Config, load_config
@@ -170,7 +172,10 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--batch", type=int, default=1)
+    add_smoke_flag(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.seq, args.cp, args.layers, args.hidden, args.heads, args.kv_heads, args.vocab = 64, [2], 1, 32, 2, 1, 64
     print(f"Llama-style: {args.layers} layers, hidden {args.hidden}, {args.heads} query / {args.kv_heads} KV heads, "
           f"vocab {args.vocab}; seq {args.seq}, micro-batch {args.batch}; fp32, CPU, gloo, one thread a rank")
     rows = []

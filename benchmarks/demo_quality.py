@@ -4,6 +4,8 @@ baseline trained for the same wall time, both scored in bits per byte on the sam
 
     .venv/bin/python benchmarks/demo_quality.py [--config gpt-tiny] [--work runs/demo-quality]
                                                 [--seconds S] [--section.key=value ...]
+    .venv/bin/python benchmarks/demo_quality.py --smoke    # 2 steps of a tiny gpt-tiny, 1 s of a tiny baseline,
+                                                           # a slice of the corpus
 
 1. **meshlm**: `meshlm train --config CONFIG` (overrides passed through; no sample), timed from launch to
    exit: the wall time a user waits, tokenizer and data preparation included. `--seconds` skips this run
@@ -28,6 +30,7 @@ import argparse
 import math
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from smoke import add_smoke_flag
 from train_step import RefGPT
 
 from meshlm.core.config import load_config
@@ -46,6 +50,11 @@ from meshlm.data.gpt_dataset import split_documents
 from meshlm.data.tokenizers import get_tokenizer
 
 BASELINE = {"layers": 4, "hidden": 256, "heads": 4, "seq_len": 128, "batch": 16, "lr": 1e-3}
+# --smoke: a tiny meshlm run and baseline, trained and scored on the first characters of a few works
+SMOKE_OVERRIDES = ["--model.n_layers=1", "--model.hidden_size=32", "--model.n_heads=2", "--model.seq_len=32",
+                   "--train.max_steps=2", "--train.micro_batch_size=1", "--train.global_batch_size=1",
+                   "--train.eval_every=0"]
+SMOKE_BASELINE = {"layers": 1, "hidden": 32, "heads": 2, "seq_len": 32, "batch": 2}
 
 
 def corpus_split(cfg) -> tuple[list[str], list[str]]:
@@ -97,8 +106,9 @@ def run_meshlm(config: str, overrides: list[str], out: Path) -> float:
     return seconds
 
 
-def train_baseline(train_texts: list[str], seconds: float, seed: int = 0) -> tuple[RefGPT, dict]:
-    """The plain loop, stopped when `seconds` of wall time (set-up included) have passed."""
+def train_baseline(train_texts: list[str], seconds: float, seed: int = 0, shape: dict | None = None) -> tuple[RefGPT, dict]:
+    """The plain loop, stopped when `seconds` of wall time (set-up included) have passed; `shape` overrides
+    `BASELINE`'s entries."""
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     tok = get_tokenizer("gpt2")
@@ -106,7 +116,7 @@ def train_baseline(train_texts: list[str], seconds: float, seed: int = 0) -> tup
     for text in train_texts:
         ids += tok.encode(text) + [tok.eod_id]
     data = torch.tensor(ids)
-    b = BASELINE
+    b = {**BASELINE, **(shape or {})}
     model = RefGPT(tok.vocab_size, b["seq_len"], b["hidden"], b["heads"], b["layers"])
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
@@ -137,28 +147,45 @@ def main() -> int:
     ap.add_argument("--config", default="gpt-tiny")
     ap.add_argument("--work", default="runs/demo-quality")
     ap.add_argument("--seconds", type=float, default=None, help="skip the meshlm run; the baseline's budget")
+    add_smoke_flag(ap)
     args, overrides = ap.parse_known_args()
+    if args.smoke:
+        with tempfile.TemporaryDirectory() as tmp:
+            args.work = tmp
+            return run(args, overrides + SMOKE_OVERRIDES)
+    return run(args, overrides)
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Both runs and the table (`overrides`: the meshlm run's config overrides; --smoke also shrinks the
+    baseline and trains and scores both on slices of the corpus)."""
     work = ROOT / args.work
     work.mkdir(parents=True, exist_ok=True)
     cfg = load_config(args.config, overrides)
     train_texts, held_out = corpus_split(cfg)
+    shape = None
+    if args.smoke:
+        train_texts, held_out, shape = [t[:20000] for t in train_texts[:2]], [t[:2000] for t in held_out], SMOKE_BASELINE
     print(f"corpus: {len(train_texts)} training works, {len(held_out)} held out "
           f"({sum(len(t.encode()) for t in held_out):,} bytes)", flush=True)
     rows = []
     if args.seconds is None:
         seconds = run_meshlm(args.config, overrides, work / "meshlm")
-        from meshlm.cli import load_model_from_checkpoint
+        from checkpoints import load_run  # benchmarks/checkpoints.py, beside this script
 
-        model, tok, mcfg = load_model_from_checkpoint(str(work / "meshlm"))
+        model, tok, mcfg = load_run(str(work / "meshlm"))
         bpb = bits_per_byte(lambda x: model.eval()(x), tok, held_out, mcfg.model.seq_len)
         rows.append(("meshlm " + args.config + (" " + " ".join(overrides) if overrides else ""), seconds, bpb))
         print(f"meshlm: {seconds:.0f} s, {bpb:.3f} bits/byte", flush=True)
     else:
         seconds = args.seconds
-    model, info = train_baseline(train_texts, seconds)
-    base_bpb = bits_per_byte(model, get_tokenizer("gpt2"), held_out, BASELINE["seq_len"])
+    if args.smoke:
+        seconds = min(seconds, 1.0)
+    model, info = train_baseline(train_texts, seconds, shape=shape)
+    base_bpb = bits_per_byte(model, get_tokenizer("gpt2"), held_out, {**BASELINE, **(shape or {})}["seq_len"])
     print(f"baseline: {info['seconds']:.0f} s, {info['steps']} steps, {base_bpb:.3f} bits/byte", flush=True)
-    rows.append((f"plain baseline ({BASELINE['layers']} × {BASELINE['hidden']}, {info['steps']} steps)",
+    b = {**BASELINE, **(shape or {})}
+    rows.append((f"plain baseline ({b['layers']} × {b['hidden']}, {info['steps']} steps)",
                  info["seconds"], base_bpb))
     print("\n| run | wall time | held-out bits/byte |\n|---|---|---|")
     for name, s, bpb in rows:

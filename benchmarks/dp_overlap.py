@@ -16,6 +16,7 @@ else is written during a step). Theory for a ring all-reduce of N bytes over d r
 rank (= N at d = 2); a reduce-scatter or all-gather: (d−1)/d·N.
 
     .venv/bin/python benchmarks/dp_overlap.py [--layers 8 --hidden 256 --vocab 2048 --seq 128 --micro-batch 4]
+    .venv/bin/python benchmarks/dp_overlap.py --smoke      # a 1-layer model, one timed step
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from smoke import add_smoke_flag  # benchmarks/smoke.py, beside this script
 from world import run_world  # benchmarks/world.py, beside this script
 
 from meshlm.core.config import build
@@ -146,7 +148,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.layers, args.hidden, args.vocab, args.seq, args.micro_batch, args.steps, args.warmup = 1, 64, 128, 16, 1, 1, 0
+        args.bucket_mb = 0.01
     print(report(run_world(2, _measure, args, timeout_s=600), args))
 
 

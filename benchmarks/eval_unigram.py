@@ -1,6 +1,7 @@
 """The unigram baseline of the shipped evaluation sets (benchmarks/RESULTS.md, "Evaluation (issue #16)").
 
     .venv/bin/python benchmarks/eval_unigram.py [--config gpt-tiny] [--stride 64] [--sets-only] [--out unigram.json]
+    .venv/bin/python benchmarks/eval_unigram.py --smoke    # the same run: it takes seconds already
 
 A unigram model from the token counts of the config's training split of the bundled corpus (each work
 encoded whole plus its end-of-document token, as `meshlm prepare` does; add-one smoothing over the
@@ -17,6 +18,7 @@ import json
 
 import numpy as np
 import torch
+from smoke import add_smoke_flag  # benchmarks/smoke.py, beside this script
 
 from meshlm.core.config import load_config
 from meshlm.data.assets import shakespeare_files
@@ -59,7 +61,8 @@ def main() -> int:
     parser.add_argument("--stride", type=int, default=64)
     parser.add_argument("--sets-only", action="store_true", help="skip the perplexity of the held-out work")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    add_smoke_flag(parser)
+    args = parser.parse_args()  # --smoke changes nothing: the whole run is a few seconds
     log_probs, tok, seq_len, n_works = unigram_log_probs(args.config)
     scorer = Scorer(unigram_forward(log_probs), seq_len, tok, batch_size=16)
     results = {"model": f"unigram ({args.config} training split: {n_works} works, add-one smoothing)"}

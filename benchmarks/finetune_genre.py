@@ -2,6 +2,7 @@
 fine-tuned BERT reaches beside two baselines.
 
     python benchmarks/finetune_genre.py --base runs/bert-tiny [--base OTHER ...] [--random-base]
+    python benchmarks/finetune_genre.py --smoke    # 4 + 2 passages a genre, one epoch from a tiny random BERT
 
 The task is `scripts/make_genre_task.py`'s (First Folio genres, passages of 4 spoken lines, validation
 on 9 plays never trained on; by default 200 training and 100 validation passages per genre, so the
@@ -33,6 +34,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,6 +42,7 @@ import time
 from pathlib import Path
 
 import torch
+from smoke import add_smoke_flag, tiny_checkpoint  # benchmarks/smoke.py, beside this script
 
 from meshlm.models.bert import class_counts, macro_f1
 
@@ -109,11 +112,11 @@ def logistic_regression(x: torch.Tensor, y: torch.Tensor, classes: int, l2: floa
 
 def random_base(like: str, out: Path) -> Path:
     """A fresh model of the base's shape and tokenizer, saved as a run directory."""
+    from meshlm.checkpoint.load import open_checkpoint
     from meshlm.checkpoint.single import save_checkpoint
-    from meshlm.cli import checkpoint_config
     from meshlm.models.bert import BERT
 
-    cfg = checkpoint_config(like)
+    cfg = open_checkpoint(like).config
     torch.manual_seed(cfg.train.seed)
     model = BERT(cfg.model)
     save_checkpoint(out, 0, {"model": model.state_dict(), "optim": torch.optim.AdamW(model.parameters()).state_dict(),
@@ -122,9 +125,9 @@ def random_base(like: str, out: Path) -> Path:
 
 
 def finetune(base: str, data: Path, out: Path, max_length: int, extra: list[str]) -> tuple[float, float, float]:
-    from meshlm.cli import checkpoint_config
+    from meshlm.checkpoint.load import open_checkpoint
 
-    max_length = min(max_length, checkpoint_config(base).model.seq_len)
+    max_length = min(max_length, open_checkpoint(base).config.model.seq_len)
     meshlm = Path(sys.executable).parent / "meshlm"
     cmd = [str(meshlm) if meshlm.exists() else sys.executable, *([] if meshlm.exists() else ["-m", "meshlm"]),
            "finetune", "--checkpoint", base, "--task", "classify", "--train", str(data / "train.jsonl"), "--valid",
@@ -149,10 +152,15 @@ def main() -> int:
     ap.add_argument("--l2", type=float, default=None, help="logistic regression's L2 weight (default 1/n_train)")
     ap.add_argument("--finetune-args", default="", help="more arguments for meshlm finetune, e.g. '--epochs 5'")
     ap.add_argument("--keep", metavar="DIR", help="keep the data and the runs in DIR (default: a temporary one)")
+    add_smoke_flag(ap)
     args = ap.parse_args()
     if args.random_base and not args.base:
         ap.error("--random-base needs a --base (it copies its shape)")
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="finetune_genre_"))
+    if args.smoke:  # a tiny random BERT of bert-tiny's vocabulary, one epoch
+        base = tiny_checkpoint(work / "tiny-bert", "bert-tiny", n_layers=1, hidden_size=32, n_heads=2, seq_len=32)
+        args.base, args.train_per_class, args.valid_per_class, args.max_length = [str(base)], 4, 2, 32
+        args.finetune_args += " --epochs 1"
     data = work / "genre"
     summary = make_genre_task.make_task(data, args.train_per_class, args.valid_per_class)
     (train_x, train_y), (valid_x, valid_y) = read(data / "train.jsonl"), read(data / "valid.jsonl")
@@ -184,6 +192,8 @@ def main() -> int:
         print(f"{name:<{width}} | {acc:8.3f} | {f1:8.3f} | {secs:4.0f} s")
     if args.keep:
         print(f"\ndata and runs kept in {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

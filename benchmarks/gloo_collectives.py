@@ -1,6 +1,7 @@
 """gloo's collectives between two busy processes on this host, as `meshlm plan --gpu this` measures them.
 
     python benchmarks/gloo_collectives.py [--runs 2]
+    python benchmarks/gloo_collectives.py --smoke     # one run
 
 Each cost is the median of (about 3 ms of matmuls + the collective) less the median of the matmuls alone,
 on 2 spawned gloo processes (`catalog.measure_link_costs`). Per full-tensor size: the all-reduce, and the
@@ -12,13 +13,18 @@ from __future__ import annotations
 
 import argparse
 
+from smoke import add_smoke_flag  # benchmarks/smoke.py, beside this script
+
 from meshlm.plan.catalog import fit_links, gather_cost_of, measure_link_costs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=2)
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.runs = 1
     print("| run | full tensor | all-reduce ms | all-gather ms (÷ all-reduce) | reduce-scatter ms (÷ all-reduce) |")
     print("|---|---|---|---|---|")
     fits = []

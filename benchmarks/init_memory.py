@@ -14,6 +14,7 @@ for its first rank (tp rank 0, pp rank 0): its shards' bytes are reported, nothi
 process's RSS is measured before and after).
 
     .venv/bin/python benchmarks/init_memory.py [--config gpt2-1.3b] [--skip-whole]
+    .venv/bin/python benchmarks/init_memory.py --smoke     # gpt-tiny's meta build at tp=2, then the 70B plan
 """
 
 from __future__ import annotations
@@ -101,8 +102,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="gpt2-1.3b")
     parser.add_argument("--skip-whole", action="store_true", help="only the meta-device builds")
+    from smoke import add_smoke_flag, skipped
+
+    add_smoke_flag(parser)
     args = parser.parse_args()
     from world import run_world
+
+    layouts = ("tp2", "pp2")
+    if args.smoke:
+        args.config, args.skip_whole, layouts = "gpt-tiny", True, ("tp2",)
+        skipped("the whole builds and the pp=2 layout (the 70B plan below cuts pipeline stages)")
 
     from meshlm.families.registry import get_spec
 
@@ -114,7 +123,7 @@ def main() -> None:
           "local params GiB |")
     print("|---|---|---|---|---|---|---|---|")
     worst = 0.0
-    for layout in ("tp2", "pp2"):
+    for layout in layouts:
         for how in (("meta",) if args.skip_whole else ("whole", "meta")):
             for r in run_world(2, _build, (args.config, layout, how), timeout_s=1800):
                 grow = r["peak"] - r["base"]

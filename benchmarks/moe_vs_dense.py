@@ -4,6 +4,8 @@ the bundled corpus; and expert parallelism's speed (ep 2 against ep 1, two proce
 
     .venv/bin/python benchmarks/moe_vs_dense.py [--seconds 300] [--ep-steps 30] [--work runs/moe-vs-dense]
                                                 [--skip-quality] [--skip-ep]
+    .venv/bin/python benchmarks/moe_vs_dense.py --smoke    # a 1-layer gpt-moe-tiny: 2 steps, then ep 2 for 2
+                                                           # steps; scored on a slice of the held-out works
 
 1. **quality at equal wall time** (both with the `SHAPE` overrides below: the corpus's 4,096-token vocabulary,
    8 rows a step): `meshlm train --config llama-tiny` (4 layers × 128, SwiGLU 384 wide) and
@@ -35,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from smoke import add_smoke_flag, skipped  # benchmarks/smoke.py, beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -46,6 +50,12 @@ COMMON = ["--train.sample_tokens=0", "--train.progress=false", "--train.resume=n
 # takes ~10 s a step at 16 rows, too few steps in minutes to tell the models apart.
 SHAPE = ["--data.tokenizer=shakespeare-bpe:4096", "--model.vocab_size=4096", "--train.micro_batch_size=8",
          "--train.global_batch_size=8"]
+# --smoke: a 1-layer, 32-wide model, 2 steps by count (no time budget), every step logged
+SMOKE_MODEL = ["--model.n_layers=1", "--model.hidden_size=32", "--model.n_heads=2", "--model.n_kv_heads=1",
+               "--model.moe_expert_hidden=16", "--model.seq_len=32", "--train.log_every=1"]
+SMOKE_QUALITY = [*SMOKE_MODEL, "--train.time_budget_s=0", "--train.max_steps=2", "--train.micro_batch_size=2",
+                 "--train.global_batch_size=2"]
+SMOKE_EP = [*SMOKE_MODEL, "--train.micro_batch_size=1", "--train.global_batch_size=2"]
 
 
 def _run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
@@ -70,14 +80,14 @@ def _metrics(out: Path) -> dict:
             "loss": train[-1].get("loss", float("nan")) if train else float("nan")}
 
 
-def _params(config: str) -> tuple[int, int]:
+def _params(config: str, extra: list[str] = ()) -> tuple[int, int]:
     """(all parameters, active parameters per token) of a config's model: the top-k experts of each MoE layer."""
     import torch
 
     from meshlm.core.config import load_config
     from meshlm.models.gpt import GPT
 
-    m = load_config(config, SHAPE).model
+    m = load_config(config, [*SHAPE, *extra]).model
     with torch.device("meta"):
         model = GPT(m)
     total = sum(p.numel() for p in model.parameters())
@@ -86,31 +96,31 @@ def _params(config: str) -> tuple[int, int]:
     return total, active
 
 
-def quality(config: str, seconds: float, work: Path, held_out: list[str]) -> dict:
+def quality(config: str, seconds: float, work: Path, held_out: list[str], extra: list[str] = ()) -> dict:
+    from checkpoints import load_run  # benchmarks/checkpoints.py, beside this script
     from demo_quality import bits_per_byte
-
-    from meshlm.checkpoint.load import load_model_from_checkpoint
 
     out = work / config
     # WSD (warmup, constant, linear decay over the last 20%): the budget revises the step count from the
     # measured step time until the decay starts (train/budget.py), so a change in the machine's load early in
     # the run does not fix a wrong count; cosine would fix it after the warmup.
     cmd = [sys.executable, "-m", "meshlm", "train", "--config", config, f"--train.out_dir={out}",
-           f"--train.time_budget_s={seconds:g}", "--train.max_steps=100000", "--optim.decay=wsd", *COMMON, *SHAPE]
+           f"--train.time_budget_s={seconds:g}", "--train.max_steps=100000", "--optim.decay=wsd", *COMMON, *SHAPE,
+           *extra]
     code, wall = _run(cmd, work / f"{config}.log", seconds * 3 + 300)
     if code:
         return {"error": f"exit {code}; see {work / f'{config}.log'}"}
-    model, tok, cfg = load_model_from_checkpoint(str(out))
+    model, tok, cfg = load_run(str(out))
     bpb = bits_per_byte(lambda x: model.eval()(x), tok, held_out, cfg.model.seq_len)
-    total, active = _params(config)
+    total, active = _params(config, extra)
     return {**_metrics(out), "wall": wall, "bpb": bpb, "total": total, "active": active}
 
 
-def expert_parallel(ep: int, steps: int, work: Path) -> dict:
+def expert_parallel(ep: int, steps: int, work: Path, extra: list[str] = ()) -> dict:
     out = work / f"ep{ep}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "meshlm",
            "train", "--config", "gpt-moe-tiny", f"--train.out_dir={out}", f"--train.max_steps={steps}",
-           f"--parallel.ep={ep}", "--parallel.timeout_s=120", *COMMON, *SHAPE, "--train.micro_batch_size=4"]
+           f"--parallel.ep={ep}", "--parallel.timeout_s=120", *COMMON, *SHAPE, "--train.micro_batch_size=4", *extra]
     code, wall = _run(cmd, work / f"ep{ep}.log", 1800)
     if code:
         tail = (work / f"ep{ep}.log").read_text().strip().splitlines()[-1:] or [""]
@@ -126,7 +136,22 @@ def main() -> int:
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--skip-ep", action="store_true")
     ap.add_argument("--only", default="llama-tiny,gpt-moe-tiny", help="the quality rows to run (comma-separated)")
+    add_smoke_flag(ap)
     args = ap.parse_args()
+    if args.smoke:
+        import tempfile
+
+        skipped("llama-tiny's quality run and ep 1 (gpt-moe-tiny alone, then ep 2)")
+        args.only, args.ep_steps = "gpt-moe-tiny", 2
+        with tempfile.TemporaryDirectory() as tmp:
+            args.work = tmp
+            return run(args, (2,), SMOKE_QUALITY, SMOKE_EP)
+    return run(args)
+
+
+def run(args: argparse.Namespace, eps: tuple = (1, 2), quality_extra: list[str] = (), ep_extra: list[str] = ()) -> int:
+    """The quality runs of `args.only` and the expert-parallel runs at each of `eps`, then the tables;
+    `*_extra`: config overrides added to their commands (--smoke's)."""
     work = ROOT / args.work
     work.mkdir(parents=True, exist_ok=True)
     rows, ep_rows = {}, {}
@@ -136,12 +161,14 @@ def main() -> int:
         from meshlm.core.config import load_config
 
         _, held_out = corpus_split(load_config("llama-tiny", SHAPE))
+        if args.smoke:
+            held_out = [text[:2000] for text in held_out]
         for config in args.only.split(","):
-            rows[config] = quality(config, args.seconds, work, held_out)
+            rows[config] = quality(config, args.seconds, work, held_out, quality_extra)
             print(f"{config}: {rows[config]}", flush=True)
     if not args.skip_ep:
-        for ep in (1, 2):
-            ep_rows[ep] = expert_parallel(ep, args.ep_steps, work)
+        for ep in eps:
+            ep_rows[ep] = expert_parallel(ep, args.ep_steps, work, ep_extra)
             print(f"ep {ep}: {ep_rows[ep]}", flush=True)
     if rows:
         print(f"\n| model (budget {args.seconds:g} s each, alone) | parameters (active) | wall | steps | tokens/s | "
@@ -158,7 +185,7 @@ def main() -> int:
             name = f"ep {ep}" + (" (dp 2, all experts on each rank)" if ep == 1 else " (4 experts per rank)")
             print(f"| {name} | {r['error']} | - |" if "error" in r else
                   f"| {name} | {r['tokens_per_s']:,.0f} | {r['wall']:.0f} s |")
-        if all("error" not in r for r in ep_rows.values()):
+        if len(ep_rows) == 2 and all("error" not in r for r in ep_rows.values()):
             print(f"\nep 2 / ep 1 tokens/s: {ep_rows[2]['tokens_per_s'] / ep_rows[1]['tokens_per_s']:.2f}")
     return 0
 

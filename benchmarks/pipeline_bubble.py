@@ -1,6 +1,7 @@
 """The pipeline bubble, measured: each stage's idle time per step against the theory (p − 1)/(v·m).
 
     python benchmarks/pipeline_bubble.py [--forward-ms 100] [--steps 3]
+    python benchmarks/pipeline_bubble.py --smoke     # pp = 2 on 2 processes, t_f = 2 ms, one timed step
 
 A world of 4 gloo processes runs meshlm's schedules (`meshlm.parallel.pipeline.build_schedule`: torch's
 1F1B, interleaved 1F1B) over sleep-calibrated stages: on every pipeline rank a micro-batch's forward
@@ -33,9 +34,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from smoke import add_smoke_flag  # benchmarks/smoke.py, beside this script
 from torch import nn
 
 CONFIGS = [(pp, vpp, m) for pp in (2, 4) for vpp in (1, 2) for m in (4, 8)]
+SMOKE_CONFIGS = [(2, 1, 4), (2, 2, 4)]  # on a world of 2
 WORLD = 4
 
 
@@ -98,12 +101,12 @@ def _measure(pp: int, vpp: int, m: int, forward_s: float, steps: int) -> dict:
             "idle": statistics.median(idle), "bubble": statistics.median(i / b for i, b in zip(idle, busies))}
 
 
-def _worker(rank: int, out_dir: str, forward_s: float, steps: int) -> None:
+def _worker(rank: int, out_dir: str, forward_s: float, steps: int, configs: list, world: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=WORLD,
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
-        results = {cfg: _measure(*cfg, forward_s, steps) for cfg in CONFIGS}
+        results = {cfg: _measure(*cfg, forward_s, steps) for cfg in configs}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()  # every rank done talking before any tears gloo down (else one can abort)
     finally:
@@ -114,9 +117,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--forward-ms", type=float, default=100.0, help="a rank's forward time per micro-batch")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration (after one warm-up)")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    configs, world = CONFIGS, WORLD
+    if args.smoke:
+        configs, world, args.forward_ms, args.steps = SMOKE_CONFIGS, 2, 2.0, 1
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_worker, args=(tmp, args.forward_ms / 1000, args.steps), nprocs=WORLD,
+        ctx = mp.start_processes(_worker, args=(tmp, args.forward_ms / 1000, args.steps, configs, world), nprocs=world,
                                  join=False, start_method="spawn")
         deadline = time.monotonic() + 600
         while not ctx.join(timeout=1.0):
@@ -124,13 +131,13 @@ def main() -> None:
                 for p in ctx.processes:
                     p.kill()
                 raise SystemExit("benchmark did not finish within 600 s")
-        ranks = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(WORLD)]
+        ranks = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world)]
     print(f"t_f = {args.forward_ms:g} ms, t_b = {2 * args.forward_ms:g} ms per micro-batch and rank; "
           f"median of {args.steps} steps; bubble = idle / busy per stage\n")
     print("| pp | vpp | m | theory (p−1)/(v·m) | measured (mean) | per stage | ideal step ms | step ms | "
           "measured / theory | overhead/action ms | ok |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for pp, vpp, m in CONFIGS:
+    for pp, vpp, m in configs:
         runs = [r[(pp, vpp, m)] for r in ranks]  # with pp = 2: two pipelines, stages averaged over both
         bubbles = [statistics.mean(x["bubble"] for x in runs if x["rank"] == s) for s in range(pp)]
         theory = (pp - 1) / (vpp * m)

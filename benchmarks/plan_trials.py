@@ -4,6 +4,8 @@ correlation.
     python benchmarks/plan_trials.py                 # 10 layouts of a small GPT on 2 and 4 processes
     python benchmarks/plan_trials.py --model demo    # the same layouts of the demo's Llama-style model
     python benchmarks/plan_trials.py --steps 8 --json trials.json
+    python benchmarks/plan_trials.py --smoke         # one 1-process layout of a 1-layer gpt-tiny, 2 steps; the
+                                                     # machine measured without its gloo links and busy cores
 
 Two small models: `gpt-tiny` (4 layers, hidden 128, GPT-2's 50,257-token vocabulary: its LM head and loss
 are about 85% of a step, so the ranking mostly tests how the head is priced under each layout) and `demo`
@@ -32,6 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from smoke import add_smoke_flag, skipped  # benchmarks/smoke.py, beside this script
+
 from meshlm.core.config import load_config
 from meshlm.plan.catalog import measure_links, measure_this, share_cores, with_overrides
 from meshlm.plan.cost import Candidate, Cluster, Options
@@ -56,6 +60,8 @@ LAYOUTS = [  # (tp, pp, dp, vpp, sp, micro-batch, recompute, zero)
     Candidate(2, 1, 2, micro_batch_size=2),
     Candidate(2, 2, 1, micro_batch_size=4),
 ]
+SMOKE_MODEL = ["--model.n_layers=1", "--model.hidden_size=32", "--model.n_heads=2", "--model.seq_len=32"]
+SMOKE_LAYOUTS = [Candidate(1, 1, 1, micro_batch_size=8)]
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -90,12 +96,20 @@ def main() -> int:
     parser.add_argument("--statistic", choices=("min", "median"), default="min",
                         help="of the timed steps: min (the least disturbed by other jobs) or median")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+    add_smoke_flag(parser)
     args = parser.parse_args()
     config, overrides = MODELS[args.model]
+    layouts = LAYOUTS
+    if args.smoke:
+        overrides, layouts, args.steps, args.rounds = overrides + SMOKE_MODEL, SMOKE_LAYOUTS, 2, 1
     cfg = load_config(config, overrides)
     cores = os.cpu_count() or 1
-    one = measure_this(threads=1, cores=cores)
-    gbps, latency, gather = measure_links()
+    one = measure_this(threads=1, cores=1 if args.smoke else cores)
+    if args.smoke:
+        skipped("measuring gloo's links and the busy-core slowdown (the catalog's defaults stand in)")
+        gbps, latency, gather = one.intra_gbps, one.intra_latency_us, one.gather_cost
+    else:
+        gbps, latency, gather = measure_links()
     one = with_overrides(one, intra_gbps=gbps, inter_gbps=gbps, intra_latency_us=latency, inter_latency_us=latency,
                          gather_cost=gather)
     gpu = share_cores(one, cores)
@@ -107,11 +121,11 @@ def main() -> int:
           f"{gather:.2f}× an all-reduce; load average {os.getloadavg()[0]:.2f}")
     opts = Options(precision="fp32", device_type="cpu", fused_loss=cfg.train.fused_loss)
     rows = []
-    for cand in LAYOUTS:
+    for cand in layouts:
         est = evaluate(cfg, cand, Cluster(gpu, cand.world, cand.world), cfg.train.global_batch_size, opts)
         rows.append({"layout": cand.label(), "world": cand.world, "predicted_s": est.step_time_s, "runs": []})
     for round_ in range(args.rounds):  # rounds go through every layout in turn: a busy spell hits all alike
-        for cand, row in zip(LAYOUTS, rows):
+        for cand, row in zip(layouts, rows):
             with tempfile.TemporaryDirectory(prefix="meshlm-trial-") as tmp:
                 cmd = trial_command(config, cand, cand.world, args.steps, tmp, overrides)
                 proc = subprocess.run(cmd, capture_output=True, text=True, check=False)

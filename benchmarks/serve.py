@@ -2,6 +2,7 @@
 meshlm's decode and BERT encoder against Hugging Face transformers on the same weights, in one run.
 
     python benchmarks/serve.py [--requests 16] [--max-tokens 64] [--prompt-tokens 32] [--repeats 5]
+    python benchmarks/serve.py --smoke      # 1-layer, 32-wide models; 1 request a client level, 2 tokens each
 
 Weights: the `gpt-tiny` config (GPT-2 style, 6 × 128, vocab 50,257, 128 positions) and the `bert-tiny`
 config (4 × 256, 128 positions), randomly initialised (speed does not depend on the values), saved as
@@ -44,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from serve_load import percentile
+from smoke import add_smoke_flag
 
 
 def meshlm_cli(*args: str) -> None:
@@ -126,12 +128,12 @@ def serving(ckpt: Path, args) -> list[dict]:
 # ---- 2. batch-1 decode -----------------------------------------------------------------------------------------
 def decode_speed(ckpt: Path, hf_dir: Path, args) -> dict:
     import transformers
+    from checkpoints import load_run  # benchmarks/checkpoints.py, beside this script
 
-    from meshlm.checkpoint.load import load_model_from_checkpoint
     from meshlm.infer.engine import Engine, SamplingParams
     from meshlm.models.generate import generate
 
-    model, tok, _ = load_model_from_checkpoint(str(ckpt))
+    model, tok, _ = load_run(str(ckpt))
     hf = transformers.GPT2LMHeadModel.from_pretrained(str(hf_dir)).eval()
     ids = torch.randint(0, 50000, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
     n = args.max_tokens
@@ -165,13 +167,13 @@ def decode_speed(ckpt: Path, hf_dir: Path, args) -> dict:
 def bert_latency(ckpt: Path, hf_dir: Path, args) -> dict:
     import transformers
 
-    from meshlm.checkpoint.load import checkpoint_config
-    from meshlm.checkpoint.single import resolve_checkpoint
-    from meshlm.interop.convert import load_checkpoint_model
+    from meshlm.checkpoint.load import load_model, open_checkpoint
+    from meshlm.families.registry import get_spec
     from meshlm.models.bert import pack_inputs
 
-    cfg = checkpoint_config(str(ckpt))
-    model = load_checkpoint_model(resolve_checkpoint(ckpt), cfg.model)
+    checkpoint = open_checkpoint(str(ckpt))
+    cfg = checkpoint.config
+    model = load_model(checkpoint, get_spec(cfg.model.family))
     hf = transformers.BertModel.from_pretrained(str(hf_dir), add_pooling_layer=False).eval()
     ids = torch.randint(1000, 30000, (1, 128), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
@@ -206,13 +208,18 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=2, help="each level this many times; the round with the most "
                                                          "output tokens/s is reported")
+    add_smoke_flag(p)
     args = p.parse_args()
+    shape = {}
+    if args.smoke:
+        args.requests, args.max_tokens, args.prompt_tokens, args.repeats, args.rounds = 1, 2, 8, 1, 1
+        shape = {"n_layers": 1, "hidden_size": 32, "n_heads": 2}
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        gpt = save_random("gpt-tiny", tmp / "gpt-tiny")
-        bert = save_random("bert-tiny", tmp / "bert-tiny", bert_head="mlm")
+        gpt = save_random("gpt-tiny", tmp / "gpt-tiny", **shape)
+        bert = save_random("bert-tiny", tmp / "bert-tiny", bert_head="mlm", **shape)
         meshlm_cli("convert", "--checkpoint", str(gpt), "--to-hf", str(tmp / "gpt-hf"))
         meshlm_cli("convert", "--checkpoint", str(bert), "--to-hf", str(tmp / "bert-hf"))
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)

@@ -8,6 +8,7 @@
   `--draft`): output tokens/s, acceptance rate, tokens per step.
 
     .venv/bin/python benchmarks/serve_engine.py [--checkpoint runs/demo] [--draft runs/draft] [--only chunked]
+    .venv/bin/python benchmarks/serve_engine.py --smoke      # every bench on a 1-layer, 64-wide demo-style model
 
 Without --checkpoint the model is the demo's shape (configs/demo.toml) with random weights; with the trained demo
 the speculative rows mean something (a random model's greedy output loops, which flatters n-gram lookup).
@@ -27,21 +28,23 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from serve_load import percentile  # benchmarks/, the script's directory
+from smoke import add_smoke_flag
 
 from meshlm.core.config import load_config
 from meshlm.infer.engine import CacheOptions, Engine, SamplingParams
 
 
-def load(checkpoint: str | None):
-    """(model, tokenizer) of `checkpoint`, or the demo's shape with random weights and its tokenizer spec."""
+def load(checkpoint: str | None, overrides: list[str] = ()):
+    """(model, tokenizer) of `checkpoint`, or the demo's shape (changed by config `overrides`) with random weights
+    and its tokenizer spec."""
     if checkpoint:
-        from meshlm.checkpoint.load import load_model_from_checkpoint
+        from checkpoints import load_run  # benchmarks/checkpoints.py, beside this script
 
-        model, tokenizer, _ = load_model_from_checkpoint(checkpoint, "cpu")
+        model, tokenizer, _ = load_run(checkpoint, "cpu")
         return model.eval(), tokenizer
     from meshlm.models.gpt import GPT
 
-    cfg = load_config("configs/demo.toml")
+    cfg = load_config("configs/demo.toml", list(overrides))
     torch.manual_seed(0)
 
     class Ids:  # ids as text: enough for the engine
@@ -121,9 +124,9 @@ def speculative(model, tokenizer, max_len: int, draft: str | None) -> list[tuple
     prompts = [corpus_ids(tokenizer, 96, 300 + i) for i in range(16)]
     kinds = [("off", None), ("ngram", lambda: Speculator("ngram"))]
     if draft:
-        from meshlm.checkpoint.load import load_model_from_checkpoint
+        from checkpoints import load_run  # benchmarks/checkpoints.py, beside this script
 
-        small = load_model_from_checkpoint(draft, "cpu")[0].eval()
+        small = load_run(draft, "cpu")[0].eval()
         kinds.append(("draft", lambda: Speculator("draft", DraftModel(small, 16, max_len))))
     base = None
     for name, make in kinds:
@@ -151,8 +154,9 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="a draft checkpoint (same tokenizer) for the speculative rows")
     ap.add_argument("--only", choices=["chunked", "prefix", "speculative"], default=None)
     ap.add_argument("--max-len", type=int, default=256)
+    add_smoke_flag(ap)
     args = ap.parse_args()
-    model, tokenizer = load(args.checkpoint)
+    model, tokenizer = load(args.checkpoint, ["--model.n_layers=1", "--model.hidden_size=64"] if args.smoke else [])
     print(f"# model: {args.checkpoint or 'demo shape, random weights'}; threads {torch.get_num_threads()}")
     if args.only in (None, "chunked"):
         print("| bench | setting | gap median ms | gap p99 ms | gap max ms |\n|---|---|---|---|---|")

@@ -3,6 +3,8 @@ benchmarks/serve_vs_vllm.py and runnable on its own:
 
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --model NAME --tokenizer gpt2 \
         --workload shared-prefix --clients 16 --requests 32 --max-tokens 64
+    python benchmarks/serve_load.py --smoke      # 4 short requests, 2 clients, to `meshlm serve` of a tiny
+                                                 # random GPT started here (any --url is not used)
 
 Each request is a streamed POST /v1/completions through the official `openai` AsyncOpenAI client, with the
 prompt given as token ids (so both servers see the same tokens, whatever their tokenizers), greedy,
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -31,6 +34,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from smoke import add_smoke_flag, tiny_checkpoint  # benchmarks/smoke.py, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -184,12 +189,32 @@ def warm_up(url: str, model: str, longest: int = 256, max_tokens: int = 8, api_k
     asyncio.run(run_load(url, model, [[13] * n for n in sizes + sizes[:1]], 4, max_tokens, api_key))
 
 
+@contextlib.contextmanager
+def smoke_server(args: argparse.Namespace):
+    """For --smoke: `meshlm serve` of a tiny random gpt2-vocabulary GPT on a free port, and the small load
+    that `args` then describes; the server is stopped on the way out."""
+    import tempfile
+
+    from tests.infer.server_helpers import ServeProcess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run = tiny_checkpoint(Path(tmp) / "tiny", n_layers=1, hidden_size=32, n_heads=2, seq_len=64)
+        server = ServeProcess("--checkpoint", str(run), "--served-model-name", "smoke", "--max-seqs", "4")
+        try:
+            args.url, args.model, args.tokenizer = server.url, "smoke", "gpt2"
+            args.clients, args.requests, args.max_tokens = 2, 4, 4
+            args.prompt_min, args.prompt_max, args.prefix_tokens, args.user_min, args.user_max = 8, 16, 16, 4, 8
+            yield
+        finally:
+            server.stop()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL (without /v1)")
-    p.add_argument("--model", required=True, help="the served model name")
-    p.add_argument("--tokenizer", required=True, help="meshlm data.tokenizer spec of the model (gpt2, "
-                                                      "shakespeare-bpe:4096, a tokenizer.json, ...)")
+    p.add_argument("--model", help="the served model name (required)")
+    p.add_argument("--tokenizer", help="meshlm data.tokenizer spec of the model (gpt2, shakespeare-bpe:4096, a "
+                                       "tokenizer.json, ...) (required)")
     p.add_argument("--workload", choices=WORKLOADS, default="random")
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--requests", type=int, default=32)
@@ -198,7 +223,19 @@ def main() -> None:
     p.add_argument("--api-key", default="EMPTY")
     for field, default in asdict(Lengths()).items():
         p.add_argument(f"--{field.replace('_', '-')}", type=int, default=default)
+    add_smoke_flag(p)
     args = p.parse_args()
+    if args.smoke:
+        with smoke_server(args):
+            run(args)
+        return
+    if not (args.model and args.tokenizer):
+        p.error("--model and --tokenizer are required (the served model's name and its tokenizer)")
+    run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Warm the server up, send the workload, print the result as JSON."""
     from meshlm.data.tokenizers import get_tokenizer
 
     lengths = Lengths(**{f: getattr(args, f) for f in asdict(Lengths())})

@@ -5,6 +5,8 @@ server at a time on this machine.
     .venv/bin/python benchmarks/serve_vs_vllm.py   # the full run (~15 min alone on a 2-core CPU)
     .venv/bin/python benchmarks/serve_vs_vllm.py --quick                    # a small end-to-end run
     .venv/bin/python benchmarks/serve_vs_vllm.py --meshlm-args="--some-flag 1" --json out.json
+    .venv/bin/python benchmarks/serve_vs_vllm.py --smoke        # meshlm alone (vLLM skipped) on a 1-layer demo-
+                                                                # shaped random model: 2 requests of 2 tokens
 
 For each size: the meshlm checkpoint, exported with `meshlm convert --checkpoint RUN --to-hf DIR`; vLLM serves
 the export, then meshlm serves the checkpoint; each server runs alone, gets one warm-up, then every workload
@@ -59,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from serve_load import WORKLOADS, Lengths, corpus_ids, make_requests, run_load, warm_up
+from smoke import add_smoke_flag, skipped, tiny_checkpoint
 
 MODEL_NAME = "bench"
 DEFAULT_VLLM_VENV = Path(os.environ.get("VLLM_VENV", Path.home() / ".cache" / "meshlm-bench" / "vllm"))
@@ -202,6 +205,8 @@ def meshlm_cli(*args: str) -> None:
 def demo_checkpoint(work: Path, args) -> Path:
     if args.demo_checkpoint:
         return Path(args.demo_checkpoint)
+    if args.smoke:  # the demo's tokenizer and context, one small random layer
+        return tiny_checkpoint(work / "demo-smoke", "demo", n_layers=1, hidden_size=64)
     out = work / "demo"
     if not (out / "checkpoints").exists():
         print(f"training the demo model for {args.demo_steps} steps (configs/demo.toml) ...", flush=True)
@@ -270,7 +275,7 @@ def run_server(server: ServerProcess, size_name: str, size: Size, ids: list[int]
 
 
 def run_size(size_name: str, work: Path, args, rows: list[dict]) -> None:
-    from meshlm.checkpoint.load import checkpoint_config
+    from meshlm.checkpoint.load import open_checkpoint
     from meshlm.data.tokenizers import get_tokenizer
 
     size = SIZES[size_name]
@@ -278,8 +283,8 @@ def run_size(size_name: str, work: Path, args, rows: list[dict]) -> None:
         fail(f"--max-tokens {args.max_tokens}: the longest {size_name} prompt ({size.lengths.longest()} tokens) "
              f"+ max_tokens must fit its context of {size.context}; lower --max-tokens")
     ckpt = demo_checkpoint(work, args) if size_name == "demo" else random_checkpoint(work, size.config)
-    tokenizer = get_tokenizer(checkpoint_config(str(ckpt)).data.tokenizer)
-    hf_dir = export_hf(ckpt, work / f"{size_name}-hf", tokenizer)
+    tokenizer = get_tokenizer(open_checkpoint(str(ckpt)).config.data.tokenizer)
+    hf_dir = export_hf(ckpt, work / f"{size_name}-hf", tokenizer) if "vllm" in args.servers else None
     ids = corpus_ids(tokenizer)
     for name in args.servers:
         print(f"{size_name}: {name} ...", flush=True)
@@ -335,6 +340,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=900, help="seconds a server may take to answer")
     p.add_argument("--quick", action="store_true", help="a small run for development: the demo size (unless "
                    "--sizes is given), clients 1,4, 4 requests a point, 16 tokens, 5 training steps")
+    add_smoke_flag(p)
     p.add_argument("--json", default=None, metavar="OUT", help="also write the rows and settings as JSON")
     args = p.parse_args(argv)
     if args.quick:
@@ -344,6 +350,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.requests = args.requests or 4
         args.max_tokens = args.max_tokens if "--max-tokens" in given else 16
         args.demo_steps = args.demo_steps if "--demo-steps" in given else 5
+    if args.smoke:
+        skipped("vLLM (meshlm serve alone)")
+        args.sizes, args.clients, args.workloads, args.servers = "demo", "2", "random", "meshlm"
+        args.requests, args.max_tokens, args.threads = 2, 2, 1
     return check_args(args)
 
 

@@ -14,6 +14,7 @@ Per-layer figures are the difference between a 2-layer and a 1-layer model (embe
 cross-entropy and gradient synchronisation cancel out); what lies outside the layers is shown apart.
 
     .venv/bin/python benchmarks/tp_comm.py [--tp 2 4] [--batch 4 --seq 64 --hidden 64]
+    .venv/bin/python benchmarks/tp_comm.py --smoke     # t = 2, b = 1, s = 16, h = 32
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import collections
 
 import torch
 import torch.distributed as dist
+from smoke import add_smoke_flag  # benchmarks/smoke.py, beside this script
 from world import run_world  # benchmarks/world.py, beside this script
 
 from meshlm.core.config import ModelConfig
@@ -127,7 +129,10 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=1000)
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.tp, args.batch, args.seq, args.hidden, args.vocab = [2], 1, 16, 32, 64
     bsh = args.batch * args.seq * args.hidden
     print(f"b={args.batch} s={args.seq} h={args.hidden} (b·s·h = {bsh:,} elements, fp32), gloo on CPU; "
           "per transformer layer, one forward + backward, bytes sent by each rank\n")

@@ -1,6 +1,7 @@
 """meshlm's training step against a minimal plain-PyTorch step, over a grid of shapes, measured in one run.
 
     python benchmarks/train_step.py [--steps 8] [--precisions fp32,auto] [--grid h128s128,h384s256,...]
+    python benchmarks/train_step.py --smoke    # h = 32, s = 32, fp32, one timed step
 
 The reference is what a user would write by hand: a nanoGPT-style model (fused QKV, SDPA, tanh GELU, tied
 head), `F.cross_entropy` on the logits, `torch.optim.AdamW`, clip, step, on a batch of the same corpus. meshlm
@@ -30,6 +31,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from smoke import add_smoke_flag  # benchmarks/smoke.py, beside this script
 from torch import nn
 
 from meshlm.core.config import load_config
@@ -165,7 +167,10 @@ def main() -> None:
     parser.add_argument("--precisions", default="fp32,auto", help="the first is the one the others are compared to")
     parser.add_argument("--grid", default="all", help='"all" or h128s128,h384s256,…')
     parser.add_argument("--unfused", action="store_true", help="also time meshlm with train.fused_loss=false")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.precisions, args.grid = 1, "fp32", "h32s32"
     torch.manual_seed(0)
     precisions = args.precisions.split(",")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "

@@ -2,6 +2,7 @@
 """What the frozen base knows about the play task, and what an input-side prompt would have to change.
 
     .venv/bin/python benchmarks/tune_probe.py [--checkpoint runs/gpt-tiny] [--data runs/tune-task2/data]
+    .venv/bin/python benchmarks/tune_probe.py --smoke   # a tiny random GPT, 4 + 2 passages a play, 20 probe steps
 
 Two measurements on the task of `scripts/make_play_task.py` (the data `benchmarks/tune_task.py` writes):
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -31,9 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from make_play_task import TITLES
+from checkpoints import load_run  # benchmarks/checkpoints.py, beside this script
+from make_play_task import TITLES, make_task
+from smoke import add_smoke_flag, tiny_checkpoint
 
-from meshlm.cli import load_model_from_checkpoint
 from meshlm.data.tokenizers import get_tokenizer
 
 
@@ -87,9 +90,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", default="runs/gpt-tiny")
     ap.add_argument("--data", default="runs/tune-task2/data", help="train.jsonl and valid.jsonl of the task")
+    add_smoke_flag(ap)
     args = ap.parse_args()
+    if args.smoke:
+        with tempfile.TemporaryDirectory() as tmp:
+            args.checkpoint = str(tiny_checkpoint(Path(tmp) / "tiny", n_layers=1, hidden_size=32, n_heads=2))
+            args.data = str(Path(tmp) / "data")
+            make_task(args.data, train_per_play=4, valid_per_play=2)
+            return report(args, probe_steps=20)
+    return report(args)
+
+
+def report(args: argparse.Namespace, probe_steps: int = 500) -> int:
+    """Both measurements for `args.checkpoint` on the task in `args.data`."""
     torch.manual_seed(0)
-    model, _, cfg = load_model_from_checkpoint(str(ROOT / args.checkpoint))
+    model, _, cfg = load_run(str(ROOT / args.checkpoint))
     model.eval()
     tok = get_tokenizer(cfg.data.tokenizer)
     data = ROOT / args.data
@@ -105,7 +120,7 @@ def main() -> int:
           f"{1 / len(TITLES):.3f}):")
     for name, cols in (("last input position", slice(0, h)), ("mean over the input", slice(h, 2 * h)),
                        ("both", slice(0, 2 * h))):
-        print(f"  {name}: accuracy {probe(xt[:, cols], yt, xv[:, cols], yv):.3f}")
+        print(f"  {name}: accuracy {probe(xt[:, cols], yt, xv[:, cols], yv, probe_steps):.3f}")
     return 0
 
 

@@ -5,6 +5,8 @@ from the bundled corpus: which of eight plays is a passage from? (`scripts/make_
     .venv/bin/python benchmarks/tune_task.py [--checkpoint runs/demo] [--work runs/tune-task] [--epochs 3]
                                              [--max-length 96] [--methods prompt,ptuning,lora,full]
                                              [--extra "METHOD=--key=value ..."]
+    .venv/bin/python benchmarks/tune_task.py --smoke   # a tiny random base, 4 + 2 passages a play, one epoch of
+                                                       # prompt tuning
 
 The base is `make demo`'s run (`meshlm train --config demo`; trained here first if it is missing).
 Each method is one `meshlm tune` command (printed), with its defaults but the epochs and what `--extra`
@@ -25,6 +27,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,9 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from checkpoints import load_run  # benchmarks/checkpoints.py, beside this script
 from make_play_task import ANSWERS, make_task, outputs
+from smoke import add_smoke_flag, tiny_checkpoint
 
-from meshlm.cli import load_model_from_checkpoint
+from meshlm.checkpoint.load import open_checkpoint
 from meshlm.data.tokenizers import get_tokenizer
 from meshlm.tune.export import apply_adapter, read_adapter
 
@@ -110,7 +115,18 @@ def main() -> int:
                     help="the play's title (default) or its most frequent speaker (scripts/make_play_task.py)")
     ap.add_argument("--extra", action="append", default=[], metavar="METHOD=ARGS",
                     help='more arguments for one method\'s command, e.g. "prompt=--optim.lr=0.1"')
+    add_smoke_flag(ap)
     args = ap.parse_args()
+    if args.smoke:
+        with tempfile.TemporaryDirectory() as tmp:
+            args.work, args.epochs, args.methods, args.extra = tmp, 1, "prompt", ["prompt=--train.peak_tflops=1"]
+            args.checkpoint = str(tiny_checkpoint(Path(tmp) / "base", n_layers=1, hidden_size=32, n_heads=2))
+            return run_all(args, sizes={"train_per_play": 4, "valid_per_play": 2})
+    return run_all(args)
+
+
+def run_all(args: argparse.Namespace, sizes: dict | None = None) -> int:
+    """Every method of `args` and the table; `sizes`: make_task's passages per play, when not its defaults."""
     py = sys.executable
     work = ROOT / args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -119,10 +135,10 @@ def main() -> int:
         run([py, "-m", "meshlm", "train", "--config", "demo", f"--train.out_dir={base}", "--train.progress=false",
              "--train.sample_tokens=0"], work / "base.log")
     data = work / "data"
-    make_task(data, answer=args.answer)
+    make_task(data, answer=args.answer, **(sizes or {}))
     answers = outputs(args.answer)
     rows = [json.loads(x) for x in (data / "valid.jsonl").read_text().splitlines()]
-    model, _, cfg = load_model_from_checkpoint(str(base))
+    model, _, cfg = load_run(str(base))
     tok = get_tokenizer(cfg.data.tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     results = {"zero-shot": {"trainable": 0, "optim_mib": 0.0, "step_s": float("nan")}}
@@ -144,12 +160,12 @@ def main() -> int:
         log = run(cmd, work / f"{method}.log")
         stats = run_stats(out, log)
         if method == "full":
-            tuned, _, _ = load_model_from_checkpoint(str(out))
+            tuned, _, _ = load_run(str(out))
             stats["trainable"] = n_params
             head = []
         else:
-            adapter = read_adapter(out, cfg, str(base))
-            tuned = apply_adapter(load_model_from_checkpoint(str(base))[0], cfg, adapter)
+            adapter = read_adapter(out, cfg, open_checkpoint(str(base)))
+            tuned = apply_adapter(load_run(str(base))[0], cfg, adapter)
             head = [0] * adapter.virtual_tokens
         stats["accuracy"], stats["exact"] = score(tuned.eval(), tok, rows, head, answers=answers)
         results[method] = stats

