@@ -1,4 +1,4 @@
-"""meshlm command line: `meshlm train | generate | embed | finetune | tune | serve | eval | harness | plot | prepare |
+"""meshlm command line: `meshlm train | generate | chat | embed | finetune | tune | serve | eval | harness | plot | prepare |
 tokenizer train | bench memory | convert`.
 
 User errors (bad config or argument, missing or corrupt checkpoint or asset, bad data, a full disk, a
@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from meshlm.commands.align import add_align_command
 from meshlm.commands.bench import add_bench_command
+from meshlm.commands.chat import add_chat_command
 from meshlm.commands.convert import add_convert_command
 from meshlm.commands.data import add_data_commands
 from meshlm.commands.embed import add_embed_command
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_command(sub)  # meshlm train
     add_generate_command(sub)  # meshlm generate
+    add_chat_command(sub)  # meshlm chat (an interactive conversation in the terminal)
     add_plot_command(sub)  # meshlm plot
     add_data_commands(sub)  # meshlm prepare, meshlm tokenizer train
     add_bench_command(sub)  # meshlm bench memory

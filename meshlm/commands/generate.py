@@ -1,5 +1,6 @@
 """`meshlm generate`: sample text from a checkpoint (KV cache, temperature, top-k, nucleus; an adapter of
-`meshlm tune` on top)."""
+`meshlm tune` on top). Generation ends at any of the model's declared end-of-sequence ids (the tokenizer's
+`stop_ids`), which is not printed."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 from meshlm.core.config import ConfigError
 
 
-def _check_sampling(args: argparse.Namespace) -> None:
+def check_sampling(args: argparse.Namespace) -> None:
     """The sampling arguments of `meshlm generate` (the lengths are checked against the model later)."""
     from meshlm.core.config import SEED_MAX
 
@@ -52,18 +53,20 @@ def _check_lengths(cfg, n_prompt: int, max_new_tokens: int) -> int:
 def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides:
         raise ConfigError(f"generate takes no config overrides (got {overrides[0]!r}); see meshlm generate -h")
-    _check_sampling(args)
+    check_sampling(args)
     import torch
 
-    from meshlm.checkpoint.load import checkpoint_config, load_model_from_checkpoint
+    from meshlm.checkpoint.load import load_model
     from meshlm.data.tokenizers import get_tokenizer
-    from meshlm.models.generate import NonFiniteLogits, generate
+    from meshlm.families.registry import get_spec
+    from meshlm.interop.checkpoints import open_checkpoint
+    from meshlm.models.generate import NonFiniteLogits, cut_at_stop, generate
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = checkpoint_config(args.checkpoint)
-    from meshlm.families.registry import get_spec
-
-    if not get_spec(cfg.model.family).decoder:
+    checkpoint = open_checkpoint(args.checkpoint)  # resolved and verified once; a fallback note said once
+    cfg = checkpoint.config
+    spec = get_spec(cfg.model.family)
+    if not spec.decoder:
         raise ConfigError(f"{args.checkpoint} holds a model.family={cfg.model.family!r} model, which does not "
                           "generate text; use meshlm embed or meshlm finetune with it, or a GPT checkpoint here")
     tokenizer = get_tokenizer(cfg.data.tokenizer)
@@ -72,36 +75,41 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.adapter is not None:  # checked against this base before anything is loaded
         from meshlm.tune.export import apply_adapter, read_adapter
 
-        adapter = read_adapter(args.adapter, cfg, args.checkpoint)
+        adapter = read_adapter(args.adapter, cfg, checkpoint)
         # As the tuning data lays an example out (tune/data.py): the task's virtual-token placeholders (a
         # prompt adapter), then the prompt; nothing else.
         head = [adapter.task_index(args.task)] * adapter.virtual_tokens
     elif args.task is not None:
         raise ConfigError("--task chooses the virtual prompt of an --adapter; give --adapter DIR")
     max_new_tokens = _check_lengths(cfg, len(head) + len(ids), args.max_new_tokens)
-    model, _, _ = load_model_from_checkpoint(args.checkpoint, device, cfg)
+    model = load_model(checkpoint, spec, device)
     if adapter is not None:
         apply_adapter(model, cfg, adapter)  # LoRA merged into the weights: no extra work per token
     prompt = torch.tensor([head + ids], device=device)
+    stops = () if args.ignore_eos else tokenizer.stop_ids
     try:
         out = generate(model, prompt, max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, seed=args.seed, use_cache=not args.no_cache)
+                       top_p=args.top_p, seed=args.seed, use_cache=not args.no_cache, stop_ids=stops)
     except NonFiniteLogits as err:
         raise ConfigError(f"{args.checkpoint}: {err}") from None
-    print(tokenizer.decode(out[0, len(head):].tolist()))
+    new, _ = cut_at_stop(out[0, prompt.shape[1]:].tolist(), stops)  # the reply ends before its stop id
+    print(tokenizer.decode(ids + new))
     return 0
 
 
 def add_generate_command(sub) -> None:
     """Register `meshlm generate` on the CLI's subparsers."""
     gen = sub.add_parser("generate", help="sample text from a checkpoint")
-    gen.add_argument("--checkpoint", required=True, help="run directory (uses its latest checkpoint) or a step dir")
+    gen.add_argument("--checkpoint", required=True, help="run directory (uses its latest checkpoint), a step dir, "
+                     "or a .gguf file (converted once into $MESHLM_CACHE/gguf/)")
     gen.add_argument("--prompt", default="\n")
     gen.add_argument("--max-new-tokens", type=int, default=100)
     gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true", help="go on past the model's end-of-sequence ids (as "
+                     "the API's ignore_eos): exactly --max-new-tokens tokens, the end ids printed as text")
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each step")
     gen.add_argument("--adapter", default=None, metavar="DIR", help="an adapter of meshlm tune (or a PEFT "
                      "directory) tuned on --checkpoint")

@@ -1,4 +1,4 @@
-"""Tokenizers behind one small interface: name, vocab_size, eod_id, special_ids, encode, decode.
+"""Tokenizers behind one small interface: name, vocab_size, eod_id, stop_ids, special_ids, encode, decode.
 
 `get_tokenizer(spec)` takes what `data.tokenizer` / `--tokenizer` holds:
 
@@ -9,6 +9,12 @@
   first use in about 2 s and cached (`$MESHLM_CACHE/tokenizers/`); the default run's tokenizer;
 - a Hugging Face `tokenizer.json` file, or a directory holding one (what `meshlm tokenizer train` writes);
 - a SentencePiece `.model` file, or a directory holding `tokenizer.model`.
+
+The end of document (`eod_id`) and the ids that end a generation (`stop_ids`, `eod_id` first) are the model's
+own declaration when the tokenizer's folder holds one (`declared_eos`): `tokenizer_config.json`'s `eos_token`
+(then `special_tokens_map.json`'s), and `generation_config.json`'s `eos_token_id` (one id or a list: generation
+stops at each). A bare tokenizer.json without a declaration (what `meshlm tokenizer train` writes) falls back
+to the first of `EOD_CANDIDATES` it holds.
 
 `identity` (name, spec and the sha256 of the vocabulary file) is recorded beside prepared data, so data
 tokenized by one tokenizer is never trained with another by mistake.
@@ -23,6 +29,7 @@ import json
 import os
 import tempfile
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -32,7 +39,7 @@ from meshlm.data.assets import default_cache_dir, gpt2_ranks_file, minilm_dir, s
 # GPT-2's pre-tokenizer split pattern (the r50k_base pattern).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT2_EOD = "<|endoftext|>"
-# End-of-document candidates in a tokenizer.json, in order of preference.
+# End-of-document candidates of a tokenizer.json that declares no eos (`declared_eos`), in order of preference.
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
 KNOWN = "gpt2, bert, shakespeare-bpe:N, a tokenizer.json (or a directory holding one) or a SentencePiece .model file"
 
@@ -41,6 +48,9 @@ class Tokenizer(Protocol):
     name: str
     vocab_size: int
     eod_id: int
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]: ...
 
     @property
     def special_ids(self) -> dict[str, int]: ...
@@ -62,14 +72,89 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
+@dataclass(frozen=True)
+class DeclaredEos:
+    """What a tokenizer's folder declares about the end of a sequence: `token`, the eos_token of
+    tokenizer_config.json (or special_tokens_map.json), and `ids`, generation_config.json's eos_token_id(s)."""
+
+    token: str | None = None
+    ids: tuple[int, ...] = ()
+    token_file: str = ""  # where `token` was declared (for errors)
+    ids_file: str = ""
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{path} cannot be read as JSON ({err}); fix or remove it") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object; fix or remove it")
+    return data
+
+
+def _eos_ids(value, path: Path) -> tuple[int, ...]:
+    ids = [value] if isinstance(value, int) else value if isinstance(value, list) else None
+    if ids is None or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConfigError(f"{path}: eos_token_id must be a token id or a list of them, not {value!r}; fix it")
+    return tuple(dict.fromkeys(ids))
+
+
+def declared_eos(folder: Path) -> DeclaredEos:
+    """The end-of-sequence declaration of the Hugging Face files in `folder` (empty when there is none):
+    `eos_token` as a string or an AddedToken object (`{"content": ...}`), `eos_token_id` as an int or a list."""
+    token, token_file, ids, ids_file = None, "", (), ""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if token is None and (folder / name).is_file():
+            value = _json_object(folder / name).get("eos_token")
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str) and value:
+                token, token_file = value, str(folder / name)
+    path = folder / "generation_config.json"
+    if path.is_file():
+        value = _json_object(path).get("eos_token_id")
+        if value is not None:
+            ids, ids_file = _eos_ids(value, path), str(path)
+    return DeclaredEos(token, ids, token_file, ids_file)
+
+
+def resolve_end_ids(declared: DeclaredEos, token_to_id, vocab_size: int, spec: str) -> tuple[int, tuple[int, ...]]:
+    """(eod_id, stop_ids) from a declaration: the declared eos_token's id (else the first generation_config
+    id) is the end of document; every declared id stops generation. (-1, ()) when nothing is declared."""
+    bad = [i for i in declared.ids if i >= vocab_size]
+    if bad:
+        raise ConfigError(f"tokenizer {spec!r}: {declared.ids_file} lists eos_token_id {bad[0]}, outside the "
+                          f"tokenizer's {vocab_size} tokens; fix eos_token_id there")
+    eod = -1
+    if declared.token is not None:
+        found = token_to_id(declared.token)
+        if found is None:
+            raise ConfigError(f"tokenizer {spec!r}: {declared.token_file} declares eos_token {declared.token!r}, "
+                              "which the tokenizer does not hold; fix eos_token there or add the token")
+        eod = int(found)
+    elif declared.ids:
+        eod = declared.ids[0]
+    if eod < 0:
+        return -1, ()
+    return eod, tuple(dict.fromkeys((eod, *declared.ids)))
+
+
 class _Base:
-    """Shared parts: identity from the vocabulary file, special ids."""
+    """Shared parts: identity from the vocabulary file, special ids, stop ids (the end of document alone
+    unless the tokenizer's folder declares more)."""
 
     name: str
     spec: str
     vocab_file: Path
     vocab_size: int
     eod_id: int
+    declared_stop_ids: tuple[int, ...] = ()
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generation: `eod_id` first, then the others the model declares."""
+        return tuple(dict.fromkeys((self.eod_id, *self.declared_stop_ids)))
 
     @property
     def special_ids(self) -> dict[str, int]:
@@ -119,30 +204,41 @@ class GPT2Tokenizer(_Base):
 
 
 class HFTokenizer(_Base):
-    """Any Hugging Face `tokenizers` tokenizer; no special tokens are added, nothing is truncated."""
+    """Any Hugging Face `tokenizers` tokenizer; no special tokens are added, nothing is truncated. The end of
+    document is the folder's declared eos (`declared`, see the module docstring), else the first of
+    EOD_CANDIDATES the vocabulary holds."""
 
-    def __init__(self, tokenizer, spec: str, vocab_file: Path, name: str | None = None):
+    def __init__(self, tokenizer, spec: str, vocab_file: Path, name: str | None = None,
+                 declared: DeclaredEos | None = None):
         tokenizer.no_truncation()
         tokenizer.no_padding()
         self._tok = tokenizer
         self.spec, self.vocab_file = spec, vocab_file
         self.name = name or f"hf-{file_sha256(str(vocab_file))[:10]}"
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        found = [t for t in EOD_CANDIDATES if tokenizer.token_to_id(t) is not None]
-        if not found:
-            raise ConfigError(f"tokenizer {spec!r} has none of the end-of-document tokens "
-                              f"{', '.join(EOD_CANDIDATES)}; add one to its tokenizer.json")
-        self.eod_token = found[0]
-        self.eod_id = tokenizer.token_to_id(self.eod_token)
+        eod, stops = resolve_end_ids(declared or DeclaredEos(), tokenizer.token_to_id, self.vocab_size, spec)
+        if eod < 0:
+            found = [t for t in EOD_CANDIDATES if tokenizer.token_to_id(t) is not None]
+            if not found:
+                raise ConfigError(f"tokenizer {spec!r} declares no eos_token and has none of the end-of-document "
+                                  f"tokens {', '.join(EOD_CANDIDATES)}; add one to its tokenizer.json or declare "
+                                  "eos_token in a tokenizer_config.json beside it")
+            eod = tokenizer.token_to_id(found[0])
+        self.eod_id = int(eod)
+        self.eod_token = tokenizer.id_to_token(self.eod_id)
+        self.declared_stop_ids = stops
 
     @classmethod
     def from_file(cls, path: Path, spec: str) -> HFTokenizer:
+        """The tokenizer.json at `path`, with the eos its folder declares (`declared_eos`)."""
         from tokenizers import Tokenizer as _Tokenizer
 
+        declared = declared_eos(path.parent)
         try:
-            return cls(_Tokenizer.from_file(str(path)), spec, path)
+            tok = _Tokenizer.from_file(str(path))
         except Exception as err:  # noqa: BLE001 (the tokenizers library raises plain Exception)
             raise ConfigError(f"tokenizer {spec!r}: {path} is not a readable tokenizer.json ({err})") from None
+        return cls(tok, spec, path, declared=declared)
 
     @property
     def special_ids(self) -> dict[str, int]:
@@ -209,10 +305,16 @@ class SentencePieceTokenizer(_Base):
         self.spec, self.vocab_file = spec, path
         self.name = f"sentencepiece-{file_sha256(str(path))[:10]}"
         self.vocab_size = self._sp.get_piece_size()
-        self.eod_id = self._sp.eos_id()
+        eod, self.declared_stop_ids = resolve_end_ids(declared_eos(path.parent), self._token_id,
+                                                      self.vocab_size, spec)
+        self.eod_id = eod if eod >= 0 else self._sp.eos_id()
         if self.eod_id < 0:
             raise ConfigError(f"tokenizer {spec!r}: the SentencePiece model has no eos piece; train it with "
                               "eos_id >= 0")
+
+    def _token_id(self, piece: str) -> int | None:
+        i = self._sp.piece_to_id(piece)
+        return i if i != self._sp.unk_id() or piece == self._sp.id_to_piece(i) else None
 
     @property
     def special_ids(self) -> dict[str, int]:

@@ -69,7 +69,7 @@ def check_format(response_format) -> dict | None:
 
 def token_vocabulary(xgr, tokenizer, vocab_size: int):
     """xgrammar's TokenizerInfo of a meshlm tokenizer (`data.tokenizers`) for a model of `vocab_size` logits."""
-    stop = [tokenizer.eod_id]
+    stop = list(getattr(tokenizer, "stop_ids", None) or [tokenizer.eod_id])  # every declared end of sequence
     path = str(getattr(tokenizer, "vocab_file", "") or "")
     if getattr(tokenizer, "spec", None) == "gpt2" and path:  # tiktoken's ranks file: base64 bytes, rank
         import base64

@@ -1,7 +1,7 @@
 """The files of a Hugging Face model directory beside its weights: tokenizer files and sentence-transformers'.
 
-Importing (`meshlm convert --from-hf`), the tokenizer files, sentence-transformers' module files and the
-original config.json are carried into the checkpoint's `hf/` folder, so the checkpoint is usable as it is
+Importing (`meshlm convert --from-hf`), the tokenizer files (with generation_config.json, which declares the
+model's end-of-sequence ids), sentence-transformers' module files and the original config.json are carried into the checkpoint's `hf/` folder, so the checkpoint is usable as it is
 (`data.tokenizer` points at that folder). A directory with a WordPiece `vocab.txt` or a GPT-2 style
 `vocab.json` + `merges.txt` but no `tokenizer.json` gets one built from them (meshlm's tokenizers read
 tokenizer.json or a SentencePiece tokenizer.model).
@@ -24,10 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from meshlm.core.config import ConfigError, ModelConfig
-from meshlm.data.tokenizers import SHAKESPEARE_BPE, get_tokenizer
+from meshlm.data.tokenizers import SHAKESPEARE_BPE, HFTokenizer, get_tokenizer
 
+# The tokenizer's files, and generation_config.json: with tokenizer_config.json it declares the model's end of
+# sequence (`data.tokenizers.declared_eos`), read from beside the tokenizer.json a run's data.tokenizer names.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt", "chat_template.jinja")
+                   "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt", "chat_template.jinja",
+                   "generation_config.json")
+DECLARATION_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 ST_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
 CARRIED = "hf"  # the checkpoint's folder of carried files
 GPT2_EOT = "<|endoftext|>"
@@ -218,14 +222,17 @@ def write_tokenizer_files(spec: str, target: Path, seq_len: int, log: Callable[[
     elif path.is_file():
         name = "tokenizer.model" if path.suffix == ".model" else "tokenizer.json"
         shutil.copyfile(path, target / name)
-        names = [name]
+        names = [name, *_copy_present(path.parent, target, DECLARATION_FILES)]  # the eos declared beside it
     else:
         names = []
     if not names and log is not None:
         log(f"note: data.tokenizer={spec!r} is not there any more; no tokenizer files written")
     if "tokenizer.json" in names and "tokenizer_config.json" not in names:
+        # the end of document meshlm used, declared for transformers (a bare tokenizer.json declares none)
+        eos = HFTokenizer.from_file(target / "tokenizer.json", spec).eod_token
         (target / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len}, indent=2) + "\n")
+            {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len, "eos_token": eos},
+            indent=2) + "\n")
         names.append("tokenizer_config.json")
     return write_chat_template(target, names) if names and "vocab.txt" not in names else names
 

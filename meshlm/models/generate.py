@@ -1,10 +1,14 @@
 """Autoregressive sampling with a KV cache: temperature, top-k, top-p (nucleus), seeded.
 
 The prompt is run once to fill the cache, then one token per step attends to the cached keys/values.
-Greedy decoding (temperature 0) with the cache equals greedy decoding without it (tested).
+Greedy decoding (temperature 0) with the cache equals greedy decoding without it (tested). Generation ends at
+any of the tokenizer's stop ids (the model's declared end-of-sequence ids, `data.tokenizers`). `stream` yields a
+single prompt's tokens one by one (for `meshlm chat`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -52,24 +56,19 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return torch.multinomial(probs, 1, generator=generator)
 
 
-@torch.no_grad()
-def generate(model: GPT, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
-             top_k: int = 0, top_p: float = 1.0, seed: int | None = None, use_cache: bool = True,
-             eod_id: int | None = None) -> torch.Tensor:
-    """prompt: (B, T0) ids → (B, T0 + n) ids. Stops early when every row produced `eod_id`."""
-    was_training = model.training
-    model.eval()
-    device = prompt.device
+def _new_tokens(model: GPT, prompt: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int,
+                top_p: float, seed: int | None, use_cache: bool) -> Iterator[torch.Tensor]:
+    """Each step's sampled ids (B, 1), the prompt run once to fill the KV cache (`use_cache`), then one token a
+    step; at most `max_new_tokens`, fewer where learned positions end at model.seq_len."""
     generator = None
     if seed is not None:
-        generator = torch.Generator(device=device)
+        generator = torch.Generator(device=prompt.device)
         generator.manual_seed(seed)
     limit = model.cfg.seq_len if model.pos_emb is not None else prompt.shape[1] + max_new_tokens
     if prompt.shape[1] + max_new_tokens > limit:
         max_new_tokens = max(0, limit - prompt.shape[1])
     out = prompt
     caches = model.new_caches(prompt.shape[0], prompt.shape[1] + max_new_tokens) if use_cache else None
-    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=device)
     for i in range(max_new_tokens):
         if use_cache:
             start = 0 if i == 0 else out.shape[1] - 1
@@ -78,9 +77,62 @@ def generate(model: GPT, prompt: torch.Tensor, max_new_tokens: int, temperature:
             logits = model(out)
         nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
         out = torch.cat([out, nxt], dim=1)
-        if eod_id is not None:
-            done |= nxt[:, 0] == eod_id
-            if bool(done.all()):
-                break
-    model.train(was_training)
+        yield nxt
+
+
+def _stop_tensor(stop_ids: Iterable[int] | None, eod_id: int | None, device) -> torch.Tensor | None:
+    ids = [*(stop_ids or ()), *([eod_id] if eod_id is not None else [])]
+    return torch.tensor(sorted(set(map(int, ids))), device=device) if ids else None
+
+
+@torch.no_grad()
+def generate(model: GPT, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
+             top_k: int = 0, top_p: float = 1.0, seed: int | None = None, use_cache: bool = True,
+             eod_id: int | None = None, stop_ids: Iterable[int] | None = None) -> torch.Tensor:
+    """prompt: (B, T0) ids → (B, T0 + n) ids. Stops early when every row produced one of `stop_ids` (the
+    tokenizer's declared end-of-sequence ids; `eod_id` adds one); a row that stopped earlier than the others
+    goes on past its stop id, which the caller cuts at (`cut_at_stop`)."""
+    was_training = model.training
+    model.eval()
+    stops = _stop_tensor(stop_ids, eod_id, prompt.device)
+    out = prompt
+    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+    try:
+        for nxt in _new_tokens(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, use_cache):
+            out = torch.cat([out, nxt], dim=1)
+            if stops is not None:
+                done |= torch.isin(nxt[:, 0], stops)
+                if bool(done.all()):
+                    break
+    finally:
+        model.train(was_training)
     return out
+
+
+def cut_at_stop(ids: list[int], stop_ids: Iterable[int]) -> tuple[list[int], bool]:
+    """(`ids` up to, not including, the first stop id; whether one was found)."""
+    stops = set(stop_ids)
+    for i, token in enumerate(ids):
+        if token in stops:
+            return ids[:i], True
+    return list(ids), False
+
+
+@torch.no_grad()
+def stream(model: GPT, prompt: list[int], max_new_tokens: int, temperature: float = 0.8, top_k: int = 0,
+           top_p: float = 1.0, seed: int | None = None, stop_ids: Iterable[int] = ()) -> Iterator[int]:
+    """The new ids of one prompt, each yielded as soon as it is sampled (KV cache; the same steps as `generate`,
+    so greedy decoding gives its tokens); ends at `max_new_tokens` or at a stop id, which is not yielded."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    stops = set(map(int, stop_ids))
+    try:
+        x = torch.tensor([prompt], dtype=torch.long, device=device)
+        for nxt in _new_tokens(model, x, max_new_tokens, temperature, top_k, top_p, seed, use_cache=True):
+            token = int(nxt[0, 0])
+            if token in stops:
+                return
+            yield token
+    finally:
+        model.train(was_training)

@@ -14,8 +14,9 @@ import openai
 import pytest
 import torch
 
-from meshlm.checkpoint.load import load_model_from_checkpoint
+from meshlm.checkpoint.load import open_checkpoint
 from meshlm.tune.export import apply_adapter, read_adapter
+from tests.checkpoint_helpers import load_run
 from tests.conftest import run_cli
 from tests.infer.server_helpers import ServeProcess, http
 from tests.tune.tune_helpers import QUIET, repeat_rows, run, save_base, write_jsonl
@@ -55,10 +56,10 @@ def tuned_model(base: str, directory: str | None):
     """(model, tokenizer, head ids): the base with the adapter in `directory` (LoRA merged, virtual tokens
     attached), as `meshlm generate --adapter` runs it: the virtual tokens' placeholders before the prompt
     (LoRA and the base: nothing)."""
-    model, tok, cfg = load_model_from_checkpoint(base)
+    model, tok, cfg = load_run(base)
     head = []
     if directory is not None:
-        adapter = read_adapter(directory, cfg, base)
+        adapter = read_adapter(directory, cfg, open_checkpoint(base))
         apply_adapter(model, cfg, adapter)
         head = [0] * adapter.virtual_tokens
     return model, tok, head
@@ -117,8 +118,8 @@ def test_each_model_answers_with_its_own_adapter(served, tuned):
 
 def test_lora_completions_equal_meshlm_generate(served, tuned):
     """The real CLI in its own process, greedy: `meshlm generate --adapter DIR` (LoRA merged, the prompt
-    alone) against the server's unmerged LoRA rows. ignore_eos: generate does not stop at the end
-    of the document either."""
+    alone) against the server's unmerged LoRA rows, both past the end of the document (ignore_eos and
+    --ignore-eos)."""
     c = client(served)
     for model, directory in (("alpha", tuned["lora-a"]), ("lora-b", tuned["lora-b"])):
         for prompt in PROMPTS[:2]:
@@ -127,7 +128,7 @@ def test_lora_completions_equal_meshlm_generate(served, tuned):
             assert out.usage.prompt_tokens == len(tuned_model(str(tuned["base"]), None)[1].encode(prompt))
             assert out.usage.completion_tokens == 8
             cli = run_cli("generate", "--checkpoint", str(tuned["base"]), "--adapter", str(directory), "--prompt",
-                          prompt, "--temperature", "0", "--max-new-tokens", "8")
+                          prompt, "--temperature", "0", "--max-new-tokens", "8", "--ignore-eos")
             assert cli.returncode == 0, cli.stderr
             assert cli.stdout == prompt + out.choices[0].text + "\n", (model, prompt)
 

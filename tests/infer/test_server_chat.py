@@ -9,9 +9,9 @@ import openai
 import pytest
 import torch
 
-from meshlm.checkpoint.load import load_model_from_checkpoint
 from meshlm.data.tokenizers import train_bpe
 from meshlm.models.generate import generate
+from tests.checkpoint_helpers import load_run
 from tests.conftest import tiny_config
 from tests.infer.server_helpers import GPT_MODEL, ServeProcess
 
@@ -59,7 +59,7 @@ def test_chat_uses_the_checkpoints_template(served):
     hf = transformers.PreTrainedTokenizerFast.from_pretrained(str(run / "hf"))
     ids = list(hf.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True, return_dict=False))
     assert ids[:1] == [hf.convert_tokens_to_ids("<|im_start|>")]  # the specials are single ids
-    model, tokenizer, _ = load_model_from_checkpoint(str(run))
+    model, tokenizer, _ = load_run(str(run))
     out = generate(model, torch.tensor([ids]), 12, temperature=0)[0, len(ids):].tolist()
     if tokenizer.eod_id in out:
         out = out[:out.index(tokenizer.eod_id)]

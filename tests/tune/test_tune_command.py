@@ -12,8 +12,9 @@ import json
 import pytest
 import torch
 
-from meshlm.checkpoint import files as ckpt_files
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint.files import checkpoints_dir, load_torch, step_name
+from meshlm.checkpoint.load import open_checkpoint
+from meshlm.checkpoint.single import load_model_state, resolve_checkpoint
 from tests.tune.tune_helpers import (
     LLAMA,
     QUIET,
@@ -61,7 +62,7 @@ def test_base_bit_identical_and_adapter_learns(data, method, base, tmp_path):
         assert trainer.model.loss_on_target_rows  # the fused head runs on the answers' rows only
         first = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
         trainer.run()
-    base_state = ckpt.load_model_state(ckpt.resolve_checkpoint(data[base], log=None))
+    base_state = load_model_state(resolve_checkpoint(data[base], log=None))
     params = dict(trainer.model.named_parameters())
     frozen = [n for n, p in params.items() if not p.requires_grad]
     assert frozen and set(frozen) == {n for n in base_state if n in params}  # (a tied head is the embedding)
@@ -70,11 +71,11 @@ def test_base_bit_identical_and_adapter_learns(data, method, base, tmp_path):
     assert first and all(not torch.equal(first[n], params[n].detach()) for n in first)
     losses = train_losses(tmp_path / "run")
     assert losses[-1] < losses[0] - 0.01, losses  # (a random base: the logits start near uniform)
-    saved = ckpt_files.load_torch(ckpt.resolve_checkpoint(tmp_path / "run", log=None) / "model.pt")
+    saved = load_torch(resolve_checkpoint(tmp_path / "run", log=None) / "model.pt")
     assert set(saved) == set(first)
     marker = ".lora." if method == "lora" else "prompt."
     assert all(marker in n for n in saved)
-    optim = ckpt_files.load_torch(ckpt.resolve_checkpoint(tmp_path / "run", log=None) / "optim.pt")
+    optim = load_torch(resolve_checkpoint(tmp_path / "run", log=None) / "optim.pt")
     assert set(optim) == set(first) and all(set(s) >= {"exp_avg", "exp_avg_sq"} for s in optim.values())
 
 
@@ -82,14 +83,14 @@ def test_resume_is_exact(data, tmp_path):
     """Steps 5-8 resumed from the step-4 checkpoint in another directory equal the straight run's."""
     code, _, err = run(*tune_args(data, "lora", tmp_path / "whole", "--train.save_every=4"))
     assert code == 0, err
-    step4 = ckpt.checkpoints_dir(tmp_path / "whole") / ckpt.step_name(4)
+    step4 = checkpoints_dir(tmp_path / "whole") / step_name(4)
     code, stdout, err = run(*tune_args(data, "lora", tmp_path / "resumed", f"--train.resume={step4}"))
     assert code == 0, err
     assert "resumed from" in stdout
     whole, resumed = train_losses(tmp_path / "whole"), train_losses(tmp_path / "resumed")
     assert len(resumed) == 4 and resumed == whole[4:]
-    a = ckpt_files.load_torch(ckpt.resolve_checkpoint(tmp_path / "whole", log=None) / "model.pt")
-    b = ckpt_files.load_torch(ckpt.resolve_checkpoint(tmp_path / "resumed", log=None) / "model.pt")
+    a = load_torch(resolve_checkpoint(tmp_path / "whole", log=None) / "model.pt")
+    b = load_torch(resolve_checkpoint(tmp_path / "resumed", log=None) / "model.pt")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -106,7 +107,7 @@ def test_several_tasks_with_templates_and_generate(data, tmp_path):
     meta = json.loads((out / "adapter.json").read_text())
     assert meta["tasks"] == ["first", "last"] and meta["method"] == "prompt"
     assert meta["peft"].startswith("not written")  # PEFT's prompt tuning holds one prompt
-    table = ckpt_files.load_torch(ckpt.resolve_checkpoint(out, log=None) / "model.pt")["prompt.table"]
+    table = load_torch(resolve_checkpoint(out, log=None) / "model.pt")["prompt.table"]
     assert tuple(table.shape) == (2, 10, 32)
     outputs = {}
     for task in ("first", "last"):
@@ -121,18 +122,18 @@ def test_several_tasks_with_templates_and_generate(data, tmp_path):
 
 def test_generate_with_lora_adapter_equals_merged_model(data, tmp_path):
     """`meshlm generate --adapter` gives the tokens of the base with the update merged by hand."""
-    from meshlm.checkpoint.load import load_model_from_checkpoint
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.models.generate import generate
     from meshlm.tune.export import apply_adapter, read_adapter
+    from tests.checkpoint_helpers import load_run
 
     out = tmp_path / "lora"
     assert run(*tune_args(data, "lora", out, "--tune.lora_targets=['qkv','down']", "--optim.lr=1e-2"))[0] == 0
     code, stdout, err = run("generate", "--checkpoint", str(data["base"]), "--adapter", str(out), "--prompt",
-                            "say gold:", "--max-new-tokens", "3", "--temperature", "0")
+                            "say gold:", "--max-new-tokens", "3", "--temperature", "0", "--ignore-eos")
     assert code == 0, err
-    model, _, cfg = load_model_from_checkpoint(str(data["base"]))
-    apply_adapter(model, cfg, read_adapter(out, cfg, str(data["base"])), merge=False)
+    model, _, cfg = load_run(str(data["base"]))
+    apply_adapter(model, cfg, read_adapter(out, cfg, open_checkpoint(data["base"])), merge=False)
     tok = get_tokenizer("gpt2")
     ids = torch.tensor([tok.encode("say gold:")])  # nothing before the prompt, as tuning rows begin
     want = tok.decode(generate(model, ids, 3, temperature=0)[0].tolist())
@@ -208,7 +209,7 @@ def test_bert_lora_with_a_new_head(tmp_path):
                        str(train), "--valid", str(valid), "--out", str(out), *QUIET, "--train.max_steps=3",
                        "--tune.lora_targets=['qkv','down']")
     assert code == 0, err
-    saved = ckpt_files.load_torch(ckpt.resolve_checkpoint(out, log=None) / "model.pt")
+    saved = load_torch(resolve_checkpoint(out, log=None) / "model.pt")
     assert {k for k in saved if ".lora." not in k} == {"task_head.weight", "task_head.bias"}
     assert sum(".lora." in k for k in saved) == 2 * 2 * 2  # A and B, two targets, two layers
     meta = json.loads((out / "adapter.json").read_text())
@@ -221,6 +222,6 @@ def test_full_fine_tuning_trains_every_weight(data, tmp_path):
     code, stdout, err = run(*tune_args(data, "full", out))
     assert code == 0, err
     assert "the fine-tuned model is" in stdout and not (out / "adapter.json").exists()
-    base = ckpt.load_model_state(ckpt.resolve_checkpoint(data["base"], log=None))
-    tuned = ckpt.load_model_state(ckpt.resolve_checkpoint(out, log=None))
+    base = load_model_state(resolve_checkpoint(data["base"], log=None))
+    tuned = load_model_state(resolve_checkpoint(out, log=None))
     assert set(base) == set(tuned) and all(not torch.equal(base[k], tuned[k]) for k in base if "norm" not in k)

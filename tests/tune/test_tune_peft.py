@@ -12,9 +12,10 @@ import warnings
 import pytest
 import torch
 
-from meshlm.checkpoint.load import load_model_from_checkpoint
+from meshlm.checkpoint.load import open_checkpoint
 from meshlm.cli import main
 from meshlm.tune.export import apply_adapter, read_adapter
+from tests.checkpoint_helpers import load_run
 from tests.tune.tune_helpers import LLAMA, QUIET, repeat_rows, save_base, write_jsonl
 
 peft = pytest.importorskip("peft")
@@ -52,8 +53,8 @@ def hf_logits(hf_dir, adapter_dir, ids: torch.Tensor) -> torch.Tensor:
 
 
 def meshlm_logits(base, adapter_dir, ids: torch.Tensor, merge: bool) -> torch.Tensor:
-    model, _, cfg = load_model_from_checkpoint(str(base))
-    adapter = read_adapter(adapter_dir, cfg, str(base))
+    model, _, cfg = load_run(str(base))
+    adapter = read_adapter(adapter_dir, cfg, open_checkpoint(base))
     apply_adapter(model, cfg, adapter, merge=merge)
     n = adapter.virtual_tokens
     x = torch.cat([torch.zeros(1, n, dtype=torch.long), ids], 1)
@@ -73,7 +74,7 @@ def test_meshlm_adapter_loads_in_peft(bases, case, tmp_path):
     ours = meshlm_logits(bases[base], out, ids, merge=False)
     merged = meshlm_logits(bases[base], out, ids, merge=True)
     with torch.no_grad():
-        plain = load_model_from_checkpoint(str(bases[base]))[0](ids)[0]
+        plain = load_run(str(bases[base]))[0](ids)[0]
     assert (ours - plain).abs().max() > 1e-3  # the adapter changes the model: the comparison means something
     theirs = hf_logits(bases["root"] / f"{base}_hf", out, ids)
     torch.testing.assert_close(theirs, ours, rtol=0, atol=TOL)
@@ -136,8 +137,8 @@ def test_lora_generates_as_peft_users_call_it(bases, tmp_path):
                "--train.max_steps=4", "--optim.lr=3e-2", "--optim.warmup_steps=1",
                "--tune.lora_targets=['q','v','o','down']") == 0
     theirs = peft_greedy(bases["root"] / "base_hf", out, PLAIN_PROMPTS, n)
-    model, tok, cfg = load_model_from_checkpoint(str(bases["base"]))
-    engine = Engine(model, tok, adapters=AdapterSet(model, cfg, [("lora", read_adapter(out, cfg, str(bases["base"])))]))
+    model, tok, cfg = load_run(str(bases["base"]))
+    engine = Engine(model, tok, adapters=AdapterSet(model, cfg, [("lora", read_adapter(out, cfg, open_checkpoint(bases["base"])))]))
     greedy = SamplingParams(max_tokens=n, temperature=0)
     ours = [r.output_ids for r in engine.generate([tok.encode(p) for p in PLAIN_PROMPTS], greedy, [1] * 3)]
     assert ours == theirs
@@ -149,7 +150,7 @@ def test_lora_generates_as_peft_users_call_it(bases, tmp_path):
     for prompt, ids in zip(PLAIN_PROMPTS, theirs):
         with contextlib.redirect_stdout(io.StringIO()) as printed:
             assert main(["generate", "--checkpoint", str(bases["base"]), "--adapter", str(out), "--prompt", prompt,
-                         "--max-new-tokens", str(n), "--temperature", "0"]) == 0
+                         "--max-new-tokens", str(n), "--temperature", "0", "--ignore-eos"]) == 0
         assert printed.getvalue().startswith(prompt + gpt2.decode(ids)), (printed.getvalue(), ids)
 
 
