@@ -14,6 +14,13 @@ from meshlm.core.config import Config, build
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_addoption(parser):
+    """The layout fuzz's random set (tests/parallel/test_layout_fuzz.py): off unless --fuzz-n is given."""
+    group = parser.getgroup("meshlm layout fuzz")
+    group.addoption("--fuzz-n", type=int, default=0, help="random parallel layouts to run against one process")
+    group.addoption("--fuzz-seed", type=int, default=0, help="seed of the random layouts (default 0)")
+
+
 @pytest.fixture(autouse=True)
 def _cache_dir(tmp_path_factory, monkeypatch):
     """Tokenized-corpus cache shared by the whole session, never the user's ~/.cache."""

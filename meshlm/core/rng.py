@@ -2,11 +2,13 @@
 their state for a checkpoint (`rng_state`) and back (`set_rng_state`), so a resumed run draws the very
 numbers (dropout masks, data order) the uninterrupted one would have.
 
-The tensor-parallel dropout stream is `parallel.rng.TPRNGTracker`'s, saved beside these.
+The tensor-parallel dropout stream is `parallel.rng.TPRNGTracker`'s, saved beside these. `deterministic_algorithms`
+is `train.deterministic`'s switch for torch's kernels.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import numpy as np
@@ -35,3 +37,20 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2 ** 32)
     torch.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool):
+    """`train.deterministic`: inside the block torch uses deterministic algorithms only (an operation without one
+    stops with torch's error naming it) and cuDNN does not benchmark; the process's previous settings after."""
+    if not enabled:
+        yield
+        return
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.benchmark = before[1]

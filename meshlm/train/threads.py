@@ -13,6 +13,13 @@ another process's) minus this process's own CPU time. It sets torch's thread cou
 (`threads_for`), once two windows in a row agree (a command that runs for a moment does not move it). Linux only
 (/proc/stat); elsewhere, and where the user chose (OMP_NUM_THREADS, `train.adapt_threads = false`), it is off.
 docs/threads.md has the measurements (benchmarks/busy_step.py).
+
+The thread count changes the order of torch's parallel reductions, so the same step computed with another count
+can differ in the last bits. A checkpoint therefore holds the count and the governor's changes (`state_dict`),
+and a resumed run starts with the count its checkpoint's step had (`load_state_dict`), not torch's default: a run
+killed and resumed on a host as busy as before continues bit for bit. The governor still follows the load after
+that, so a resumed run is bit-equal to the uninterrupted one when both used the same count at every later step
+(docs/reliability.md says exactly when); `train.deterministic` turns the governor off and keeps the count.
 """
 
 from __future__ import annotations
@@ -68,8 +75,26 @@ class ThreadGovernor:
         self.others = 0.0  # the other processes' CPUs in the last window
         self.pending = most  # the last window's choice, applied when the next one agrees
         self.mark = (clock(), busy(), own())
+        self.history: list[list[int]] = [[0, most]]  # [steps done, the count used from the next step on], per change
 
-    def after_step(self) -> str | None:
+    def state_dict(self) -> dict:
+        """The count in use and every change so far, for a checkpoint."""
+        return {"threads": self.threads, "history": [list(h) for h in self.history]}
+
+    def load_state_dict(self, state: dict) -> str | None:
+        """Continue a checkpoint's run: its thread count (set now) and its history; a line to log if the count
+        differs from this process's."""
+        saved = int(state["threads"])
+        self.history = [list(h) for h in state.get("history", [])] or [[0, saved]]
+        if saved == self.threads:
+            return None
+        before, self.threads, self.pending = self.threads, saved, saved
+        self.set_threads(saved)
+        return f"threads: torch threads {before} → {saved}, the count the resumed run had at its checkpoint " \
+               "(so its steps repeat bit for bit; train.adapt_threads, docs/reliability.md)"
+
+    def after_step(self, step: int | None = None) -> str | None:
+        """`step`: the steps done (recorded with a change, whose count applies from the next step)."""
         now, busy, own = self.clock(), self.busy(), self.own()
         t0, busy0, own0 = self.mark
         if now - t0 < self.window_s or busy is None or busy0 is None:
@@ -82,6 +107,8 @@ class ThreadGovernor:
             return None
         before, self.threads = self.threads, choice
         self.set_threads(choice)
+        if step is not None:
+            self.history.append([step, choice])
         why = (f"other processes use {self.others:.1f} of {self.cpus} CPUs" if choice < self.most
                else f"the CPUs are free again (other processes use {self.others:.1f} of {self.cpus})")
         return f"threads: {why}; torch threads {before} → {choice} (train.adapt_threads, docs/threads.md)"
@@ -94,3 +121,23 @@ def thread_governor(enabled: bool, device: torch.device) -> ThreadGovernor | Non
         return None
     most = torch.get_num_threads()
     return ThreadGovernor(most, usable_cpus()) if most > 1 else None
+
+
+def thread_state(governor: ThreadGovernor | None) -> dict:
+    """What a checkpoint records of the threads: the governor's state, or the count this process runs with."""
+    return governor.state_dict() if governor is not None else {"threads": torch.get_num_threads(), "history": []}
+
+
+def restore_threads(governor: ThreadGovernor | None, saved: dict | None, pinned: bool) -> str | None:
+    """A resumed run's thread count: the checkpoint's (`saved`, from `thread_state`) through the governor, or set
+    directly when the count is `pinned` (train.deterministic); left alone otherwise (the user chose it, e.g.
+    OMP_NUM_THREADS or train.adapt_threads=false), or when the checkpoint predates the record. A line to log."""
+    if not saved:
+        return None
+    if governor is not None:
+        return governor.load_state_dict(saved)
+    count, now = int(saved["threads"]), torch.get_num_threads()
+    if not pinned or count == now:
+        return None
+    torch.set_num_threads(count)
+    return f"threads: torch threads {now} → {count}, the count the resumed run had (train.deterministic pins it)"

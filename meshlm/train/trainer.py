@@ -19,6 +19,7 @@ extension `cfg` asks for. With `train.time_budget_s` the loop times its first st
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from collections.abc import Sequence
@@ -27,14 +28,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshlm.checkpoint import sharded as dist_checkpoint
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint import sharded
+from meshlm.checkpoint.single import latest_checkpoint, load_model_state
 from meshlm.core.config import Config, ConfigError
 from meshlm.core.errors import TrainingError
 from meshlm.core.flops import finetune_flops
 from meshlm.core.layout import recomputed_layers
 from meshlm.core.precision import Precision
-from meshlm.core.rng import seed_everything
+from meshlm.core.rng import deterministic_algorithms, seed_everything
 from meshlm.data.dataset import BatchLoader
 from meshlm.data.prefetch import PrefetchLoader
 from meshlm.families.registry import get_spec
@@ -52,7 +53,7 @@ from meshlm.train.metrics import measure_peak_tflops, moe_groups, moe_metrics, p
 from meshlm.train.optim import build_optimizer, lr_at
 from meshlm.train.state import CheckpointState
 from meshlm.train.stragglers import straggler_line, straggler_watch
-from meshlm.train.threads import thread_governor
+from meshlm.train.threads import restore_threads, thread_governor, thread_state
 
 
 def pick_device(name: str) -> torch.device:
@@ -78,12 +79,15 @@ class Trainer(CheckpointState):
         self.cfg = cfg
         t = cfg.train
         device = pick_device(t.device)
+        if t.deterministic:  # read when cuBLAS starts: its deterministic workspace (torch's reproducibility notes)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         # torchrun's environment → process groups (none for one process); cuda:LOCAL_RANK on GPUs.
         self.dims = init_distributed(cfg.parallel, device if device.type == "cpu" else None)
         # A stopped or frozen peer is reported by rank and host within parallel.heartbeat_s (parallel/heartbeat.py).
         self.heartbeat = start_heartbeat(self.dims, cfg.parallel.heartbeat_s)
         self.device = self.dims.device
-        self.threads = thread_governor(t.adapt_threads, self.device)  # None unless a CPU run may adapt
+        # None unless a CPU run may adapt; train.deterministic keeps the count (a resumed run: its checkpoint's).
+        self.threads = None if t.deterministic else thread_governor(t.adapt_threads, self.device)
         self.progress = (t.progress if progress is None else progress) and self.dims.is_main
         self.out_dir = Path(t.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -143,9 +147,9 @@ class Trainer(CheckpointState):
         self.model = self.parallel.model  # this rank's part, plain parameter names
         self.has_moe = bool(moe_layers(self.model))  # MoE layers' per-step hooks run only if there are any
         self.legacy_resume = (self.resume_from is not None and self.dims.world_size == 1 and self.checkpoints is None
-                              and not dist_checkpoint.is_sharded(self.resume_from))
+                              and not sharded.is_sharded(self.resume_from))
         if self.legacy_resume:  # a one-process checkpoint into one process: the plain state dicts
-            self.model.load_state_dict(ckpt.load_model_state(self.resume_from, self.device))
+            self.model.load_state_dict(load_model_state(self.resume_from, self.device))
         self.loss_fn = self.parallel.loss_fn
         # A loss of several parts (BERT: MLM, sentence order, accuracies) records them for the log.
         self.part_names: tuple[str, ...] = getattr(self.loss_fn, "part_names", ())
@@ -271,6 +275,15 @@ class Trainer(CheckpointState):
             self._stop_seen = int(host[2])
         return host[0], host[1]
 
+    def thread_state(self) -> dict:
+        """The thread count (and the governor's changes) a checkpoint records (`train/threads.py`)."""
+        return thread_state(self.threads)
+
+    def restore_threads(self, saved: dict | None) -> None:
+        """A resumed run continues with its checkpoint's thread count (governed, or pinned by train.deterministic)."""
+        if line := restore_threads(self.threads, saved, pinned=self.cfg.train.deterministic):
+            self.log(line)
+
     def _skip_step(self, loss: float, norm: float) -> None:
         """No update: gradients dropped, weights and Adam's state unchanged. The iteration still counts
         (Megatron-style): the step number, the learning-rate schedule and the data position move on."""
@@ -381,7 +394,8 @@ class Trainer(CheckpointState):
     def run(self) -> dict:
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            return self._run()
+            with deterministic_algorithms(self.cfg.train.deterministic):
+                return self._run()
         finally:
             self.close_saves()  # a background write in flight ends before the process does
             for s, h in handlers.items():
@@ -461,7 +475,7 @@ class Trainer(CheckpointState):
                 self._follow_budget(time.perf_counter() - began)
                 t = self.cfg.train  # max_steps: the planned count once planned
             self.poll_save()  # train.async_save: publish a finished background write, or stop on its error
-            if self.threads is not None and (line := self.threads.after_step()):
+            if self.threads is not None and (line := self.threads.after_step(self.step)):
                 self.log(line)
             if (rec := self.stragglers.report(self.step)) is not None:  # a collective: every rank calls it
                 self.runlog.write({**rec, "tokens": self.tokens_seen})
@@ -538,7 +552,7 @@ class Trainer(CheckpointState):
             if not self.dims.is_main:
                 return
             model = self.spec.model_class(self.cfg.model).to(self.device)
-            model.load_state_dict(ckpt.load_model_state(ckpt.latest_checkpoint(self.out_dir), self.device))
+            model.load_state_dict(load_model_state(latest_checkpoint(self.out_dir), self.device, spec=self.spec))
         ids = torch.tensor([self.tokenizer.encode(t.sample_prompt)], device=self.device)
         out = generate(model, ids, t.sample_tokens, temperature=0.8, top_p=0.9, seed=t.seed)  # nucleus sampling
         text = self.tokenizer.decode(out[0].tolist())

@@ -2,6 +2,8 @@
 decided from CPU accounting over windows, two windows in a row, never over the user's choice."""
 
 import os
+import shutil
+import signal
 import time
 
 import pytest
@@ -119,3 +121,107 @@ def test_the_training_loop_asks_the_governor_after_every_step(tmp_path, monkeypa
     counts = [json.loads(line).get("threads") for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
               if json.loads(line)["kind"] == "train"]
     assert counts[0] == 2 and counts[-1] == 1
+
+
+class BusyHostGovernor(ThreadGovernor):
+    """A governor on a host where another process holds one of 2 CPUs all along: each call of its clock is one
+    second later, and the machine is busy 2 CPU-seconds a second, one of them this process's. `kill_after`:
+    the run is stopped (SIGTERM, saved at the step boundary) after that many steps."""
+
+    def __init__(self, kill_after: int = 0):
+        clock = {"now": 0.0}
+
+        def tick() -> float:
+            clock["now"] += 1.0
+            return clock["now"]
+
+        super().__init__(2, 2, window_s=2.0, clock=tick, busy=lambda: 2.0 * clock["now"], own=lambda: clock["now"])
+        self.kill_after, self.steps = kill_after, 0
+
+    def after_step(self, *step):
+        self.steps += 1  # counted here: a resumed run's governor sees the steps after its checkpoint only
+        if self.steps == self.kill_after:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().after_step(*step)
+
+
+def _train(cfg, monkeypatch, kill_after: int = 0) -> list[dict]:
+    """Run `cfg` with 2 torch threads to start, on the busy host (`BusyHostGovernor`); the train records of
+    metrics.jsonl."""
+    import json
+
+    from meshlm.train import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "thread_governor",
+                        lambda enabled, device: BusyHostGovernor(kill_after) if enabled else None)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        trainer_module.Trainer(cfg).run()
+    finally:
+        torch.set_num_threads(before)
+    out = cfg.train.out_dir
+    return [r for r in map(json.loads, open(f"{out}/metrics.jsonl").read().splitlines()) if r["kind"] == "train"]
+
+
+def _weights(out) -> dict:
+    from meshlm.checkpoint.single import load_model_state, resolve_checkpoint
+
+    return load_model_state(resolve_checkpoint(out))
+
+
+def test_a_run_killed_on_a_busy_host_resumes_with_its_thread_count_bit_exactly(tmp_path, monkeypatch):
+    """The governor went to 1 thread before the checkpoint (step 4); the resumed run, on the same busy host,
+    runs steps 5-8 with that count from the first (before: torch's 2 again, until two windows agreed), so every
+    step's thread count, loss and gradient norm and the final weights equal the uninterrupted run's."""
+    from tests.conftest import tiny_config
+
+    keys = {"log_every": 1, "adapt_threads": True}
+    straight = _train(tiny_config(tmp_path / "straight", train={**keys, "max_steps": 8}), monkeypatch)
+    _train(tiny_config(tmp_path / "split", train={**keys, "max_steps": 8}), monkeypatch, kill_after=4)
+    resumed = _train(tiny_config(tmp_path / "split", train={**keys, "max_steps": 8}), monkeypatch)
+    # a record's `threads` is the count after its step: the governor moved to 1 thread after step 4
+    assert [r["threads"] for r in straight] == [2, 2, 2, 1, 1, 1, 1, 1]
+    assert [r["threads"] for r in resumed] == [r["threads"] for r in straight]
+    assert [(r["loss"], r["grad_norm"]) for r in resumed] == [(r["loss"], r["grad_norm"]) for r in straight]
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "split")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_checkpoint_records_the_governors_changes(tmp_path, monkeypatch):
+    from meshlm.checkpoint.single import load_part, resolve_checkpoint
+    from tests.conftest import tiny_config
+
+    _train(tiny_config(tmp_path, train={"max_steps": 6, "adapt_threads": True}), monkeypatch)
+    saved = load_part(resolve_checkpoint(tmp_path), "state")["threads"]
+    assert saved == {"threads": 1, "history": [[0, 2], [4, 1]]}  # 1 thread from step 5 on
+
+
+def test_deterministic_mode_turns_the_governor_off_and_a_resumed_run_keeps_the_count(tmp_path, monkeypatch):
+    """train.deterministic: no governor (the busy host changes nothing), and a run resumed in a process whose
+    torch has another thread count (here 1) continues with its checkpoint's (2), bit for bit."""
+    from tests.conftest import tiny_config
+
+    keys = {"log_every": 1, "deterministic": True}
+    straight = _train(tiny_config(tmp_path / "straight", train={**keys, "max_steps": 6}), monkeypatch)
+    tiny = tiny_config(tmp_path / "split", train={**keys, "max_steps": 6, "save_every": 3})
+    _train(tiny, monkeypatch)
+    for late in ("step_0000006", "latest"):  # killed after step 3's checkpoint: resumed from it
+        shutil.rmtree(tmp_path / "split" / "checkpoints" / late, ignore_errors=True)
+        (tmp_path / "split" / "checkpoints" / late).unlink(missing_ok=True)
+    before = torch.get_num_threads()
+    try:
+        import json
+
+        from meshlm.train.trainer import Trainer
+
+        torch.set_num_threads(1)  # this process's own count differs from the checkpoint's
+        Trainer(tiny_config(tmp_path / "split", train={**keys, "max_steps": 6})).run()
+        resumed = [r for r in map(json.loads, (tmp_path / "split" / "metrics.jsonl").read_text().splitlines())
+                   if r["kind"] == "train"]
+    finally:
+        torch.set_num_threads(before)
+    assert [r["threads"] for r in straight] == [2] * 6 and [r["threads"] for r in resumed] == [2] * 6
+    assert [(r["loss"], r["grad_norm"]) for r in resumed] == [(r["loss"], r["grad_norm"]) for r in straight]
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "split")
+    assert all(torch.equal(a[k], b[k]) for k in a)
