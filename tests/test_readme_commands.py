@@ -175,7 +175,8 @@ def test_readme_plan_commands_print_what_the_readme_shows():
 def test_make_demo_trains_the_demo_config_and_prints_a_sample(tmp_path):
     """`make demo` is `meshlm train --config demo` (the README's first command): its tokenizer trained on the
     corpus, Muon, a sample at the end; narrowed here to a few steps of a small shape."""
-    from meshlm.checkpoint import single as ckpt
+    from meshlm.checkpoint.files import load_config_dict
+    from meshlm.checkpoint.single import load_part, resolve_checkpoint
     from tests.conftest import ROOT
 
     demo = [ln for ln in (ROOT / "Makefile").read_text().splitlines() if "meshlm train" in ln]
@@ -186,11 +187,11 @@ def test_make_demo_trains_the_demo_config_and_prints_a_sample(tmp_path):
                    f"--train.out_dir={out}")
     assert proc.returncode == 0, proc.stderr
     assert "---- sample ----" in proc.stdout and "ROMEO." in proc.stdout
-    path = ckpt.resolve_checkpoint(out)
-    cfg = ckpt.load_config_dict(path)
+    path = resolve_checkpoint(out)
+    cfg = load_config_dict(path)
     assert (cfg["data"]["tokenizer"], cfg["model"]["vocab_size"], cfg["optim"]["name"]) == \
         ("shakespeare-bpe:4096", 4096, "muon")
-    kinds = {k for st in ckpt.load_part(path, "optim")["state"].values() for k in st}
+    kinds = {k for st in load_part(path, "optim")["state"].values() for k in st}
     assert {"momentum_buffer", "exp_avg"} <= kinds
     evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"]
     assert evals and 0 < evals[-1]["val_bpb"] < float("inf")

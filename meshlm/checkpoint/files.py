@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from meshlm.checkpoint.consistency import shapes_disagreement, step_disagreement
 from meshlm.core.errors import CheckpointError, CheckpointWriteError
 
 LATEST = "latest"
@@ -284,12 +285,11 @@ def _unlisted(path: Path, listed: dict) -> str | None:
 
 
 def _step_problem(path: Path, manifest: dict) -> Problem | None:
-    """A step directory whose name says another step than its manifest (a renamed copy)."""
+    """A step directory whose name, manifest and `state.pt` do not all name the same step (a renamed copy, an
+    edited manifest or state: `consistency.step_disagreement`)."""
     m = _STEP.match(_label(path))
-    if m is None or int(m.group(1)) == manifest["step"]:
-        return None
-    return Problem(f"its {MANIFEST} is of step {manifest['step']}, not {int(m.group(1))}: the directory was renamed; "
-                   f"rename it {step_name(manifest['step'])} or move it out of checkpoints/", "is misnamed")
+    found = step_disagreement(path, int(m.group(1)) if m else None, manifest["step"])
+    return None if found is None else Problem(*found)
 
 
 def verify(path: Path, checksum: bool = True, resume: bool = False) -> Problem | None:
@@ -415,24 +415,35 @@ def _label(path: Path) -> str:
     return path.parent.name if path.name == "old" else path.name
 
 
-def usable(path: Path, checksum: bool = True, resume: bool = False) -> Problem | None:
-    """`verify`, and with `checksum` (a full check, as before loading) the weights' finiteness too."""
+def usable(path: Path, checksum: bool = True, resume: bool = False, spec_of: Callable | None = None
+           ) -> Problem | None:
+    """`verify`, and with `checksum` (a full check, as before loading) the weights' finiteness too; with
+    `spec_of` (family name → `ModelSpec`: checkpoint/ never looks one up) the weights' shapes against those
+    the checkpoint's own config.json implies (`consistency.shapes_disagreement`)."""
     problem = verify(path, checksum, resume)
     if problem is None and checksum:
         problem = weights_problem(path)
+    if problem is None and spec_of is not None:
+        try:
+            config = load_config_dict(path)
+        except CheckpointError as err:
+            return Problem(str(err))
+        text = shapes_disagreement(path, config, spec_of)
+        problem = None if text is None else Problem(text, "disagrees with its config.json")
     return problem
 
 
-def find_valid(root: Path, checksum: bool = True, resume: bool = False) -> tuple[Path | None, str | None]:
+def find_valid(root: Path, checksum: bool = True, resume: bool = False, spec_of: Callable | None = None
+               ) -> tuple[Path | None, str | None]:
     """The newest complete, verified checkpoint under `root` (a checkpoints/ directory), and a note saying
     what was passed over and why (None when `latest` names the one found and nothing was skipped), e.g.
     "checkpoints/latest names step_0000040, which is incomplete (model.pt: size 12 != 4096 in manifest)".
-    `resume`: the files resuming training reads are needed too (`required_files`)."""
+    `resume`: the files resuming training reads are needed too (`required_files`); `spec_of`: see `usable`."""
     latest = read_latest(root)
     bad: dict[str, Problem] = {}
     found = None
     for _, path in candidates(root):
-        problem = usable(path, checksum, resume)
+        problem = usable(path, checksum, resume, spec_of)
         if problem is None:
             found = path
             break
@@ -483,11 +494,21 @@ def prune_temporaries(out_dir: str | Path) -> None:
 
 def prune_old(out_dir: str | Path, keep_last: int, newest: int) -> list[Path]:
     """Keep the `keep_last` newest valid (size-checked) checkpoints up to step `newest`; delete the older
-    ones (never one newer than `newest`). Returns what was deleted."""
+    ones (never one newer than `newest`, unless its name, manifest and state disagree about its step: it is
+    no newer checkpoint, and resuming never takes it). Returns what was deleted."""
     if keep_last <= 0:
         return []
     kept, gone = 0, []
-    for step, path in candidates(checkpoints_dir(out_dir)):
+    found = candidates(checkpoints_dir(out_dir))
+    for step, path in found:
+        if step <= newest or path.name == "old":
+            continue
+        problem = verify(path, checksum=False)
+        if problem is not None and problem.verdict == "disagrees about its step" and any(
+                s <= newest and verify(p, checksum=False) is None for s, p in found):
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(path)
+    for step, path in found:
         if step > newest or path.name == "old":
             continue
         if kept < keep_last and verify(path, checksum=False) is None:

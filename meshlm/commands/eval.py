@@ -22,6 +22,7 @@ from meshlm.core.config import ConfigError
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from meshlm.eval.evaluate import check_out, evaluate, resolve_task, write_json_atomic
     from meshlm.eval.load import load
+    from meshlm.interop.checkpoints import open_checkpoint
     from meshlm.parallel import destroy
 
     if args.batch_size < 1:
@@ -29,12 +30,13 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.stride is not None and args.stride < 1:
         raise ConfigError(f"--stride {args.stride} must be >= 1")
     if args.out is not None:
-        check_out(args.out)
+        _check_writable(check_out(args.out), args.out)
     kind, data = resolve_task(args.task, args.data)
     progress = args.progress or sys.stderr.isatty()
     start = time.perf_counter()
     try:
-        loaded = load(args.checkpoint, overrides, args.batch_size, progress, adapter=args.adapter,
+        checkpoint = open_checkpoint(args.checkpoint)  # resolved and verified once; a fallback note said once
+        loaded = load(checkpoint, overrides, args.batch_size, progress, adapter=args.adapter,
                       adapter_task=args.adapter_task)
         metrics = evaluate(loaded, args.checkpoint, kind, data, args.batch_size, args.stride)
     except BaseException:
@@ -53,6 +55,21 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _check_writable(out, given: str) -> None:
+    """--out's directory takes a file (a temporary one is created and removed), checked before the evaluation:
+    `access()` says yes where creating fails (/proc, read-only mounts), and the results would be lost."""
+    import os
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".probe", dir=out.parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ConfigError(f"--out {given!r} cannot be written ({err.strerror or err} in {str(out.parent)!r}); choose "
+                          "another path") from None
+
+
 def _harness(args: argparse.Namespace, overrides: list[str]) -> int:
     from meshlm.eval.harness import run_harness_cli
 
@@ -64,7 +81,8 @@ def add_eval_command(sub) -> None:
     p = sub.add_parser("eval", help="score a checkpoint on an evaluation task (perplexity, cloze, choice, classify)",
                        description="Score a checkpoint on a task (docs/eval.md); the results as one JSON object. "
                                    "Under torchrun, --parallel.tp=2 / --parallel.pp=2 pick the layout.")
-    p.add_argument("--checkpoint", required=True, help="run directory (its latest checkpoint) or a step dir")
+    p.add_argument("--checkpoint", required=True, help="run directory (its latest checkpoint), a step dir, or a "
+                   ".gguf file (converted once into $MESHLM_CACHE/gguf/)")
     p.add_argument("--task", required=True, metavar="TASK",
                    help="perplexity, cloze, choice, classify (with --data), or a shipped set: shakespeare-cloze, "
                         "shakespeare-choice")

@@ -257,6 +257,9 @@ class TrainConfig:
     time_budget_s: float = 0.0
     # On a CPU: torch threads follow the CPUs other processes leave free (train/threads.py, docs/threads.md).
     adapt_threads: bool = True
+    # Bit-identical repeats (docs/parallel.md "Deterministic mode"): deterministic algorithms, the torch thread count
+    # pinned (and kept by a resumed run), the thread governor off, CUDA's cuBLAS workspace fixed. Off: the default.
+    deterministic: bool = False
     micro_batch_size: int = 8
     global_batch_size: int = 8
     seed: int = 1234
@@ -311,6 +314,10 @@ class TrainConfig:
                f"train.time_budget_s={self.time_budget_s} must be a number of seconds > 0 (e.g. 1200 for 20 "
                "minutes), or 0 for no budget")
         _check(0 <= self.seed <= SEED_MAX, f"train.seed={self.seed} must be in 0..{SEED_MAX}; e.g. train.seed=1234")
+        _check(not (self.deterministic and self.time_budget_s > 0),
+               f"train.deterministic=true repeats a run bit for bit, but train.time_budget_s={self.time_budget_s:g} "
+               "sets the step count from measured step times; set train.time_budget_s=0 (and train.max_steps) or "
+               "train.deterministic=false")
         _non_empty("train", self, "out_dir", "resume")
         _check(self.global_batch_size % self.micro_batch_size == 0,
                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
@@ -577,7 +584,13 @@ def _coerce_type(key: str, value: Any, annotation: Any) -> Any:
             continue
     names = " or ".join("null" if k is type(None) else str(k) if typing.get_origin(k) else k.__name__
                         for k in kinds)
-    raise ConfigError(f"{key}={value!r} has the wrong type: expected {names}")
+    hint = _CHOICES.get(key)
+    raise ConfigError(f"{key}={value!r} has the wrong type: expected {names}" + (f"; one of {hint}" if hint else ""))
+
+
+# string keys that take one of a few words: named when a value of another type is given (`save_hf=true`)
+_CHOICES = {"train.save_hf": "'' (off), end (the last checkpoint), every (with train.save_hf_every=N), e.g. "
+                             "train.save_hf=end"}
 
 
 def _field_types(section: type) -> dict[str, tuple]:

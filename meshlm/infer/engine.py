@@ -5,7 +5,8 @@ Design (docs/serving.md):
   `cache_bytes()`); a request occupies one row from its prefill to its last token. Active requests are kept
   in rows 0..n-1 (a finished request's row is refilled by moving the last one into it), so a decode step runs
   on one contiguous slice of the cache.
-- Requests wait in a bounded queue (`max_queue`; beyond it `submit` raises `QueueFull`). Between decode
+- Requests wait in a bounded queue (`max_queue`; beyond it `submit` raises `QueueFull`; one client holds at most
+  half of it, and one request's prompts are queued all or none: `submit_group`). Between decode
   steps, waiting requests join while rows are free (prefill: the prompt's keys/values written into the
   request's row), and finished ones leave: continuous batching.
 - One decode step feeds every active row its last token at its own position (per-row positions: the
@@ -70,6 +71,7 @@ class Request:
     on_update: Callable[[Request], None] | None = None  # called from the engine thread after each change
     id: int = 0
     adapter: int = 0  # the engine's adapter index (0: the base)
+    client: str | None = None  # who sent it (the server's peer address): its share of the queue is bounded
     head: list[int] = field(default_factory=list)  # ids before the prompt in the row (`Engine.head`)
     output_ids: list[int] = field(default_factory=list)
     output: list[TokenInfo] = field(default_factory=list)
@@ -274,6 +276,9 @@ class Engine:
         self.pool = BlockPool(runner.num_blocks, runner.block_size, o.prefix_caching)
         self.speculator = speculator
         self.eod_id = getattr(tokenizer, "eod_id", None)
+        # every end-of-sequence id the model declares ends a request (`data.tokenizers`: stop_ids), unless ignore_eos
+        self.stop_ids = frozenset(getattr(tokenizer, "stop_ids", None) or
+                                  (() if self.eod_id is None else (self.eod_id,)))
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # the running requests, in the order they were admitted
         self.lock = threading.Lock()
@@ -322,37 +327,73 @@ class Engine:
         if len(prompt_ids) > room:
             raise InvalidRequest(f"the prompt is {len(prompt_ids)} tokens, more than the model's context of "
                                  f"{context}", "prompt")
+        if len(prompt_ids) + params.max_tokens > room:
+            raise InvalidRequest(f"max_tokens {params.max_tokens} with the prompt's {len(prompt_ids)} tokens is "
+                                 f"more than the model's context of {context}; at most "
+                                 f"{room - len(prompt_ids)}", "max_tokens")
+        # within the context: only a pool smaller than one sequence can refuse it here
         blocks = -(-(head + len(prompt_ids) + params.max_tokens) // self.block_size)
         if blocks > self.pool.num_blocks:
             raise InvalidRequest(f"the prompt's {len(prompt_ids)} tokens and max_tokens {params.max_tokens} need "
                                  f"{blocks} KV cache blocks of {self.block_size} positions; the cache holds "
                                  f"{self.pool.num_blocks} (raise --num-blocks)", "max_tokens")
-        if len(prompt_ids) + params.max_tokens > room:
-            raise InvalidRequest(f"max_tokens {params.max_tokens} with the prompt's {len(prompt_ids)} tokens is "
-                                 f"more than the model's context of {context}; at most "
-                                 f"{room - len(prompt_ids)}", "max_tokens")
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                on_update: Callable[[Request], None] | None = None, adapter: int = 0) -> Request:
-        self.check(prompt_ids, params, adapter)
-        req = Request(list(prompt_ids), params, on_update, adapter=adapter, head=self.head(adapter))
+        return self.submit_group([(prompt_ids, params)], on_update, adapter)[0]
+
+    def client_share(self, client: str | None) -> int:
+        """The most waiting requests one client may hold: half the queue (at least 1), so that one client
+        sending as fast as it can leaves the other half to the others (docs/serving.md, "Fair queueing");
+        requests without a client (the engine used in-process) may fill the whole queue."""
+        return self.max_queue if client is None else max(1, self.max_queue // 2)
+
+    def submit_group(self, items: list[tuple[list[int], SamplingParams]],
+                     on_update: Callable[[Request], None] | None = None, adapter: int = 0,
+                     client: str | None = None) -> list[Request]:
+        """Queue the requests `items` ([(prompt ids, params)], one HTTP request's prompts and choices) together
+        or none of them: InvalidRequest (param "prompt") when there are more than `client_share(client)`, which
+        no wait would change; QueueFull (retry later) when the queue, or the client's share of it, has too
+        little room now; InvalidRequest from `check` for a bad one."""
+        share = self.client_share(client)
+        if len(items) > share:
+            whose = "in all" if client is None else "of one client (half of it)"
+            raise InvalidRequest(f"the request has {len(items)} prompts and choices; the queue holds at most "
+                                 f"{share} {whose} (meshlm serve --max-queue {self.max_queue}): send at most "
+                                 f"{share} at a time or raise --max-queue", "prompt")
+        for ids, sp in items:
+            self.check(ids, sp, adapter)
+        reqs = [self._request(ids, sp, on_update, adapter, client) for ids, sp in items]
+        with self.lock:
+            if self.dead is not None:
+                raise EngineDead(self.dead)
+            if self.stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self.waiting) + len(reqs) > self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting, room for "
+                                f"{self.max_queue - len(self.waiting)} of this request's {len(reqs)}")
+            mine = 0 if client is None else sum(r.client == client for r in self.waiting)
+            if mine + len(reqs) > share:
+                raise QueueFull(f"this client has {mine} requests waiting, room for {share - mine} of this "
+                                f"request's {len(reqs)} (one client may hold {share} of the {self.max_queue} "
+                                "places)")
+            for req in reqs:
+                req.id = self.next_id
+                self.next_id += 1
+                self.waiting.append(req)
+            self.wake.notify()
+        return reqs
+
+    def _request(self, prompt_ids: list[int], params: SamplingParams, on_update, adapter: int,
+                 client: str | None) -> Request:
+        """A new request (not queued): its generator seeded, its stop-string state begun."""
+        req = Request(list(prompt_ids), params, on_update, adapter=adapter, head=self.head(adapter), client=client)
         if params.seed is not None:
             req.generator = torch.Generator().manual_seed(params.seed)
         elif not params.greedy:
             req.generator = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 62, ()).item()))
         req.seen = set(prompt_ids)
         sampling.begin(req, self.tokenizer)
-        with self.lock:
-            if self.dead is not None:
-                raise EngineDead(self.dead)
-            if self.stopping:
-                raise QueueFull("the server is shutting down")
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests are waiting (the most the queue holds)")
-            req.id = self.next_id
-            self.next_id += 1
-            self.waiting.append(req)
-            self.wake.notify()
         return req
 
     def cancel(self, req: Request) -> None:
@@ -414,7 +455,7 @@ class Engine:
         req.seen.add(token)
         sampling.observe(req, token)
         self.stats["generation_tokens"] += 1
-        if (token == self.eod_id and not p.ignore_eos) or token in p.stop_token_ids:
+        if (token in self.stop_ids and not p.ignore_eos) or token in p.stop_token_ids:
             req.text = self.tokenizer.decode(req.output_ids[:-1])
             self._finish(req, "stop")
             return

@@ -216,6 +216,10 @@ def chat_logprobs(tokens, decode) -> dict:
 
 
 def include_usage(f: dict) -> bool:
+    """Whether a validated request asks for the usage chunk of a stream; `stream_options` without `stream:
+    true` is a 400, as OpenAI answers it."""
+    if f.get("stream_options") is not None and not f.get("stream"):
+        raise bad("stream_options is only allowed when stream is true", "stream_options")
     options = f.get("stream_options") or {}
     unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
     if unknown:

@@ -61,7 +61,7 @@ def add_routes(app, server) -> None:
 
     @app.put("/api")
     async def megatron_route(request: HTTPRequest):
-        return await megatron(server, await body_of(request, server.max_body_bytes))
+        return await megatron(server, await body_of(request, server.max_body_bytes), request)
 
     @app.get("/health")
     async def health_route():
@@ -99,6 +99,15 @@ async def body_of(request, limit: int):
             raise too_large(limit)
         chunks.append(chunk)
     return await asyncio.to_thread(parse_json, b"".join(chunks))
+
+
+def client_of(http_request) -> str | None:
+    """Who sent `http_request`, for the fair share of the queue: the peer's address (its host, not its port:
+    one client's many connections are one client). Not the API key: `--api-key` is one key that every client
+    shares. Behind a proxy on this host uvicorn takes the address from X-Forwarded-For (its default
+    `--forwarded-allow-ips`: 127.0.0.1)."""
+    peer = getattr(http_request, "client", None) if http_request is not None else None
+    return peer.host if peer is not None else "unknown"
 
 
 # ---- running requests on the engine ----------------------------------------------------------------------------
@@ -290,8 +299,8 @@ async def completions(server, request_body, http_request=None):
 
     every = [ids for ids in prompts for _ in range(k)]
     params = choice_params(sp, k) * len(prompts)
-    return await run(server, lambda cb: server.submit_all(every, params, cb, adapter), bool(f["stream"]), chunks,
-                     final, (lambda reqs: body([], usage(reqs, k))) if include_usage(f) else None, http_request)
+    return await run(server, lambda cb: server.submit_all(every, params, cb, adapter, client=client_of(http_request)),
+                     bool(f["stream"]), chunks, final, (lambda reqs: body([], usage(reqs, k))) if include_usage(f) else None, http_request)
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------------------------------
@@ -364,7 +373,8 @@ async def chat_completions(server, request_body, template=None, http_request=Non
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [], "usage": usage(reqs, n)}
 
-    return await run(server, lambda cb: server.submit_all([ids] * n, choice_params(sp, n), cb, adapter, names),
+    return await run(server, lambda cb: server.submit_all([ids] * n, choice_params(sp, n), cb, adapter, names,
+                                                         client_of(http_request)),
                      bool(f["stream"]), chunks, final, usage_chunk if include_usage(f) else None, http_request)
 
 
@@ -445,7 +455,7 @@ def check_megatron(f: dict, vocab_size: int) -> None:
         raise bad("tokens_to_generate=0 scores the prompts: set logprobs true", "logprobs")
 
 
-async def megatron(server, request_body):
+async def megatron(server, request_body, http_request=None):
     """PUT /api: Megatron's text-generation server (texts, segments and, with `logprobs`, the prompts' scores)."""
     from meshlm.infer.engine import SamplingParams
 
@@ -471,5 +481,6 @@ async def megatron(server, request_body):
         return out
 
     names = {"max_tokens": "tokens_to_generate", "seed": "random_seed", "stop_token_ids": "stop_token"}
-    return await run(server, lambda cb: server.submit_all(prompts, [params] * len(prompts), cb, names=names), False,
+    return await run(server, lambda cb: server.submit_all(prompts, [params] * len(prompts), cb, names=names,
+                                                         client=client_of(http_request)), False,
                      None, final)

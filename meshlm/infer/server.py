@@ -98,31 +98,25 @@ class Server:
             frequency_penalty=float(or_default(f.get("frequency_penalty"), 0.0)), logprobs=logprobs, echo=echo)
 
     def submit_all(self, prompts: list[list[int]], params: list, on_update, adapter: int = 0,
-                   names: dict[str, str] | None = None) -> list:
-        """Check every request first (nothing runs when one is bad), then submit them (with the engine's
-        adapter `adapter`). `names`: the request's own name of an engine parameter that it calls otherwise
-        (Megatron's `tokens_to_generate` for `max_tokens`, ...), for the errors."""
+                   names: dict[str, str] | None = None, client: str | None = None) -> list:
+        """Queue one request's prompts (with the engine's adapter `adapter`) all together or none: a 400 when
+        one is bad or when they are more than one client may ever queue, a 429 (retry later) when the queue,
+        or `client`'s share of it, has too little room now (`Engine.submit_group`). `names`: the request's own
+        name of an engine parameter that it calls otherwise (Megatron's `tokens_to_generate` for
+        `max_tokens`, ...), for the errors. `client`: who sent it (`client_of`)."""
         from meshlm.infer.engine import EngineDead, InvalidRequest, QueueFull
 
-        for ids, sp in zip(prompts, params):
-            try:
-                self.engine.check(ids, sp, adapter)
-            except InvalidRequest as err:
-                own = (names or {}).get(err.param, err.param)
-                message = re.sub(rf"(?<![\w']){err.param}(?![\w'])", own, str(err)) if err.param else str(err)
-                raise bad(message, own) from None
-        reqs = []
         try:
-            for ids, sp in zip(prompts, params):
-                reqs.append(self.engine.submit(ids, sp, on_update, adapter))
+            return self.engine.submit_group(list(zip(prompts, params)), on_update, adapter, client)
+        except InvalidRequest as err:
+            own = (names or {}).get(err.param, err.param)
+            message = re.sub(rf"(?<![\w']){err.param}(?![\w'])", own, str(err)) if err.param else str(err)
+            raise bad(message, own) from None
         except QueueFull as err:
-            for r in reqs:
-                self.engine.cancel(r)
             raise APIError(429, f"the server is busy: {err}; retry later", "rate_limit_error",
                            code="queue_full", headers={"Retry-After": "1"}) from None
         except EngineDead as err:
             raise APIError(503, f"the engine has stopped ({err})", "server_error", code="engine_dead") from None
-        return reqs
 
 
 # ---- the app ---------------------------------------------------------------------------------------------------
@@ -192,10 +186,9 @@ def require_serving_dependencies() -> None:
                           "pip install 'meshlm[serve]'") from None
 
 
-def _read_adapters(checkpoint: str, adapters: list[str], name: str, tp: int) -> list:
-    """[(name, tune.export.Adapter)] of the `--adapter` values, checked against the base before anything is
-    loaded."""
-    from meshlm.checkpoint.load import checkpoint_config
+def _read_adapters(checkpoint, adapters: list[str], name: str, tp: int) -> list:
+    """[(name, tune.export.Adapter)] of the `--adapter` values, checked against the opened base `checkpoint`
+    before anything is loaded."""
     from meshlm.families.registry import get_spec
     from meshlm.infer.adapters import parse_adapter_args
     from meshlm.tune.export import read_adapter
@@ -204,21 +197,51 @@ def _read_adapters(checkpoint: str, adapters: list[str], name: str, tp: int) -> 
     if tp > 1:
         raise ConfigError("--adapter serves in one process (each row's adapter over the whole model); drop "
                           "--parallel.tp")
-    cfg = checkpoint_config(checkpoint)
+    cfg = checkpoint.config
     if not get_spec(cfg.model.family).decoder:
-        raise ConfigError(f"--adapter: {checkpoint} is a BERT checkpoint, served for embeddings only; adapters "
+        raise ConfigError(f"--adapter: {checkpoint.given} is a BERT checkpoint, served for embeddings only; adapters "
                           "are served on GPT checkpoints")
     return [(n, read_adapter(d, cfg, checkpoint)) for n, d in named]
 
 
-def _tensor_parallel_server(checkpoint: str, max_seqs: int, max_len: int | None, max_queue: int,
+def _tensor_parallel_model(checkpoint, tp: int, timeout_s: float = 300):
+    """(this rank's part of the model in eval mode, tokenizer, config, ParallelDims) under torchrun with `tp`
+    ranks (tensor parallelism only: the world is tp), from the opened `checkpoint` of any layout."""
+    import torch
+
+    from meshlm.checkpoint.load import load_parallel
+    from meshlm.core.config import config_from_dict
+    from meshlm.data.tokenizers import get_tokenizer
+    from meshlm.families.registry import get_spec
+    from meshlm.parallel import init_distributed
+    from meshlm.parallel.rng import TPRNGTracker
+
+    saved = checkpoint.config
+    spec = get_spec(saved.model.family)
+    if not spec.decoder:
+        raise ConfigError(f"--parallel.tp={tp} serves GPT checkpoints; {checkpoint.given} is "
+                          f"model.family={saved.model.family!r}")
+    values = saved.to_dict()
+    values["parallel"] = {**values["parallel"], "tp": tp, "pp": 1, "dp": 0, "sp": False, "vpp": 1, "pp_layers": [],
+                          "zero": 0, "timeout_s": timeout_s}
+    values["model"] = {**values["model"], "dropout": 0.0}
+    cfg = config_from_dict(values)
+    dims = init_distributed(cfg.parallel, torch.device("cpu") if not torch.cuda.is_available() else None)
+    if dims.world_size != tp:
+        raise ConfigError(f"--parallel.tp={tp} serves on exactly tp ranks; this world has {dims.world_size} "
+                          f"(torchrun --nproc-per-node {tp})")
+    torch.manual_seed(0)
+    par = load_parallel(checkpoint, spec, cfg, dims, rng=TPRNGTracker(0, dims.tp_rank))
+    return par.model, get_tokenizer(cfg.data.tokenizer), cfg, dims
+
+
+def _tensor_parallel_server(checkpoint, max_seqs: int, max_len: int | None, max_queue: int,
                             api_key: str | None, name: str, tp: int, options) -> Server | None:
     """Rank 0's server over this rank's part of the model; the other ranks run the worker loop (replaying
     rank 0's engine steps) and return None when it stops."""
-    from meshlm.checkpoint.load import load_tensor_parallel
     from meshlm.infer.engine import DistributedRunner, Engine, Runner, worker_loop
 
-    model, tokenizer, cfg, dims = load_tensor_parallel(checkpoint, tp)
+    model, tokenizer, cfg, dims = _tensor_parallel_model(checkpoint, tp)
     length = max_len or cfg.model.seq_len
     runner_cls = Runner if dims.tp_rank != 0 else DistributedRunner
     runner = runner_cls(model, options.blocks_for(max_seqs, length), options.block_size, cfg.model.vocab_size,
@@ -231,14 +254,14 @@ def _tensor_parallel_server(checkpoint: str, max_seqs: int, max_len: int | None,
     return Server(engine, None, tokenizer, name, length, api_key)
 
 
-def _embedding_server(checkpoint: str, cfg, device: str, max_seqs: int, api_key: str | None, name: str) -> Server:
-    """The server of an encoder checkpoint: /v1/embeddings only."""
-    from meshlm.checkpoint.single import resolve_checkpoint
+def _embedding_server(checkpoint, spec, device: str, max_seqs: int, api_key: str | None, name: str) -> Server:
+    """The server of an encoder checkpoint (opened): /v1/embeddings only."""
+    from meshlm.checkpoint.load import load_model
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.infer.engine import EmbeddingEngine
-    from meshlm.interop.convert import load_checkpoint_model
 
-    model = load_checkpoint_model(resolve_checkpoint(checkpoint), cfg.model, device)
+    cfg = checkpoint.config
+    model = load_model(checkpoint, spec, device)
     tokenizer = get_tokenizer(cfg.data.tokenizer)
     return Server(None, EmbeddingEngine(model, tokenizer, max_seqs), tokenizer, name, cfg.model.seq_len, api_key)
 
@@ -246,28 +269,35 @@ def _embedding_server(checkpoint: str, cfg, device: str, max_seqs: int, api_key:
 def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None, max_queue: int = 256,
                  api_key: str | None = None, model_name: str | None = None, tp: int = 1,
                  adapters: list[str] | str | None = None, options=None) -> Server | None:
-    """The server state for a checkpoint; under torchrun with tp > 1 only rank 0 gets one (the other ranks
+    """The server state for a checkpoint (opened once here: `interop.checkpoints.open_checkpoint`, so a
+    `.gguf` file serves too); under torchrun with tp > 1 only rank 0 gets one (the other ranks
     replay rank 0's engine steps here and return None when it stops). `adapters`: `--adapter` values
     (NAME=DIR or DIR), adapters of `meshlm tune` (or PEFT) tuned on the checkpoint, each served under its
     name next to the base (`infer/adapters.py`: LoRA unmerged per row, virtual tokens at prefill)."""
     import torch
 
-    from meshlm.checkpoint.load import checkpoint_config, load_model_from_checkpoint
+    from meshlm.checkpoint.load import load_model
     from meshlm.core.fit import check_fits, kv_cache_bytes
+    from meshlm.data.tokenizers import get_tokenizer
     from meshlm.families.registry import get_spec
     from meshlm.infer.engine import CacheOptions, Engine
+    from meshlm.interop.checkpoints import open_checkpoint
     from meshlm.train.fit import weights_bytes
 
     options = options or CacheOptions()
-    name = model_name or os.path.basename(os.path.normpath(checkpoint))
+    name = model_name or os.path.basename(os.path.normpath(str(checkpoint)))
     adapters = [adapters] if isinstance(adapters, str) else list(adapters or [])
+    checkpoint = open_checkpoint(checkpoint)  # resolved and verified once; the adapters and loaders take it
     tuned = _read_adapters(checkpoint, adapters, name, tp) if adapters else []
+    cfg = checkpoint.config
+    spec = get_spec(cfg.model.family)
+    if spec.decoder:
+        check_pool(options, max_len or cfg.model.seq_len)
     if tp > 1:
         return _tensor_parallel_server(checkpoint, max_seqs, max_len, max_queue, api_key, name, tp, options)
-    cfg = checkpoint_config(checkpoint)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if not get_spec(cfg.model.family).decoder:
-        return _embedding_server(checkpoint, cfg, device, max_seqs, api_key, name)
+    if not spec.decoder:
+        return _embedding_server(checkpoint, spec, device, max_seqs, api_key, name)
     length = max_len or cfg.model.seq_len
     if cfg.model.position == "learned" and length > cfg.model.seq_len:
         raise ConfigError(f"--max-len {length} is more than the model's model.seq_len={cfg.model.seq_len} (learned "
@@ -278,7 +308,7 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
         needed["adapters"] = sum(t.numel() * 4 for _, a in tuned for t in a.tensors.values())
     check_fits(needed, f"serving {max_seqs} sequences of {length} tokens ({blocks} KV blocks of "
                f"{options.block_size})", "lower --max-seqs, --max-len or --num-blocks", device)
-    model, tokenizer, cfg = load_model_from_checkpoint(checkpoint, device, cfg)
+    model, tokenizer = load_model(checkpoint, spec, device), get_tokenizer(cfg.data.tokenizer)
     served = None
     if tuned:
         from meshlm.infer.adapters import AdapterSet
@@ -289,6 +319,17 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
     return Server(engine, None, tokenizer, name, engine.max_len, api_key)
 
 
+def check_pool(options, max_len: int) -> None:
+    """ConfigError when `--num-blocks` cannot hold one sequence of `max_len` positions: every request that
+    needs more would be refused (a server that starts but can never answer a long request)."""
+    need = -(-max_len // options.block_size)
+    if options.num_blocks is not None and options.num_blocks < need:
+        raise ConfigError(f"--num-blocks {options.num_blocks} holds {options.num_blocks * options.block_size} "
+                          f"positions, fewer than one --max-len {max_len} sequence needs ({need} blocks of "
+                          f"--block-size {options.block_size}); raise --num-blocks to at least {need} or lower "
+                          "--max-len")
+
+
 def make_speculator(options, model, tokenizer, max_seqs: int, max_len: int):
     """The engine's speculative proposer for `options.speculative` (None: none)."""
     if options.speculative is None:
@@ -297,11 +338,15 @@ def make_speculator(options, model, tokenizer, max_seqs: int, max_len: int):
 
     if options.speculative == "ngram":
         return Speculator("ngram")
-    from meshlm.checkpoint.load import checkpoint_config, load_model_from_checkpoint
+    from meshlm.checkpoint.load import load_model
+    from meshlm.data.tokenizers import get_tokenizer
+    from meshlm.families.registry import get_spec
+    from meshlm.interop.checkpoints import open_checkpoint
 
-    draft_cfg = checkpoint_config(options.draft_checkpoint)
+    drafted = open_checkpoint(options.draft_checkpoint)
     device = next(model.parameters()).device
-    draft, draft_tokenizer, _ = load_model_from_checkpoint(options.draft_checkpoint, str(device), draft_cfg)
+    draft = load_model(drafted, get_spec(drafted.config.model.family), device)
+    draft_tokenizer = get_tokenizer(drafted.config.data.tokenizer)
     mine, theirs = getattr(tokenizer, "identity", None), getattr(draft_tokenizer, "identity", None)
     if draft.cfg.vocab_size != model.cfg.vocab_size or (mine and theirs and mine["sha256"] != theirs["sha256"]):
         raise ConfigError(f"--draft-checkpoint {options.draft_checkpoint}: its tokenizer ({theirs or '?'}, "

@@ -9,6 +9,7 @@ converting to a model that silently computes something else.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -80,7 +81,33 @@ def model_config_from_hf(hf_config: Any, expect: str | None = None) -> ModelConf
     if architecture is not None and known and architecture not in known:
         raise ConfigError(f"architectures={d['architectures']!r}: meshlm converts {kind} models of the classes "
                           f"{', '.join(known)}")
-    return read(d)
+    _check_field_types(d)
+    try:
+        return read(d)
+    except (TypeError, ValueError, KeyError) as err:  # a field of a type the table above does not know
+        raise ConfigError(f"the Hugging Face config.json cannot be converted ({type(err).__name__}: {err}); fix the "
+                          "field it names") from None
+
+
+# sizes and counts (positive integers) and real numbers a config.json may hold, checked before any is used
+_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "max_position_embeddings", "n_layer", "n_embd", "n_head", "n_positions",
+               "n_inner", "n_ctx", "type_vocab_size", "num_local_experts", "num_experts", "num_experts_per_tok",
+               "moe_intermediate_size", "shared_expert_intermediate_size", "decoder_sparse_step", "head_dim")
+_FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta", "initializer_range",
+                 "resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob")
+
+
+def _check_field_types(d: dict[str, Any]) -> None:
+    """ConfigError naming the first field of the wrong type (e.g. `"num_hidden_layers": "two"`)."""
+    for key in _INT_FIELDS:
+        value = d.get(key)
+        if value is not None and (type(value) is not int or value < 1):
+            raise ConfigError(f"the Hugging Face config.json has {key}={value!r}; it must be a whole number >= 1")
+    for key in _FLOAT_FIELDS:
+        value = d.get(key)
+        if value is not None and (type(value) not in (int, float) or not math.isfinite(value)):
+            raise ConfigError(f"the Hugging Face config.json has {key}={value!r}; it must be a finite number")
 
 
 def hf_architecture_name(d: dict[str, Any]) -> str | None:

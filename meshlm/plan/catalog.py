@@ -106,9 +106,9 @@ def with_overrides(gpu: Gpu, **values: float | None) -> Gpu:
         if key not in names or key == "name":
             raise ConfigError(f"unknown GPU field {key!r}; use one of {', '.join(OVERRIDABLE)}")
         floor_ok = value >= 0 if key.endswith(("_us",)) else value > 0
-        if not floor_ok:
+        if not floor_ok or not math.isfinite(value):  # inf or nan: a rate or size no machine has
             flag = "--gpu-" + key.replace("_", "-").replace("memory-gib", "memory-gb")
-            raise ConfigError(f"{flag}={value} must be {'>= 0' if key.endswith('_us') else 'positive'}")
+            raise ConfigError(f"{flag}={value} must be {'>= 0' if key.endswith('_us') else 'positive'} and finite")
         changes[key] = float(value)
     return replace(gpu, **changes) if changes else gpu
 

@@ -432,6 +432,9 @@ def _smallest_cluster(cfg: Config, cluster, opts) -> int | None:
 def _inference(args: argparse.Namespace, cfg: Config, gpu) -> int:
     precision = args.precision or ("bf16" if not gpu.name.startswith("this") else cfg.train.precision)
     elem = 4 if precision == "fp32" else 2
+    for flag, value in (("--ttft-ms", args.ttft_ms), ("--tpot-ms", args.tpot_ms)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{flag} {value} must be a finite number of milliseconds > 0 (or leave it out)")
     ttft = args.ttft_ms / 1e3 if args.ttft_ms is not None else None
     tpot = args.tpot_ms / 1e3 if args.tpot_ms is not None else None
     rows, refused = plan_serving(cfg.model, gpu, args.gpus_per_node, args.prompt_tokens, args.output_tokens, ttft,

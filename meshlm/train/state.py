@@ -27,14 +27,16 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from meshlm.checkpoint import files as ckpt_files
-from meshlm.checkpoint import sharded as dist_checkpoint
-from meshlm.checkpoint import single as ckpt
+from meshlm.checkpoint import sharded
 from meshlm.checkpoint.background import BackgroundWriter, SingleJob
+from meshlm.checkpoint.consistency import run_disagreement
+from meshlm.checkpoint.files import checkpoints_dir, load_config_dict, prune_old, prune_temporaries
+from meshlm.checkpoint.single import find_checkpoint, load_part, resolve_checkpoint, save_checkpoint
 from meshlm.core.config import Config, ConfigError, config_from_dict
 from meshlm.core.errors import CheckpointError
 from meshlm.core.precision import resolve_precision, resume_precision
 from meshlm.core.rng import rng_state, set_rng_state
+from meshlm.families.registry import get_spec
 
 
 class CheckpointState:
@@ -49,7 +51,7 @@ class CheckpointState:
         everyone; checkpoints present but none valid stop the run rather than start over."""
         resume = self.cfg.train.resume
         if self.dims.is_main:
-            ckpt.prune_temporaries(self.out_dir)
+            prune_temporaries(self.out_dir)
         if resume == "never":
             self.dims.barrier()
             return None
@@ -65,12 +67,17 @@ class CheckpointState:
         """(checkpoint path, None) or (None, the error every rank raises)."""
         try:
             if resume != "auto":
-                return str(ckpt.resolve_checkpoint(resume, log=self.log)), None
-            path, note, present = ckpt.find_checkpoint(self.out_dir)
+                path = resolve_checkpoint(resume, log=self.log, spec_of=get_spec)
+                mismatch = run_disagreement(path, self.cfg.to_dict(), get_spec)
+                return (None, mismatch) if mismatch else (str(path), None)
+            path, note, present = find_checkpoint(self.out_dir, spec_of=get_spec)
+            mismatch = run_disagreement(path, self.cfg.to_dict(), get_spec) if path is not None else None
         except CheckpointError as err:
             return None, str(err)
+        if mismatch is not None:
+            return None, mismatch
         if path is None and present:
-            return None, (f"{ckpt.checkpoints_dir(self.out_dir)} holds checkpoints but none is valid ({note}); "
+            return None, (f"{checkpoints_dir(self.out_dir)} holds checkpoints but none is valid ({note}); "
                           "restore one, or set train.resume=never to start over")
         if note:
             self.log(f"note: {note}; resuming from {path.name}")
@@ -82,7 +89,7 @@ class CheckpointState:
         asked = cfg.train.precision
         name, why = resolve_precision(asked, self.device, cfg.model.hidden_size)
         if asked == "auto" and self.resume_from is not None:
-            saved = resume_precision(ckpt.load_config_dict(self.resume_from))
+            saved = resume_precision(load_config_dict(self.resume_from))
             if saved is not None:
                 name, why = saved, f"as the resumed run {self.resume_from.name}"
         if name == "fp16" and asked == "auto" and self.dims.world_size > 1:
@@ -119,7 +126,7 @@ class CheckpointState:
             "optim": self.optimizer.state_dict(),
             "state": {"step": self.step, "tokens_seen": self.tokens_seen, "rng": rng_state(),
                       "loader": self.loader.state_dict(), "scaler": self.precision.state_dict(),
-                      "tokenizer": self.tokenizer.name, **self.plan_state()},
+                      "tokenizer": self.tokenizer.name, "threads": self.thread_state(), **self.plan_state()},
         }
 
     # ---- saving ----------------------------------------------------------------------------------------
@@ -139,7 +146,7 @@ class CheckpointState:
         elif self.dims.world_size == 1:
             parts = self.state_parts()
             parts["state"]["skipped_steps"] = self.skipped_steps
-            path = ckpt.save_checkpoint(self.out_dir, self.step, parts, self.cfg.to_dict())
+            path = save_checkpoint(self.out_dir, self.step, parts, self.cfg.to_dict())
         else:
             path = self._save_sharded()
         self._published(path, self.step)
@@ -148,17 +155,17 @@ class CheckpointState:
     def _published(self, path: Path, step: int) -> None:
         """After a publish: rank 0 prunes to `train.keep_last`; every rank's extensions hear of it."""
         if self.dims.is_main:
-            ckpt_files.prune_old(self.out_dir, self.cfg.train.keep_last, step)
+            prune_old(self.out_dir, self.cfg.train.keep_last, step)
         for extension in self.extensions:
             extension.published(self, path)
 
     def _save_sharded(self) -> Path:
         """Every rank writes the pieces of the layout-free tensors it owns (weights and Adam states) and its
         random streams; rank 0 adds the index and the shared state and publishes `latest` once every rank
-        reported success (`dist_checkpoint.save`, a collective)."""
-        rank_state = {"rng": rng_state(), "tp_rng": self.tp_rng.get_state()}
-        return dist_checkpoint.save(self.out_dir, self.step, self.sync, self.optimizer, self.run_state(),
-                                    self.cfg.to_dict(), rank_state)
+        reported success (`sharded.save`, a collective)."""
+        rank_state = {"rng": rng_state(), "tp_rng": self.tp_rng.get_state(), "threads": self.thread_state()}
+        return sharded.save(self.out_dir, self.step, self.sync, self.optimizer, self.run_state(),
+                            self.cfg.to_dict(), rank_state, spec=self.spec)
 
     def _save_in_background(self) -> None:
         """Copy this step's state to host memory (every rank, this thread) and hand it to the worker thread
@@ -171,10 +178,10 @@ class CheckpointState:
             parts["state"]["skipped_steps"] = self.skipped_steps
             job = SingleJob(self.out_dir, self.step, copier.copy(parts), self.cfg.to_dict())
         else:
-            rank_state = {"rng": rng_state(), "tp_rng": self.tp_rng.get_state()}
-            job = dist_checkpoint.begin(self.out_dir, self.step, self.sync, self.optimizer,
-                                        copier.copy(self.run_state()), self.cfg.to_dict(), copier.copy(rank_state),
-                                        copy=copier.tensor)
+            rank_state = {"rng": rng_state(), "tp_rng": self.tp_rng.get_state(), "threads": self.thread_state()}
+            job = sharded.begin(self.out_dir, self.step, self.sync, self.optimizer,
+                                copier.copy(self.run_state()), self.cfg.to_dict(), copier.copy(rank_state),
+                                copy=copier.tensor, spec=self.spec)
         writer.submit(job)
 
     def poll_save(self) -> None:
@@ -207,22 +214,24 @@ class CheckpointState:
     def _load(self, path: Path) -> None:
         """Optimizer, data position and random streams (and, but for a one-process checkpoint resumed in one
         process, the weights) from a checkpoint of any layout."""
-        state = ckpt.load_part(path, "state")
+        state = load_part(path, "state")
         if state.get("tokenizer", self.tokenizer.name) != self.tokenizer.name:
             raise ConfigError(f"checkpoint {path} was trained with tokenizer {state['tokenizer']!r}, not "
                               f"data.tokenizer={self.tokenizer.name!r}; set data.tokenizer to match")
         saved = state.get("layout", {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "sp": False, "zero": 0})
         if self.legacy_resume:
-            saved_optim = ckpt.load_part(path, "optim", self.device)
-            dist_checkpoint.check_same_optimizer(path, dist_checkpoint.saved_muon(saved_optim), self.optimizer)
+            saved_optim = load_part(path, "optim", self.device)
+            sharded.check_same_optimizer(path, sharded.saved_muon(saved_optim), self.optimizer)
             self.optimizer.load_state_dict(saved_optim)
             set_rng_state(state["rng"])
+            self.restore_threads(state.get("threads"))  # the count its steps ran with (train/threads.py)
         else:  # any layout into this one: each rank reads the pieces of its tensors
-            dist_checkpoint.load(path, self.sync, self.optimizer)
-            mine = dist_checkpoint.load_rank_state(path, self.dims.rank, self.layout_summary())
+            sharded.load(path, self.sync, self.optimizer, spec=self.spec)
+            mine = sharded.load_rank_state(path, self.dims.rank, self.layout_summary())
             if mine is not None:  # the same layout: the very random streams, so dropout continues exactly
                 set_rng_state(mine["rng"])
                 self.tp_rng.set_state(mine["tp_rng"])
+                self.restore_threads(mine.get("threads"))
             elif saved != self.layout_summary():
                 self.log(f"resuming a checkpoint of layout {saved} under {self.layout_summary()}: weights, "
                          "optimizer and data position carry over; dropout masks start new streams")
@@ -240,13 +249,13 @@ class CheckpointState:
     def init_from(self, path: str) -> None:
         """A fresh run's weights from checkpoint `path` (any layout), where its tensors match this model's;
         the rest (a new task head) keep their seeded init. The optimizer starts fresh."""
-        source = ckpt.resolve_checkpoint(path, log=self.log)
-        source_cfg = config_from_dict(ckpt.load_config_dict(source)).model
+        source = resolve_checkpoint(path, log=self.log)
+        source_cfg = config_from_dict(load_config_dict(source)).model
         if source_cfg.family != self.cfg.model.family:
             raise ConfigError(f"train.init_from={path!r} holds a model.family={source_cfg.family!r} model, not "
                               f"{self.cfg.model.family!r}; pick a checkpoint of the same family")
-        new = dist_checkpoint.load_matching_weights(source, self.sync, source_cfg)
-        total = len(dist_checkpoint.logical_shapes(self.cfg.model))
+        new = sharded.load_matching_weights(source, self.sync, source_cfg, spec=self.spec)
+        total = len(sharded.logical_shapes(self.cfg.model, spec=self.spec))
         if len(new) == total:
             raise ConfigError(f"train.init_from={path!r}: none of its tensors fits this model (another shape); set "
                               "the model.* keys as in its config.json")

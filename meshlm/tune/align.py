@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 from pathlib import Path
 
 import numpy as np
@@ -72,12 +73,15 @@ def align_values(base: dict, adapter: str, checkpoint: str, out_dir: str, overri
 
 
 def check_objective(args: argparse.Namespace) -> Objective:
-    if not args.beta > 0:
+    if not (args.beta > 0 and math.isfinite(args.beta)):
         raise ConfigError(f"--beta {args.beta} must be > 0 (the strength of the preference; 0.1 is usual)")
     if not 0 <= args.label_smoothing < 0.5:
         raise ConfigError(f"--label-smoothing {args.label_smoothing} must be in [0, 0.5) (0: plain DPO)")
     if args.label_smoothing and args.method == "ipo":
         raise ConfigError("--label-smoothing is for --method dpo|simpo; IPO's squared loss has none: drop it")
+    if not math.isfinite(args.simpo_gamma):
+        raise ConfigError(f"--simpo-gamma {args.simpo_gamma} must be a finite number (SimPO's target margin; 0.5 "
+                          "is usual)")
     return Objective(args.method, args.beta, args.label_smoothing, args.simpo_gamma)
 
 
@@ -110,10 +114,9 @@ def chat_template(tokenizer: str, override: str | None):
     return get
 
 
-def prepare(args: argparse.Namespace, overrides: list[str]):
+def prepare(args: argparse.Namespace, overrides: list[str], checkpoint):
     """Everything before training, writing nothing: (config, objective, tokenizer, train set, valid set, info);
-    the sets without their reference log-probs yet."""
-    from meshlm.checkpoint.load import checkpoint_config
+    the sets without their reference log-probs yet. `checkpoint`: the opened base (`--checkpoint`)."""
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.families.registry import get_spec
     from meshlm.tune.export import base_fingerprint
@@ -122,11 +125,12 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
         raise ConfigError(f"--epochs {args.epochs} must be >= 1")
     objective = check_objective(args)
     check_output_dir("--out", args.out)
-    base = checkpoint_config(args.checkpoint)
+    base = checkpoint.config
     if not get_spec(base.model.family).decoder:
         raise ConfigError(f"--checkpoint {args.checkpoint!r} holds a model.family={base.model.family!r} model; "
                           "meshlm align needs a decoder (GPT) checkpoint")
-    values = align_values(base.to_dict(), args.adapter, args.checkpoint, args.out, overrides)
+    # The run names the verified step directory: a resumed run reads the very weights this one starts from.
+    values = align_values(base.to_dict(), args.adapter, str(checkpoint.path), args.out, overrides)
     first = build(values)
     template = chat_template(first.data.tokenizer, args.chat_template)
     texts = {}
@@ -149,7 +153,7 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
     cfg = with_schedule(values, overrides, len(train), len(valid), args.epochs)
     info = {"method": args.method, "adapter": args.adapter, "beta": objective.beta,
             "label_smoothing": objective.label_smoothing, "simpo_gamma": objective.gamma,
-            "checkpoint": args.checkpoint, "base_fingerprint": base_fingerprint(args.checkpoint),
+            "checkpoint": args.checkpoint, "base_fingerprint": base_fingerprint(checkpoint.path),
             "train": args.train, "valid": args.valid, "train_pairs": len(train), "valid_pairs": n_valid,
             "max_length": length}
     return cfg, objective, tokenizer, train, valid, info
@@ -165,16 +169,18 @@ def data_fingerprint(sets, info: dict) -> str:
     return h.hexdigest()[:24]
 
 
-def reference_logps(checkpoint: str, sets: list, device: str, batch_pairs: int = 16) -> list[np.ndarray]:
+def reference_logps(checkpoint, sets: list, device: str, batch_pairs: int = 16) -> list[np.ndarray]:
     """Per set, (N, 2) float64: the frozen base's summed log-probs of each pair's chosen and rejected
     completion, forward only, in the base's own dtype (fp32) on `device`, pairs in order. The output layer
     runs on the completion positions only (the family's `embed`, `run_layers`, `head`): a prompt-heavy set
-    pays its vocabulary-wide logits for the completion tokens alone."""
+    pays its vocabulary-wide logits for the completion tokens alone. `checkpoint`: the opened base
+    (`checkpoint.load.Checkpoint`)."""
     import torch
 
-    from meshlm.checkpoint.load import load_model_from_checkpoint
+    from meshlm.checkpoint.load import load_model
+    from meshlm.families.registry import get_spec
 
-    model, _, _ = load_model_from_checkpoint(checkpoint, device)
+    model = load_model(checkpoint, get_spec(checkpoint.config.model.family), device)
     outs = []
     with torch.no_grad():
         for data in sets:
@@ -203,9 +209,9 @@ def reference_device(cfg) -> str:
     return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
 
 
-def with_reference(cfg, objective: Objective, info: dict, train, valid):
+def with_reference(cfg, objective: Objective, info: dict, train, valid, checkpoint):
     """The sets with their reference log-probs: DIR/align_reference.pt's when it holds this data's, else
-    computed (every rank alike). Returns (train, valid, the tensors to save or None when read back)."""
+    computed with the opened base `checkpoint` (every rank alike). Returns (train, valid, the tensors to save or None when read back)."""
     import torch
 
     if not objective.reference:  # simpo: no reference model
@@ -221,7 +227,7 @@ def with_reference(cfg, objective: Objective, info: dict, train, valid):
                           "to start a new run")
     device = reference_device(cfg)
     say(f"computing the reference log-probs of {len(train) + len(valid)} pairs with the frozen base ({device})")
-    ref_train, ref_valid = reference_logps(info["checkpoint"], [train, valid], device)
+    ref_train, ref_valid = reference_logps(checkpoint, [train, valid], device)
     saved = {"fingerprint": key, "train": torch.from_numpy(ref_train), "valid": torch.from_numpy(ref_valid)}
     return train.with_reference(ref_train), valid.with_reference(ref_valid), saved
 
@@ -242,11 +248,13 @@ def write_run_files(out: Path, info: dict, saved) -> None:
 def run_align(args: argparse.Namespace, overrides: list[str], extensions: Extensions) -> int:
     """`meshlm align` (parsed by `meshlm.commands.align`), with the trainer's `extensions(cfg)` (the LoRA
     adapter's: `meshlm.commands.train.trainer_extensions`) and the `Preference` loss."""
+    from meshlm.interop.checkpoints import open_checkpoint
     from meshlm.train.finetune import train_prepared
     from meshlm.tune.export import export_run
 
-    cfg, objective, tokenizer, train, valid, info = prepare(args, overrides)
-    train, valid, saved = with_reference(cfg, objective, info, train, valid)
+    checkpoint = open_checkpoint(args.checkpoint)  # resolved and verified once, for the whole command
+    cfg, objective, tokenizer, train, valid, info = prepare(args, overrides, checkpoint)
+    train, valid, saved = with_reference(cfg, objective, info, train, valid, checkpoint)
     t = cfg.train
     say(f"aligning ({args.method}, beta {objective.beta:g}, adapter {args.adapter}) {args.checkpoint}: {t.max_steps} "
         f"steps of {t.global_batch_size} pairs, lr {cfg.optim.lr:g}, evaluation every {t.eval_every} steps over "

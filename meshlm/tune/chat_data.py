@@ -67,6 +67,9 @@ def messages(line: Line) -> list[dict]:
         if not isinstance(content, str):
             raise DataError(f"{line.where}: messages[{n}] ({role}) has content {short_json(content)}, not text")
         out.append({"role": role, "content": content})
+    if not any(t["content"].strip() for t in out):
+        raise DataError(f"{line.where}: every message of the conversation is empty; there is nothing to learn from "
+                        "it (drop the line or fill in its contents)")
     if not any(t["role"] == "assistant" for t in out):
         raise DataError(f"{line.where}: the conversation has no assistant turn; the loss is on the assistant's "
                         "turns, so every conversation needs one")

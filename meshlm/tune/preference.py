@@ -38,6 +38,7 @@ import numpy as np
 
 from meshlm.data.items import DataError
 from meshlm.train.finetune import IGNORE, Line, short_json
+from meshlm.tune.chat_data import ROLES
 
 METHODS = ("dpo", "ipo", "simpo")
 FIELDS = ("prompt", "chosen", "rejected")
@@ -96,9 +97,22 @@ def pair_texts(line: Line, template=None) -> tuple[str, str, str, bool]:
     return prompt, chosen, rejected, eod
 
 
+def _check_turns(line: Line, key: str, turns: list) -> None:
+    """Each message of field `key` an object with a known role and text content, as `meshlm tune` checks a
+    conversation (`chat_data.messages`): a DataError naming file:line otherwise."""
+    for n, turn in enumerate(turns):
+        role = turn.get("role") if isinstance(turn, dict) else None
+        if role not in ROLES:
+            raise DataError(f"{line.where}: {key}[{n}] has role {short_json(role)}; a role is one of {', '.join(ROLES)}")
+        if not isinstance(turn.get("content"), str):
+            raise DataError(f"{line.where}: {key}[{n}] ({role}) has content {short_json(turn.get('content'))}, not text")
+
+
 def _render_pair(line: Line, template, prompt: list, chosen: list, rejected: list) -> tuple[str, str, str]:
     from meshlm.data.chat import render
 
+    for key, turns in zip(FIELDS, (prompt, chosen, rejected)):
+        _check_turns(line, key, turns)
     try:
         head = render(template, prompt, add_generation_prompt=True)
         out = []

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshlm.checkpoint.load import load_model_from_checkpoint
 from meshlm.models.generate import generate
+from tests.checkpoint_helpers import load_run
 from tests.infer.server_helpers import ServeProcess, http, save_bert_checkpoint, save_gpt_checkpoint
 
 KEY = "sk-test-123"
@@ -20,7 +20,7 @@ def gpt(tmp_path_factory):
     """(server, model, tokenizer): a tiny random GPT served with 8 cache rows and a queue of 64."""
     ckpt = save_gpt_checkpoint(tmp_path_factory.mktemp("gpt") / "tiny-gpt")
     server = ServeProcess("--checkpoint", str(ckpt), "--max-seqs", "8", "--max-queue", "64")
-    model, tokenizer, _ = load_model_from_checkpoint(str(ckpt))
+    model, tokenizer, _ = load_run(str(ckpt))
     yield server, model, tokenizer
     assert server.stop() == 0, "".join(server.stderr)[-3000:]
 
@@ -235,18 +235,12 @@ def test_metrics_count_requests_tokens_and_latency(gpt):
 
 def test_embeddings_with_the_openai_client_and_the_api_key(bert):
     server, ckpt = bert
-    from meshlm.checkpoint.load import checkpoint_config
-    from meshlm.checkpoint.single import resolve_checkpoint
-    from meshlm.data.tokenizers import get_tokenizer
     from meshlm.infer.embed import embed_ids, tokenize
-    from meshlm.interop.convert import load_checkpoint_model
 
     texts = ["A man is eating food.", "Two men pushed carts through the woods.", "short"]
     out = client(server, KEY).embeddings.create(model="tiny-bert", input=texts)  # the client asks for base64
     got = torch.tensor([d.embedding for d in out.data])
-    cfg = checkpoint_config(str(ckpt))
-    tok = get_tokenizer(cfg.data.tokenizer)
-    model = load_checkpoint_model(resolve_checkpoint(ckpt), cfg.model)
+    model, tok, _ = load_run(str(ckpt))
     expected = embed_ids(model, tokenize(tok, texts, 32, 32, False), tok.special_ids["pad"], 32, "mean", True)
     torch.testing.assert_close(got, torch.from_numpy(expected), atol=1e-5, rtol=1e-5)
     floats = client(server, KEY).embeddings.create(model="tiny-bert", input="short", encoding_format="float")

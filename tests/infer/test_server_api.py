@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from meshlm.checkpoint.load import load_model_from_checkpoint
 from meshlm.infer.engine import Engine, SamplingParams
+from tests.checkpoint_helpers import load_run
 from tests.infer.server_helpers import ServeProcess, http, save_gpt_checkpoint
 
 SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
@@ -28,7 +28,7 @@ def gpt(tmp_path_factory):
     middle of a request) served with 8 rows."""
     ckpt = save_gpt_checkpoint(tmp_path_factory.mktemp("api") / "tiny-gpt", seq_len=1024)
     server = ServeProcess("--checkpoint", str(ckpt), "--max-seqs", "8", "--max-queue", "64")
-    model, tokenizer, _ = load_model_from_checkpoint(str(ckpt))
+    model, tokenizer, _ = load_run(str(ckpt))
     yield server, model, tokenizer
     assert server.stop() == 0, "".join(server.stderr)[-3000:]
 

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from meshlm.checkpoint.load import load_model_from_checkpoint
 from meshlm.infer.engine import Engine, SamplingParams
+from tests.checkpoint_helpers import load_run
 from tests.infer.server_helpers import ServeProcess, http, save_gpt_checkpoint
 
 LLAMA = {"position": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False, "tie_embeddings": False,
@@ -21,7 +21,7 @@ def test_tp2_server_greedy_equals_tp1(tmp_path):
     ckpt = save_gpt_checkpoint(tmp_path / "llama", seed=3, **LLAMA)  # GQA: 4 query heads, 2 KV heads
     prompts = ["Hello there", "ROMEO. But soft, what light", "a", "To be, or not to be: that is"]
     lengths = [12, 7, 15, 9]
-    model, tokenizer, _ = load_model_from_checkpoint(str(ckpt))
+    model, tokenizer, _ = load_run(str(ckpt))
     expected = Engine(model, tokenizer, max_seqs=4).generate(
         [tokenizer.encode(p) for p in prompts], [SamplingParams(max_tokens=n, temperature=0) for n in lengths])
     bias = {str(tokenizer.encode(" the")[0]): 4.0, str(tokenizer.encode(",")[0]): 2.5}  # n=2, seeded, biased
