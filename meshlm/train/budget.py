@@ -73,11 +73,29 @@ def check_budget_schedule(cfg: Config) -> None:
 def plan_step(start: int, cfg: Config) -> int:
     """The step count after which a run starting at step `start` makes its plan: one untimed step and
     `TIMED_STEPS` timed ones, but no later than the learning rate starts to depend on the step count (a
-    cosine or linear decay over train.max_steps begins after optim.warmup_steps); at least one timed step."""
+    cosine or linear decay over train.max_steps begins after optim.warmup_steps), and after the first timed
+    step for a run that would end before it planned (train.max_steps up to start + 1 + TIMED_STEPS: such a run
+    overran its budget without a word); at least one timed step."""
     plan = start + 1 + TIMED_STEPS
     if decays_over_steps(cfg):
         plan = min(plan, cfg.optim.warmup_steps + 1)  # lr_at(s) for s <= warmup_steps does not depend on the total
+    if cfg.train.max_steps <= plan:  # revised later where the schedule allows (constant, WSD)
+        plan = start + 2
     return max(plan, start + 2)
+
+
+class BudgetTooShort(ConfigError):
+    """A budget in which not even one more step fits: the run stops with one line (exit code 2), and a run
+    refused at its first step leaves nothing behind (`Trainer.run`)."""
+
+
+def too_short(budget_s: float, step: int, elapsed: float, step_s: float, reserve: float) -> BudgetTooShort:
+    """The one-line refusal, with the least budget that allows 20 steps on this host."""
+    need = elapsed + reserve + 20 * step_s
+    return BudgetTooShort(
+        f"train.time_budget_s={budget_s:g} is too short: set-up and {step} step(s) took {elapsed:.0f} s, a step "
+        f"takes {step_s:.2f} s on this host and the end (evaluation, checkpoint, sample) about {reserve:.0f} s; "
+        f"give at least {math.ceil(need)} (20 steps) or set train.max_steps instead")
 
 
 def end_seconds(cfg: Config, step_s: float, n_params: int, accum: int) -> tuple[float, float]:
@@ -163,16 +181,32 @@ class TimeBudget:
             return step >= plan_step(self.first_step, cfg)
         return not self.fixed and step - self.planned_at >= REPLAN_EVERY
 
-    def measure(self, device: torch.device, world_size: int) -> tuple[float, float]:
-        """(seconds per step: the median of the last TIMED_STEPS steps; seconds since the start), the slowest
-        rank's on every rank."""
-        step_s = statistics.median(self.times[-TIMED_STEPS:])  # the first steps run slower while caches settle
+    def check_first_step(self, cfg: Config, step: int, seconds: float, n_params: int, accum: int,
+                         device: torch.device, world_size: int) -> None:
+        """After the run's first (untimed) step: refuse a budget the set-up and that step have spent already,
+        where not even one more step fits (measured with the first step's time, an upper bound), before any
+        timed step and before anything is saved (it was refused only at the plan, after 21 timed steps)."""
+        if self.planned or step != self.first_step + 1:
+            return
+        step_s, elapsed = self.slowest(seconds, device, world_size)
+        reserve, periodic = end_seconds(cfg, step_s, n_params, accum)
+        if steps_for_budget(self.budget_s, step_s + periodic, reserve, elapsed, done=step) <= step < cfg.train.max_steps:
+            raise too_short(self.budget_s, step, elapsed, step_s + periodic, reserve)
+
+    def slowest(self, step_s: float, device: torch.device, world_size: int) -> tuple[float, float]:
+        """(`step_s`, seconds since the start), the slowest rank's on every rank."""
         elapsed = self.clock() - self.started
         if world_size > 1:
             both = torch.tensor([step_s, elapsed], dtype=torch.float64, device=device)
             dist.all_reduce(both, op=dist.ReduceOp.MAX)
             step_s, elapsed = both.tolist()
         return step_s, elapsed
+
+    def measure(self, device: torch.device, world_size: int) -> tuple[float, float]:
+        """(seconds per step: the median of the last TIMED_STEPS steps; seconds since the start), the slowest
+        rank's on every rank."""
+        step_s = statistics.median(self.times[-TIMED_STEPS:])  # the first steps run slower while caches settle
+        return self.slowest(step_s, device, world_size)
 
     def plan(self, cfg: Config, step: int, n_params: int, accum: int, device: torch.device,
              world_size: int) -> str | None:
@@ -183,11 +217,7 @@ class TimeBudget:
         cap = self.cap if self.planned else cfg.train.max_steps
         fit = steps_for_budget(self.budget_s, step_s + periodic, reserve, elapsed, done=step)
         if not self.planned and fit <= step < cap:
-            need = elapsed + reserve + 20 * (step_s + periodic)
-            raise ConfigError(
-                f"train.time_budget_s={self.budget_s:g} is too short: set-up and {step} steps took {elapsed:.0f} s, "
-                f"a step takes {step_s:.2f} s on this host and the end (evaluation, checkpoint, sample) about "
-                f"{reserve:.0f} s; give at least {math.ceil(need)} (20 steps) or set train.max_steps instead")
+            raise too_short(self.budget_s, step, elapsed, step_s + periodic, reserve)
         before, self.step_s, self.planned_at = self.steps, step_s, step
         self.steps = keep_schedule(cfg, min(fit, cap), step)
         total = elapsed + (self.steps - step) * (step_s + periodic) + reserve
@@ -229,8 +259,9 @@ class TimeBudget:
         """The last line: the steps taken and the time the whole run took."""
         took = self.clock() - self.started
         first = f" (first plan {self.first_plan})" if self.first_plan and self.first_plan != step else ""
+        over = f", {took - self.budget_s:.0f} s over it" if took > self.budget_s + 0.5 else ""
         return (f"time budget {duration(self.budget_s)}: {step} steps{first}, done after {took:.0f} s of "
-                f"{self.budget_s:.0f} s")
+                f"{self.budget_s:.0f} s{over}")
 
 
 def with_steps(cfg: Config, steps: int) -> Config:

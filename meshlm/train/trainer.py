@@ -23,6 +23,7 @@ import os
 import signal
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -46,11 +47,12 @@ from meshlm.models.moe import moe_layers, set_aux_grad_scale, update_router_bias
 from meshlm.parallel import TPRNGTracker, build_model, init_distributed
 from meshlm.parallel.data import memory_report
 from meshlm.parallel.heartbeat import start_heartbeat
-from meshlm.train.budget import TimeBudget, check_budget_schedule, duration, with_steps
+from meshlm.train.budget import BudgetTooShort, TimeBudget, check_budget_schedule, duration, with_steps
 from meshlm.train.extension import Extension, check_extensions
 from meshlm.train.log import RunLog, eval_line, run_summary, train_line
 from meshlm.train.metrics import measure_peak_tflops, moe_groups, moe_metrics, peak_memory_mb
 from meshlm.train.optim import build_optimizer, lr_at
+from meshlm.train.out_dir import OutDir
 from meshlm.train.state import CheckpointState
 from meshlm.train.stragglers import straggler_line, straggler_watch
 from meshlm.train.threads import restore_threads, thread_governor, thread_state
@@ -90,7 +92,18 @@ class Trainer(CheckpointState):
         self.threads = None if t.deterministic else thread_governor(t.adapt_threads, self.device)
         self.progress = (t.progress if progress is None else progress) and self.dims.is_main
         self.out_dir = Path(t.out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        # What train.out_dir held before this run, so that a run refused at set-up or at its first step leaves
+        # nothing behind (`remove_created`).
+        self.out = OutDir.create(self.out_dir)
+        try:
+            self._set_up(datasets)
+        except Exception:
+            self.remove_created()
+            raise
+
+    def _set_up(self, datasets: tuple | None) -> None:
+        """The rest of the set-up, in train.out_dir: the log, the resumed checkpoint, data, model, step."""
+        cfg, t = self.cfg, self.cfg.train
         self.runlog = RunLog(self.out_dir, self.dims.is_main)
         if self.budget is not None:  # the first line: how long the run will take
             self.log(f"time budget {duration(self.budget.budget_s)} (train.time_budget_s={t.time_budget_s:g}, set-up "
@@ -117,6 +130,12 @@ class Trainer(CheckpointState):
         self._build_step()
         self._restore()
         self._keep_plan()
+
+    def remove_created(self) -> None:
+        """After a refusal (a config error found at set-up, a time budget too short): what this run created in
+        train.out_dir is removed (train/out_dir.py); a checkpoint already saved is kept."""
+        if self.dims.is_main:
+            self.out.remove_created()
 
     def _build_data(self, datasets: tuple | None) -> None:
         cfg = self.cfg
@@ -396,6 +415,10 @@ class Trainer(CheckpointState):
         try:
             with deterministic_algorithms(self.cfg.train.deterministic):
                 return self._run()
+        except BudgetTooShort:  # refused (train/budget.py): nothing left behind but a checkpoint already saved
+            self.close_saves()
+            self.remove_created()
+            raise
         finally:
             self.close_saves()  # a background write in flight ends before the process does
             for s, h in handlers.items():
@@ -429,13 +452,17 @@ class Trainer(CheckpointState):
         cfg, t, m = self.cfg, self.cfg.train, self.cfg.model
         if self.dims.pp != 1 or self.sync.zero >= 3:
             return
-        acts = measure_model_activations(self.model, self.loss_fn, t.micro_batch_size, m.seq_len, m.vocab_size,
+        # At the rows the run trains on: a fine-tuning set's `--max-length` rows, not a released model's whole
+        # context (SmolLM2's 8,192 positions would cost a forward of 9 GiB of activations here).
+        rows = m.seq_len if self.spec.example_batch is not None else min(self.row_tokens, m.seq_len)
+        acts = measure_model_activations(self.model, self.loss_fn, t.micro_batch_size, rows, m.vocab_size,
                                          self.precision.autocast(), self.tp_rng, self.fused_loss,
                                          layers=list(getattr(self.model, self.spec.pipeline.layers)),
                                          example=self.spec.example_batch)
         self._take_parts()  # the measurement's loss parts are not the run's
         formula = self.spec.activation_bytes
-        self.log(acts.summary(formula(cfg, device_type=self.device.type) if formula else None))
+        at_rows = replace(cfg, model=replace(m, seq_len=rows)) if rows != m.seq_len else cfg
+        self.log(acts.summary(formula(at_rows, device_type=self.device.type) if formula else None))
 
     def _run(self) -> dict:
         t = self.cfg.train
@@ -499,6 +526,8 @@ class Trainer(CheckpointState):
         """Time the step just taken; at the planning steps set train.max_steps (every rank alike) and say so;
         fix it when the schedule starts to depend on it (`train/budget.py`)."""
         self.budget.observe(self.step, seconds)
+        self.budget.check_first_step(self.cfg, self.step, seconds, self.n_params, self.accum, self.device,
+                                     self.dims.world_size)
         lines = []
         if self.budget.due(self.step, self.cfg):
             lines.append(self.budget.plan(self.cfg, self.step, self.n_params, self.accum, self.device,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from meshlm.checkpoint.single import resolve_checkpoint
-from meshlm.core.config import ModelConfig
+from meshlm.core.config import ConfigError, ModelConfig
 from meshlm.core.errors import CheckpointError
 from meshlm.families.registry import get_spec
 from meshlm.models.gpt import GPT
@@ -25,6 +25,7 @@ from tests.reliability.test_rel_manifest import STEP1, STEP2, edit_manifest, rep
 from tests.reliability.threads import _one_thread  # noqa: F401 (autouse: one intra-op thread)
 from tests.reliability.trained_run import small
 from tests.tune.test_align import align_args, assert_one_error, data  # noqa: F401 (`data`: the fixture)
+from tests.tune.test_chat_sft import chat, chat_rows  # noqa: F401 (`chat`: the fixture)
 from tests.tune.tune_helpers import run, write_jsonl
 
 
@@ -184,4 +185,96 @@ def test_align_refuses_a_bogus_role_as_tune_does(data, tmp_path):  # noqa: F811 
     bad = write_jsonl(tmp_path / "bad.jsonl", [row])
     code, _, err = run(*align_args(data, "dpo", tmp_path / "out", train=bad))
     assert_one_error(code, err, "bad.jsonl:1", "prompt[0]", '"bogus"', "system, user, assistant")
+    assert not (tmp_path / "out").exists()
+
+
+# ---- train.time_budget_s that the set-up has spent, or that a short run would overrun ----------------------
+def budget_run(out, budget: float, spent: float = 0.0, **train):
+    """A tiny run with `train.time_budget_s=budget` whose command started `spent` seconds before the trainer
+    (torch's import and the data's preparation take that long on a slow host)."""
+    import time
+
+    cfg = tiny_config(out, train={"time_budget_s": budget, "max_steps": 30, **train}, optim={"decay": "constant"})
+    return Trainer(cfg, started=time.monotonic() - spent)
+
+
+@pytest.mark.parametrize(("budget", "spent"), [(1e-9, 0.0), (3.0, 2.9)])
+def test_a_budget_already_spent_is_refused_at_the_first_step_leaving_nothing(tmp_path, budget, spent):
+    """Refused after the first (untimed) step, before any timed one, with the least budget that fits; no
+    directory left (issue 48: refused only after 21 timed steps, metrics and TensorBoard files left behind)."""
+    out = tmp_path / "new" / "run"
+    trainer = budget_run(out, budget, spent)
+    with pytest.raises(ConfigError, match=rf"^train.time_budget_s={budget:g} is too short: set-up and 1 step"
+                                             r"\(s\) took .*give at least \d+ \(20 steps\)") as err:
+        trainer.run()
+    assert "\n" not in str(err.value) and trainer.step == 1
+    assert not (tmp_path / "new").exists(), list(tmp_path.rglob("*"))
+
+
+def test_a_refused_budget_keeps_what_the_directory_held(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    trainer = budget_run(tmp_path, 1e-9)
+    with pytest.raises(ConfigError, match="too short"):
+        trainer.run()
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_a_short_run_plans_its_budget_at_its_first_timed_step(tmp_path, capsys):
+    """train.max_steps below the 21 planning steps: the plan is made and said after the first timed step (it was
+    never made, and such a run overran its budget by 76 s without a word)."""
+    result = budget_run(tmp_path, 600, max_steps=5).run()
+    out = capsys.readouterr().out
+    assert "time budget 10 min: 5 steps (train.max_steps caps it; ~" in out, out
+    assert result["step"] == 5 and "done after" in out.splitlines()[-1]
+
+
+def test_a_short_run_over_its_budget_is_cut_at_its_plan_and_an_overrun_said():
+    """Budget 20 s, 10 s spent at set-up, 2 s a step, max_steps 8: planned at step 2 to fewer steps (unplanned,
+    the 8 steps ran to 26 s and more); a run that still ends late says by how much."""
+    from meshlm.train.budget import TimeBudget
+
+    cfg = tiny_config("unused", train={"time_budget_s": 20, "max_steps": 8}, optim={"decay": "constant"})
+    clock = FakeClock(10.0)
+    budget = TimeBudget(20, started=0.0, clock=clock)
+    budget.start(0)
+    for step in (1, 2):
+        clock.now += 2.0
+        budget.observe(step, 2.0)
+    assert not budget.due(1, cfg) and budget.due(2, cfg)
+    line = budget.plan(cfg, 2, n_params=1000, accum=1, device=None, world_size=1)
+    assert 2 <= budget.steps < 8 and f"{budget.steps} steps at 2.00 s/step" in line, line
+    clock.now = 27.0
+    assert budget.summary(budget.steps).endswith("done after 27 s of 20 s, 7 s over it")
+
+
+class FakeClock:
+    def __init__(self, now: float):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ---- a config error found after train.out_dir was created --------------------------------------------------
+def test_a_config_error_at_set_up_leaves_no_directory(tmp_path):
+    """data.document_mask=true on BERT is found by the trainer, after train.out_dir was made: one line, exit 2,
+    and no directory (issue 48: an empty one was left); a directory that existed keeps what it held."""
+    out = tmp_path / "a" / "run"
+    one_error_line(["train", "--config", "bert-tiny", "--data.document_mask=true", f"--train.out_dir={out}"],
+                   "data.document_mask=true", "bert")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept.txt").write_text("mine")
+    one_error_line(["train", "--config", "bert-tiny", "--data.document_mask=true", f"--train.out_dir={tmp_path}"],
+                   "data.document_mask=true")
+    assert [p.name for p in tmp_path.iterdir()] == ["kept.txt"]
+
+
+# ---- tune: conversations whose contents are all empty -------------------------------------------------------
+def test_tune_refuses_a_conversation_whose_contents_are_all_empty(chat, tmp_path):  # noqa: F811 (the fixture)
+    """One line naming the file and line, nothing trained or written (it trained silently on them)."""
+    rows = [chat_rows(1, 3)[0], {"messages": [{"role": "user", "content": " "}, {"role": "assistant", "content": ""}]}]
+    bad = write_jsonl(tmp_path / "bad.jsonl", rows)
+    code, _, err = run("tune", "--checkpoint", str(chat["base"]), "--method", "lora", "--train", str(bad),
+                       "--valid", str(chat["valid"]), "--out", str(tmp_path / "out"))
+    assert_one_error(code, err, "bad.jsonl:2", "every message of the conversation is empty")
     assert not (tmp_path / "out").exists()

@@ -31,13 +31,16 @@ def test_steps_for_budget_fits_the_measured_step_time():
 
 
 def test_the_plan_is_made_inside_the_warmup_so_the_schedule_depends_on_the_step_count_only():
-    cfg = tiny_config("unused", train={"time_budget_s": 60}, optim={"warmup_steps": 50})
+    long = {"time_budget_s": 60, "max_steps": 5000}
+    cfg = tiny_config("unused", train=long, optim={"warmup_steps": 50})
     assert plan_step(0, cfg) == 21  # one untimed step, twenty timed ones
-    short = tiny_config("unused", train={"time_budget_s": 60}, optim={"warmup_steps": 3})
+    short = tiny_config("unused", train=long, optim={"warmup_steps": 3})
     assert plan_step(0, short) == 4
-    assert plan_step(0, tiny_config("unused", optim={"warmup_steps": 1})) == 2  # one timed step at least
-    assert plan_step(0, tiny_config("unused", optim={"warmup_steps": 0, "decay": "constant"})) == 21
-    assert plan_step(0, tiny_config("unused", optim={"warmup_steps": 0, "decay_steps": 100})) == 21
+    assert plan_step(0, tiny_config("unused", train=long, optim={"warmup_steps": 1})) == 2  # one timed step at least
+    assert plan_step(0, tiny_config("unused", train=long, optim={"warmup_steps": 0, "decay": "constant"})) == 21
+    assert plan_step(0, tiny_config("unused", train=long, optim={"warmup_steps": 0, "decay_steps": 100})) == 21
+    # a run that would end before its plan (train.max_steps 21 or less) plans after its first timed step
+    assert plan_step(0, tiny_config("unused", train={**long, "max_steps": 21}, optim={"decay": "constant"})) == 2
     for c in (cfg, short):  # every step taken before the plan has the learning rate of any step count
         for step in range(plan_step(0, c)):
             assert lr_at(step, c.optim, 10) == lr_at(step, c.optim, 10 ** 6), step
