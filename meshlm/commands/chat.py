@@ -30,7 +30,8 @@ def add_chat_command(sub) -> None:
     p = sub.add_parser("chat", help="chat with a checkpoint in the terminal (its chat template, streamed replies)",
                        description="Type a message and press Enter; the reply streams back. /reset forgets the "
                        "conversation, /exit (or Ctrl-D) quits; Ctrl-C stops a reply, or quits at the prompt.")
-    p.add_argument("--checkpoint", required=True, help="run directory (uses its latest checkpoint) or a step dir")
+    p.add_argument("--checkpoint", required=True, help="run directory (uses its latest checkpoint), a step dir, or "
+                   "a .gguf file (converted once into $MESHLM_CACHE/gguf/)")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system message before the conversation")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja2 chat template (file or text) instead of the checkpoint's own")

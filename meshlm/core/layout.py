@@ -44,19 +44,20 @@ def factor_world(world_size: int, tp: int, pp: int, dp: int = 0, cp: int = 1) ->
 # ---- tensor parallelism -----------------------------------------------------------------------------------
 def check_tensor_parallel(cfg: ModelConfig, tp: int, sp: bool) -> None:
     """The shapes Megatron's tensor parallelism needs of a transformer: heads, KV heads, MLP width and (under
-    sequence parallelism) the sequence divisible by tp."""
-    if cfg.n_heads % tp:
-        raise ConfigError(f"parallel.tp={tp} does not divide model.n_heads={cfg.n_heads}; "
-                          f"use one of {divisors(cfg.n_heads)}")
+    sequence parallelism) the sequence divisible by tp. Each refusal names the tp sizes that pass all three
+    (SmolLM2's 9 heads, 3 KV heads and width 1,536: 1 and 3)."""
     kv = cfg.kv_heads
+    if cfg.n_heads % tp:
+        shape = (f"model.n_kv_heads={kv}, " if kv != cfg.n_heads else "") + f"MLP width {cfg.ffn_size}"
+        raise ConfigError(f"parallel.tp={tp} does not divide model.n_heads={cfg.n_heads} ({shape}); use tp in "
+                          f"{tensor_parallel_sizes(cfg)}")
     if kv % tp and tp % kv:
-        ok = [d for d in range(1, min(cfg.n_heads, 4096) + 1)
-              if cfg.n_heads % d == 0 and (kv % d == 0 or d % kv == 0)]
         raise ConfigError(f"parallel.tp={tp} and model.n_kv_heads={kv}: one must divide the other (KV heads are "
-                          f"split when tp divides them, replicated when tp is a multiple); use tp in {ok}")
+                          f"split when tp divides them, replicated when tp is a multiple); use tp in "
+                          f"{tensor_parallel_sizes(cfg)}")
     if cfg.ffn_size % tp:
         raise ConfigError(f"parallel.tp={tp} does not divide the MLP width {cfg.ffn_size}; "
-                          "set model.ffn_hidden_size to a multiple of tp")
+                          f"set model.ffn_hidden_size to a multiple of tp, or use tp in {tensor_parallel_sizes(cfg)}")
     if sp and cfg.seq_len % tp:
         raise ConfigError(f"parallel.sp=true splits the sequence over parallel.tp={tp} ranks, but model.seq_len="
                           f"{cfg.seq_len} is not divisible by {tp}; set model.seq_len to a multiple of {tp}")
@@ -156,6 +157,14 @@ def _balanced(n_layers: int, stages: int, first_cost: float, last_cost: float) -
         counts[-neg] += 1
         heapq.heappush(heap, (counts[-neg] + extra[-neg], neg))
     return tuple(counts)
+
+
+def tensor_parallel_sizes(cfg: ModelConfig, most: int = 12) -> str:
+    """The tp sizes the model's shape takes: dividing the heads and the MLP width, and dividing the KV heads or
+    a multiple of them (replicated), listed as `divisors` lists."""
+    found = [d for d in range(1, min(cfg.n_heads, 4096) + 1) if cfg.n_heads % d == 0 and cfg.ffn_size % d == 0
+             and (cfg.kv_heads % d == 0 or d % cfg.kv_heads == 0)]
+    return ", ".join(map(str, found[:most])) + (", ..." if len(found) > most else "")
 
 
 def divisors(n: int, most: int = 12) -> str:

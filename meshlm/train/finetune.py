@@ -34,6 +34,7 @@ their metrics need (`models/bert.py`), so metrics.jsonl's eval rows carry val_ac
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -580,7 +581,10 @@ def train_prepared(cfg, datasets: tuple, out_dir: str, write, extensions: Extens
     from meshlm.train import trainer as trainer_module
     from meshlm.train.fit import check_training_fits
 
-    check_training_fits(cfg)
+    # activations at the rows' width (`.T` tokens per example), not model.seq_len: a released model's context
+    # (SmolLM2's 8,192) would refuse a tuning run whose rows are a few hundred tokens
+    width = min(getattr(datasets[1], "T", cfg.model.seq_len), cfg.model.seq_len)
+    check_training_fits(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, seq_len=width)))
     out = Path(out_dir)
     created = not out.exists()
     try:
