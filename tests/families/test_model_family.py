@@ -67,8 +67,9 @@ def test_toy_family_trains_like_one_process(reference, tmp_path, name):
     for a, b in zip(got, want):
         assert abs(a - b) <= TOL * abs(b), f"{name}: losses {got} vs {want}"
     assert want[-1] < want[0], "the family should learn in 4 steps"
-    mine = load_model_state(latest_checkpoint(tmp_path / "run"))
-    ref = load_model_state(latest_checkpoint(reference))
+    spec = get_spec(_config(Path("unused")).model.family)
+    mine = load_model_state(latest_checkpoint(tmp_path / "run"), spec=spec)
+    ref = load_model_state(latest_checkpoint(reference), spec=spec)
     assert mine.keys() == ref.keys()
     worst = max(float((mine[k] - ref[k]).abs().max()) for k in ref)
     assert worst <= TOL, f"{name}: final weights off by {worst:.2e}"
@@ -76,7 +77,8 @@ def test_toy_family_trains_like_one_process(reference, tmp_path, name):
 
 def test_toy_family_has_no_gpt_names():
     """The toy model's parameters share no name with GPT's: the transforms found them through the spec."""
-    model = build_model(_config(Path("unused")), ParallelDims(pp=1, dp=1, tp=2, rank=1), spec=get_spec(_config(Path("unused")).model.family)).model  # planned: no group
+    cfg = _config(Path("unused"))
+    model = build_model(cfg, ParallelDims(pp=1, dp=1, tp=2, rank=1), spec=get_spec(cfg.model.family)).model  # no group
     names = [n for n, _ in model.named_parameters()]
     assert not any(w in n for n in names for w in ("tok_emb", "lm_head", "layers.", "qkv", "mlp"))
     assert type(model.blocks[0].attn.in_proj).__name__ == "ColumnParallelLinear"
