@@ -6,7 +6,8 @@ meshlm's decode and BERT encoder against Hugging Face transformers on the same w
 
 Weights: the `gpt-tiny` config (GPT-2 style, 6 × 128, vocab 50,257, 128 positions) and the `bert-tiny`
 config (4 × 256, 128 positions), randomly initialised (speed does not depend on the values), saved as
-meshlm checkpoints and converted with `meshlm convert --checkpoint RUN --to-hf DIR` for transformers.
+meshlm checkpoints and converted as `meshlm convert --checkpoint RUN --to-hf DIR` does (its `export_hf`, in this
+process) for transformers.
 Everything fp32 on the CPU with one torch thread (`--threads`; the server too, through OMP_NUM_THREADS):
 on a small shared machine one thread per process is faster than two for these sizes.
 
@@ -33,7 +34,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,8 +48,13 @@ from serve_load import percentile
 from smoke import add_smoke_flag
 
 
-def meshlm_cli(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "meshlm", *args], check=True, cwd=ROOT, capture_output=True, text=True)
+def to_hf(ckpt: Path, hf_dir: Path) -> None:
+    """`meshlm convert --checkpoint CKPT --to-hf HF_DIR`, in this process (the command's own function, without a
+    second interpreter's torch and transformers imports: most of a smoke run's time)."""
+    from meshlm.checkpoint.load import open_checkpoint
+    from meshlm.interop.convert import export_hf
+
+    export_hf(open_checkpoint(str(ckpt)), hf_dir, log=lambda _: None)
 
 
 def save_random(config: str, out: Path, **model) -> Path:
@@ -220,8 +225,8 @@ def main() -> None:
         tmp = Path(tmp)
         gpt = save_random("gpt-tiny", tmp / "gpt-tiny", **shape)
         bert = save_random("bert-tiny", tmp / "bert-tiny", bert_head="mlm", **shape)
-        meshlm_cli("convert", "--checkpoint", str(gpt), "--to-hf", str(tmp / "gpt-hf"))
-        meshlm_cli("convert", "--checkpoint", str(bert), "--to-hf", str(tmp / "bert-hf"))
+        to_hf(gpt, tmp / "gpt-hf")
+        to_hf(bert, tmp / "bert-hf")
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
         levels = serving(gpt, args)
         print("| clients | requests | req/s | output tok/s | TTFT median (ms) | TTFT p99 (ms) | TPOT median (ms) "
