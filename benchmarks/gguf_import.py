@@ -1,7 +1,8 @@
 """Peak memory of `meshlm convert --from-gguf` (`interop.gguf.import_gguf`) against the fp32 model it builds.
 
-The import dequantizes one tensor at a time (a few thousand rows at once) into the fp32 state dict, so its peak
-should stay near one fp32 copy of the model plus the memory-mapped file and the interpreter with torch. Each
+The import dequantizes one tensor at a time (16k weights at once) straight into the fp32 state dict and releases
+the mapped file's pages as it goes, so its peak should stay near one fp32 copy of the model plus the interpreter
+with torch (and torch's compiler stack, which its meta-device ops import on first use: docs/gguf.md). Each
 import runs in a fresh subprocess; `resource.getrusage(RUSAGE_SELF).ru_maxrss` is read there before the import
 (the interpreter with torch, numpy, gguf and tokenizers loaded) and after it (the peak).
 

@@ -1,7 +1,7 @@
 """llama.cpp runs the GGUF meshlm writes (`meshlm convert --to-gguf`): next-token agreement with meshlm.
 
     .venv/bin/python benchmarks/gguf_llamacpp.py [--checkpoint runs/demo] [--outtypes f32,f16,q8_0,q4_0]
-                                                 [--tokens 2048] [--out gguf_llamacpp.json]
+                                                 [--tokens 2048] [--window N] [--out gguf_llamacpp.json]
     .venv/bin/python benchmarks/gguf_llamacpp.py --smoke    # the meshlm side only, on a tiny random model
 
 For each outtype the checkpoint is written as a GGUF and run in llama.cpp through `llama-cpp-python`
@@ -28,10 +28,11 @@ import numpy as np
 import torch
 from smoke import add_smoke_flag, skipped, tiny_checkpoint  # benchmarks/smoke.py, beside this script
 
-from meshlm.checkpoint.load import load_model, open_checkpoint
+from meshlm.checkpoint.load import load_model
 from meshlm.data.assets import shakespeare_files
 from meshlm.data.tokenizers import get_tokenizer
 from meshlm.families.registry import get_spec
+from meshlm.interop.checkpoints import open_checkpoint  # a run, or a .gguf file imported once (cached)
 from meshlm.interop.gguf_write import OUTTYPES, export_gguf
 
 MISSING = ("llama-cpp-python is not installed, so llama.cpp was not run (install it with `.venv/bin/pip install "
@@ -42,10 +43,9 @@ def held_out_text(chars: int = 40000) -> str:
     return shakespeare_files()[-1].read_text(encoding="utf-8")[5000:5000 + chars]
 
 
-def meshlm_logits(checkpoint, ids: list[int]) -> torch.Tensor:
-    """meshlm's fp32 logits, (windows, seq_len, vocab), over `ids` cut into windows of the context length."""
+def meshlm_logits(checkpoint, ids: list[int], seq: int) -> torch.Tensor:
+    """meshlm's fp32 logits, (windows, seq, vocab), over `ids` cut into windows of `seq` tokens."""
     model = load_model(checkpoint, get_spec(checkpoint.config.model.family))
-    seq = checkpoint.config.model.seq_len
     batch = torch.tensor(ids[:len(ids) // seq * seq]).view(-1, seq)
     with torch.no_grad():
         return torch.cat([model(row[None]) for row in batch])
@@ -82,6 +82,8 @@ def main() -> int:
     parser.add_argument("--checkpoint", default="runs/demo", help="a Llama-style run (default: make demo's)")
     parser.add_argument("--outtypes", default="f32,f16,q8_0,q4_0", help=f"comma-separated, of {', '.join(OUTTYPES)}")
     parser.add_argument("--tokens", type=int, default=2048, help="held-out tokens compared")
+    parser.add_argument("--window", type=int, default=0,
+                        help="tokens per window (default: the model's context, model.seq_len)")
     parser.add_argument("--out", help="write the rows as JSON here")
     add_smoke_flag(parser)
     args = parser.parse_args()
@@ -98,9 +100,11 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
     tok = get_tokenizer(checkpoint.config.data.tokenizer)
     text = held_out_text()
     ids = tok.encode(text)[:args.tokens]
-    seq = checkpoint.config.model.seq_len
+    seq = min(args.window or checkpoint.config.model.seq_len, checkpoint.config.model.seq_len)
+    if len(ids) < seq:
+        raise SystemExit(f"--tokens {args.tokens} is fewer than one window of {seq}; raise --tokens or lower --window")
     windows = torch.tensor(ids[:len(ids) // seq * seq]).view(-1, seq)
-    ours = meshlm_logits(checkpoint, ids)
+    ours = meshlm_logits(checkpoint, ids, seq)
     files = {}
     for outtype in args.outtypes.split(","):
         start = time.perf_counter()

