@@ -48,6 +48,7 @@ HEADERS = {
     "busy_step.py": "alone s/step busy s/step slowdown",
     "chat_packing.py": "| mode | rows | steps | useful tokens/row |",
     "chat_task.py": "| model | pref. accuracy (sum log-prob) |",
+    "chat_task_smollm2.py": "| trainer | held-out loss | last train loss |",
     "context_parallel.py": "| cp | rank | saved in layers, measured (MiB) |",
     "demo_quality.py": "| run | wall time | held-out bits/byte |",
     "document_mask.py": "| seq | rows | causal ms/step | documents ms/step | ratio |",
