@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from meshlm.data.items import DataError
+from meshlm.data.items import DataError, read_json_object
 from meshlm.data.tokenizers import SHAKESPEARE_BPE
 
 # The template of meshlm-trained models: per message `<|role|>` newline, the content, newline, `<|end|>`
@@ -314,16 +314,6 @@ def encode_chat(tokenizer, template: ChatTemplate | str, messages: list[dict], a
 
 
 # ---- the checkpoint's template ---------------------------------------------------------------------------------
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise DataError(f"{path} cannot be read as JSON ({err}); fix or remove it") from None
-    if not isinstance(data, dict):
-        raise DataError(f"{path} must hold a JSON object")
-    return data
-
-
 def _token_text(value) -> str | None:
     """A special token as tokenizer_config.json writes it: a string, or an AddedToken object with `content`."""
     if isinstance(value, str):
@@ -338,7 +328,7 @@ def special_token_variables(folder: Path) -> dict[str, str]:
     out: dict[str, str] = {}
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         if (folder / name).is_file():
-            data = _read_json(folder / name)
+            data = read_json_object(folder / name)
             for key in SPECIAL_TOKEN_NAMES:
                 text = _token_text(data.get(key))
                 if text is not None and key not in out:
@@ -347,7 +337,7 @@ def special_token_variables(folder: Path) -> dict[str, str]:
 
 
 def _config_template(path: Path) -> str | None:
-    value = _read_json(path).get("chat_template")
+    value = read_json_object(path).get("chat_template")
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, list):

@@ -40,6 +40,17 @@ class DataError(ConfigError):
     """A problem with the input data or output path, stated with the path (and line) and the fix."""
 
 
+def read_json_object(path: Path) -> dict:
+    """The JSON object in file `path` (a tokenizer's or a checkpoint's side file); DataError naming the file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise DataError(f"{path} cannot be read as JSON ({err}); fix or remove it") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{path} must hold a JSON object; fix or remove it")
+    return data
+
+
 SNIFF_BYTES = 1024  # what `binary_reason` reads of each input
 SIGNATURES = {b"\x1f\x8b": "gzip-compressed data (name the file *.gz to have it decompressed)",
               b"\x89PNG": "a PNG image", b"\x7fELF": "an ELF executable", b"PK\x03\x04": "a zip archive",

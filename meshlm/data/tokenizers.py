@@ -35,6 +35,7 @@ from typing import Protocol
 
 from meshlm.core.config import ConfigError
 from meshlm.data.assets import default_cache_dir, gpt2_ranks_file, minilm_dir, shakespeare_files
+from meshlm.data.items import read_json_object
 
 # GPT-2's pre-tokenizer split pattern (the r50k_base pattern).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -83,16 +84,6 @@ class DeclaredEos:
     ids_file: str = ""
 
 
-def _json_object(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"{path} cannot be read as JSON ({err}); fix or remove it") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a JSON object; fix or remove it")
-    return data
-
-
 def _eos_ids(value, path: Path) -> tuple[int, ...]:
     ids = [value] if isinstance(value, int) else value if isinstance(value, list) else None
     if ids is None or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
@@ -106,14 +97,14 @@ def declared_eos(folder: Path) -> DeclaredEos:
     token, token_file, ids, ids_file = None, "", (), ""
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         if token is None and (folder / name).is_file():
-            value = _json_object(folder / name).get("eos_token")
+            value = read_json_object(folder / name).get("eos_token")
             if isinstance(value, dict):
                 value = value.get("content")
             if isinstance(value, str) and value:
                 token, token_file = value, str(folder / name)
     path = folder / "generation_config.json"
     if path.is_file():
-        value = _json_object(path).get("eos_token_id")
+        value = read_json_object(path).get("eos_token_id")
         if value is not None:
             ids, ids_file = _eos_ids(value, path), str(path)
     return DeclaredEos(token, ids, token_file, ids_file)

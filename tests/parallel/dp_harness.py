@@ -188,12 +188,22 @@ def step_without_zero_grad(run: Run) -> float:
 
 
 def full_state(run: Run) -> dict[str, torch.Tensor]:
-    """The plain GPT tensors this rank's pipeline stage holds, gathered over tp (and dp under ZeRO-3)."""
+    """The plain GPT tensors this rank's pipeline stage holds, gathered over tp (and dp under ZeRO-3), each
+    expert slice gathered over its ep group into the whole (E, ...) stack."""
     if run.dims.tp > 1:
         state = full_state_dict(run.model)
     else:
         state = run.model.state_dict()
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
+    if getattr(run.dims, "ep", 1) > 1:
+        import torch.distributed as dist
+
+        for name, p in run.model.named_parameters():
+            if getattr(p, "expert_rows", None) is not None:
+                parts = [torch.empty_like(p) for _ in range(run.dims.ep)]
+                dist.all_gather(parts, p.detach().contiguous(), group=run.dims.ep_group)
+                state[name] = torch.cat(parts)
+    return state
 
 
 def train(cfg, dims: ParallelDims | None, steps: int) -> Run:

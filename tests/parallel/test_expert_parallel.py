@@ -18,7 +18,6 @@ from __future__ import annotations
 import dp_harness as H
 import pytest
 import torch
-import torch.distributed as dist
 from parallel_world import run_world
 
 from meshlm.families.registry import get_spec
@@ -62,26 +61,6 @@ def _build_moe_run(cfg, dims, consumed: int = 0):
 H.build_run = _build_moe_run  # (a no-op for models without MoE layers)
 
 
-def _gather_experts(run, state: dict) -> dict:
-    """`full_state` with each expert slice gathered over its ep group into the whole (E, …) stack."""
-    d = run.dims
-    for name, p in run.model.named_parameters():
-        if getattr(p, "expert_rows", None) is not None:
-            parts = [torch.empty_like(p) for _ in range(d.ep)]
-            dist.all_gather(parts, p.detach().contiguous(), group=d.ep_group)
-            state[name] = torch.cat(parts)
-    return state
-
-
-def _compare(ref: dict, run) -> dict:
-    full_state = H.full_state
-    H.full_state = lambda r: _gather_experts(r, full_state(r))
-    try:
-        return H.compare(ref, run)
-    finally:
-        H.full_state = full_state
-
-
 def _train_world(rank: int, world: int, out_dir: str) -> dict:
     out = {}
     with H.float64():
@@ -92,7 +71,7 @@ def _train_world(rank: int, world: int, out_dir: str) -> dict:
             assert (dims.ep, dims.edp) == (ep, dims.dpcp // ep)
             run = H.train(cfg, dims, STEPS)
             sizes = {tuple(p.shape) for n, p in run.model.named_parameters() if n.endswith("experts.fc")}
-            out[name] = {**_compare(_REFS[model], run), "expert_shapes": sizes}
+            out[name] = {**H.compare(_REFS[model], run), "expert_shapes": sizes}
     return out
 
 
@@ -159,7 +138,7 @@ def _reshard_world(rank: int, world: int, out_dir: str) -> dict:
                 run = _layout_run(second, path=resolve_checkpoint(root))
                 for _ in range(HALF):
                     H.step(run)
-                out[name] = _compare(_REFS["moe2"], run)
+                out[name] = H.compare(_REFS["moe2"], run)
     return out
 
 

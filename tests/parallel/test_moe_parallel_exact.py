@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dp_harness as H
 import torch
-import torch.distributed as dist
 from parallel_world import run_world
 
 from meshlm.models.moe import moe_layers, set_aux_grad_scale, update_router_bias
@@ -62,27 +61,6 @@ def _reference(model: str) -> dict:
     return {"losses": run.losses, "norms": run.norms, "states": {STEPS: H.full_state(run)}, "biases": _biases(run)}
 
 
-def _gather_experts(run, state: dict) -> dict:
-    """This rank's state with each expert slice gathered over its ep group into the whole (E, …) stack."""
-    d = run.dims
-    for name, p in run.model.named_parameters():
-        if getattr(p, "expert_rows", None) is not None:
-            parts = [torch.empty_like(p) for _ in range(d.ep)]
-            dist.all_gather(parts, p.detach().contiguous(), group=d.ep_group)
-            state[name] = torch.cat(parts)
-    return state
-
-
-def _compare(ref: dict, run) -> dict:
-    """`dp_harness.compare` with the experts gathered over ep."""
-    full_state = H.full_state
-    H.full_state = lambda r: _gather_experts(r, full_state(r))
-    try:
-        return H.compare(ref, run)
-    finally:
-        H.full_state = full_state
-
-
 def _world(rank: int, world: int, out_dir: str) -> dict:
     out = {}
     with H.float64():
@@ -90,7 +68,7 @@ def _world(rank: int, world: int, out_dir: str) -> dict:
             cfg = H.config(model, tp=tp, pp=pp, dp=dp, ep=ep, cp=cp, sp=sp)
             dims = ParallelDims.build(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, timeout_s=60)
             run = _train(cfg, dims, sp)
-            got = _compare(_REFS[model], run)
+            got = H.compare(_REFS[model], run)
             want = _REFS[model]["biases"]
             got["bias"] = max([float((b - want[n]).abs().max()) for n, b in _biases(run).items()], default=0.0)
             out[name] = (got["loss"], got["grad_norm"], got["weights"], got["bias"])
