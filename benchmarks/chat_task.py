@@ -315,7 +315,6 @@ def run_task(args: argparse.Namespace) -> int:
     picked = convs[:args.samples]
     prompts = [render(template, c["messages"][:[m["role"] for m in c["messages"]].index("assistant")],
                       add_generation_prompt=True) for c in picked]
-    truth = [next(m["content"] for m in c["messages"] if m["role"] == "assistant") for c in picked]
     ledger = Ledger(work, args.reuse)
     commands = stage_commands(args, py, data, work, base)
     dpo_name = f"SFT+{args.method.upper()}"
@@ -341,12 +340,12 @@ def run_task(args: argparse.Namespace) -> int:
     lengths = (float((scores["chosen_tokens"] > scores["rejected_tokens"]).float().mean()),
                float((scores["chosen_tokens"] < scores["rejected_tokens"]).float().mean()))
     state = ledger.state
-    report(state["results"], state["samples"], state["walls"], picked, truth, len(convs), len(pairs), args,
+    report(state["results"], state["samples"], state["walls"], picked, len(convs), len(pairs), args,
            time.perf_counter() - t_start, lengths, [c for cs in state["commands"].values() for c in cs])
     return 0
 
 
-def report(results, samples, walls, picked, truth, n_convs, n_pairs, args, total_s, lengths, commands) -> None:
+def report(results, samples, walls, picked, n_convs, n_pairs, args, total_s, lengths, commands) -> None:
     print(f"\nheld-out test plays: {n_pairs} preference pairs, {n_convs} conversations; base {args.base}; "
           f"{total_s / 60:.1f} min in all, load average now {os.getloadavg()[0]:.1f}")
     print(f"length alone: the chosen answer has more tokens in {lengths[0]:.3f} of the pairs, fewer in "
@@ -360,11 +359,17 @@ def report(results, samples, walls, picked, truth, n_convs, n_pairs, args, total
         wall = f"{wall_of[name]:.0f} s" if wall_of.get(name) else "-"
         print(f"| {name} | {r['pref_acc']:.3f} | {r['pref_acc_per_token']:.3f} | {r['pref_acc_other_speaker']:.3f} "
               f"| {r['pref_acc_other_play']:.3f} | {reward} | {r['assistant_loss']:.3f} | {wall} |")
+    print_samples(picked, samples, commands)
+
+
+def print_samples(picked: list[dict], samples: dict[str, list[str]], commands: list[str]) -> None:
+    """Each run's greedy reply to the first user turn of the held-out conversations `picked`, beside the true
+    line, then the commands that made the runs."""
     print("\nGreedy samples (the first user turn of held-out conversations):\n")
     for k, conv in enumerate(picked):
         user = next(m["content"] for m in conv["messages"] if m["role"] == "user")
-        print(f"{k + 1}. {conv['play']}, {conv['speaker']}: {user.splitlines()[0]} / {user.splitlines()[1]}")
-        print(f"   - true line: {truth[k]!r}")
+        print(f"{k + 1}. {conv['play']}, {conv['speaker']}: {' / '.join(user.splitlines()[:2])}")
+        print(f"   - true line: {next(m['content'] for m in conv['messages'] if m['role'] == 'assistant')!r}")
         for name, outs in samples.items():
             print(f"   - {name}: {outs[k]!r}")
     print("\nCommands:\n")

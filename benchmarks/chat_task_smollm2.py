@@ -359,16 +359,7 @@ def report(args, results, samples, runs, picked, n_convs, n_pairs, total_s) -> N
         d = runs["dpo"]
         print(f"DPO: {d['wall_s']:.0f} s wall, {d['cpu_s']:.0f} s CPU, load {d['load_before'][0]:.1f} → "
               f"{d['load_after'][0]:.1f}")
-    print("\nGreedy samples (the first user turn of held-out conversations):\n")
-    for k, conv in enumerate(picked):
-        user = next(m["content"] for m in conv["messages"] if m["role"] == "user")
-        print(f"{k + 1}. {conv['play']}, {conv['speaker']}: {' / '.join(user.splitlines()[:2])}")
-        print(f"   - true line: {next(m['content'] for m in conv['messages'] if m['role'] == 'assistant')!r}")
-        for name, outs in samples.items():
-            print(f"   - {name}: {outs[k]!r}")
-    print("\nCommands:\n")
-    for c in dict.fromkeys(ct.COMMANDS):
-        print("    " + c)
+    ct.print_samples(picked, samples, ct.COMMANDS)
 
 
 if __name__ == "__main__":
