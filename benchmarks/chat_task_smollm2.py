@@ -114,7 +114,8 @@ def trl_worker(spec_file: str) -> int:
                          max_steps=s["steps"], learning_rate=s["lr"], lr_scheduler_type="linear", warmup_steps=0,
                          weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
                          optim="adamw_torch", use_cpu=True, bf16=False, fp16=False, report_to=[], logging_steps=1,
-                         save_strategy="no", eval_strategy="no", disable_tqdm=True, seed=0, dataset_num_proc=None)
+                         save_strategy="no", eval_strategy="no", disable_tqdm=True, seed=0, dataset_num_proc=None,
+                         gradient_checkpointing=False)  # TRL's default recomputes activations; meshlm's run does not
     rows = [{"messages": c["messages"]} for c in ct.read(Path(s["train"]))]
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok,
                              peft_config=lora)

@@ -150,6 +150,9 @@ class Trainer(CheckpointState):
         self.n_params = self.spec.parameter_count(cfg.model)  # the whole model's
         # Tokens per row: model.seq_len, or a fine-tuning set's shorter rows (`--max-length`), for tokens/s and MFU.
         self.row_tokens = int(getattr(self.train_set, "T", cfg.model.seq_len))
+        # Positions per row this step actually ran: a tuning set's batches end after their last target
+        # (`tune/data.py` TuneDataset.trim), so its steps run fewer than `row_tokens`; this rank's mean.
+        self.step_rows = float(self.row_tokens)
         # A fine-tuning set's share of row tokens with a target (the answers), for the fused head and the FLOPs.
         self.loss_fraction = getattr(self.train_set, "loss_fraction", None)
         # Packed documents, each attended and positioned alone (`documents`): the end-of-document id.
@@ -240,14 +243,17 @@ class Trainer(CheckpointState):
         if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
             total = self._pipeline_forward_backward()
         else:
+            widths = 0
             for i in range(self.accum):
                 x, y = self.loader.next()
+                widths += x.shape[-1]
                 x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
                 self.sync.set_last_microbatch(i == self.accum - 1)
                 with self.precision.autocast():
                     loss = self.loss(x, y) / self.accum
                 self.precision.scaler.scale(loss).backward()
                 total += loss.detach()  # the full-vocabulary loss: identical on every tp rank
+            self.step_rows = widths / self.accum
         self.stragglers.mark()
         total = self.sync.average_loss(total)  # the global batch's mean (over dp)
         # Wait for the dp reductions launched during backward, then complete the gradients tp ranks hold
@@ -276,7 +282,7 @@ class Trainer(CheckpointState):
         self.stragglers.mark()
         self.stragglers.end_step()
         self.step += 1
-        self.tokens_seen += cfg.train.global_batch_size * self.row_tokens
+        self.tokens_seen += round(cfg.train.global_batch_size * self.step_rows)
         return loss, norm
 
     def _host_values(self, total: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
@@ -435,14 +441,17 @@ class Trainer(CheckpointState):
                  "set train.peak_tflops to use a datasheet value")
         return peak
 
-    def _step_flops(self) -> tuple[float, float]:
-        """(model FLOPs, hardware FLOPs with recomputation) of one step, for TFLOP/s, MFU and HFU."""
+    def _step_flops(self, rows: float | None = None) -> tuple[float, float]:
+        """(model FLOPs, hardware FLOPs with recomputation) of one step of rows of `rows` positions (default
+        the set's row length), for TFLOP/s, MFU and HFU."""
         cfg, t, m = self.cfg, self.cfg.train, self.cfg.model
-        flops = self.spec.flops(m, t.global_batch_size, self.row_tokens)
+        rows = self.row_tokens if rows is None else rows
+        flops = self.spec.flops(m, t.global_batch_size, rows)
         if self.loss_fraction is not None and self.spec.decoder:  # fine-tuning rows: the loss on the answers only
-            flops = finetune_flops(m, t.global_batch_size, self.row_tokens, self.loss_fraction,
-                                   frozen=cfg.tune.method != "none")
-        hw_flops = flops + self.spec.recompute_flops(m, t.global_batch_size, t.recompute, self.row_tokens,
+            # the answers' tokens per row do not shrink with the row: their share of a trimmed row grows
+            share = min(1.0, self.loss_fraction * self.row_tokens / rows)
+            flops = finetune_flops(m, t.global_batch_size, rows, share, frozen=cfg.tune.method != "none")
+        hw_flops = flops + self.spec.recompute_flops(m, t.global_batch_size, t.recompute, rows,
                                                      layers=recomputed_layers(cfg))
         return flops, hw_flops
 
@@ -469,11 +478,10 @@ class Trainer(CheckpointState):
         for line in run_summary(self):
             self.log(line)
         peak = self._peak_tflops() * self.dims.world_size  # MFU against the peak of every device in the job
-        flops, hw_flops = self._step_flops()
         self._log_activations()
         self.runlog.open(self.step, t.max_steps, self.progress)
         try:
-            last_eval = self._loop(flops, hw_flops, peak)
+            last_eval = self._loop(peak)
             path = self.save()
             if self.stop_signal is not None:
                 self.log(f"stopped by {self.stop_signal} at step {self.step}; checkpoint saved to {path}")
@@ -487,12 +495,12 @@ class Trainer(CheckpointState):
             self.log(self.budget.summary(self.step))
         return {"step": self.step, **last_eval}
 
-    def _loop(self, flops: float, hw_flops: float, peak: float) -> dict:
+    def _loop(self, peak: float) -> dict:
         """Steps until train.max_steps or a stop signal, with the log, evaluation and save steps; returns the
         last evaluation's metrics."""
         t = self.cfg.train
         last_eval: dict = {}
-        window_start, window_steps = time.perf_counter(), 0
+        window_start, window_steps, window_rows = time.perf_counter(), 0, 0.0
         if self.budget is not None:
             self.budget.start(self.step)
         while self.step < t.max_steps and not self._stop_requested():
@@ -507,17 +515,18 @@ class Trainer(CheckpointState):
             if (rec := self.stragglers.report(self.step)) is not None:  # a collective: every rank calls it
                 self.runlog.write({**rec, "tokens": self.tokens_seen})
                 self.log(straggler_line(rec))
-            window_steps += 1
+            window_steps, window_rows = window_steps + 1, window_rows + self.step_rows
             self.runlog.bar.update(1)
             self.runlog.bar.set_postfix(loss=f"{loss:.3f}")
             if self.step % t.log_every == 0 or self.step == t.max_steps:
                 # No torch.cuda.synchronize(): every step already waits for its loss (`_host_values`).
                 dt = (time.perf_counter() - window_start) / window_steps
-                self._log_step(loss, grad_norm, dt, flops, hw_flops, peak)
-                window_start, window_steps = time.perf_counter(), 0
+                rows = window_rows / window_steps
+                self._log_step(loss, grad_norm, dt, rows, *self._step_flops(rows), peak)
+                window_start, window_steps, window_rows = time.perf_counter(), 0, 0.0
             if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps:
                 last_eval = self._eval_and_log()
-                window_start, window_steps = time.perf_counter(), 0
+                window_start, window_steps, window_rows = time.perf_counter(), 0, 0.0
             if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
                 self.save(background=True)  # train.async_save: written while the next steps run
         return last_eval
@@ -539,15 +548,16 @@ class Trainer(CheckpointState):
             if line:
                 self.log(line)
 
-    def _log_step(self, loss: float, grad_norm: float, dt: float, flops: float, hw_flops: float,
+    def _log_step(self, loss: float, grad_norm: float, dt: float, rows: float, flops: float, hw_flops: float,
                   peak: float) -> None:
-        """The training record of this step (`dt`: seconds per step over the window since the last one)."""
+        """The training record of this step (`dt`: seconds per step over the window since the last one, of rows
+        of `rows` positions on average)."""
         t = self.cfg.train
         parts = self._parts_means()  # every rank: a collective over pp and dp
         rec = {"kind": "train", "step": self.step, "loss": loss, **parts,
                "lr": lr_at(self.step - 1, self.cfg.optim, t.max_steps), "grad_norm": grad_norm,
                "tokens": self.tokens_seen, "skipped_steps": self.skipped_steps,
-               "tokens_per_s": t.global_batch_size * self.row_tokens / dt,
+               "tokens_per_s": t.global_batch_size * rows / dt,
                "tflops": flops / dt / 1e12, "mfu": flops / dt / 1e12 / peak,
                "hfu": hw_flops / dt / 1e12 / peak, "peak_mem_mb": peak_memory_mb(self.device),
                "step_time_s": dt, "threads": torch.get_num_threads()}

@@ -121,7 +121,7 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
     from meshlm.families.registry import get_spec
     from meshlm.interop.checkpoints import open_checkpoint
     from meshlm.tune.chat_data import is_chat
-    from meshlm.tune.data import examples, parse_templates
+    from meshlm.tune.data import examples, parse_templates, trim_multiple
     from meshlm.tune.export import base_fingerprint
 
     if args.epochs < 1:
@@ -161,6 +161,7 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
     n_valid = len(valid)
     valid = valid.padded(first.train.micro_batch_size, tokenizer.eod_id)
     cfg = with_schedule(values, overrides, len(train), len(valid), args.epochs)
+    train.trim = valid.trim = trim_multiple(cfg.parallel)  # each batch as long as its longest row needs
     info = {"method": args.method, "checkpoint": args.checkpoint, "base_fingerprint": base_fingerprint(checkpoint.path),
             "train": args.train, "valid": args.valid, "train_examples": len(train), "valid_examples": n_valid,
             "max_length": length, "tasks": tasks, "templates": {k: t.text for k, t in templates.items()}, **extra}

@@ -20,6 +20,7 @@ start of the input.
 
 from __future__ import annotations
 
+import math
 import re
 import string
 
@@ -110,6 +111,10 @@ class TuneDataset:
     def __init__(self, ids: np.ndarray, targets: np.ndarray):
         self.ids, self.targets = ids, targets
         self.T = ids.shape[1]
+        # Batches cut after their last target, rounded up to a multiple of `trim` (0: every batch keeps
+        # the row's T): positions after the last target change no loss (attention is causal), so padding
+        # a batch of short conversations to --max-length was compute thrown away. `trim_multiple` sets it.
+        self.trim = 0
         self.num_tokens = int((targets != IGNORE).sum())
         self.loss_fraction = self.num_tokens / max(1, targets.size)  # share of row tokens with a target (FLOPs)
 
@@ -123,7 +128,13 @@ class TuneDataset:
         import torch
 
         T = self.T
-        return torch.from_numpy(np.ascontiguousarray(rows[:, :T])), torch.from_numpy(np.ascontiguousarray(rows[:, T:]))
+        ids, targets = rows[:, :T], rows[:, T:]
+        if self.trim:
+            used = np.flatnonzero((targets != IGNORE).any(axis=0))
+            width = int(used[-1]) + 1 if used.size else 1
+            width = min(T, -(-width // self.trim) * self.trim)
+            ids, targets = ids[:, :width], targets[:, :width]
+        return torch.from_numpy(np.ascontiguousarray(ids)), torch.from_numpy(np.ascontiguousarray(targets))
 
     def padded(self, multiple: int, pad_id: int) -> TuneDataset:
         """Rows with every target ignored added up to a multiple of `multiple` (a whole evaluation set)."""
@@ -132,6 +143,16 @@ class TuneDataset:
             return self
         return TuneDataset(np.concatenate([self.ids, np.full((extra, self.T), pad_id, dtype=np.int64)]),
                            np.concatenate([self.targets, np.full((extra, self.T), IGNORE, dtype=np.int64)]))
+
+
+def trim_multiple(parallel) -> int:
+    """The width a batch's length is rounded up to under the layout `parallel` (a ParallelConfig), or 0 to
+    keep every batch at the row's length: a pipeline's stages fix their activation shapes at its first step,
+    so under pp > 1 every batch keeps T. Otherwise a multiple of 16 that tp (its sequence-parallel split)
+    and cp (2·cp chunks per row) divide."""
+    if parallel.pp > 1:
+        return 0
+    return math.lcm(16, parallel.tp * 2 * parallel.cp)
 
 
 def encode(items: list[tuple[str, str, str]], wheres: list[str], tokenizer, length: int, n_virtual: int,
