@@ -57,6 +57,7 @@ HEADERS = {
     "finetune_genre.py": "| accuracy | macro F1 | time",
     "gguf_import.py": "GGUF file",
     "gguf_llamacpp.py": "meshlm logits:",
+    "gguf_tokenizer.py": "| reader | works with meshlm's ids |",
     "gloo_collectives.py": "| run | full tensor | all-reduce ms |",
     "gpu_train.py": "| variant  | sdpa  | AdamW   | compile |",
     "init_memory.py": "| layout | build | rank | baseline GiB |",
