@@ -2,7 +2,8 @@
 
 The import dequantizes one tensor at a time (16k weights at once) straight into the fp32 state dict and releases
 the mapped file's pages as it goes, so its peak should stay near one fp32 copy of the model plus the interpreter
-with torch (and torch's compiler stack, which its meta-device ops import on first use: docs/gguf.md). Each
+with torch, and torch's compiler stack, which torch.optim's constructor imports on first use (the run's fresh
+optimizer state): a fixed cost, measured apart by a second import with that stack loaded before the baseline. Each
 import runs in a fresh subprocess; `resource.getrusage(RUSAGE_SELF).ru_maxrss` is read there before the import
 (the interpreter with torch, numpy, gguf and tokenizers loaded) and after it (the peak).
 
@@ -27,6 +28,8 @@ CHILD = r"""
 import json, resource, sys
 from pathlib import Path
 import gguf, numpy, tokenizers, torch  # loaded before the baseline, so it counts the import alone
+if sys.argv[3] == "preload":  # torch's compiler stack, which torch.optim's constructor imports on first use
+    import torch._dynamo
 from meshlm.interop.gguf import import_gguf
 
 def rss():
@@ -43,25 +46,30 @@ print(json.dumps({"before": before, "peak": peak, "fp32": fp32}))
 """
 
 
-def measure(file: Path) -> dict:
+def measure(file: Path, preload: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.run([sys.executable, "-c", CHILD, str(file), str(Path(tmp) / "run")], capture_output=True,
-                              text=True, cwd=ROOT, check=False)
+        proc = subprocess.run([sys.executable, "-c", CHILD, str(file), str(Path(tmp) / "run"),
+                               "preload" if preload else "-"], capture_output=True, text=True, cwd=ROOT, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"the import failed:\n{proc.stderr[-2000:]}")
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "file": file.stat().st_size}
 
 
-def table(name: str, r: dict) -> None:
+def table(name: str, r: dict, pre: dict) -> None:
+    """`r`: the import in a fresh process; `pre`: the same with torch's compiler stack loaded before the
+    baseline (a fixed cost of the process, whatever the model: torch.optim's constructor imports it)."""
     mib = 1 << 20
     rows = [("GGUF file", r["file"]), ("fp32 model (parameters)", r["fp32"]),
             ("RSS before the import (python + torch)", r["before"]), ("peak RSS of the import", r["peak"]),
-            ("peak − before", r["peak"] - r["before"])]
+            ("peak − before", r["peak"] - r["before"]),
+            ("torch's compiler stack (fixed)", pre["before"] - r["before"]),
+            ("peak − before, that stack preloaded", pre["peak"] - pre["before"])]
     print(f"{name}")
     for label, value in rows:
         print(f"  {label:<40} {value / mib:9.1f} MiB")
     print(f"  {'peak / fp32 model':<40} {r['peak'] / r['fp32']:9.2f}")
     print(f"  {'(peak − before) / fp32 model':<40} {(r['peak'] - r['before']) / r['fp32']:9.2f}")
+    print(f"  {'the same, that stack preloaded':<40} {(pre['peak'] - pre['before']) / pre['fp32']:9.2f}")
 
 
 def main() -> None:
@@ -74,11 +82,11 @@ def main() -> None:
 
         with tempfile.TemporaryDirectory() as tmp:
             path, _ = qwen2_gguf(Path(tmp) / "tiny-qwen2.gguf")
-            table("tiny random Qwen2 (smoke: the numbers mean nothing)", measure(path))
+            table("tiny random Qwen2 (smoke: the numbers mean nothing)", measure(path), measure(path, True))
         return
     from meshlm.data.assets import smollm2_gguf
 
-    table("SmolLM2-135M-Instruct.Q4_1.gguf", measure(smollm2_gguf()))
+    table("SmolLM2-135M-Instruct.Q4_1.gguf", measure(smollm2_gguf()), measure(smollm2_gguf(), True))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import torch
 
 from meshlm.core.config import config_from_dict
 from meshlm.core.errors import CheckpointError
+from meshlm.models.init import meta_device
 
 
 def _state_step(path: Path) -> int | None:
@@ -85,7 +86,7 @@ def implied_shapes(config: dict, spec_of: Callable, logical: bool) -> dict[str, 
     it was (a meta build still draws from it)."""
     cfg = config_from_dict(config).model
     spec = spec_of(cfg.family)
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+    with torch.random.fork_rng(devices=[]), meta_device():
         model = spec.model_class(cfg)
     if not logical:  # what `model.state_dict()` holds: a tied tensor under each name, persistent buffers
         return {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}

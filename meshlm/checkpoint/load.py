@@ -32,6 +32,7 @@ from meshlm.checkpoint.single import read_model_state, resolve_checkpoint
 from meshlm.core.config import Config, config_from_dict
 from meshlm.core.errors import CheckpointError
 from meshlm.families.spec import ModelSpec
+from meshlm.models.init import meta_device
 
 
 def _stderr(text: str) -> None:
@@ -63,7 +64,7 @@ def load_model(checkpoint: Checkpoint, spec: ModelSpec, device: str | torch.devi
     meta device and given the checkpoint's tensors, buffers initialised on `device`."""
     device = torch.device(device)
     state = read_model_state(checkpoint.path, device, spec=spec)
-    with torch.device("meta"):
+    with meta_device():
         model = spec.model_class(checkpoint.config.model)
     tied = _tied_names(model)
     model.load_state_dict(state, strict=True, assign=True)

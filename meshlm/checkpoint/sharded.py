@@ -58,6 +58,7 @@ from meshlm.checkpoint.files import (
 from meshlm.core.config import ModelConfig
 from meshlm.core.errors import CheckpointError, CheckpointWriteError, TrainingError
 from meshlm.families.spec import ModelSpec
+from meshlm.models.init import meta_device
 from meshlm.models.params import param_groups
 from meshlm.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -122,7 +123,7 @@ def fuse_logical(tensors: dict[str, torch.Tensor], cfg: ModelConfig, *, spec: Mo
     for name, shape in plain_shapes(cfg, spec=spec).items():
         parts = [tensors[lname] for lname, _ in fused_blocks(name, cfg, spec=spec)]
         out[name] = torch.cat(parts).reshape(shape)
-    with torch.device("meta"):  # tied parameters appear under every name in a state dict
+    with meta_device():  # tied parameters appear under every name in a state dict
         model = _plain_model(cfg, spec)
     first = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -496,7 +497,7 @@ def _single_process_source(path: Path, cfg: ModelConfig, spec: ModelSpec) -> _Te
     adam_step = None
     if (path / "optim.pt").exists():
         optim = load_torch(path / "optim.pt")
-        with torch.device("meta"):
+        with meta_device():
             model = _plain_model(cfg, spec)
         names = {id(p): n for n, p in model.named_parameters()}
         muon = saved_muon(optim)  # what the state itself is, not what config.json says

@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 
-import torch
 from torch import nn
 
 from meshlm.core.config import ConfigError
 from meshlm.families.spec import ModelSpec
+from meshlm.models.init import meta_device
 from meshlm.models.params import param_groups
 
 _FAMILIES: dict[str, ModelSpec] = {}
@@ -72,7 +72,7 @@ def _hidden_matrix_share(m) -> float:
     a model of any depth costs the same)."""
     counts = []
     for n_layers in (1, 2):
-        with torch.device("meta"):
+        with meta_device():
             model = get_spec(m.family).model_class(dataclasses.replace(m, n_layers=n_layers))
         groups = param_groups(model, 0.0, muon=True)
         sizes = [sum(p.numel() for p in g["params"]) for g in groups]

@@ -270,6 +270,7 @@ def model_from_gguf(reader, cfg, arch: str):
     import torch
 
     from meshlm.families.registry import get_spec
+    from meshlm.models.init import meta_device
 
     tensors = check_tensors(reader)
     table = get_spec(cfg.family).hf_table(cfg)
@@ -285,7 +286,7 @@ def model_from_gguf(reader, cfg, arch: str):
             continue
         ours[entry.ours] = _meshlm_tensor(tensors, tuple(entry.theirs), cfg, ARCHITECTURES[arch])
         release_pages(reader)
-    with torch.device("meta"):
+    with meta_device():
         model = get_spec(cfg.family).model_class(cfg)
     try:
         model.load_state_dict(ours, strict=True, assign=True)

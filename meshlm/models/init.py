@@ -19,10 +19,13 @@ CPU generators make the values the same on every device (they are copied to the 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 BLOCK_VALUES = 1 << 16  # values per generated block: small enough to be free, big enough to be fast
 
@@ -33,6 +36,36 @@ class InitRule:
 
     kind: str
     std: float = 0.0
+
+
+# torch's own default initialisers of nn.Linear / nn.Embedding and their in-place kernels. On a meta tensor
+# they compute nothing, but `normal_` goes through torch._refs, whose wrapper imports torch._dynamo and
+# triton's library (~140 MiB of resident memory for the rest of the process) the first time it runs.
+_RANDOM_INITS = frozenset({torch.nn.init.normal_, torch.nn.init.uniform_, torch.nn.init.trunc_normal_,
+                           torch.nn.init.kaiming_uniform_, torch.nn.init.kaiming_normal_,
+                           torch.nn.init.xavier_uniform_, torch.nn.init.xavier_normal_,
+                           torch.Tensor.normal_, torch.Tensor.uniform_})
+
+
+class _SkipMetaInit(TorchFunctionMode):
+    """Random initialisers applied to meta tensors return the tensor untouched (what they would do anyway,
+    minus the compiler stack's import); every other call, and every call on real tensors, runs as usual."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _RANDOM_INITS:
+            tensor = args[0] if args else kwargs.get("tensor", kwargs.get("self"))  # nn.init passes it by name
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def meta_device() -> Iterator[None]:
+    """`torch.device("meta")` for building a model whose weights come later (a checkpoint's, a shard's):
+    shapes without storage, and no random initialiser run on them (`_SkipMetaInit`)."""
+    with _SkipMetaInit(), torch.device("meta"):
+        yield
 
 
 def draw_base_seed() -> int:

@@ -86,7 +86,11 @@ def yarn_attention_factor(cfg: ModelConfig) -> float:
 def rope_tables(head_dim: int, max_len: int, theta: float, device=None,
                 scaling: ModelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape (max_len, head_dim) in the rotate-half layout used by Llama; `scaling` as in
-    `rope_frequencies`."""
+    `rope_frequencies`. On the meta device (a model built to be given a checkpoint's weights, whose tables
+    `init_buffers` makes again on the real device) they are shapes only: torch's meta arange would import its
+    compiler stack."""
+    if torch.empty(0, device=device).is_meta:
+        return torch.empty(max_len, head_dim, device="meta"), torch.empty(max_len, head_dim, device="meta")
     inv_freq, factor = rope_frequencies(head_dim, theta, scaling, device)
     pos = torch.arange(max_len, dtype=torch.float32, device=device)
     freqs = torch.outer(pos, inv_freq)  # (T, hs/2)

@@ -21,6 +21,7 @@ from torch import nn
 from meshlm.core.config import Config
 from meshlm.core.layout import Layout, plan_layout
 from meshlm.families.spec import ModelSpec
+from meshlm.models.init import meta_device
 from meshlm.parallel.context import ContextParallelLoss, apply_context_parallel
 from meshlm.parallel.data import GradSync
 from meshlm.parallel.dp import apply_data_parallel
@@ -117,6 +118,6 @@ def build_model(cfg: Config, dims: ParallelDims, rng: TPRNGTracker | None = None
     generator, as a whole build makes), parallelised, and only this rank's shards allocated on `dims.device`
     and initialised, equal to the slices of `spec.model_class(cfg.model)` built whole from the same seed;
     then `transforms` (see `parallelize`)."""
-    with torch.device("meta"):
+    with meta_device():
         model = spec.model_class(cfg.model)
     return parallelize(model, dims, cfg, rng, spec=spec, transforms=transforms)

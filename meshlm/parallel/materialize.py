@@ -14,13 +14,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshlm.models.init import fill_
+from meshlm.models.init import fill_, meta_device
 from meshlm.parallel.tensor_layers import Sharded
 
 
 def plain_shapes(spec, cfg) -> dict[str, tuple[int, ...]]:
     """Full shapes of the plain model's parameters (each tensor once), from a meta build."""
-    with torch.device("meta"):
+    with meta_device():
         model = spec.model_class(cfg)
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
 
