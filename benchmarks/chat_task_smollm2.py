@@ -27,8 +27,10 @@ base's config by `interop.hf.from_hf_llama`'s table (weights outside the LoRA ta
 meshlm's base). Per training run: held-out loss, process wall and CPU time (user+sys of the child), training
 loop time and tokens/s (tokens of the conversations trained, without padding).
 
-ChatML's end of turn `<|im_end|>` is also SmolLM2's end of document, so meshlm cannot pack conversations
-(`--pack` is refused: the marker would split them); both trainers put one conversation a row. SmolLM2's
+SmolLM2 declares ChatML's end of turn `<|im_end|>` as its end of sequence; meshlm separates packed
+conversations with its `<|endoftext|>` instead (`data.tokenizers.document_separator`), so `--pack` works on it
+(tests/tune/test_pack_chatml.py), but this comparison keeps one conversation a row in both trainers, as TRL
+runs here with `packing=False`. SmolLM2's
 template has no `{% generation %}` marks (which TRL's assistant-only loss needs): both trainers get
 `CHATML_GENERATION`, checked to render every conversation exactly as the model's own template does.
 """

@@ -10,11 +10,20 @@
 - a Hugging Face `tokenizer.json` file, or a directory holding one (what `meshlm tokenizer train` writes);
 - a SentencePiece `.model` file, or a directory holding `tokenizer.model`.
 
-The end of document (`eod_id`) and the ids that end a generation (`stop_ids`, `eod_id` first) are the model's
-own declaration when the tokenizer's folder holds one (`declared_eos`): `tokenizer_config.json`'s `eos_token`
-(then `special_tokens_map.json`'s), and `generation_config.json`'s `eos_token_id` (one id or a list: generation
-stops at each). A bare tokenizer.json without a declaration (what `meshlm tokenizer train` writes) falls back
-to the first of `EOD_CANDIDATES` it holds.
+Two roles, kept apart:
+
+* the ids that end a generation (`stop_ids`) are the model's own declaration when the tokenizer's folder holds
+  one (`declared_eos`): `tokenizer_config.json`'s `eos_token` (then `special_tokens_map.json`'s) first, then
+  `generation_config.json`'s `eos_token_id` (one id or a list: generation stops at each), then the separator;
+* the document separator (`eod_id`): what ends a document in pretraining data, separates packed rows
+  (`data.document_mask`, `tune --pack`) and pads. It is the declared eos, except where the declared eos is a
+  chat turn end: when its text appears in the folder's chat template (ChatML's `<|im_end|>`, Llama 3's
+  `<|eot_id|>`, Gemma's `<end_of_turn>`), it occurs inside every conversation and cannot mark where one packed
+  conversation ends, so the first document token of `EOD_CANDIDATES` the vocabulary holds (`<|endoftext|>`,
+  `<|end_of_text|>`, `</s>`, ...) is the separator instead (`document_separator`; SmolLM2 and Qwen2.5-Instruct:
+  `<|endoftext|>`). Without such a token (DeepSeek's `<｜end▁of▁sentence｜>` ends turns and has none) the
+  declared eos stays the separator. A bare tokenizer.json without a declaration (what `meshlm tokenizer train`
+  writes) separates with the first of `EOD_CANDIDATES` it holds, which is then its only stop id.
 
 `identity` (name, spec and the sha256 of the vocabulary file) is recorded beside prepared data, so data
 tokenized by one tokenizer is never trained with another by mistake.
@@ -82,6 +91,7 @@ class DeclaredEos:
     ids: tuple[int, ...] = ()
     token_file: str = ""  # where `token` was declared (for errors)
     ids_file: str = ""
+    template: str = ""  # the folder's chat template text(s), where a turn-ending eos shows (`document_separator`)
 
 
 def _eos_ids(value, path: Path) -> tuple[int, ...]:
@@ -107,7 +117,34 @@ def declared_eos(folder: Path) -> DeclaredEos:
         value = read_json_object(path).get("eos_token_id")
         if value is not None:
             ids, ids_file = _eos_ids(value, path), str(path)
-    return DeclaredEos(token, ids, token_file, ids_file)
+    return DeclaredEos(token, ids, token_file, ids_file, _template_text(folder))
+
+
+def _template_text(folder: Path) -> str:
+    """Every chat template the folder carries, as text: chat_template.jinja and tokenizer_config.json's
+    `chat_template` (a string, or a list of {name, template}); "" when there is none."""
+    texts = []
+    if (folder / "chat_template.jinja").is_file():
+        texts.append((folder / "chat_template.jinja").read_text(encoding="utf-8", errors="replace"))
+    if (folder / "tokenizer_config.json").is_file():
+        value = read_json_object(folder / "tokenizer_config.json").get("chat_template")
+        items = value if isinstance(value, list) else [value]
+        texts += [v.get("template") if isinstance(v, dict) else v for v in items]
+    return "\n".join(t for t in texts if isinstance(t, str))
+
+
+def document_separator(declared: DeclaredEos, eos_id: int, token_to_id, id_to_token) -> int:
+    """The document separator of a tokenizer whose declared eos is `eos_id` (module docstring): the first of
+    EOD_CANDIDATES the vocabulary holds when the eos text appears in the chat template (a turn end, inside
+    every conversation), else `eos_id` itself."""
+    eos = id_to_token(eos_id)
+    if not eos or eos not in declared.template:
+        return eos_id
+    for name in EOD_CANDIDATES:
+        found = token_to_id(name)
+        if found is not None and int(found) != eos_id:
+            return int(found)
+    return eos_id
 
 
 def resolve_end_ids(declared: DeclaredEos, token_to_id, vocab_size: int, spec: str) -> tuple[int, tuple[int, ...]]:
@@ -144,8 +181,9 @@ class _Base:
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        """Every id that ends a generation: `eod_id` first, then the others the model declares."""
-        return tuple(dict.fromkeys((self.eod_id, *self.declared_stop_ids)))
+        """Every id that ends a generation: the model's declared ones (its eos first), then the document
+        separator `eod_id` (alone when nothing is declared)."""
+        return tuple(dict.fromkeys((*self.declared_stop_ids, self.eod_id)))
 
     @property
     def special_ids(self) -> dict[str, int]:
@@ -196,8 +234,9 @@ class GPT2Tokenizer(_Base):
 
 class HFTokenizer(_Base):
     """Any Hugging Face `tokenizers` tokenizer; no special tokens are added, nothing is truncated. The end of
-    document is the folder's declared eos (`declared`, see the module docstring), else the first of
-    EOD_CANDIDATES the vocabulary holds."""
+    sequence (`eos_token`) is the folder's declared eos (`declared`, see the module docstring), else the first
+    of EOD_CANDIDATES the vocabulary holds; the document separator (`eod_id`) is that eos unless it ends chat
+    turns (`document_separator`)."""
 
     def __init__(self, tokenizer, spec: str, vocab_file: Path, name: str | None = None,
                  declared: DeclaredEos | None = None):
@@ -215,7 +254,9 @@ class HFTokenizer(_Base):
                                   f"tokens {', '.join(EOD_CANDIDATES)}; add one to its tokenizer.json or declare "
                                   "eos_token in a tokenizer_config.json beside it")
             eod = tokenizer.token_to_id(found[0])
-        self.eod_id = int(eod)
+        self.eos_token = tokenizer.id_to_token(int(eod))  # the declared end of sequence (what --to-hf declares)
+        self.eod_id = document_separator(declared or DeclaredEos(), int(eod), tokenizer.token_to_id,
+                                         tokenizer.id_to_token)
         self.eod_token = tokenizer.id_to_token(self.eod_id)
         self.declared_stop_ids = stops
 
@@ -296,9 +337,11 @@ class SentencePieceTokenizer(_Base):
         self.spec, self.vocab_file = spec, path
         self.name = f"sentencepiece-{file_sha256(str(path))[:10]}"
         self.vocab_size = self._sp.get_piece_size()
-        eod, self.declared_stop_ids = resolve_end_ids(declared_eos(path.parent), self._token_id,
-                                                      self.vocab_size, spec)
+        declared = declared_eos(path.parent)
+        eod, self.declared_stop_ids = resolve_end_ids(declared, self._token_id, self.vocab_size, spec)
         self.eod_id = eod if eod >= 0 else self._sp.eos_id()
+        if self.eod_id >= 0:
+            self.eod_id = document_separator(declared, self.eod_id, self._token_id, self._sp.id_to_piece)
         if self.eod_id < 0:
             raise ConfigError(f"tokenizer {spec!r}: the SentencePiece model has no eos piece; train it with "
                               "eos_id >= 0")

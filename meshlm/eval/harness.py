@@ -157,7 +157,7 @@ class MeshlmLM(LM):
                      for s in active]
             for s, scored in zip(active, self.scorer.score(items, desc="generate_until")):
                 token = int(scored.greedy[-1])
-                if token == self.tok.eod_id:
+                if token in getattr(self.tok, "stop_ids", (self.tok.eod_id,)):  # each declared end, the separator
                     s["done"] = True
                     continue
                 s["new"].append(token)

@@ -3,6 +3,8 @@
     meshlm convert --checkpoint RUN --to-single OUT_DIR     any layout → OUT_DIR/model.safetensors + config.json
     meshlm convert --checkpoint RUN --to-hf HF_DIR           any layout → a directory `from_pretrained` loads
     meshlm convert --from-hf HF_DIR --out RUN                GPT-2, Llama or BERT directory → a meshlm run
+    meshlm convert --checkpoint BASE --adapter DIR --out RUN  a LoRA merged into its base → a meshlm run
+                                                             (`tune/merge.py` merges; `save_model_run` writes)
 
 `--to-single`: a checkpoint of any layout (the single-process `model.pt`, or the per-rank pieces of a
 parallel run) is assembled in one process, without torch.distributed, into the plain state dict (fused
@@ -67,12 +69,15 @@ def convert_to_single(checkpoint, out_dir: str | Path) -> Path:
 
 
 # ---- writing a directory in one piece -----------------------------------------------------------------------
-def _check_new_dir(flag: str, path: str | Path) -> Path:
+def check_new_dir(flag: str, path: str | Path) -> Path:
+    """The absolute path of a new or empty output directory given as `flag`; ConfigError otherwise."""
     check_output_dir(flag, str(path))
     target = Path(path).expanduser().absolute()
     if target.exists() and any(target.iterdir()):
         raise ConfigError(f"{flag} {str(path)!r} is not empty; choose a new directory (nothing is overwritten)")
     return target
+
+
 
 
 def _publish(target: Path, write: Callable[[Path], None]) -> None:
@@ -130,7 +135,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, tokenizer: str | None = N
     from meshlm.interop.hf_files import carry_files, read_sentence_modules
 
     source = Path(hf_dir).expanduser()
-    target = _check_new_dir("--out", out_dir)
+    target = check_new_dir("--out", out_dir)
     notes: list[str] = []  # told once the run is written (an error is the one line the user sees)
     model = load_hf(source, notes.append)  # every check of the config and the weights, before anything is written
     cfg = model.cfg
@@ -181,6 +186,34 @@ def write_run(target: Path, model, cfg, carry: Callable[[Path], object], tokeniz
     return written[0]
 
 
+def save_model_run(checkpoint, model, out_dir: str | Path) -> Path:
+    """Publish `model` (a plain model of the opened base `checkpoint`'s shapes, e.g. with a LoRA merged into
+    its weights) as the one-process run directory `out_dir` (new or empty): the base's model config without
+    its training or tuning sections, and the base's tokenizer: a copy of its run's hf/ folder (tokenizer files,
+    chat template, declared eos) when it has one, else the same `data.tokenizer` (e.g. the bundled gpt2).
+    Returns the checkpoint directory."""
+    from meshlm.interop.hf_files import CARRIED
+
+    target = check_new_dir("--out", out_dir)
+    source, config = Path(checkpoint.path), checkpoint.config
+    run_hf = source.parent.parent / CARRIED if source.parent.name == "checkpoints" else None
+    spec: str | None = config.data.tokenizer
+    if run_hf is not None and run_hf.is_dir():
+        inside = Path(spec).expanduser().absolute()
+        if inside == run_hf.absolute() or run_hf.absolute() in inside.parents:
+            spec = None  # the copy below is the new run's tokenizer (`_pick_tokenizer`)
+
+    def carry(folder: Path) -> None:
+        if run_hf is not None and run_hf.is_dir():
+            shutil.copytree(run_hf, folder)
+
+    notes: list[str] = []
+    path = write_run(target, model, config.model, carry, spec, notes)
+    for note in notes:
+        _note(note)
+    return path
+
+
 # ---- meshlm → Hugging Face --------------------------------------------------------------------------------
 def export_hf(checkpoint, hf_dir: str | Path, log: Callable[[str], None] = _note) -> Path:
     """Write the model of the opened `checkpoint` (`checkpoint.load.Checkpoint`, any layout) as a Hugging Face
@@ -188,7 +221,7 @@ def export_hf(checkpoint, hf_dir: str | Path, log: Callable[[str], None] = _note
     BERT encoder, sentence-transformers'."""
     from meshlm.interop.hf_config import hf_config_dict
 
-    target = _check_new_dir("--to-hf", hf_dir)
+    target = check_new_dir("--to-hf", hf_dir)
     source, config = checkpoint.path, checkpoint.config
     hf_config_dict(config.model)  # refuses, naming the keys, what Hugging Face cannot hold, before reading weights
     _publish(target, lambda tmp: write_hf_dir(source, config, tmp, log))

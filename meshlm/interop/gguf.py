@@ -326,10 +326,10 @@ def import_gguf(file: str | Path, out_dir: str | Path, log: Callable[[str], None
     for a Hugging Face directory: checkpoints/step_0000000 (the fp32 model, a fresh optimizer, the config)
     and out_dir/hf with tokenizer.json, tokenizer_config.json (its chat template), generation_config.json
     and config.json. Returns the checkpoint directory; nothing is written on any error."""
-    from meshlm.interop.convert import _check_new_dir, write_run
+    from meshlm.interop.convert import check_new_dir, write_run
     from meshlm.interop.gguf_tokenizer import write_tokenizer_files
 
-    target = _check_new_dir("--out", out_dir)
+    target = check_new_dir("--out", out_dir)
     model, cfg, meta, hf_config = read_gguf(file)
 
     def carry(folder: Path) -> None:

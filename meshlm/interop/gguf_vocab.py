@@ -159,6 +159,6 @@ def gguf_vocab(spec: str, vocab_size: int, folder: Path | None = None) -> GGUFVo
     pre = _check_byte_bpe(data, spec)
     tokens, types = _tokens(data, vocab_size, spec)
     merges = [_merge_text(m) for m in data["model"].get("merges") or []]
-    eod = get_tokenizer(spec).eod_id
+    eod = get_tokenizer(spec).stop_ids[0]  # the declared eos, not the document separator (data.tokenizers)
     bos, eos, pad, unk = _special_ids(tokens, eod, folder)
     return GGUFVocab(tokens, types, merges, pre, bos, eos, pad, chat_template_text(spec, folder), unk)

@@ -229,7 +229,7 @@ def write_tokenizer_files(spec: str, target: Path, seq_len: int, log: Callable[[
         log(f"note: data.tokenizer={spec!r} is not there any more; no tokenizer files written")
     if "tokenizer.json" in names and "tokenizer_config.json" not in names:
         # the end of document meshlm used, declared for transformers (a bare tokenizer.json declares none)
-        eos = HFTokenizer.from_file(target / "tokenizer.json", spec).eod_token
+        eos = HFTokenizer.from_file(target / "tokenizer.json", spec).eos_token
         (target / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len, "eos_token": eos},
             indent=2) + "\n")

@@ -5,9 +5,19 @@ any number of turns. It is rendered with the run's chat template (`meshlm.data.c
 or `--chat-template FILE`) and tokenized as the template's text is; every token the template marks as the
 assistant's (its `{% generation %}` spans: each assistant turn's content and the end-of-turn it writes) is a
 target, every other target is ignored (-100), as TRL's `assistant_only_loss=True`. The tokenizer's
-end-of-document token ends every conversation (it is not a target: the template's end-of-turn is what the
-model learns to stop with), so a conversation's tokens are the same whether it has a row of its own or
-shares one:
+document separator (`eod_id`) ends every conversation, so a conversation's tokens are the same whether it has
+a row of its own or shares one.
+
+The separator is the tokenizer's document token, not its declared end of sequence, where the two differ
+(`data.tokenizers`, `document_separator`): a ChatML model (SmolLM2, Qwen2.5-Instruct) declares `<|im_end|>`,
+which ends every turn inside a conversation and so cannot mark where one packed conversation ends; its
+`<|endoftext|>` separates them. What the model learns at the end of a reply is what the template renders
+there, as TRL trains it: the assistant turn's `<|im_end|>` and the newline after it are targets, and the
+separator is never one (the position before it predicts nothing, like the last token of a TRL row). The
+template renders no separator after a reply, so the model is not taught to emit one; it stops at the declared
+`<|im_end|>`, and generation stops at every declared id and the separator (`stop_ids`).
+
+Rows:
 
 * one conversation per row (default): [virtual tokens] + conversation + end-of-document, then padding
   (end-of-document tokens, targets ignored);
@@ -89,14 +99,18 @@ class Conversation:
 def encode_conversation(line: Line, tokenizer, template, room: int, truncate: bool, pack: bool) -> tuple[Conversation, bool]:
     """`line`'s conversation in at most `room` tokens (end-of-document included); returns it and whether
     it was cut (`truncate`)."""
-    from meshlm.data.chat import encode_chat
+    from meshlm.data.chat import as_template, encode_chat
 
     turns = messages(line)
     ids, mask = encode_chat(tokenizer, template, turns)
     ids, mask, eod = [int(i) for i in ids], [bool(m) for m in mask], tokenizer.eod_id
     if pack and eod in ids:
-        raise DataError(f"{line.where}: the conversation's text encodes to the end-of-document token ({eod}), "
-                        "which would split it in a packed row; remove it from the text, or train without --pack")
+        if tokenizer.decode([eod]) in as_template(template).text:
+            why = ("the template's end of turn, which this tokenizer also separates documents with (it holds no "
+                   "document token such as <|endoftext|> or </s>); train without --pack")
+        else:
+            why = "which would split it in a packed row; remove it from the text, or train without --pack"
+        raise DataError(f"{line.where}: the conversation encodes to the document separator ({eod}), {why}")
     ids, mask = ids + [eod], mask + [False]
     cut = len(ids) > room
     if cut and not truncate:
