@@ -1,34 +1,103 @@
 """`meshlm align`: preference optimisation (DPO, IPO, SimPO) of a checkpoint on prompt / chosen / rejected
-pairs (docs/align.md); the work is `meshlm.tune.align.run_align`'s."""
+pairs, or online reinforcement learning (GRPO, RLOO) with reward functions on prompts (docs/align.md); the
+work is `meshlm.tune.align.run_align`'s and `meshlm.tune.grpo.run_grpo`'s."""
 
 from __future__ import annotations
 
 import argparse
 
-METHODS = ("dpo", "ipo", "simpo")
+PREFERENCE = ("dpo", "ipo", "simpo")
+ONLINE = ("grpo", "rloo")
+METHODS = PREFERENCE + ONLINE
 ADAPTERS = ("none", "lora")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # --method grpo's normalisations (meshlm/tune/grpo_loss.py)
+DEFAULT_BETA = {"preference": 0.1, "online": 0.0}  # TRL's DPOConfig / GRPOConfig defaults
 
 
 def _align(args: argparse.Namespace, overrides: list[str]) -> int:
+    from meshlm.core.config import ConfigError
+
+    online = args.method in ONLINE
+    if args.beta is None:
+        args.beta = DEFAULT_BETA["online" if online else "preference"]
+    if online:
+        from meshlm.tune.grpo import run_grpo
+
+        return run_grpo(args, overrides, engine_sampler)
+    if args.valid is None:
+        raise ConfigError(f"--method {args.method} needs --valid FILE.jsonl (held-out pairs)")
     from meshlm.commands.train import trainer_extensions
     from meshlm.tune.align import run_align
 
     return run_align(args, overrides, trainer_extensions)
 
 
+def engine_sampler(model, tokenizer, rows: int, positions: int):
+    """GRPO's sampler (`meshlm.tune.grpo.Sample`): meshlm's Engine on `model` itself (no copy: each rollout
+    samples from the weights as they are), `rows` requests at once of up to `positions` tokens, prefix
+    caching off (a cached prefix would keep keys and values of older weights). Returns, per prompt, the sampled
+    ids and the engine's log-prob of each (the raw distribution, before temperature and top-k)."""
+    from meshlm.infer.engine import CacheOptions, Engine
+    from meshlm.infer.sampling import SamplingParams
+
+    engine = Engine(model, tokenizer, max_seqs=rows, max_len=positions, max_queue=max(256, rows),
+                    options=CacheOptions(prefix_caching=False, max_batched_tokens=None))
+
+    def sample(prompts: list[list[int]], max_tokens: int, temperature: float, top_k: int, seeds: list[int]):
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed, logprobs=0)
+                  for seed in seeds]
+        reqs = engine.generate(prompts, params)
+        failed = [r.error for r in reqs if getattr(r, "error", None)]
+        if failed:
+            raise RuntimeError(f"generation failed: {failed[0]}")
+        return [(list(r.output_ids), [t.logprob for t in r.output]) for r in reqs]
+
+    return sample
+
+
+def _add_online_flags(p) -> None:
+    """--method grpo|rloo's flags (TRL's GRPOConfig names and defaults where it has them)."""
+    g = p.add_argument_group("online RL (--method grpo|rloo)")
+    g.add_argument("--reward", action="append", metavar="MODULE:FUNCTION",
+                   help="a reward function f(prompt, completion, row) -> float; repeat for several (built-ins: "
+                        "meshlm.tune.rewards:exact_number, exact_string, format_regex)")
+    g.add_argument("--reward-weights", type=float, nargs="+", default=None, metavar="W",
+                   help="one weight per --reward (default 1 each)")
+    g.add_argument("--num-generations", type=int, default=4, metavar="G", help="completions per prompt (default 4)")
+    g.add_argument("--prompts-per-step", type=int, default=4, metavar="P", help="prompts per step (default 4)")
+    g.add_argument("--steps", type=int, default=10, help="optimisation steps (default 10)")
+    g.add_argument("--num-iterations", type=int, default=1, metavar="MU",
+                   help="optimisation passes over each step's completions (default 1: on-policy)")
+    g.add_argument("--loss-type", choices=LOSS_TYPES, default="grpo",
+                   help="the loss's normalisation (default grpo; dapo: token-level, dr_grpo: constant length)")
+    g.add_argument("--epsilon", type=float, default=0.2, help="the ratio's clip range (default 0.2)")
+    g.add_argument("--epsilon-high", type=float, default=None,
+                   help="the upper clip range (default --epsilon; DAPO's clip-higher: 0.28)")
+    g.add_argument("--scale-rewards", choices=("group", "batch", "none"), default="group",
+                   help="divide advantages by the group's std, the batch's, or not (Dr. GRPO: none)")
+    g.add_argument("--max-completion-length", type=int, default=64, metavar="L",
+                   help="tokens per completion at most (default 64)")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the K likeliest tokens (default 0: off)")
+    g.add_argument("--lr", type=float, default=1e-6, help="AdamW's learning rate (default 1e-6, TRL's)")
+    g.add_argument("--seed", type=int, default=0, help="the sampling and initialisation seed (default 0)")
+
+
 def add_align_command(sub) -> None:
     """Register `meshlm align` on the CLI's subparsers."""
-    p = sub.add_parser("align", help="preference optimisation (DPO, IPO, SimPO) on prompt/chosen/rejected pairs",
+    p = sub.add_parser("align", help="preference optimisation (DPO, IPO, SimPO) or online RL (GRPO, RLOO)",
                        description="DPO, IPO or SimPO of a checkpoint (or of a LoRA adapter on it) on .jsonl lines "
-                                   "{\"prompt\", \"chosen\", \"rejected\"} (docs/align.md); extra "
-                                   "--section.key=value override the config.")
+                                   "{\"prompt\", \"chosen\", \"rejected\"}, or GRPO / RLOO on {\"prompt\", ...} "
+                                   "lines with --reward functions (docs/align.md); extra --section.key=value override "
+                                   "the config (preference methods).")
     p.add_argument("--checkpoint", required=True, help="the base (and frozen reference): a run directory, a step dir "
                    "or a .gguf file")
     p.add_argument("--method", required=True, choices=METHODS)
     p.add_argument("--train", required=True, metavar="FILE.jsonl")
-    p.add_argument("--valid", required=True, metavar="FILE.jsonl")
+    p.add_argument("--valid", default=None, metavar="FILE.jsonl", help="held-out pairs (preference methods)")
     p.add_argument("--out", required=True, metavar="DIR", help="the run directory (the same DIR again resumes)")
-    p.add_argument("--beta", type=float, default=0.1, help="the preference strength β (default 0.1)")
+    p.add_argument("--beta", type=float, default=None, help="the preference strength β (default 0.1), or the KL "
+                   "penalty's weight for grpo|rloo (default 0: no reference model)")
     p.add_argument("--label-smoothing", type=float, default=0.0, metavar="EPS",
                    help="conservative DPO / SimPO: the share of pairs assumed flipped (default 0)")
     p.add_argument("--simpo-gamma", type=float, default=0.5, metavar="GAMMA",
@@ -42,4 +111,5 @@ def add_align_command(sub) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="the Jinja2 chat template of conversational lines (default: the base tokenizer's, or "
                         "meshlm's builtin one)")
+    _add_online_flags(p)
     p.set_defaults(func=_align)

@@ -11,9 +11,10 @@ import torch
 
 from meshlm.core.config import ConfigError
 from meshlm.data.items import DataError
+from meshlm.data.jsonl import read_jsonl
+from meshlm.data.jsonl import short_json as _short
 from meshlm.eval.tasks import classify_metrics
-from meshlm.train.finetune import INFO_FILE, Encoder, FinetuneDataset, Labels, encode_classify, read_jsonl
-from meshlm.train.finetune import short_json as _short
+from meshlm.train.finetune import INFO_FILE, Encoder, FinetuneDataset, Labels, encode_classify
 
 
 def finetune_info(checkpoint: str) -> dict:

@@ -19,9 +19,9 @@ import numpy as np
 
 from meshlm.core.config import ConfigError
 from meshlm.data.items import DataError
+from meshlm.data.jsonl import Line, read_jsonl
+from meshlm.data.jsonl import short_json as _short
 from meshlm.eval.scorer import Scorer, windows
-from meshlm.train.finetune import Line, read_jsonl
-from meshlm.train.finetune import short_json as _short
 
 LN2 = math.log(2)
 

@@ -34,97 +34,22 @@ their metrics need (`models/bert.py`), so metrics.jsonl's eval rows carry val_ac
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import math
-import os
-import shutil
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from meshlm.core.config import Config, ConfigError, apply_overrides, build, check_output_dir
+from meshlm.core.config import ConfigError, apply_overrides, build, check_output_dir
+from meshlm.core.console import say
 from meshlm.data.items import DataError
+from meshlm.data.jsonl import Line, get_field, read_jsonl, short_json
+from meshlm.models.loss import IGNORE_INDEX as IGNORE
+from meshlm.train.prepared import Extensions, train_prepared, with_schedule, write_info
 
-if TYPE_CHECKING:
-    from meshlm.train.extension import Extension
-
-IGNORE = -100
 MAX_ANSWERS = 3  # gold answers kept per span example (SQuAD's validation set has up to 5; scores take the best)
 INFO_FILE = "finetune.json"
-# A config → the trainer's extensions for it (`train/extension.py`), given by the command.
-Extensions = Callable[[Config], "list[Extension]"]
-
-
-def is_main() -> bool:
-    """Whether this process is rank 0 of its torchrun world (or runs alone): the one that prints and writes."""
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def say(text: str) -> None:
-    if is_main():
-        print(text, flush=True)
-
-
-# ---- reading ------------------------------------------------------------------------------------------------
-@dataclass
-class Line:
-    where: str  # "file:line"
-    obj: dict
-
-
-def read_jsonl(path: str, flag: str) -> list[Line]:
-    """The JSON objects of a .jsonl file, each with its file:line; blank lines skipped."""
-    p = Path(path)
-    if not p.exists():
-        raise DataError(f"{flag} {path!r} does not exist; give a .jsonl file")
-    if not p.is_file():
-        raise DataError(f"{flag} {path!r} is not a file; give a .jsonl file")
-    out = []
-    try:
-        with open(p, encoding="utf-8-sig") as fh:  # a byte-order mark is not part of the first line
-            for n, text in enumerate(fh, 1):
-                if not text.strip():
-                    continue
-                where = f"{path}:{n}"
-                try:
-                    obj = json.loads(text)
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{where}: not valid JSON ({err.msg}); one JSON object per line") from None
-                if not isinstance(obj, dict):
-                    raise DataError(f"{where}: a JSON {type(obj).__name__}, not an object; one object per line")
-                out.append(Line(where, obj))
-    except UnicodeDecodeError as err:
-        raise DataError(f"{flag} {path!r} is not UTF-8 text (byte {err.start}); give a .jsonl file") from None
-    except OSError as err:
-        raise DataError(f"{flag} {path!r} cannot be read ({err.strerror or err})") from None
-    if not out:
-        raise DataError(f"{flag} {path!r} holds no examples; give a .jsonl file with one example per line")
-    return out
-
-
-def get_field(line: Line, key: str, kind, task: str, optional: bool = False):
-    """`line`'s value of `key`, of type `kind` (a type or a tuple of types; a bool is none of them); a
-    DataError naming the file:line when it is missing (unless `optional`: None) or of another type."""
-    if key not in line.obj:
-        if optional:
-            return None
-        raise DataError(f"{line.where}: no {key!r} field; every line of a {task} file needs one")
-    value = line.obj[key]
-    if not isinstance(value, kind) or isinstance(value, bool):
-        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise DataError(f"{line.where}: {key!r} is {type(value).__name__} {short_json(value)}, not {names}")
-    return value
-
-
-def short_json(value) -> str:
-    """`value` as JSON, cut to 40 characters (for an error message)."""
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+INFO_KEYS = ("task", "num_labels", "names", "regression")  # another run in DIR differs in one of these
 
 
 # ---- labels -------------------------------------------------------------------------------------------------
@@ -426,10 +351,6 @@ class FinetuneDataset:
 
 
 # ---- config -------------------------------------------------------------------------------------------------
-def _override_keys(overrides: list[str]) -> set[str]:
-    return {o.removeprefix("--").split("=", 1)[0] for o in overrides}
-
-
 def finetune_values(base: dict, task: str, num_labels: int, out_dir: str, init_from: str,
                     overrides: list[str]) -> dict:
     """The base checkpoint's config values with the task's head and fine-tuning defaults, then the user's
@@ -445,29 +366,6 @@ def finetune_values(base: dict, task: str, num_labels: int, out_dir: str, init_f
                            grad_clip=1.0, decay="linear", decay_steps=0)
     values["parallel"] = {}
     return apply_overrides(values, overrides)
-
-
-def with_schedule(values: dict, overrides: list[str], n_train: int, n_valid: int, epochs: int):
-    """The config with the keys that follow from the data and the batch size, unless the user set them:
-    `epochs` passes over the `n_train` examples (train.max_steps), a warmup of 10% of the steps, an evaluation
-    of all `n_valid` (a multiple of the micro-batch) validation rows and a checkpoint after each epoch."""
-    t, user = build(values).train, _override_keys(overrides)
-    per_epoch = max(1, math.ceil(n_train / t.global_batch_size))
-    max_steps = t.max_steps if "train.max_steps" in user else epochs * per_epoch
-    derived = {
-        "train.max_steps": max_steps,
-        "train.eval_every": per_epoch,
-        "train.save_every": per_epoch,
-        "train.log_every": max(1, min(50, per_epoch // 5)),
-        "train.eval_iters": max(1, n_valid // t.micro_batch_size),
-        "optim.warmup_steps": max(1, max_steps // 10),
-    }
-    values = {k: dict(v) for k, v in values.items()}
-    for key, value in derived.items():
-        if key not in user:
-            section, name = key.split(".")
-            values[section][name] = value
-    return build(values)
 
 
 # ---- the command --------------------------------------------------------------------------------------------
@@ -557,55 +455,6 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
     return cfg, tokenizer, train, valid, info
 
 
-def write_info(out: Path, info: dict, name: str = INFO_FILE, keep: tuple[str, ...] = ("task", "num_labels", "names",
-               "regression")) -> None:
-    """DIR/`name` (atomically); a run directory holding another run (one of `keep` differs) is refused."""
-    path = out / name
-    if path.exists():
-        old = json.loads(path.read_text())
-        for key in keep:
-            if old.get(key) != info[key]:
-                raise ConfigError(f"{out} holds another run ({key}={old.get(key)!r}, not {info[key]!r}); use another "
-                                  "--out to start a new run")
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(info, indent=1) + "\n")
-    tmp.replace(path)
-
-
-def train_prepared(cfg, datasets: tuple, out_dir: str, write, extensions: Extensions) -> tuple[object, dict]:
-    """Run the Trainer on datasets a command prepared: DIR made and `write(DIR)` (its info file) on rank 0
-    first; a run that cannot start leaves no new DIR. `extensions(cfg)`: the trainer's extensions for the
-    run's config (`train/extension.py`; `meshlm.commands.train.trainer_extensions`). Returns (trainer, its
-    result)."""
-    from meshlm.parallel import destroy
-    from meshlm.train import trainer as trainer_module
-    from meshlm.train.fit import check_training_fits
-
-    # activations at the rows' width (`.T` tokens per example), not model.seq_len: a released model's context
-    # (SmolLM2's 8,192) would refuse a tuning run whose rows are a few hundred tokens
-    width = min(getattr(datasets[1], "T", cfg.model.seq_len), cfg.model.seq_len)
-    check_training_fits(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, seq_len=width)))
-    out = Path(out_dir)
-    created = not out.exists()
-    try:
-        if is_main():
-            out.mkdir(parents=True, exist_ok=True)
-            write(out)
-        trainer = trainer_module.Trainer(cfg, datasets=datasets, extensions=extensions(cfg))
-    except BaseException:
-        if created and is_main():  # nothing half-way: a run that could not start leaves no DIR
-            shutil.rmtree(out, ignore_errors=True)
-        destroy()
-        raise
-    try:
-        result = trainer.run()
-    except BaseException:
-        destroy()
-        raise
-    destroy(wait_for_all=True)
-    return trainer, result
-
-
 def run_finetune(args: argparse.Namespace, overrides: list[str], extensions: Extensions) -> int:
     """`meshlm finetune` (parsed by `meshlm.commands.finetune`), with the trainer's `extensions(cfg)`."""
     cfg, tokenizer, train, valid, info = prepare(args, overrides)
@@ -613,7 +462,7 @@ def run_finetune(args: argparse.Namespace, overrides: list[str], extensions: Ext
     say(f"fine-tuning {info['task']} (model.num_labels={cfg.model.num_labels}) from {args.checkpoint}: "
         f"{t.max_steps} steps of {t.global_batch_size} examples, lr {cfg.optim.lr:g}, evaluation every "
         f"{t.eval_every} steps over {info['valid_examples']} examples ({t.eval_iters} micro-batches)")
-    trainer, result = train_prepared(cfg, (tokenizer, train, valid), args.out, lambda out: write_info(out, info),
+    trainer, result = train_prepared(cfg, (tokenizer, train, valid), args.out, lambda out: write_info(out, info, INFO_FILE, INFO_KEYS),
                                      extensions)
     shown = {k: v for k, v in result.items() if k.startswith("val_")}
     if shown:

@@ -30,8 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from meshlm.core.config import ConfigError, apply_overrides, build, check_output_dir
+from meshlm.core.console import is_main, say
+from meshlm.data.jsonl import read_jsonl
 from meshlm.train.extension import Extension
-from meshlm.train.finetune import Extensions, is_main, read_jsonl, say, with_schedule
+from meshlm.train.prepared import Extensions, with_schedule
 from meshlm.tune import preference
 from meshlm.tune.command import row_length
 from meshlm.tune.preference import Objective
@@ -236,7 +238,7 @@ def write_run_files(out: Path, info: dict, saved) -> None:
     """DIR/align.json and (a fresh run) DIR/align_reference.pt, atomically, on rank 0."""
     import torch
 
-    from meshlm.train.finetune import write_info
+    from meshlm.train.prepared import write_info
 
     write_info(out, info, INFO_FILE, ("method", "adapter", "base_fingerprint"))
     if saved is not None:
@@ -249,7 +251,7 @@ def run_align(args: argparse.Namespace, overrides: list[str], extensions: Extens
     """`meshlm align` (parsed by `meshlm.commands.align`), with the trainer's `extensions(cfg)` (the LoRA
     adapter's: `meshlm.commands.train.trainer_extensions`) and the `Preference` loss."""
     from meshlm.interop.checkpoints import open_checkpoint
-    from meshlm.train.finetune import train_prepared
+    from meshlm.train.prepared import train_prepared
     from meshlm.tune.export import export_run
 
     checkpoint = open_checkpoint(args.checkpoint)  # resolved and verified once, for the whole command

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshlm.data.items import DataError
-from meshlm.train.finetune import IGNORE, Line, short_json
+from meshlm.data.jsonl import Line, short_json
+from meshlm.models.loss import IGNORE_INDEX as IGNORE
 from meshlm.tune.data import TuneDataset
 
 ROLES = ("system", "user", "assistant")

@@ -21,8 +21,10 @@ import argparse
 from pathlib import Path
 
 from meshlm.core.config import ConfigError, apply_overrides, build, check_output_dir
+from meshlm.core.console import is_main, say
 from meshlm.data.items import DataError
-from meshlm.train.finetune import Extensions, is_main, read_jsonl, say, with_schedule
+from meshlm.data.jsonl import read_jsonl
+from meshlm.train.prepared import Extensions, with_schedule
 
 INFO_FILE = "tune.json"
 # Learning rates that work for each method on small models (docs/tune.md): prompt tables move slowly.
@@ -188,7 +190,7 @@ def run_tune(args: argparse.Namespace, overrides: list[str], extensions: Extensi
 
             export_run(Path(args.out))
         return code
-    from meshlm.train.finetune import train_prepared, write_info
+    from meshlm.train.prepared import train_prepared, write_info
     from meshlm.tune.export import export_run
 
     cfg, tokenizer, train, valid, info = prepare(args, overrides)

@@ -27,7 +27,8 @@ import string
 import numpy as np
 
 from meshlm.data.items import DataError
-from meshlm.train.finetune import IGNORE, Line, get_field
+from meshlm.data.jsonl import Line, get_field
+from meshlm.models.loss import IGNORE_INDEX as IGNORE
 
 ANSWER = "answer"
 

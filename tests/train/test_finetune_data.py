@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from meshlm.core.config import ConfigError
+from meshlm.data.jsonl import Line
 from meshlm.data.tokenizers import get_tokenizer
 from meshlm.models.bert import (
     ClassifyLoss,
@@ -147,7 +148,7 @@ def tok():
 
 
 def _lines(rows):
-    return [ft.Line(f"f.jsonl:{i + 1}", r) for i, r in enumerate(rows)]
+    return [Line(f"f.jsonl:{i + 1}", r) for i, r in enumerate(rows)]
 
 
 def test_classify_pair_layout(tok):

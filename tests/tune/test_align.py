@@ -13,8 +13,8 @@ import torch
 from meshlm.checkpoint.files import checkpoints_dir, load_torch, step_name
 from meshlm.checkpoint.single import resolve_checkpoint
 from meshlm.data.chat import BUILTIN_TEMPLATE, render
+from meshlm.data.jsonl import Line
 from meshlm.data.tokenizers import get_tokenizer
-from meshlm.train.finetune import Line
 from meshlm.tune import preference
 from meshlm.tune.align import REFERENCE_FILE
 from tests.tune.tune_helpers import QUIET, WORDS, metrics, run, save_base, train_losses, write_jsonl

@@ -16,9 +16,9 @@ import torch
 
 from meshlm.checkpoint.load import open_checkpoint
 from meshlm.data.chat import BUILTIN_TEMPLATE
+from meshlm.data.jsonl import Line
 from meshlm.data.tokenizers import get_tokenizer
 from meshlm.models.loss import cross_entropy
-from meshlm.train.finetune import Line
 from meshlm.tune import preference
 from meshlm.tune.align import reference_logps
 from tests.checkpoint_helpers import load_run

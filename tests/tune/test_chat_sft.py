@@ -16,7 +16,7 @@ from meshlm.checkpoint.files import checkpoints_dir, step_name
 from meshlm.core.config import build
 from meshlm.families.gpt import document_inputs
 from meshlm.models.gpt import GPT
-from meshlm.train.finetune import IGNORE
+from meshlm.models.loss import IGNORE_INDEX as IGNORE
 from meshlm.tune.chat_data import Conversation, chat_dataset, pack_rows
 from tests.tune.test_tune_command import assert_one_error
 from tests.tune.tune_helpers import GPT2, LLAMA, QUIET, WORDS, run, save_base, train_losses, write_jsonl

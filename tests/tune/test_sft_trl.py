@@ -15,7 +15,7 @@ import pytest
 import torch
 import trl
 
-from meshlm.train.finetune import IGNORE
+from meshlm.models.loss import IGNORE_INDEX as IGNORE
 from tests.tune.test_chat_sft import CHAT_MODEL, chat_rows, prepared
 from tests.tune.tune_helpers import LLAMA, QUIET, run, save_base, write_jsonl
 

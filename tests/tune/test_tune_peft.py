@@ -159,7 +159,7 @@ def test_a_tuning_row_starts_with_the_exported_tokenizers_ids(bases):
     start before it); a prompt row puts only the virtual tokens' placeholders first; an empty input becomes
     one end-of-document token (the first output token needs a position to be predicted from)."""
     from meshlm.data.tokenizers import get_tokenizer
-    from meshlm.train.finetune import IGNORE
+    from meshlm.models.loss import IGNORE_INDEX as IGNORE
     from meshlm.tune.data import encode
 
     with warnings.catch_warnings():
