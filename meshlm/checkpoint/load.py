@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from meshlm.checkpoint.files import load_config_dict
-from meshlm.checkpoint.sharded import is_sharded, load_matching_weights
+from meshlm.checkpoint.sharded import is_sharded, load_matching_weights, plain_buffers
 from meshlm.checkpoint.single import read_model_state, resolve_checkpoint
 from meshlm.core.config import Config, config_from_dict
 from meshlm.core.errors import CheckpointError
@@ -59,20 +59,30 @@ def open_checkpoint(path: str | Path, log: Callable[[str], None] | None = _stder
     return Checkpoint(str(path), found, config_from_dict(load_config_dict(found)), is_sharded(found))
 
 
-def load_model(checkpoint: Checkpoint, spec: ModelSpec, device: str | torch.device = "cpu") -> nn.Module:
+def load_model(checkpoint: Checkpoint, spec: ModelSpec, device: str | torch.device = "cpu",
+               log: Callable[[str], None] | None = _stderr) -> nn.Module:
     """The plain model of `checkpoint` (any layout, family `spec`) in eval mode on `device`: built on the
-    meta device and given the checkpoint's tensors, buffers initialised on `device`."""
+    meta device and given the checkpoint's tensors, buffers initialised on `device` and then set to the
+    saved ones. A parallel run's checkpoint written before buffers were saved has none: they keep their
+    initial values (a note to `log`)."""
     device = torch.device(device)
     state = read_model_state(checkpoint.path, device, spec=spec)
     with meta_device():
         model = spec.model_class(checkpoint.config.model)
     tied = _tied_names(model)
-    model.load_state_dict(state, strict=True, assign=True)
+    absent = {name: torch.zeros(t.shape, dtype=t.dtype, device=device)  # set by `init_buffers` below
+              for name, t in plain_buffers(checkpoint.config.model, spec=spec).items() if name not in state}
+    if absent and log is not None:
+        log(f"checkpoint {checkpoint.given} holds no buffers (it predates their saving): "
+            f"{', '.join(sorted(absent))} keep their initial values")
+    model.load_state_dict({**state, **absent}, strict=True, assign=True)
     for first, *others in tied:  # `assign` gave each name its own Parameter: tie them again
         for name in others:
             owner, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(owner), leaf, model.get_parameter(first))
-    model.init_buffers(device)
+    saved = {name: state[name].clone() for name, _ in model.named_buffers() if name in state}
+    model.init_buffers(device)  # computed buffers (RoPE tables) ...
+    model.load_state_dict(saved, strict=False)  # ... but the saved ones (a sigmoid router's score_bias) as saved
     return model.eval()
 
 

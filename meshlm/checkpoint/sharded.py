@@ -8,7 +8,11 @@ weights and Adam's `exp_avg` / `exp_avg_sq` (Adam's step count is one number for
 the matrices Muon steps (`optim.name=muon`), its `momentum_buffer`. Every
 rank writes the rectangular pieces it owns, each with its offset in the logical tensor, to its own
 safetensors file; rank 0 writes `index.json` (the logical shapes, where every piece is, the number of
-ranks), then the shared state (`state.pt`: step, data position, layout). Loading under any layout, each rank works out
+ranks), then the shared state (`state.pt`: step, data position, layout). The model's persistent buffers (a
+sigmoid router's `score_bias`: model state that no optimizer steps) are stored as whole "weight" tensors
+under their plain names, written once per pipeline stage (by dp × cp rank 0, tp rank 0: every layout
+replicates them over tp, dp, cp and ep); a checkpoint written before buffers were saved still loads, the
+buffers keeping their initial values. Loading under any layout, each rank works out
 which logical rows and columns each of its local tensors (or ZeRO shards of them) holds and reads exactly
 those from the pieces that overlap them (safetensors slices: no whole-file reads).
 
@@ -73,7 +77,11 @@ KINDS = ("weight", *ADAM_KINDS, *MUON_KINDS)
 # ---- logical tensors ----------------------------------------------------------------------------------------
 def fused_blocks(name: str, cfg: ModelConfig, *, spec: ModelSpec) -> list[tuple[str, int]]:
     """The logical tensors stacked along dim 0 of plain parameter `name`, with their row counts (the
-    family's `logical_blocks`; a whole parameter keeps its name and rows)."""
+    family's `logical_blocks`; a whole parameter keeps its name and rows). A persistent buffer is one
+    whole logical tensor of its own name."""
+    buffers = plain_buffer_shapes(cfg, spec=spec)
+    if name in buffers:
+        return [(name, _rows(buffers[name]))]
     blocks = spec.logical_blocks(name, cfg)
     return [(n, plain_shapes(cfg, spec=spec)[name][0] if rows < 0 else rows) for n, rows in blocks]
 
@@ -85,6 +93,32 @@ def plain_shapes(cfg: ModelConfig, *, spec: ModelSpec) -> dict[str, tuple[int, .
 
     with torch.random.fork_rng(devices=[]):  # a meta build still draws from the CPU generator: keep it untouched
         return shapes(spec, cfg)
+
+
+@functools.lru_cache(maxsize=8)
+def plain_buffers(cfg: ModelConfig, *, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """The plain model's persistent buffers (in its state dict, not parameters: a sigmoid router's
+    `score_bias`), by plain name, as meta tensors (shape and dtype); computed ones (RoPE tables) are not
+    persistent and not here."""
+    with meta_device():
+        model = _plain_model(cfg, spec)
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return {name: t for name, t in model.state_dict().items() if name not in params}
+
+
+@functools.lru_cache(maxsize=8)
+def plain_buffer_shapes(cfg: ModelConfig, *, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(t.shape) for name, t in plain_buffers(cfg, spec=spec).items()}
+
+
+def _rows(shape: tuple[int, ...]) -> int:
+    return shape[0] if shape else 1
+
+
+def local_buffers(model: nn.Module, cfg: ModelConfig, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """The persistent buffers this rank's (possibly pruned, parallelized) model holds, by plain name."""
+    plain = plain_buffer_shapes(cfg, spec=spec)
+    return {name: b for name, b in model.named_buffers() if name in plain}
 
 
 def _plain_model(cfg: ModelConfig, spec: ModelSpec) -> nn.Module:
@@ -245,7 +279,22 @@ def _rank_pieces(sync, optimizer, spec: ModelSpec, copy=None) -> tuple[dict[str,
                 piece = flat[off:off + n * w].detach().reshape(n, w)
                 tensors[key] = copy(piece.to(torch.promote_types(piece.dtype, torch.float32)))  # fp32/f64
                 entries.append([key, kind, seg.name, row, col, n, w])
+    _buffer_pieces(sync, spec, copy, tensors, entries)
     return tensors, entries
+
+
+def _buffer_pieces(sync, spec: ModelSpec, copy, tensors: dict, entries: list) -> None:
+    """This stage's persistent buffers, whole, written by dp × cp rank 0 and tp rank 0 only: no layout splits
+    them (the family's tp plan names no buffer; a MoE layer's router is whole on every ep rank, its bias
+    updated alike on all of them from the global load: `MoE.update_bias`)."""
+    d = sync.dims
+    if d.dpcp_rank != 0 or d.tp_rank != 0:
+        return
+    for name, buf in local_buffers(sync.model, sync.model.cfg, spec).items():
+        key = f"weight/{name}/0/0"
+        flat = buf.detach().reshape(_rows(tuple(buf.shape)), -1)
+        tensors[key] = copy(flat.to(torch.promote_types(flat.dtype, torch.float32)))
+        entries.append([key, "weight", name, 0, 0, *flat.shape])
 
 
 def _adam_step(optimizer) -> float | None:
@@ -493,7 +542,10 @@ def check_same_optimizer(path: Path, trained_muon: bool, optimizer) -> None:
 def _single_process_source(path: Path, cfg: ModelConfig, spec: ModelSpec) -> _TensorSource:
     """`model.pt` + `optim.pt` of a one-process run → logical tensors (its AdamW's state, by parameter; with
     `optim.name=muon`, Muon's buffer for the matrices it steps: param groups marked `"muon"` in `optim.pt`)."""
-    tensors = {("weight", k): v for k, v in split_plain(load_torch(path / "model.pt"), cfg, spec=spec).items()}
+    plain = load_torch(path / "model.pt")
+    tensors = {("weight", k): v for k, v in split_plain(plain, cfg, spec=spec).items()}
+    tensors.update({("weight", k): plain[k].reshape(_rows(shape), -1)
+                    for k, shape in plain_buffer_shapes(cfg, spec=spec).items() if k in plain})
     adam_step = None
     if (path / "optim.pt").exists():
         optim = load_torch(path / "optim.pt")
@@ -542,10 +594,29 @@ def _fill(source, kind: str, sync, owned, flat: torch.Tensor, spec: ModelSpec) -
                                    f"{owned.name}; it is incomplete or from another model shape")
 
 
+def _load_buffers(source, path: Path, model: nn.Module, spec: ModelSpec, log=None) -> None:
+    """This rank's persistent buffers from `source`, where it holds them. A checkpoint that holds none (saved
+    before sharded checkpoints kept buffers) leaves them at their initial values, said once to `log`; one
+    holding only some of them is incomplete."""
+    cfg = model.cfg
+    plain = plain_buffer_shapes(cfg, spec=spec)
+    if not any(source.has("weight", name) for name in plain):
+        if plain and log is not None:
+            log(f"checkpoint {path} holds no buffers (it predates their saving): {', '.join(sorted(plain))} "
+                "keep their initial values")
+        return
+    for name, buf in local_buffers(model, cfg, spec).items():
+        rows = _rows(tuple(buf.shape))
+        out = torch.empty(rows, max(1, buf.numel() // rows), dtype=torch.float64)
+        if source.read("weight", name, 0, 0, out) != out.numel():
+            raise CheckpointError(f"checkpoint {path} is missing the buffer {name}; it is incomplete")
+        buf.copy_(out.reshape(buf.shape))
+
+
 @torch.no_grad()
-def load(path: str | Path, sync, optimizer, *, spec: ModelSpec) -> None:
-    """Load weights and Adam's state from a checkpoint of any layout into this rank's part of the model
-    (of family `spec`).
+def load(path: str | Path, sync, optimizer, *, spec: ModelSpec, log=None) -> None:
+    """Load weights, persistent buffers and Adam's state from a checkpoint of any layout into this rank's
+    part of the model (of family `spec`); `log` hears, once, that an old checkpoint holds no buffers.
 
     Call after every parallel transform and after building the optimizer (`sync.build_optimizer`)."""
     path = Path(path)
@@ -560,6 +631,7 @@ def load(path: str | Path, sync, optimizer, *, spec: ModelSpec) -> None:
     try:
         for owned in sync.load_weight_ranges():
             _fill(source, "weight", sync, owned, owned.weight, spec)
+        _load_buffers(source, path, sync.model, spec, log)
         if not has_state:
             return
         for owned in sync.load_state_ranges():
@@ -590,6 +662,8 @@ def load_matching_weights(path: str | Path, sync, source_cfg: ModelConfig, *, sp
         for owned in sync.load_weight_ranges():
             if all(seg.name in usable for seg in _segments_for(sync, owned, spec)):
                 _fill(source, "weight", sync, owned, owned.weight, spec)
+        if plain_buffer_shapes(source_cfg, spec=spec) == plain_buffer_shapes(sync.model.cfg, spec=spec):
+            _load_buffers(source, path, sync.model, spec)  # the same buffers (a classifier head adds none)
     finally:
         source.close()
     return sorted(set(mine) - usable)
@@ -606,7 +680,7 @@ def load_rank_state(path: str | Path, rank: int, layout: dict) -> dict | None:
 
 def full_model_state(path: str | Path, cfg: ModelConfig, *, spec: ModelSpec) -> dict[str, torch.Tensor]:
     """The plain GPT state dict of a sharded checkpoint (`index.json`), in one process, without
-    torch.distributed."""
+    torch.distributed: its parameters and the persistent buffers it holds (none, if it predates them)."""
     source = _ShardedSource(path)
     try:
         tensors = {}
@@ -616,6 +690,11 @@ def full_model_state(path: str | Path, cfg: ModelConfig, *, spec: ModelSpec) -> 
             if source.read("weight", name, 0, 0, t) != t.numel():
                 raise CheckpointError(f"checkpoint {path} is missing parts of {name}")
             tensors[name] = t
+        buffers = {}
+        for name, meta in plain_buffers(cfg, spec=spec).items():
+            t = torch.zeros(_rows(tuple(meta.shape)), max(1, torch.Size(meta.shape[1:]).numel()), dtype=meta.dtype)
+            if source.read("weight", name, 0, 0, t) == t.numel():  # absent: an old checkpoint (`load_model`)
+                buffers[name] = t.reshape(meta.shape)
     finally:
         source.close()
-    return fuse_logical(tensors, cfg, spec=spec)
+    return {**fuse_logical(tensors, cfg, spec=spec), **buffers}

@@ -103,6 +103,36 @@ class ModelConfig:
     norm: str = "layernorm"  # layernorm | rmsnorm
     activation: str = "gelu"  # gelu (tanh approximation, GPT-2) | gelu_exact (erf, BERT) | swiglu
     bias: bool = True
+    # Qwen3: an RMSNorm over each head's queries and another over its keys (head_dim wide, weights shared by the
+    # heads, eps norm_eps), after the projection and before RoPE (models/layers.py `Attention`). rmsnorm models only.
+    qk_norm: bool = False
+    # The width of each attention head; 0: hidden_size / n_heads. Qwen3 sets it apart (Qwen3-0.6B: hidden 1024,
+    # 16 heads of 128): q, k, v are n_heads·head_size (n_kv_heads·head_size) wide, the output projection maps
+    # n_heads·head_size back to hidden_size.
+    head_size: int = 0
+    # Multi-head latent attention (DeepSeek-V2/V3; models/mla.py): attention = mha (models/layers.py `Attention`)
+    # | mla. MLA compresses queries through a q_lora_rank latent (0: a plain query projection, as DeepSeek-V2-Lite)
+    # and keys/values through a kv_lora_rank latent; each head's query/key is qk_nope_head_dim wide without
+    # position plus qk_rope_head_dim with RoPE (the rope key shared by all heads), its value v_head_dim wide.
+    # rope_interleave: the rope dims come out of the projections in DeepSeek's interleaved pairs (HF's default).
+    # rope_mscale_all_dim: YaRN's mscale_all_dim; with model.rope_scaling='yarn' the softmax scale is multiplied
+    # by (0.1 · rope_mscale_all_dim · ln(rope_factor) + 1)².
+    attention: str = "mha"
+    # Sliding-window attention (Mistral, Gemma 3, gpt-oss): sliding_window = W > 0 makes a local layer's query at
+    # position i see keys i - W + 1 .. i (W keys, itself included; transformers' Mistral), 0: every layer global.
+    # window_pattern = N > 0: layer i (from 0) is global when (i + 1) % N == 0, local otherwise (Gemma 3: 6, five
+    # local to one global; gpt-oss: 2, alternating from a local layer 0); 0: every layer local (Mistral).
+    # attention_sinks (gpt-oss): a learned logit per head added to each softmax's denominator (a key with no value).
+    sliding_window: int = 0
+    window_pattern: int = 0
+    attention_sinks: bool = False
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
+    rope_mscale_all_dim: float = 0.0
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
@@ -139,6 +169,11 @@ class ModelConfig:
     moe_z_loss: float = 0.0
     moe_capacity_factor: float = 0.0
     moe_bias_rate: float = 1e-3
+    moe_routed_scale: float = 1.0  # the routed experts' weights × this (DeepSeek-V3's routed_scaling_factor)
+    # DeepSeek-V3's group-limited routing (sigmoid router): the experts form moe_groups equal groups, each scored by
+    # the sum of its two best selection scores; a token picks its top_k among the moe_topk_groups best groups only.
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
     # BERT family only (models/bert.py):
     type_vocab_size: int = 2  # token-type (segment) embeddings
     bert_head: str = "pretrain"  # pretrain (MLM + sentence order) | mlm | classify | span | tokens | encoder
@@ -152,7 +187,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.n_heads
+        """Each attention head's width: model.head_size, or hidden_size / n_heads when that is 0."""
+        return self.head_size or self.hidden_size // self.n_heads
 
     @property
     def ffn_size(self) -> int:
@@ -170,9 +206,10 @@ class ModelConfig:
                "(4 × hidden_size for gelu, about 8/3 × hidden_size for swiglu)")
         _check(self.norm_eps < 1, f"model.norm_eps={self.norm_eps} must be below 1 (typically 1e-5 or 1e-6)")
         _check(self.init_std <= 1, f"model.init_std={self.init_std} must be at most 1 (typically 0.02)")
-        _check(self.hidden_size % self.n_heads == 0,
+        _non_negative("model", self, "head_size", zero="0 gives hidden_size / n_heads")
+        _check(self.head_size > 0 or self.hidden_size % self.n_heads == 0,
                f"model.hidden_size={self.hidden_size} is not divisible by model.n_heads={self.n_heads}; "
-               f"choose n_heads among {divisors(self.hidden_size)}")
+               f"choose n_heads among {divisors(self.hidden_size)} (or set model.head_size)")
         _check(self.n_kv_heads is None or (self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0),
                f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
         _check(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)")
@@ -182,10 +219,54 @@ class ModelConfig:
         _positive("model", self, "type_vocab_size", "num_labels")
         _choices("model.bert_head", self.bert_head, ("pretrain", "mlm", "classify", "span", "tokens", "encoder"))
         _choices("model.pooling", self.pooling, ("cls", "mean"))
-        _check(self.position != "rope" or self.head_dim % 2 == 0,
-               f"model.position='rope' needs an even head dim, got {self.head_dim}; change model.n_heads")
+        _check(self.position != "rope" or self.attention == "mla" or self.head_dim % 2 == 0,
+               f"model.position='rope' needs an even head dim, got {self.head_dim}; change model.n_heads (or model.head_size)")
+        self._validate_mla()
+        self._validate_qk_norm()
+        self._validate_window()
         self._validate_rope_scaling()
         self._validate_moe()
+
+    @property
+    def rope_dim(self) -> int:
+        """The width RoPE rotates: each head's (MLA: its qk_rope_head_dim part)."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    def _validate_mla(self) -> None:
+        _choices("model.attention", self.attention, ("mha", "mla"))
+        _non_negative("model", self, "q_lora_rank", "rope_mscale_all_dim", zero="0 turns it off")
+        _non_negative("model", self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if self.attention == "mha":
+            return
+        for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _check(getattr(self, key) > 0, f"model.attention='mla' needs model.{key} > 0 (DeepSeek-V3: "
+                   "kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128); set it")
+        _check(self.position == "rope", f"model.attention='mla' rotates its decoupled rope key, but "
+               f"model.position={self.position!r}; set model.position='rope'")
+        _check(self.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even "
+               "(RoPE rotates pairs)")
+        _check(not self.qk_norm and self.n_kv_heads in (None, self.n_heads) and not self.head_size,
+               "model.attention='mla' has its own head widths and one key/value per head; leave model.qk_norm, "
+               "model.n_kv_heads and model.head_size unset")
+        _check(not self.bias, "model.attention='mla' has no biases (DeepSeek's attention_bias=false); set model.bias=false")
+
+    def _validate_qk_norm(self) -> None:
+        _check(not self.qk_norm or self.norm == "rmsnorm", f"model.qk_norm=true normalises heads with RMSNorm "
+               f"(Qwen3), but model.norm={self.norm!r}; set model.norm='rmsnorm' or model.qk_norm=false")
+
+    def _validate_window(self) -> None:
+        _non_negative("model", self, "sliding_window", "window_pattern", zero="0 turns it off")
+        _check(not self.window_pattern or self.sliding_window, f"model.window_pattern={self.window_pattern} says "
+               "which layers are local, but model.sliding_window=0; set the window or window_pattern=0")
+        if self.sliding_window or self.attention_sinks:  # (BERT refuses them when built, models/bert.py)
+            _check(self.attention == "mha", "model.sliding_window and model.attention_sinks are for Attention, but "
+                   f"model.attention={self.attention!r}; set model.sliding_window=0, model.attention_sinks=false")
+
+    def layer_window(self, i: int) -> int:
+        """The sliding window of layer i (from 0): `sliding_window` for a local layer, 0 for a global one."""
+        if not self.sliding_window or (self.window_pattern and (i + 1) % self.window_pattern == 0):
+            return 0
+        return self.sliding_window
 
     @property
     def expert_size(self) -> int:
@@ -207,10 +288,11 @@ class ModelConfig:
     def _validate_moe(self) -> None:
         _non_negative("model", self, "moe_experts", "moe_first_dense", "moe_expert_hidden", "moe_shared_experts",
                       "moe_aux_loss", "moe_z_loss", "moe_capacity_factor", "moe_bias_rate", zero="0 turns it off")
-        _positive("model", self, "moe_top_k", "moe_every")
+        _positive("model", self, "moe_top_k", "moe_every", "moe_routed_scale", "moe_groups", "moe_topk_groups")
         _choices("model.moe_router", self.moe_router, ("softmax", "sigmoid"))
         if self.moe_experts == 0:
             return
+        self._validate_moe_groups()
         E = self.moe_experts
         _check(self.moe_top_k <= E, f"model.moe_top_k={self.moe_top_k} exceeds model.moe_experts={E} (each token "
                f"picks top_k distinct experts); set model.moe_top_k <= {E}")
@@ -223,6 +305,18 @@ class ModelConfig:
         _check(self.moe_capacity_factor == 0 or self.moe_capacity_factor >= 1.0 / E,
                f"model.moe_capacity_factor={self.moe_capacity_factor} leaves experts no room; use 0 (dropless) or "
                "a factor around 1.0-2.0")
+
+    def _validate_moe_groups(self) -> None:
+        G, E = self.moe_groups, self.moe_experts
+        if G == 1:
+            return
+        _check(self.moe_router == "sigmoid", f"model.moe_groups={G} limits the sigmoid router's choice (DeepSeek-V3); "
+               "set model.moe_router='sigmoid' or model.moe_groups=1")
+        _check(E % G == 0 and E // G >= 2, f"model.moe_groups={G} must split model.moe_experts={E} into equal "
+               f"groups of at least 2; choose among {[d for d in range(1, E // 2 + 1) if E % d == 0]}")
+        _check(self.moe_topk_groups <= G and self.moe_top_k <= self.moe_topk_groups * E // G,
+               f"model.moe_topk_groups={self.moe_topk_groups} must be at most model.moe_groups={G} and hold "
+               f"model.moe_top_k={self.moe_top_k} experts; raise it")
 
     def _validate_rope_scaling(self) -> None:
         _choices("model.rope_scaling", self.rope_scaling, ("none", "llama3", "yarn"))

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from meshlm.core.config import Config, ConfigError, ModelConfig
+from meshlm.core.mla import cached_width
 
 GIB = 2 ** 30
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
@@ -47,7 +48,7 @@ def device_type_of(cfg: Config) -> str:
 
 def kv_cache_bytes(m: ModelConfig, batch: int, tokens: int) -> float:
     """fp32 keys and values of every layer for `tokens` positions."""
-    return 2.0 * 4 * m.n_layers * batch * tokens * m.kv_heads * m.head_dim
+    return 2.0 * 4 * m.n_layers * batch * tokens * cached_width(m)  # kv_heads·head_dim (MLA: core/mla.py)
 
 
 def check_fits(needed: dict[str, float], what: str, fix: str, device_type: str = "cpu") -> None:

@@ -4,13 +4,16 @@ Model FLOPs per step (causal attention counted once; mixture-of-experts layers c
 `moe_active_mlp_weights`, in place of e·h·f; e = 3 with SwiGLU else 2; k head dim, a query heads,
 g KV heads, f MLP width, T tokens, S2 = Σ s_i² = B·s²):
     F = 6·T·[L·(e·h·f + h·(k·a + 2·k·g) + k·a·h) + h·V] + 6·S2·L·k·a
-MFU = F / (time · peak). HFU adds the forward FLOPs that recomputation does again. Context parallelism
-leaves F as it is and gives each of its cp ranks 1/cp of it (`rank_attention_flops`).
+Multi-head latent attention (`core/mla.py`) counts its own weights in place of the h·(k·a + 2·k·g) + k·a·h
+and its score width in place of k·a. MFU = F / (time · peak). HFU adds the forward FLOPs that recomputation
+does again. Context parallelism leaves F as it is and gives each of its cp ranks 1/cp of it
+(`rank_attention_flops`).
 """
 
 from __future__ import annotations
 
 from meshlm.core.config import ModelConfig
+from meshlm.core.mla import mla_attention_weights, score_width
 
 
 def layer_flops_per_token(m: ModelConfig, layer: int | None = None) -> float:
@@ -22,7 +25,8 @@ def layer_flops_per_token(m: ModelConfig, layer: int | None = None) -> float:
     e = 3 if m.activation == "swiglu" else 2
     h, f, k, a, g = m.hidden_size, m.ffn_size, m.head_dim, m.n_heads, m.kv_heads
     mlp = moe_active_mlp_weights(m) if m.is_moe_layer(layer) else e * h * f
-    return 6.0 * (mlp + h * (k * a + 2 * k * g) + k * a * h)
+    attention = mla_attention_weights(m) if m.attention == "mla" else h * (k * a + 2 * k * g) + k * a * h
+    return 6.0 * (mlp + attention)
 
 
 def moe_active_mlp_weights(m: ModelConfig) -> int:
@@ -37,7 +41,7 @@ def model_flops(m: ModelConfig, batch: int, seq_len: int | None = None) -> float
     s = seq_len or m.seq_len
     tokens = batch * s
     dense = tokens * (m.n_layers * layer_flops_per_token(m) + 6.0 * m.hidden_size * m.vocab_size)
-    attention = 6.0 * batch * s * s * m.n_layers * m.head_dim * m.n_heads
+    attention = 6.0 * batch * s * s * m.n_layers * score_width(m)
     return dense + attention
 
 
@@ -52,7 +56,7 @@ def finetune_flops(m: ModelConfig, batch: int, seq_len: int | None = None, loss_
     tokens, per_weight = batch * s, (4.0 if frozen else 6.0) / 6.0
     layers = tokens * m.n_layers * layer_flops_per_token(m) * per_weight
     head = tokens * loss_fraction * 6.0 * m.hidden_size * m.vocab_size * per_weight
-    return layers + head + 6.0 * batch * s * s * m.n_layers * m.head_dim * m.n_heads
+    return layers + head + 6.0 * batch * s * s * m.n_layers * score_width(m)
 
 
 def recompute_flops(m: ModelConfig, batch: int, recompute: str, seq_len: int | None = None,
@@ -62,10 +66,10 @@ def recompute_flops(m: ModelConfig, batch: int, recompute: str, seq_len: int | N
     s = seq_len or m.seq_len
     n = m.n_layers if layers is None else layers
     if recompute == "full":
-        per_layer = batch * s * layer_flops_per_token(m) / 3 + 2.0 * batch * s * s * m.head_dim * m.n_heads
+        per_layer = batch * s * layer_flops_per_token(m) / 3 + 2.0 * batch * s * s * score_width(m)
         return n * per_layer
     if recompute == "selective":  # the attention core only: QKᵀ and ·V, causal counted once
-        return n * 2.0 * batch * s * s * m.head_dim * m.n_heads
+        return n * 2.0 * batch * s * s * score_width(m)
     return 0.0
 
 
@@ -76,7 +80,7 @@ def stage_costs(m: ModelConfig) -> tuple[float, float]:
     gathers, no FLOPs: 0. Last stage: the LM head, 6·h·V (the final norm and the cross-entropy are
     O(h + V), negligible). E.g. gpt2-1.3b: the head ≈ 2 layers.
     """
-    layer = layer_flops_per_token(m) + 6.0 * m.seq_len * m.head_dim * m.n_heads
+    layer = layer_flops_per_token(m) + 6.0 * m.seq_len * score_width(m)
     return 0.0, 6.0 * m.hidden_size * m.vocab_size / layer
 
 
@@ -87,4 +91,4 @@ def rank_attention_flops(m: ModelConfig, micro_batch: int, seq_len: int | None =
     load balance (rank i holds chunks i and 2·cp−1−i of 2·cp) gives every rank the same 1/cp of them: its
     s/cp queries meet, over the cp ring steps, an equal share of the unmasked keys."""
     s = seq_len or m.seq_len
-    return 6.0 * micro_batch * s * s * m.head_dim * m.n_heads / (tp * cp)
+    return 6.0 * micro_batch * s * s * score_width(m) / (tp * cp)

@@ -74,6 +74,9 @@ def check_context_parallel(cfg: Config, cp: int, tp: int, decoder: bool = True) 
     if not decoder:
         raise ConfigError(f"parallel.cp={cp} splits causal attention into a ring; model.family={m.family!r} attends "
                           "both ways (an encoder) and is not supported; use parallel.cp=1")
+    if m.attention == "mla":
+        raise ConfigError(f"parallel.cp={cp}: the ring attention does not support model.attention='mla' yet; use "
+                          "parallel.cp=1")
     if m.seq_len % (2 * cp):
         raise ConfigError(f"parallel.cp={cp} cuts each row into 2·cp = {2 * cp} equal chunks, but model.seq_len="
                           f"{m.seq_len} is not divisible by {2 * cp}; set model.seq_len to a multiple of {2 * cp}")

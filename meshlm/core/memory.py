@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from meshlm.core.config import Config, ModelConfig
 from meshlm.core.layout import full_recompute_chunks
+from meshlm.core.mla import mla_activation_terms, mla_attention_parameters
 
 # ---- model states --------------------------------------------------------------------------------------
 
@@ -32,7 +33,10 @@ def parameter_count(m: ModelConfig) -> int:
     proj = k * m.n_heads * h + (h if m.bias else 0)
     fc_out = 2 * f if m.activation == "swiglu" else f
     mlp = h * fc_out + (fc_out if m.bias else 0) + f * h + (h if m.bias else 0)
-    layer = 2 * norm + qkv + proj + mlp
+    layer = 2 * norm + qkv + proj + mlp + (2 * k if m.qk_norm else 0)  # Qwen3's q and k norms: head_dim each
+    layer += m.n_heads if m.attention_sinks else 0  # gpt-oss's sink logits: one per head
+    if m.attention == "mla":  # DeepSeek's latent attention in place of qkv and proj (core/mla.py)
+        layer += mla_attention_parameters(m) - qkv - proj
     embed = m.vocab_size * h + (m.seq_len * h if m.position == "learned" else 0)
     head = 0 if m.tie_embeddings else m.vocab_size * h
     n_moe = m.moe_layers()
@@ -196,10 +200,18 @@ def _mask(elements: float, dtype_bytes: int, dt: ActivationDtypes) -> float:
 
 
 def _attention_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes, backend: str, selective: bool,
-                     dropout: bool) -> dict[str, float]:
+                     dropout: bool, local: bool = False) -> dict[str, float]:
     n, k, c = sh.tokens, sh.k, dt.compute
     qkv_heads = sh.a_t + 2 * sh.g_t
     terms = {}
+    if m.qk_norm:  # Qwen3's RMSNorm over each q and k head, in fp32 (as the layer norms): its rsqrt, the normalised
+        heads = sh.a_t + sh.g_t  # q and k in the compute dtype, and with 16-bit compute the input's fp32 copy;
+        terms["q, k norms: rsqrt"] = n * heads * dt.stats  # RoPE after them saves only its cos/sin tables
+        terms["q, k norms: normalised q, k"] = n * k * heads * c
+        if c < 4:
+            terms["q, k norms: fp32 copy of q, k"] = n * k * heads * 4
+    if m.attention_sinks and not selective and sh.cp == 1:  # gpt-oss's explicit softmax (`Attention.sink_attention`)
+        return {**terms, **_sink_terms(sh, dt, dropout)}
     ring = sh.cp > 1  # the ring attention saves what a flash kernel saves, whatever runs each block
     if selective or backend == "flash" or ring:  # q, k, v as they enter the core: views of the qkv output
         terms["qkv output (q, k, v views)"] = n * k * qkv_heads * c
@@ -220,6 +232,27 @@ def _attention_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes, backe
         if dropout:
             terms["attention dropout mask"] = _mask(scores, dt.math, dt)
             terms["dropped probabilities"] = scores * dt.math
+    if local and backend == "flash" and not selective and not ring:  # SDPA makes the band an additive mask
+        terms["sliding-window mask (additive)"] = sh.s * sh.s * c
+    terms["attention output (proj input)"] = n * k * sh.a_t * c
+    return terms
+
+
+def _sink_terms(sh: LayerShape, dt: ActivationDtypes, dropout: bool) -> dict[str, float]:
+    """Attention with sink logits, in plain ops: the batched matmuls keep their own (b·a_t, s, k) copies of q,
+    the GQA-expanded k and v (q's is a view of q after RoPE), the (s, s) bool mask, the softmax output with
+    the sink column (s + 1 wide), and with dropout its mask and the dropped probabilities; no s×s score
+    tensor, no qkv output."""
+    n, k, c, scores = sh.tokens, sh.k, dt.compute, sh.b * sh.a_t * sh.s * sh.s
+    terms = {"q after RoPE, k copy (sinks)": 2 * n * k * sh.a_t * c, "mask (bool, sinks)": sh.s * sh.s,
+             "softmax output with the sink column": sh.b * sh.a_t * sh.s * (sh.s + 1) * c}
+    if (sh.b == 1 or sh.a_t == 1) and sh.g_t == sh.a_t:  # v reshaped for the matmul stays a view of qkv's output
+        terms["qkv output (v view, sinks)"] = n * k * (sh.a_t + 2 * sh.g_t) * c
+    else:
+        terms["v copy (sinks)"] = n * k * sh.a_t * c
+    if dropout:
+        terms["attention dropout mask"] = _mask(scores, c, dt)
+        terms["dropped probabilities"] = scores * c
     terms["attention output (proj input)"] = n * k * sh.a_t * c
     return terms
 
@@ -265,7 +298,8 @@ def _moe_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes) -> dict[str
 
 def activation_terms(m: ModelConfig, micro_batch: int, tp: int = 1, sp: bool = False, recompute: str = "none",
                      dtypes: ActivationDtypes | None = None, backend: str | None = None,
-                     seq_len: int | None = None, cp: int = 1, moe: bool = False) -> dict[str, float]:
+                     seq_len: int | None = None, cp: int = 1, moe: bool = False,
+                     local: bool = False) -> dict[str, float]:
     """Bytes saved for backward by one transformer layer on one tp rank, by term (docs/memory.md).
 
     `recompute='full'` gives a layer that starts a checkpoint region (its input only); a layer inside a
@@ -275,7 +309,8 @@ def activation_terms(m: ModelConfig, micro_batch: int, tp: int = 1, sp: bool = F
     `cp` > 1 (context parallelism): every term counts this rank's s/cp tokens, and the attention core is the
     ring, which saves the local q, k, v, its output and one logsumexp per query, never the s×s scores (it
     recomputes each ring step's block in backward, as Megatron's does): the bytes are exactly 1/cp of the
-    flash kernel's at cp = 1. `moe`: the layer's MLP is a mixture of experts (`_moe_terms`).
+    flash kernel's at cp = 1. `moe`: the layer's MLP is a mixture of experts (`_moe_terms`). `local`: the layer
+    attends over a sliding window (its band mask); `model.attention_sinks`: `_sink_terms` in place of SDPA's.
     """
     dt = dtypes or activation_dtypes("fp32", "cpu")
     backend = backend or attention_backend("cpu", m.dropout)
@@ -289,8 +324,12 @@ def activation_terms(m: ModelConfig, micro_batch: int, tp: int = 1, sp: bool = F
     # bias is added after the reduction, outside autocast's linear, and promotes it to the fp32 weights'.
     proj_out = dt.residual if tp > 1 and m.bias else dt.compute
     terms = _norm_terms(m, sh, dt, "norm1")
-    terms["qkv input"] = linear_in
-    terms.update(_attention_terms(m, sh, dt, backend, recompute == "selective", dropout))
+    if m.attention == "mla":
+        terms.update(mla_activation_terms(m, sh.tokens, sh.b, sh.s, sh.a_t, dt, backend, recompute == "selective",
+                                          dropout))
+    else:
+        terms["qkv input"] = linear_in
+        terms.update(_attention_terms(m, sh, dt, backend, recompute == "selective", dropout, local))
     if dropout:
         terms["attention residual dropout mask"] = _mask(residual, proj_out, dt)
     terms.update(_norm_terms(m, sh, dt, "norm2"))
@@ -310,10 +349,10 @@ def layer_activation_bytes(cfg: Config, micro_batch: int | None = None, n_layers
     kw = {"micro_batch": micro_batch or t.micro_batch_size, "tp": p.tp, "sp": p.sp, "cp": p.cp,
           "dtypes": dtypes or activation_dtypes(t.precision, device_type, m.hidden_size),
           "backend": backend or attention_backend(device_type, m.dropout)}
-    moe = [m.is_moe_layer(i) for i in range(n)]  # a stage's layers counted as the model's first n
+    kinds = [(m.is_moe_layer(i), m.layer_window(i) > 0) for i in range(n)]  # a stage's layers as the model's first n
     if t.recompute != "full":
-        return [sum(activation_terms(m, recompute=t.recompute, moe=e, **kw).values()) for e in moe]
-    out = [sum(activation_terms(m, recompute="none", moe=e, **kw).values()) for e in moe]
+        return [sum(activation_terms(m, recompute=t.recompute, moe=e, local=w, **kw).values()) for e, w in kinds]
+    out = [sum(activation_terms(m, recompute="none", moe=e, local=w, **kw).values()) for e, w in kinds]
     region_input = sum(activation_terms(m, recompute="full", **kw).values())
     for chunk in full_recompute_chunks(n, t.recompute_method, t.recompute_num_layers):
         out[chunk[0]] = region_input

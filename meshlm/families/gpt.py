@@ -16,11 +16,13 @@ from meshlm.families.common import (
     qkv_blocks,
     recompute_extra_flops,
 )
+from meshlm.families.hf_deepseek import deepseek_table
 from meshlm.families.hf_moe import moe_architecture, moe_table
 from meshlm.families.spec import ModelSpec, PipelinePlan
 from meshlm.families.styles import (
     ColumnParallel,
     HeadParallelAttention,
+    HeadParallelLatentAttention,
     RowParallel,
     SequenceDropout,
     SequenceParallel,
@@ -41,7 +43,8 @@ def tp_plan(cfg: ModelConfig) -> dict:
         "pos_emb": SequenceShardedPositions(),
         "drop": SequenceDropout(),
         "layers.*.norm[12]": SequenceParallel(),
-        "layers.*.attn": HeadParallelAttention(qkv="qkv", proj="proj", core="core"),
+        "layers.*.attn": HeadParallelLatentAttention() if cfg.attention == "mla" else
+        HeadParallelAttention(qkv="qkv", proj="proj", core="core"),
         "layers.*.attn.resid_dropout": SequenceDropout(),
         "layers.*.mlp.fc": ColumnParallel(blocks=(ffn, ffn) if cfg.activation == "swiglu" else None),
         "layers.*.mlp.proj": RowParallel(),
@@ -65,11 +68,18 @@ def logical_blocks(name: str, cfg: ModelConfig) -> list[tuple[str, int]]:
 
 
 def hf_architecture(cfg: ModelConfig) -> str:
-    """The Hugging Face architecture of this GPT: 'llama' with RoPE, else 'gpt2' (learned positions);
-    `interop.hf_config.check_representable` checks the other switches. A MoE GPT: 'mixtral' or 'qwen2_moe'
-    (`families/hf_moe.py`)."""
+    """The Hugging Face architecture of this GPT: 'qwen3' with per-head q/k norms, 'llama' with RoPE, else
+    'gpt2' (learned positions); `interop.hf_config.check_representable` checks the other switches. A MoE GPT:
+    'mixtral', 'qwen2_moe' or 'qwen3_moe' (`families/hf_moe.py`); latent attention: 'deepseek_v3'
+    (`families/hf_deepseek.py`)."""
+    if cfg.attention == "mla":
+        return "deepseek_v3"
     if cfg.moe_experts:
         return moe_architecture(cfg)
+    if cfg.qk_norm:
+        return "qwen3"
+    if cfg.sliding_window:  # Mistral: a window on every layer (`interop/hf_mistral.py` checks the rest)
+        return "mistral"
     return "llama" if cfg.position == "rope" else "gpt2"
 
 
@@ -90,12 +100,15 @@ def gpt2_table(cfg: ModelConfig) -> list[Entry]:
 
 
 def llama_table(cfg: ModelConfig) -> list[Entry]:
-    """Llama's names (`model.`; [q; k; v] and [gate; up] from separate tensors)."""
+    """Llama's names (`model.`; [q; k; v] and [gate; up] from separate tensors); Qwen3's per-head norms
+    (`model.qk_norm`) as `self_attn.q_norm` and `self_attn.k_norm`."""
     table = [Entry("tok_emb.weight", ("model.embed_tokens.weight",))]
     for i in range(cfg.n_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
         table += [Entry(f"{ours}norm1.weight", (f"{theirs}input_layernorm.weight",)),
                   Entry(f"{ours}norm2.weight", (f"{theirs}post_attention_layernorm.weight",))]
+        if cfg.qk_norm:
+            table += [Entry(f"{ours}attn.{x}_norm.weight", (f"{theirs}self_attn.{x}_norm.weight",)) for x in "qk"]
         for p in ("weight", "bias") if cfg.bias else ("weight",):
             attn, mlp = f"{theirs}self_attn.", f"{theirs}mlp."
             table += [Entry(f"{ours}attn.qkv.{p}", tuple(f"{attn}{x}_proj.{p}" for x in "qkv")),
@@ -107,6 +120,8 @@ def llama_table(cfg: ModelConfig) -> list[Entry]:
 
 def hf_table(cfg: ModelConfig) -> list[Entry]:
     """The Hugging Face name table of this GPT's architecture (`hf_architecture`)."""
+    if cfg.attention == "mla":
+        return deepseek_table(cfg)
     if cfg.moe_experts:
         return moe_table(cfg, llama_table(cfg))
     return gpt2_table(cfg) if hf_architecture(cfg) == "gpt2" else llama_table(cfg)

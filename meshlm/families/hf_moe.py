@@ -1,9 +1,12 @@
-"""Hugging Face names of a mixture-of-experts GPT (`models/moe.py`): Mixtral and Qwen2-MoE.
+"""Hugging Face names of a mixture-of-experts GPT (`models/moe.py`): Mixtral, Qwen2-MoE and Qwen3-MoE.
 
-A GPT with `model.moe_experts` converts to `MixtralForCausalLM` when it has no shared expert, else to
-`Qwen2MoeForCausalLM` (a sigmoid-gated shared expert); `interop/hf_moe.py` checks the other switches. Both
-keep Llama's attention and norm names; a MoE layer i's MLP is, in the per-expert layout that `save_pretrained`
-writes and hub checkpoints hold (transformers 5 fuses the experts in memory; `interop/hf_moe.py` reads both):
+A GPT with `model.moe_experts` converts to `Qwen3MoeForCausalLM` when it has per-head q/k norms
+(`model.qk_norm`), else to `MixtralForCausalLM` when it has no shared expert, else to `Qwen2MoeForCausalLM`
+(a sigmoid-gated shared expert); `interop/hf_moe.py` and `interop/hf_qwen3.py` check the other switches. All
+keep Llama's attention and norm names (Qwen3-MoE adds `self_attn.q_norm`/`k_norm`, as Qwen3 does); a MoE
+layer i's MLP is, in the per-expert layout that `save_pretrained` writes and hub checkpoints hold (transformers 5
+fuses the experts in memory; `interop/hf_moe.py` reads both), Qwen3-MoE's as Qwen2-MoE's without the shared
+expert:
 
     meshlm (layers.i.)      Mixtral (model.layers.i.block_sparse_moe.)   Qwen2-MoE (model.layers.i.mlp.)
     mlp.router.weight       gate.weight                                  gate.weight
@@ -27,7 +30,9 @@ from meshlm.families.common import Entry
 
 
 def moe_architecture(cfg: ModelConfig) -> str:
-    """'qwen2_moe' for a MoE GPT with a shared expert, else 'mixtral'."""
+    """'qwen3_moe' for a MoE GPT with per-head q/k norms, else 'qwen2_moe' with a shared expert, else 'mixtral'."""
+    if cfg.qk_norm:
+        return "qwen3_moe"
     return "qwen2_moe" if cfg.moe_shared_experts else "mixtral"
 
 
@@ -48,6 +53,8 @@ def _moe_layer(cfg: ModelConfig, i: int) -> list[Entry]:
     theirs = f"model.layers.{i}.mlp."
     S = cfg.moe_shared_experts * cfg.expert_size
     table = _expert_entries(cfg, ours, theirs, ("gate_proj", "up_proj", "down_proj"))
+    if not S:  # Qwen3-MoE: no shared expert
+        return table
     table += [Entry(f"{ours}mlp.shared.fc.weight", (f"{theirs}shared_expert.gate_proj.weight",
                                                     f"{theirs}shared_expert.up_proj.weight"), rows=(S, S)),
               Entry(f"{ours}mlp.shared.proj.weight", (f"{theirs}shared_expert.down_proj.weight",))]

@@ -57,9 +57,25 @@ class HeadParallelAttention(Style):
     linears named by `qkv` and `proj`, with `qkv.weight = [W_q; W_k; W_v]`. KV heads are split when tp
     divides them; when tp is a multiple of n_kv_heads each rank holds the one KV head its query heads use,
     so t/n_kv_heads ranks hold a copy (their gradients are summed by `finish_grads`, counted once in the norm).
+    Any other parameter of the module (Qwen3's per-head `q_norm`, `k_norm`, head_dim wide) stays whole on every
+    rank and sees only this rank's heads: its gradient is summed over tp, as a sequence-parallel norm's.
     """
 
     qkv: str = "qkv"
+    proj: str = "proj"
+    core: str = "core"
+
+
+@dataclass(frozen=True)
+class HeadParallelLatentAttention(Style):
+    """Multi-head latent attention (DeepSeek's MLA) split by heads: the linears named in `heads` (those the module
+    has) column-parallel, their rows head-major; `proj` row-parallel; the down projections and latent norms
+    replicated and computed whole on every rank (their gradients are whole: what follows them is column-parallel).
+    The module holds `n_heads`, `n_kv_heads`, `dropout`, the core named `core`, and two identity slots the split
+    fills: `gather_input` (under SP: the sequence gathered for the replicated projections) and `rope_key_region`
+    (Megatron's `f` on the rope key all heads share, so its gradient is summed over the ranks' heads)."""
+
+    heads: tuple[str, ...] = ("q", "q_up", "kv_up")
     proj: str = "proj"
     core: str = "core"
 

@@ -81,7 +81,9 @@ class GGUFTensor:
 def check_gguf_model(cfg: ModelConfig) -> None:
     """ConfigError naming each switch of `cfg` that a llama.cpp `llama` GGUF cannot hold."""
     need = {"family": "gpt", "position": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False,
-            "moe_experts": 0}
+            "moe_experts": 0, "qk_norm": False, "head_size": 0, "attention": "mha", "sliding_window": 0,
+            "attention_sinks": False}  # not written: Qwen3's q/k norms and wide heads, DeepSeek's latent
+    # attention, sliding windows and sinks
     problems = [f"model.{k}={getattr(cfg, k)!r}" for k, v in need.items() if getattr(cfg, k) != v]
     if problems:
         raise ConfigError(f"--to-gguf writes Llama-style models (position='rope', norm='rmsnorm', "

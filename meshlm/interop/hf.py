@@ -78,7 +78,7 @@ def _normalise_keys(state: dict[str, torch.Tensor], arch: str) -> dict[str, torc
     """Drop recomputed buffers; add the `transformer.` prefix that GPT2Model-level checkpoints lack."""
     if arch == "gpt2" and "transformer.wte.weight" not in state and "wte.weight" in state:
         state = {(k if k == "lm_head.weight" else f"transformer.{k}"): v for k, v in state.items()}
-    if arch in ("mixtral", "qwen2_moe"):
+    if arch in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"):
         state = split_fused_experts(state, arch)
     return {k: v for k, v in state.items() if not _IGNORED.fullmatch(k)}
 

@@ -1,5 +1,6 @@
 """Hugging Face config.json <-> `ModelConfig` for GPT-2, Llama, BERT, Mixtral and Qwen2-MoE (the MoE map:
-`hf_moe.py`'s doc).
+`hf_moe.py`'s doc), Qwen3 and Qwen3-MoE (`hf_qwen3.py`), Mistral (`hf_mistral.py`); the Llama reader, which the
+others build on, is `hf_llama_config.py`.
 
 `model_config_from_hf` reads a `transformers` config object or a plain config.json dict (missing keys take
 the HF defaults), so loading needs no `transformers`; only `hf_config_from_model_config` imports it. Every
@@ -14,17 +15,43 @@ from dataclasses import replace
 from typing import Any
 
 from meshlm.core.config import ConfigError, ModelConfig
+from meshlm.interop.hf_deepseek import (
+    DEEPSEEK_V3_ARCHITECTURES,
+    check_deepseek_v3_representable,
+    deepseek_v3_config_dict,
+    model_config_from_deepseek_v3,
+)
+from meshlm.interop.hf_llama_config import (
+    _default_ffn,
+    _fail,
+    _first_dense,
+    _llama_part,
+    _model_config_from_llama,
+    _with_defaults,
+    rope_parameters_for_hf,
+)
+from meshlm.interop.hf_mistral import (
+    MISTRAL_ARCHITECTURES,
+    NOT_YET,
+    check_mistral_representable,
+    mistral_config_dict,
+    model_config_from_mistral,
+    refuse_window,
+)
+from meshlm.interop.hf_qwen3 import (
+    QWEN3_ARCHITECTURES,
+    QWEN3_MOE_ARCHITECTURES,
+    check_qwen3_representable,
+    model_config_from_qwen3,
+    model_config_from_qwen3_moe,
+    qwen3_config_dict,
+)
 
 _GPT2_DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
                   "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": 0.1, "embd_pdrop": 0.1,
                   "attn_pdrop": 0.1, "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
                   "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                   "add_cross_attention": False, "tie_word_embeddings": True}
-_LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-                   "num_attention_heads": 32, "num_key_value_heads": None, "head_dim": None, "hidden_act": "silu",
-                   "max_position_embeddings": 2048, "initializer_range": 0.02, "rms_norm_eps": 1e-6,
-                   "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-                   "attention_dropout": 0.0, "rope_theta": 10000.0}
 _BERT_DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
                   "intermediate_size": 3072, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
                   "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 512, "type_vocab_size": 2,
@@ -44,24 +71,11 @@ _EXACT_GELU = ("gelu", "gelu_python")  # erf GeLU in transformers' ACT2FN
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 
 
-def _fail(problems: list[str], what: str) -> None:
-    if problems:
-        raise ConfigError(f"{what} cannot be converted: " + "; ".join(problems))
-
-
-def _with_defaults(defaults: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:
-    return {**defaults, **{k: v for k, v in d.items() if v is not None}}
-
-
-def _default_ffn(cfg: ModelConfig, ffn: int) -> int | None:
-    """None when `ffn` is what ModelConfig would pick anyway, so configs round-trip unchanged."""
-    return None if replace(cfg, ffn_hidden_size=None).ffn_size == ffn else ffn
-
-
 def model_config_from_hf(hf_config: Any, expect: str | None = None) -> ModelConfig:
-    """A `ModelConfig` from an HF GPT-2 or Llama config (object or config.json dict); ValueError if the
-    HF model uses something meshlm lacks (exact GeLU, RoPE scaling, a separate head_dim, ...). `expect`
-    ('gpt2' or 'llama') is assumed when the dict has no model_type and enforced when it has one."""
+    """A `ModelConfig` from an HF GPT-2, Llama, Mistral, BERT, Mixtral, Qwen2-MoE, Qwen3 or Qwen3-MoE config (object or
+    config.json dict); ValueError if the HF model uses something meshlm lacks (exact GeLU in GPT-2, a sliding
+    window, ...). `expect` ('gpt2' or 'llama') is assumed when the dict has no model_type and enforced when it
+    has one."""
     d = dict(hf_config) if isinstance(hf_config, dict) else hf_config.to_dict()
     kind = d.get("model_type") or expect
     if expect is not None and kind != expect:
@@ -72,10 +86,15 @@ def model_config_from_hf(hf_config: Any, expect: str | None = None) -> ModelConf
                "bert": (_model_config_from_bert, tuple(BERT_HEADS)),
                "mixtral": (model_config_from_mixtral, MIXTRAL_ARCHITECTURES),
                "qwen2_moe": (model_config_from_qwen2_moe, QWEN2_MOE_ARCHITECTURES),
-               "qwen3_moe": (refuse_qwen3_moe, ())}
+               "mistral": (model_config_from_mistral, MISTRAL_ARCHITECTURES),
+               "qwen3": (model_config_from_qwen3, QWEN3_ARCHITECTURES),
+               "qwen3_moe": (model_config_from_qwen3_moe, QWEN3_MOE_ARCHITECTURES),
+               "deepseek_v3": (model_config_from_deepseek_v3, DEEPSEEK_V3_ARCHITECTURES)}
+    if kind in NOT_YET:
+        raise ConfigError(NOT_YET[kind])
     if kind not in readers:
         raise ConfigError(f"Hugging Face model_type={kind!r} is not supported; meshlm converts 'gpt2', 'llama', "
-                          "'bert', 'mixtral' and 'qwen2_moe'")
+                          "'bert', 'mistral', 'mixtral', 'qwen2_moe', 'qwen3', 'qwen3_moe' and 'deepseek_v3'")
     read, known = readers[kind]
     architecture = hf_architecture_name(d)
     if architecture is not None and known and architecture not in known:
@@ -145,71 +164,6 @@ def _model_config_from_gpt2(d: dict[str, Any]) -> ModelConfig:
     return cfg
 
 
-def _model_config_from_llama(d: dict[str, Any]) -> ModelConfig:
-    g = _with_defaults(_LLAMA_DEFAULTS, d)
-    rope = g.get("rope_parameters") or g.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    heads, hidden = g["num_attention_heads"], g["hidden_size"]
-    problems = []
-    if g["hidden_act"] != "silu":
-        problems.append(f"hidden_act={g['hidden_act']!r}: meshlm's SwiGLU gates with SiLU; use 'silu'")
-    if g["head_dim"] not in (None, hidden // heads):
-        problems.append(f"head_dim={g['head_dim']}: meshlm needs head_dim = hidden_size / num_attention_heads "
-                        f"= {hidden // heads}")
-    scaling = _rope_scaling_from_hf(rope, rope_type, g["max_position_embeddings"], problems)
-    if bool(g["attention_bias"]) != bool(g["mlp_bias"]):
-        problems.append(f"attention_bias={g['attention_bias']}, mlp_bias={g['mlp_bias']}: meshlm's model.bias "
-                        "covers both; set them equal")
-    _fail(problems, "Hugging Face Llama config")
-    kv = g["num_key_value_heads"]
-    cfg = ModelConfig(vocab_size=g["vocab_size"], n_layers=g["num_hidden_layers"], hidden_size=hidden,
-                      n_heads=heads, n_kv_heads=None if kv in (None, heads) else kv,
-                      seq_len=g["max_position_embeddings"], dropout=float(g["attention_dropout"]),
-                      position="rope", norm="rmsnorm", activation="swiglu", bias=bool(g["attention_bias"]),
-                      tie_embeddings=bool(g["tie_word_embeddings"]), norm_eps=g["rms_norm_eps"],
-                      rope_theta=float(rope.get("rope_theta", g["rope_theta"])), init_std=g["initializer_range"])
-    cfg = replace(cfg, ffn_hidden_size=_default_ffn(cfg, g["intermediate_size"]), **scaling)
-    cfg.validate()
-    return cfg
-
-
-def _rope_scaling_from_hf(rope: dict[str, Any], rope_type: str, max_positions: int,
-                          problems: list[str]) -> dict[str, Any]:
-    """ModelConfig's rope_* fields from Hugging Face's rope_parameters (or 4.x rope_scaling)."""
-    if rope_type == "default":
-        return {}
-    if rope_type not in ("llama3", "yarn"):
-        problems.append(f"rope_parameters.rope_type={rope_type!r}: meshlm implements 'default', 'llama3' and "
-                        "'yarn' RoPE")
-        return {}
-    original = rope.get("original_max_position_embeddings") or max_positions
-    factor = rope.get("factor") or max_positions / original
-    out = {"rope_scaling": rope_type, "rope_factor": float(factor), "rope_original_len": int(original)}
-    if rope_type == "llama3":
-        return {**out, "rope_low_freq_factor": float(rope.get("low_freq_factor", 1.0)),
-                "rope_high_freq_factor": float(rope.get("high_freq_factor", 4.0))}
-    if rope.get("mscale") or rope.get("mscale_all_dim"):
-        problems.append("rope_parameters.mscale/mscale_all_dim (DeepSeek's YaRN variant): meshlm's YaRN takes "
-                        "attention_factor only; give attention_factor instead")
-    if rope.get("truncate", True) is False:
-        problems.append("rope_parameters.truncate=false: meshlm's YaRN rounds the ramp's ends as the paper does")
-    return {**out, "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
-            "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
-            "rope_attention_factor": float(rope.get("attention_factor") or 0.0)}
-
-
-def rope_parameters_for_hf(cfg: ModelConfig) -> dict[str, Any]:
-    """Hugging Face's rope_parameters for `cfg` (rope_type default, llama3 or yarn)."""
-    if cfg.rope_scaling == "none":
-        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    out = {"rope_type": cfg.rope_scaling, "rope_theta": cfg.rope_theta, "factor": cfg.rope_factor,
-           "original_max_position_embeddings": cfg.rope_original_len}
-    if cfg.rope_scaling == "llama3":
-        return {**out, "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor}
-    yarn = {**out, "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow}
-    return {**yarn, "attention_factor": cfg.rope_attention_factor} if cfg.rope_attention_factor else yarn
-
-
 def _model_config_from_bert(d: dict[str, Any]) -> ModelConfig:
     g = _with_defaults(_BERT_DEFAULTS, d)
     head = BERT_HEADS[hf_architecture_name(d) or "BertModel"]  # no architectures: AutoModel's BertModel
@@ -260,6 +214,19 @@ def check_representable(cfg: ModelConfig, arch: str) -> None:
                           f"use {hf_architecture(cfg)!r}")
     if arch == "bert":
         return _check_bert(cfg)
+    if arch == "mistral":
+        return check_mistral_representable(cfg)
+    refuse_window(cfg, arch)
+    if cfg.attention == "mla" or arch == "deepseek_v3":
+        if arch != "deepseek_v3" or hf_architecture(cfg) != arch:
+            raise ConfigError(f"a meshlm model with model.attention={cfg.attention!r} cannot be written as Hugging "
+                              f"Face {arch}; it converts to {hf_architecture(cfg)!r}")
+        return check_deepseek_v3_representable(cfg)
+    if cfg.qk_norm or arch in ("qwen3", "qwen3_moe"):
+        if arch not in ("qwen3", "qwen3_moe"):
+            raise ConfigError(f"model.qk_norm=true (per-head q/k norms) cannot be written as Hugging Face {arch}; it "
+                              f"converts to {hf_architecture(cfg)!r}")
+        return check_qwen3_representable(cfg, arch)
     if cfg.moe_experts or arch in ("mixtral", "qwen2_moe"):
         return _check_moe(cfg, arch)
     need = {"gpt2": {"position": "learned", "norm": "layernorm", "activation": "gelu", "bias": True},
@@ -268,6 +235,8 @@ def check_representable(cfg: ModelConfig, arch: str) -> None:
                 if getattr(cfg, k) != v]
     if arch == "gpt2" and cfg.kv_heads != cfg.n_heads:
         problems.append(f"model.n_kv_heads={cfg.n_kv_heads} (GPT-2 has no grouped-query attention; unset it)")
+    if arch == "gpt2" and cfg.head_size:
+        problems.append(f"model.head_size={cfg.head_size} (GPT-2's heads are n_embd / n_head wide; unset it)")
     other = "Llama needs position='rope', norm='rmsnorm', activation='swiglu'" if arch == "gpt2" else \
         "GPT-2 needs position='learned', norm='layernorm', activation='gelu', bias=true"
     _fail(problems and problems + [other], f"meshlm model as Hugging Face {arch}")
@@ -290,6 +259,9 @@ def _check_bert(cfg: ModelConfig) -> None:
                         "transform too, meshlm the exact GeLU; set model.activation='gelu_exact')")
     if cfg.kv_heads != cfg.n_heads:
         problems.append(f"model.n_kv_heads={cfg.n_kv_heads} (BERT has no grouped-query attention; unset it)")
+    if cfg.qk_norm or cfg.head_size:  # Qwen3's switches: BERT's attention has neither
+        problems.append(f"model.qk_norm={cfg.qk_norm}, model.head_size={cfg.head_size} (BERT has no per-head q/k "
+                        "norms and heads of hidden_size / n_heads; set model.qk_norm=false, model.head_size=0)")
     _fail(problems, "meshlm model as Hugging Face BERT")
 
 
@@ -323,6 +295,12 @@ def hf_config_dict(cfg: ModelConfig, arch: str | None = None) -> dict[str, Any]:
               "initializer_range": cfg.init_std, "bos_token_id": special, "eos_token_id": special}
     if arch in ("mixtral", "qwen2_moe"):
         return moe_config_dict(cfg, arch, common)
+    if arch in ("qwen3", "qwen3_moe"):
+        return qwen3_config_dict(cfg, arch, common)
+    if arch == "mistral":
+        return mistral_config_dict(cfg, common)
+    if arch == "deepseek_v3":
+        return deepseek_v3_config_dict(cfg, common)
     if arch == "gpt2":
         return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **common, "n_positions": cfg.seq_len,
                 "n_embd": cfg.hidden_size, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
@@ -351,7 +329,7 @@ def hf_config_from_model_config(cfg: ModelConfig, arch: str | None = None) -> An
 # ---- mixtures of experts: Mixtral and Qwen2-MoE (the map and what is refused: hf_moe.py's doc) ----
 MIXTRAL_ARCHITECTURES = ("MixtralForCausalLM", "MixtralModel")
 QWEN2_MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen2MoeModel")
-# transformers' defaults where they differ from Llama's (`hf_config._LLAMA_DEFAULTS`)
+# transformers' defaults where they differ from Llama's (`hf_llama_config._LLAMA_DEFAULTS`)
 _MIXTRAL_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                      "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5,
                      "rope_theta": 1e6, "sliding_window": None, "num_experts_per_tok": 2, "num_local_experts": 8,
@@ -361,12 +339,6 @@ _QWEN2_MOE_DEFAULTS = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_
                        "use_sliding_window": False, "decoder_sparse_step": 1, "moe_intermediate_size": 1408,
                        "shared_expert_intermediate_size": 5632, "num_experts_per_tok": 4, "num_experts": 60,
                        "norm_topk_prob": False, "router_aux_loss_coef": 0.001, "mlp_only_layers": [], "qkv_bias": True}
-
-
-def _llama_part(g: dict[str, Any]) -> ModelConfig:
-    """The attention/norm/RoPE part, read as Llama's (no biases: checked by the callers)."""
-    keep = {k: v for k, v in g.items() if k not in ("architectures", "model_type")}
-    return _model_config_from_llama({**keep, "attention_bias": False, "mlp_bias": False})
 
 
 def model_config_from_mixtral(d: dict[str, Any]) -> ModelConfig:
@@ -383,18 +355,6 @@ def model_config_from_mixtral(d: dict[str, Any]) -> ModelConfig:
     cfg = replace(cfg, ffn_hidden_size=_default_ffn(cfg, g["intermediate_size"]))
     cfg.validate()
     return cfg
-
-
-def _first_dense(g: dict[str, Any], problems: list[str]) -> int:
-    """meshlm's moe_first_dense giving Qwen2-MoE's layer set (mlp_only_layers and decoder_sparse_step)."""
-    n, step, dense = g["num_hidden_layers"], g["decoder_sparse_step"], set(g["mlp_only_layers"] or [])
-    theirs = [i not in dense and (i + 1) % step == 0 for i in range(n)]
-    for k in range(n + 1):
-        if theirs == [i >= k and (i + 1) % step == 0 for i in range(n)]:
-            return k
-    problems.append(f"mlp_only_layers={sorted(dense)}: meshlm's dense layers are the first moe_first_dense ones "
-                    "(and those decoder_sparse_step skips); list the first layers only, e.g. [0, 1]")
-    return 0
 
 
 def model_config_from_qwen2_moe(d: dict[str, Any]) -> ModelConfig:
@@ -419,12 +379,6 @@ def model_config_from_qwen2_moe(d: dict[str, Any]) -> ModelConfig:
     cfg = replace(cfg, moe_expert_hidden=0 if expert == cfg.ffn_size else expert)
     cfg.validate()
     return cfg
-
-
-def refuse_qwen3_moe(d: dict[str, Any]) -> ModelConfig:
-    raise ConfigError("Hugging Face model_type='qwen3_moe' is not supported: its attention normalises each head's "
-                      "queries and keys (q_norm, k_norm), which meshlm's attention lacks; meshlm converts 'mixtral' "
-                      "and 'qwen2_moe' mixtures of experts")
 
 
 def check_moe_representable(cfg: ModelConfig, arch: str) -> None:

@@ -20,9 +20,10 @@ Qwen2-MoE's bias on q/k/v only (qkv_bias, as Qwen1.5-MoE-A2.7B has) becomes `mod
 biases HF lacks (o_proj's, the dense MLPs') zero; such a model exports back while those are still zero
 (`families/hf_moe.py`). Refused, each with the field and the fix: a sliding window (meshlm attends over the
 whole context), mlp_only_layers that are not the first layers, a shared expert whose width is not a multiple
-of an expert's; and Qwen3-MoE (per-head q/k norms). Exported, a model must have softmax routing (the sigmoid
-router's selection bias has no HF counterpart), no capacity limit (HF routes dropless), and Mixtral's uniform
-layout without biases or Qwen2-MoE's gated shared expert.
+of an expert's. Exported, a model must have softmax routing (the sigmoid router's selection bias has no HF
+counterpart), no capacity limit (HF routes dropless), and Mixtral's uniform layout without biases or Qwen2-MoE's
+gated shared expert. Qwen3-MoE (per-head q/k norms, no shared expert) is `hf_qwen3.py`'s; its experts are split
+here as Qwen2-MoE's.
 
 The configs are read and written by `hf_config.py` (`model_config_from_mixtral`, `model_config_from_qwen2_moe`,
 `moe_config_dict`); the weights' names are `families/hf_moe.py`'s table. Here: `split_fused_experts` turns the

@@ -152,7 +152,7 @@ class CheckpointTensors:
 
     def __init__(self, path: str | Path, cfg: ModelConfig):
         self.path, self.cfg, self.spec = Path(path), cfg, get_spec(cfg.family)
-        self.shapes = sharded.plain_shapes(cfg, spec=self.spec)
+        self.shapes = {**sharded.plain_shapes(cfg, spec=self.spec), **sharded.plain_buffer_shapes(cfg, spec=self.spec)}
         self.source = self.state = None
         if sharded.is_sharded(self.path):
             self.source = sharded.open_source(self.path, cfg, spec=self.spec)

@@ -82,6 +82,12 @@ class BERT(nn.Module):
         if cfg.moe_experts:
             raise ConfigError(f"model.moe_experts={cfg.moe_experts}: mixture of experts is for the GPT family only "
                               "(model.family='gpt'); set model.moe_experts=0 for BERT")
+        if cfg.sliding_window or cfg.attention_sinks:  # a decoder's attention; BERT attends both ways
+            raise ConfigError(f"model.sliding_window={cfg.sliding_window}, model.attention_sinks={cfg.attention_sinks}"
+                              ": for the GPT family only; set model.sliding_window=0, model.attention_sinks=false")
+        if cfg.attention != "mha":  # DeepSeek's latent attention is a decoder's; BERT's layers have their own
+            raise ConfigError(f"model.attention={cfg.attention!r} is a decoder's (DeepSeek) attention, but "
+                              "model.family='bert'; set model.attention='mha'")
         self.cfg = cfg
         self.init_seed = draw_base_seed()  # the one draw from the global generator (also on the meta device)
         h, head = cfg.hidden_size, cfg.bert_head

@@ -1,6 +1,8 @@
 """Autoregressive sampling with a KV cache: temperature, top-k, top-p (nucleus), seeded.
 
-The prompt is run once to fill the cache, then one token per step attends to the cached keys/values.
+The prompt is run once to fill the cache, then one token per step attends to the cached keys/values. The cache is
+`models/layers.KVCache` (contiguous rows, one per prompt), behind the one cache interface attention uses
+(`models/cache.py`), as the serving engine's paged pool is (`models/paged.py`).
 Greedy decoding (temperature 0) with the cache equals greedy decoding without it (tested). Generation ends at
 any of the tokenizer's stop ids (the model's declared end-of-sequence ids, `data.tokenizers`). `stream` yields a
 single prompt's tokens one by one (for `meshlm chat`).

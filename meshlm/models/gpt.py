@@ -23,6 +23,7 @@ from meshlm.core.config import ModelConfig
 from meshlm.models.init import InitRule, draw_base_seed, init_parameters
 from meshlm.models.layers import Block, KVCache, document_causal_mask, make_norm, positions_of, rope_tables
 from meshlm.models.loss import linear_cross_entropy
+from meshlm.models.mla import MultiHeadLatentAttention
 from meshlm.models.moe import MoE
 
 
@@ -46,7 +47,8 @@ class GPT(nn.Module):
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
             self.pos_emb = nn.Embedding(cfg.seq_len, cfg.hidden_size) if cfg.position == "learned" else None
             self.drop = nn.Dropout(cfg.dropout)
-            self.layers = nn.ModuleList(Block(cfg, MoE(cfg) if cfg.is_moe_layer(i) else None)
+            self.layers = nn.ModuleList(Block(cfg, MoE(cfg) if cfg.is_moe_layer(i) else None, i,
+                                              MultiHeadLatentAttention(cfg) if cfg.attention == "mla" else None)
                                         for i in range(cfg.n_layers))  # MoE layers: models/moe.py
             self.norm = make_norm(cfg)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -74,7 +76,7 @@ class GPT(nn.Module):
             self._build_rope(max(self.cfg.seq_len, self.rope_len), device)
 
     def _build_rope(self, length: int, device=None) -> None:
-        cos, sin = rope_tables(self.cfg.head_dim, length, self.cfg.rope_theta, device, scaling=self.cfg)
+        cos, sin = rope_tables(self.cfg.rope_dim, length, self.cfg.rope_theta, device, scaling=self.cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.rope_len = length

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.core.config import ModelConfig
+from meshlm.models.cache import AttentionCache
 
 
 class RMSNorm(nn.Module):
@@ -107,8 +108,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).to(x.dtype)
 
 
-class KVCache(nn.Module):
-    """Pre-allocated keys/values for incremental decoding: (B, n_kv_heads, max_len, hs)."""
+class KVCache(nn.Module, AttentionCache):
+    """Pre-allocated keys/values for incremental decoding: (B, n_kv_heads, max_len, hs) (`meshlm generate`)."""
 
     def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, dtype, device):
         super().__init__()
@@ -126,6 +127,17 @@ class KVCache(nn.Module):
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    def update_and_attend(self, q, k, v, start, core, mask=None) -> torch.Tensor:
+        """`AttentionCache`: per-row positions (a tensor `start`) as `attend_rows`; an int `start`: the prompt
+        (causal, from position 0) or one new token a row, which attends to every cached position."""
+        if isinstance(start, torch.Tensor):
+            return attend_rows(self.k, self.v, q, k, v, start, core)
+        T = q.shape[2]
+        k, v = self.update(start, k, v)
+        if T > 1 and start > 0:
+            raise ValueError("a multi-token chunk after the prompt is not supported with the KV cache")
+        return core(q, k, v, T > 1, None) if mask is None else core(q, k, v, False, mask)
+
 
 def write_rows(cache_k: torch.Tensor, cache_v: torch.Tensor, start: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,6 +150,16 @@ def write_rows(cache_k: torch.Tensor, cache_v: torch.Tensor, start: torch.Tensor
     cache_v[rows, :, pos] = v.transpose(1, 2).to(cache_v.dtype)
     end = int(pos.max()) + 1
     return cache_k[:B, :, :end], cache_v[:B, :, :end]
+
+
+def attend_rows(cache_k: torch.Tensor, cache_v: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                start: torch.Tensor, core) -> torch.Tensor:
+    """Per-row positions over rows 0..B-1 of (S, nkv, L, hs) buffers: `write_rows`, then `core` over each row's
+    keys up to its query's position (the mask hides the rows' unused tails)."""
+    k, v = write_rows(cache_k, cache_v, start, k, v)
+    pos = positions_of(start, q.shape[2], q.device)  # key j is visible to query (b, t) when j <= pos[b, t]
+    keys = torch.arange(k.shape[2], device=q.device)
+    return core(q, k, v, False, (keys <= pos[..., None]).unsqueeze(1))  # mask (B, 1, T, K)
 
 
 def positions_of(start, T: int, device) -> torch.Tensor:
@@ -168,6 +190,30 @@ def document_causal_mask(q_index: torch.Tensor, k_index: torch.Tensor, q_segment
     return mask.unsqueeze(1)
 
 
+def visible_keys(T: int, K: int, causal: bool, mask: torch.Tensor | None, window: int,
+                 device) -> torch.Tensor | None:
+    """The bool mask (True = attend) of T queries over K keys with a sliding `window` (0: none), for a core
+    that cannot use SDPA's causal fast path. `mask` None: the queries are the last T of the K positions (a
+    prompt, `causal`, or decoding steps over a cache); causal or windowed, that mask is built here (None for
+    plain attention to every key). A given `mask` must be causal in key index (key j visible only when it is at
+    or before the query, as the caches' and the packed documents' masks are, with contiguous documents): then
+    key j is outside the window exactly when key j + W is still visible, so the band is mask & ~(mask shifted
+    by W)."""
+    if mask is None:
+        if not causal and not window:
+            return None
+        query = torch.arange(K - T, K, device=device)[:, None]
+        keys = torch.arange(K, device=device)[None, :]
+        mask = keys <= query
+        if window:
+            mask = mask & (keys > query - window)
+        return mask[None, None]  # (1, 1, T, K)
+    if not window:
+        return mask
+    later = F.pad(mask[..., window:], (0, min(window, mask.shape[-1])), value=False)
+    return mask & ~later
+
+
 def rope_at(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin at per-token `positions` (B, T) → (B, 1, T, hs) each, broadcast over heads."""
     return rope[0][positions].unsqueeze(1), rope[1][positions].unsqueeze(1)
@@ -179,25 +225,54 @@ class Attention(nn.Module):
     `n_heads`/`n_kv_heads` are the heads this module holds (tensor parallelism lowers them per rank).
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.window = cfg.layer_window(layer)  # 0: global; W: the last W keys
+        # gpt-oss's sink logits, one per head (under tp each rank holds its heads' entries, parallel/styles.py)
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention_sinks else None
+        self.head_offset = 0  # under tp: the first head this rank computes (the sinks it reads)
         qkv_out = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.bias)
         self.proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=cfg.bias)
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        # Qwen3's per-head norms over head_dim (weights shared by all heads; under tp each rank holds them whole)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
              mask: torch.Tensor | None = None) -> torch.Tensor:
         """softmax(QKᵀ/√d)·V: the memory-heavy, cheap part that selective recomputation redoes. `mask`
-        (bool, True = attend, broadcast to (B, nh, T, T)) is an encoder's padding mask (`causal` False)."""
+        (bool, True = attend, broadcast to (B, nh, T, T)) is an encoder's padding mask (`causal` False). A local
+        layer (`window`) narrows the causal mask to its band (`visible_keys`); with sinks the softmax is explicit."""
         p = self.dropout if self.training else 0.0
+        if self.window or self.sinks is not None:  # a band mask, or sinks: an explicit mask (no causal fast path)
+            mask = visible_keys(q.shape[2], k.shape[2], causal, mask, self.window, q.device)
+            if self.sinks is not None:
+                return self.sink_attention(q, k, v, mask, p)
+            causal = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal,
                                               enable_gqa=self.n_kv_heads != self.n_heads)
 
+    def sink_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       p: float) -> torch.Tensor:
+        """Softmax attention whose denominator also holds exp(sink) of the head's learned sink logit (gpt-oss):
+        a virtual key every query sees, with no value, so a query may put weight on nothing. Explicit (SDPA has
+        no such term): scores, the sink as one more column, softmax, the column dropped."""
+        group = self.n_heads // self.n_kv_heads
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, nh, T, K)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        sink = self.sinks[self.head_offset:self.head_offset + self.n_heads].to(scores.dtype)
+        sink = sink.view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        return torch.matmul(F.dropout(weights, p), v)
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache: KVCache | None = None, start: int = 0, mask: torch.Tensor | None = None, *,
+                cache: AttentionCache | None = None, start: int = 0, mask: torch.Tensor | None = None, *,
                 positions: torch.Tensor | None = None, segments: torch.Tensor | None = None) -> torch.Tensor:
         """Causal (a decoder) unless `mask` is given: attention over the keys it allows (an encoder's padding
         mask, or a precomputed `document_causal_mask`).
@@ -215,6 +290,8 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        if self.q_norm is not None:  # per head, before RoPE (Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
         per_row = isinstance(start, torch.Tensor)  # per-row positions (batched serving): (B,) tensor
         if rope is not None:
             if positions is not None:
@@ -228,25 +305,12 @@ class Attention(nn.Module):
         if segments is not None and mask is None:
             index = positions if positions is not None else torch.arange(T, device=x.device)
             mask = document_causal_mask(index, index, segments, segments)
-        causal = mask is None
-        if per_row:
-            if cache is None:
-                raise ValueError("per-row positions need a KV cache")
-            if hasattr(cache, "attend"):  # a paged cache (models/paged.py): one token per row, its own layout
-                y = cache.attend(q, k, v, self.core)
-            else:
-                k, v = cache.update(start, k, v)
-                pos = positions_of(start, T, x.device)  # key j is visible to query (b, t) when j <= pos[b, t]
-                keys = torch.arange(k.shape[2], device=x.device)
-                y = self.core(q, k, v, False, (keys <= pos[..., None]).unsqueeze(1))  # mask (B, 1, T, K)
-            y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
-            return self.resid_dropout(self.proj(y))
-        if cache is not None:
-            k, v = cache.update(start, k, v)
-            causal = T > 1  # one new token attends to every cached position
-            if causal and start > 0:
-                raise ValueError("a multi-token chunk after the prompt is not supported with the KV cache")
-        y = self.core(q, k, v, causal) if mask is None else self.core(q, k, v, False, mask)  # (B, nh, T, hs)
+        if cache is not None:  # any cache (models/cache.py): it stores k, v and attends over all it holds
+            y = cache.update_and_attend(q, k, v, start, self.core, mask)  # (B, nh, T, hs)
+        elif per_row:
+            raise ValueError("per-row positions need a KV cache")
+        else:
+            y = self.core(q, k, v, mask is None, mask)  # causal unless a mask is given; (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh·hs)
         return self.resid_dropout(self.proj(y))
 
@@ -276,16 +340,17 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)). `mlp`: another module in the
-    MLP's place (a mixture of experts, `models/moe.py`); None: the dense `MLP`."""
+    MLP's place (a mixture of experts, `models/moe.py`); None: the dense `MLP`. `attn`: another attention in
+    `Attention`'s place (DeepSeek's latent attention, `models/mla.py`, which the model chooses); None: `Attention`."""
 
-    def __init__(self, cfg: ModelConfig, mlp: nn.Module | None = None):
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module | None = None, layer: int = 0, attn: nn.Module | None = None):
         super().__init__()
         self.norm1 = make_norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = attn if attn is not None else Attention(cfg, layer)
         self.norm2 = make_norm(cfg)
         self.mlp = mlp if mlp is not None else MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope=None, cache: KVCache | None = None, start: int = 0, *,
+    def forward(self, x: torch.Tensor, rope=None, cache: AttentionCache | None = None, start: int = 0, *,
                 positions: torch.Tensor | None = None, segments: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """Packed documents: `positions`, `segments` and the precomputed `mask` as in `Attention.forward`."""

@@ -26,7 +26,8 @@ CONTRACT (read by parallel/ and interop/; changes to it are written here first)
 Routing per token (logits z = W_r x in fp32):
   softmax: p = softmax(z), the top_k of p; weights = those p (renormalised to sum 1 with moe_norm_topk).
   sigmoid: s = sigmoid(z), the top_k of s + score_bias (the bias only selects), weights = those s (renormalised
-  with moe_norm_topk); p = s / Σ s for the aux loss.
+  with moe_norm_topk); p = s / Σ s for the aux loss. With moe_groups > 1 the top_k are taken among the
+  moe_topk_groups best groups only (`limit_to_groups`). Either way the weights are then × moe_routed_scale.
 Aux loss (Switch): E · Σ_i f_i · P_i, f_i = share of the N·k assignments routed (before capacity) to expert i,
   P_i = mean over tokens of p_i; 1 at perfect balance. Z-loss: mean over tokens of logsumexp(z)².
 Capacity (moe_capacity_factor cf > 0): each expert keeps at most C = ceil(cf · N · k / E) of its assignments,
@@ -153,11 +154,15 @@ def route(logits: torch.Tensor, cfg: ModelConfig, score_bias: torch.Tensor | Non
     else:
         scores = logits.sigmoid()
         select = scores if score_bias is None else scores + score_bias
+        if cfg.moe_groups > 1:
+            select = limit_to_groups(select, cfg.moe_groups, cfg.moe_topk_groups)
         chosen = select.topk(k, dim=-1).indices
         weights = scores.gather(1, chosen)
         probs = scores / scores.sum(-1, keepdim=True)
     if cfg.moe_norm_topk:
         weights = weights / weights.sum(-1, keepdim=True)
+    if cfg.moe_routed_scale != 1.0:  # DeepSeek-V3's routed_scaling_factor (after the renormalisation)
+        weights = weights * cfg.moe_routed_scale
     experts = chosen.reshape(-1)
     counts = torch.bincount(experts, minlength=E).to(torch.float32)
     share = counts / max(N * k, 1)  # f_i: each token has k assignments, so counts sum to N·k
@@ -178,6 +183,16 @@ def route(logits: torch.Tensor, cfg: ModelConfig, score_bias: torch.Tensor | Non
         dropped = (~keep).sum().float()
         tokens, experts, weights = tokens[keep], experts[keep], weights[keep]
     return Routing(tokens, experts, weights, counts, dropped, aux, z)
+
+
+def limit_to_groups(select: torch.Tensor, groups: int, keep: int) -> torch.Tensor:
+    """DeepSeek-V3's group-limited routing: the selection scores (N, E) with every expert outside each token's
+    `keep` best groups at -inf; a group of E/groups experts scores the sum of its two best selection scores."""
+    N, E = select.shape
+    group_scores = select.view(N, groups, E // groups).topk(2, dim=-1).values.sum(-1)  # (N, G)
+    best = group_scores.topk(keep, dim=-1).indices
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return select.masked_fill(~allowed.repeat_interleave(E // groups, dim=1), float("-inf"))
 
 
 def capacity_mask(experts: torch.Tensor, weights: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:

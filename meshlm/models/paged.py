@@ -3,22 +3,30 @@
 One forward of the serving engine runs a flat list of N tokens from many sequences (`Batch`): some sequences
 give one token (decoding), others a run of tokens (a prefill chunk, or a token and its speculative drafts). The
 model sees them as N rows of one token each, with per-row positions, so every linear layer is one GEMM over all
-the tokens of the step. In attention each layer's `PagedCache.attend`:
+the tokens of the step. In attention each layer's `PagedCache.update_and_attend` (the one cache interface,
+`models/cache.py`):
 - writes each token's key and value into its slot (block × block_size + offset) of the pool;
 - for each group of sequences with the same number of tokens (all the decoding rows; the rows verifying k
   drafts): gathers each row's blocks by its block table (padded to the longest) into a reused buffer, then one
   masked attention call;
 - for a longer run (a prefill chunk): gathers its sequence's keys up to its last token, causal attention from
   the run's offset.
+A layer with a sliding window or sinks gets the same masks and applies its band in its core (`visible_keys`);
+its decoding rows skip the cascade, whose softmax is plain.
 The layout tensors are built once per step (`Batch`) and shared by the layers. Which blocks a sequence holds
-is the engine's business (`infer/blocks.py`); this module only reads and writes the slots it is given.
+is the scheduler's business (`infer/scheduler.py`, `infer/blocks.py`); this module only reads and writes the
+slots it is given.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from meshlm.models.cache import AttentionCache
 
 
 class PagedKV:
@@ -75,9 +83,12 @@ class Batch:
     """The layout of one step's tokens: per sequence (in token order) its positions and block table; each
     position's slot is block × block_size + offset. Consecutive sequences with the same number of tokens, up
     to `group_max` (decoding rows: one; a token and its speculative drafts: a few), and of lengths not far apart
-    (the engine sorts them by length), attend in one call; a longer run (a prefill chunk) attends alone. Built from plain lists (what a tensor-parallel leader broadcasts)."""
+    (the scheduler sorts them by length), attend in one call; a longer run (a prefill chunk) attends alone.
+    Built from plain sequences (positions: a list or a range; block tables: lists or tuples), what a
+    tensor-parallel leader broadcasts."""
 
-    def __init__(self, rows: list[tuple[list[int], list[int]]], block_size: int, device, group_max: int = 16):
+    def __init__(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]], block_size: int, device,
+                 group_max: int = 16):
         self.block_size = block_size
         positions, slots = [], []
         for pos, blocks in rows:
@@ -114,7 +125,7 @@ class Batch:
         bs = self.block_size
         ends = [pos[-1] + 1 for pos, _ in rows]
         width = -(-max(ends) // bs)
-        table = [blocks[:width] + [0] * (width - len(blocks[:width])) for _, blocks in rows]
+        table = [list(blocks[:width]) + [0] * (width - len(blocks[:width])) for _, blocks in rows]
         blocks = torch.tensor(table, dtype=torch.long, device=device)
         if len(rows) == 1 and rows[0][0][0] == 0:  # a prompt's first chunk: causal, no mask
             return Group(start, 1, T, blocks, None, ends[0], causal=True)
@@ -123,7 +134,7 @@ class Batch:
             own = [(pos, b[common:]) for pos, b in rows]
             shift = common * bs
             width = -(-max(ends) // bs) - common
-            table = [b[:width] + [0] * (width - len(b[:width])) for _, b in own]
+            table = [list(b[:width]) + [0] * (width - len(b[:width])) for _, b in own]
             lens = torch.tensor([e - shift for e in ends], dtype=torch.long, device=device)
             mask = (torch.arange(width * bs, device=device)[None, :] < lens[:, None])[:, None, None, :]
             return Group(start, len(rows), 1, torch.tensor(table, dtype=torch.long, device=device), mask, width * bs,
@@ -139,9 +150,9 @@ class Batch:
         return int(self.positions.shape[0])
 
 
-class PagedCache:
-    """One layer's view of the pool for one step: Attention calls `attend` in place of its cache update and core
-    (models/layers.py)."""
+class PagedCache(AttentionCache):
+    """One layer's view of the pool for one step: the `AttentionCache` Attention hands its queries, keys and
+    values to (models/cache.py)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, batch: Batch, pool: PagedKV):
         self.k, self.v, self.batch, self.pool = k, v, batch, pool
@@ -161,18 +172,23 @@ class PagedCache:
             out.append(dst.view(nkv, B, nb * bs, hd)[:, :, :length].transpose(0, 1))
         return out[0], out[1]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core) -> torch.Tensor:
+    @torch.compiler.disable  # a compiled step (infer/runner.py) runs attention eagerly: its layout is per step
+    def update_and_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start, core,
+                          mask: torch.Tensor | None = None) -> torch.Tensor:
         """q (N, nh, 1, hd), k and v (N, nkv, 1, hd) for the step's N tokens → (N, nh, 1, hd). `core(q, k, v,
-        causal, mask)` is the layer's attention kernel (scaled dot product, GQA aware)."""
+        causal, mask)` is the layer's attention kernel (scaled dot product, GQA aware). `start` (the tokens'
+        positions) and `mask` are unused: the step's `Batch` holds each token's position, slot and visible keys."""
         b = self.batch
         self.k.index_copy_(1, b.slots, k[:, :, 0].transpose(0, 1).to(self.k.dtype))
         self.v.index_copy_(1, b.slots, v[:, :, 0].transpose(0, 1).to(self.v.dtype))
         out = torch.empty_like(q)
         nh, hd = q.shape[1], q.shape[3]
         for g in b.groups:
-            if g.shared is not None:
+            if g.shared is not None and not _banded(core):
                 out[g.start:g.start + g.rows] = self.cascade(q[g.start:g.start + g.rows], g)
                 continue
+            if g.shared is not None:  # a sliding window or sinks: the core sees the shared keys with the rest
+                g = _uncascaded(g)
             n = g.rows * g.T
             qg = q[g.start:g.start + n, :, 0].view(g.rows, g.T, nh, hd).transpose(1, 2)  # (R, nh, T, hd)
             keys, values = self.gather(g.blocks, g.keys)  # (R, nkv, L, hd)
@@ -204,4 +220,19 @@ class PagedCache:
         m = torch.maximum(m1, m2)
         a, b = (m1 - m).exp(), (m2 - m).exp()
         return ((o1 * a + o2 * b) / (l1 * a + l2 * b)).reshape(R, nh, 1, hd)
+
+
+def _banded(core) -> bool:
+    """Whether `core` is an attention core with a sliding window or sinks (models/layers.py `Attention`), which
+    the cascade's plain softmax would not apply."""
+    owner = getattr(inspect.unwrap(core), "__self__", None)
+    return bool(getattr(owner, "window", 0)) or getattr(owner, "sinks", None) is not None
+
+
+def _uncascaded(g: Group) -> Group:
+    """A cascade group as a plain one: each row's block table the shared blocks then its own, its mask every
+    shared key then its own mask (still causal in key index, as `visible_keys` needs for the band)."""
+    blocks = torch.cat([g.shared[None].expand(g.rows, -1), g.blocks], dim=1)
+    seen = torch.ones(g.rows, 1, 1, g.shared_keys, dtype=torch.bool, device=g.mask.device)
+    return Group(g.start, g.rows, g.T, blocks, torch.cat([seen, g.mask], dim=-1), g.shared_keys + g.keys)
 

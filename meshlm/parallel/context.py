@@ -25,6 +25,7 @@ recomputation do: every layer's attention core becomes the ring, and the model's
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import torch
@@ -58,10 +59,15 @@ def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.T
 
 # ---- one block --------------------------------------------------------------------------------------------
 def _allowed(pos_q: torch.Tensor, pos_k: torch.Tensor, seg_q: torch.Tensor | None,
-             seg_k: torch.Tensor | None) -> torch.Tensor:
+             seg_k: torch.Tensor | None, window: int = 0) -> torch.Tensor:
     """Which keys each query sees, (B or 1, 1, 1, Tq, Tk): key index ≤ query index (global token indices),
-    same document: the model's own rule (`document_causal_mask`), with a group axis for the query heads."""
-    return document_causal_mask(pos_q, pos_k, seg_q, seg_k).unsqueeze(2)
+    same document: the model's own rule (`document_causal_mask`), with a group axis for the query heads; with a
+    sliding `window`, also key index > query index − window (documents are contiguous runs of the row, so the
+    band on row indices is each document's band)."""
+    mask = document_causal_mask(pos_q, pos_k, seg_q, seg_k).unsqueeze(2)
+    if window:
+        mask = mask & (pos_k[None, :] > pos_q[:, None] - window)
+    return mask
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, allowed: torch.Tensor) -> torch.Tensor:
@@ -71,11 +77,12 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, allowed: torch.Tenso
 
 
 def _block_scores(q: torch.Tensor, k: torch.Tensor, scale: float, pos_q: torch.Tensor, pos_k: torch.Tensor,
-                  segs: list[torch.Tensor] | None, rank: int, src: int, qs: slice, ks: slice) -> torch.Tensor:
+                  segs: list[torch.Tensor] | None, rank: int, src: int, qs: slice, ks: slice,
+                  window: int = 0) -> torch.Tensor:
     """The masked scores of this rank's query rows `qs` against rank `src`'s key columns `ks` (`_block`)."""
     seg_q = None if segs is None else segs[rank][:, qs]
     seg_k = None if segs is None else segs[src][:, ks]
-    return _scores(q, k, scale, _allowed(pos_q, pos_k, seg_q, seg_k))
+    return _scores(q, k, scale, _allowed(pos_q, pos_k, seg_q, seg_k, window))
 
 
 # ---- the ring ---------------------------------------------------------------------------------------------
@@ -135,7 +142,7 @@ class _RingAttention(torch.autograd.Function):
     from the saved log-sum-exp; dK/dV travel the ring back to their owner)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, segments, group, seq_len, scale):
+    def forward(ctx, q, k, v, segments, group, seq_len, scale, window=0, sinks=None):
         ring = _Ring(group)
         B, nh, Tl, d = q.shape
         nkv = k.shape[1]
@@ -153,7 +160,8 @@ class _RingAttention(torch.autograd.Function):
                 nxt, works = ring.exchange(kv, tag=0)
             qs, ks = _block(ring.rank, src, Tl)
             s = _block_scores(qg[..., qs, :], kv[0][:, :, ks].to(acc_dtype), scale, pos_q[qs],
-                              local_positions(seq_len, ring.size, src, q.device)[ks], segs, ring.rank, src, qs, ks)
+                              local_positions(seq_len, ring.size, src, q.device)[ks], segs, ring.rank, src, qs, ks,
+                              window)
             # Block 0 is the rank's own keys, where every query sees itself: the row max is finite from then on.
             old_max = row_max[..., qs, :]
             new_max = torch.maximum(old_max, s.amax(-1, keepdim=True))
@@ -166,10 +174,16 @@ class _RingAttention(torch.autograd.Function):
             if t < ring.size - 1:
                 _Ring.wait(works)
                 kv = nxt
+        if sinks is not None:  # one more term in each denominator, exp(sink), with no value (gpt-oss)
+            sink = sinks.detach().to(acc_dtype).view(1, nkv, nh // nkv, 1, 1)
+            top = torch.maximum(row_max, sink)
+            acc, row_sum = acc * torch.exp(row_max - top), row_sum * torch.exp(row_max - top) + torch.exp(sink - top)
+            row_max = top
         out = acc / row_sum
         lse = row_max + torch.log(row_sum)  # (B, nkv, g, Tl, 1)
         ctx.save_for_backward(q, k, v, out, lse, *(segs or []))
-        ctx.group, ctx.seq_len, ctx.scale = group, seq_len, scale
+        ctx.group, ctx.seq_len, ctx.scale, ctx.window = group, seq_len, scale, window
+        ctx.sink = None if sinks is None else sink
         return out.view(B, nh, Tl, d).to(q.dtype)
 
     @staticmethod
@@ -193,7 +207,8 @@ class _RingAttention(torch.autograd.Function):
             qs, ks = _block(ring.rank, src, Tl)
             kb, vb = kv[0][:, :, ks].to(acc_dtype), kv[1][:, :, ks].to(acc_dtype)
             s = _block_scores(qg[..., qs, :], kb, scale, pos_q[qs],
-                              local_positions(ctx.seq_len, ring.size, src, q.device)[ks], segs, ring.rank, src, qs, ks)
+                              local_positions(ctx.seq_len, ring.size, src, q.device)[ks], segs, ring.rank, src, qs, ks,
+                              ctx.window)
             p = torch.exp(s - lse[..., qs, :])  # the block's probabilities, 0 where hidden
             dkv = torch.zeros((2, *k.shape), dtype=acc_dtype, device=k.device)
             dkv[1][:, :, ks] = torch.einsum("bhgqk,bhgqd->bhkd", p, do[..., qs, :])
@@ -209,22 +224,28 @@ class _RingAttention(torch.autograd.Function):
                 kv = nxt
         _Ring.wait(dkv_works)  # the last hop: this rank's own keys, with every rank's contribution
         dk, dv = dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
-        return dq.view(B, nh, Tl, d).to(q.dtype), dk, dv, None, None, None, None
+        dsink = None
+        if ctx.sink is not None:  # d out / d sink = −p_sink · out, so dL/d sink = −Σ p_sink · rowsum(dO ∘ O)
+            dsink = -(torch.exp(ctx.sink - lse) * delta).sum(dim=(0, 3, 4)).reshape(nh).to(q.dtype)
+        return dq.view(B, nh, Tl, d).to(q.dtype), dk, dv, None, None, None, None, None, dsink
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *,
-                   segments: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+                   segments: torch.Tensor | None = None, scale: float | None = None, window: int = 0,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this cp rank's queries over the whole row.
 
     q: (B, nh, T/cp, d), k and v: (B, nkv, T/cp, d) with nkv dividing nh: this rank's two chunks (see
     `chunk_bounds`), in order. `segments` (B, T/cp), optional: each token's document id; a query then sees
-    only keys of its own document. Returns (B, nh, T/cp, d). A group of one rank is plain causal attention.
+    only keys of its own document. `window` > 0: each query sees only the last `window` keys (itself included);
+    `sinks` (nh,): a logit per head added to each softmax's denominator (gpt-oss), with its gradient.
+    Returns (B, nh, T/cp, d). A group of one rank is plain causal attention.
     """
     cp = dist.get_world_size(group) if group is not None else 1
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{k.shape[1]} KV heads do not divide {q.shape[1]} query heads")
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(q, k, v, segments, group if cp > 1 else None, q.shape[2] * cp, scale)
+    return _RingAttention.apply(q, k, v, segments, group if cp > 1 else None, q.shape[2] * cp, scale, window, sinks)
 
 
 # ---- the model under cp -----------------------------------------------------------------------------------
@@ -268,12 +289,17 @@ def _ring_core(original, group: dist.ProcessGroup):
     one document per row): they must reach the core as an argument, so that recomputation, which replays a
     region with the arguments it saved, sees the same ids as the forward did."""
 
+    owner = getattr(inspect.unwrap(original), "__self__", None)  # the layer's Attention: its window and sinks
+
     @functools.wraps(original)
     def core(q, k, v, causal: bool = True, mask: torch.Tensor | None = None):
         if k.shape[2] != q.shape[2] or (mask is not None and mask.dtype == torch.bool):
             raise ValueError("under parallel.cp only causal self-attention of whole training rows runs as a "
                              "ring (no encoder mask, no KV cache); use parallel.cp=1 for this")
-        return ring_attention(q, k, v, group, segments=mask)
+        sinks = getattr(owner, "sinks", None)
+        if sinks is not None:  # this rank's heads' entries (tensor parallelism splits the heads)
+            sinks = sinks[owner.head_offset:owner.head_offset + q.shape[1]]
+        return ring_attention(q, k, v, group, segments=mask, window=getattr(owner, "window", 0), sinks=sinks)
 
     return core
 

@@ -16,6 +16,7 @@ from torch import nn
 from meshlm.families.styles import (
     ColumnParallel,
     HeadParallelAttention,
+    HeadParallelLatentAttention,
     RowParallel,
     SequenceDropout,
     SequenceGathered,
@@ -27,6 +28,7 @@ from meshlm.families.styles import (
 from meshlm.parallel.rng import TPRNGTracker
 from meshlm.parallel.tensor_layers import (
     ColumnParallelLinear,
+    CopyToTensorRegion,
     RowParallelLinear,
     SequenceGather,
     SequenceShardedEmbedding,
@@ -105,7 +107,33 @@ def _head_parallel_attention(self: HeadParallelAttention, model, parent, attr, p
                                         rank)
     _swap(attn, self.proj, f"{path}.{self.proj}", proj, ctx)
     attn.n_heads, attn.n_kv_heads = nh // t, max(1, nkv // t)  # the heads this rank computes
+    if getattr(attn, "sinks", None) is not None:  # gpt-oss's sink logits: whole on every rank (summed below),
+        attn.head_offset = rank * (nh // t)  # each rank's core reads its heads' entries
+    for name, p in attn.named_parameters():  # per-head norms (Qwen3's q_norm, k_norm), sinks: whole on every rank, but
+        if not name.startswith((f"{self.qkv}.", f"{self.proj}.")):  # fed by this rank's heads: summed over tp
+            p.sequence_parallel = True
     if attn.dropout > 0:  # the core holds this rank's heads: per-rank masks
+        core = getattr(attn, self.core)
+        setattr(attn, self.core, functools.wraps(core)(functools.partial(_in_tp_rng, ctx.rng, core)))
+
+
+def _head_parallel_latent_attention(self: HeadParallelLatentAttention, model, parent, attr, path, ctx):
+    attn = getattr(parent, attr)
+    t, rank = ctx.t, ctx.rank
+    if ctx.sp:  # the replicated down projections need every token: gathered once, whole gradient kept per rank
+        _swap(attn, "gather_input", f"{path}.gather_input", SequenceGather(ctx.group), ctx)
+    for name in self.heads:
+        dense = getattr(attn, name, None)
+        if dense is not None:  # input already whole: no sequence gather of its own
+            new = ColumnParallelLinear.from_dense(dense, ctx.group, block_rows([dense.out_features], t), False,
+                                                  rank=rank)
+            _swap(attn, name, f"{path}.{name}", new, ctx)
+    dense = getattr(attn, self.proj)
+    proj = RowParallelLinear.from_dense(dense, ctx.group, block_rows([dense.in_features], t), ctx.sp, rank)
+    _swap(attn, self.proj, f"{path}.{self.proj}", proj, ctx)
+    _swap(attn, "rope_key_region", f"{path}.rope_key_region", CopyToTensorRegion(ctx.group), ctx)
+    attn.n_heads = attn.n_kv_heads = attn.n_heads // t
+    if attn.dropout > 0:
         core = getattr(attn, self.core)
         setattr(attn, self.core, functools.wraps(core)(functools.partial(_in_tp_rng, ctx.rng, core)))
 
@@ -138,6 +166,7 @@ _APPLY = {
     ColumnParallel: _column_parallel,
     RowParallel: _row_parallel,
     HeadParallelAttention: _head_parallel_attention,
+    HeadParallelLatentAttention: _head_parallel_latent_attention,
     SequenceParallel: _sequence_parallel,
     SequenceDropout: _sequence_dropout,
     SequenceGathered: _sequence_gathered,

@@ -155,6 +155,18 @@ class SequenceGather(nn.Module):
         return _GatherForReplicated.apply(x, self.group)
 
 
+class CopyToTensorRegion(nn.Module):
+    """Megatron's `f` as a module: identity forward, gradient summed over tp backward, for a replicated
+    activation that each rank then uses for its own heads only (MLA's shared rope key)."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _CopyToTensorRegion.apply(x, self.group)
+
+
 class _ReduceScatterToSequenceRegion(torch.autograd.Function):
     """SP's `g`: forward reduce-scatter along the sequence, backward all-gather."""
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from meshlm.core.config import ConfigError, ModelConfig
 from meshlm.core.fit import kv_cache_bytes
 from meshlm.core.layout import check_tensor_parallel
+from meshlm.core.mla import score_width
 from meshlm.plan.cost import GIB, Calibration, _parameter_split, all_reduce_time, for_gpu, gemm_efficiency
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -66,14 +67,14 @@ def serving_estimate(m: ModelConfig, gpu, tp: int, batch: int, prompt: int, outp
     # -- prefill: the batch's prompts at once
     tokens = batch * prompt
     flops = 2.0 * (params - word) * tokens + 2.0 * tokens * m.hidden_size * m.vocab_size \
-        + 2.0 * batch * prompt * prompt * m.head_dim * m.n_heads * m.n_layers
+        + 2.0 * batch * prompt * prompt * score_width(m) * m.n_layers
     comm = 2 * m.n_layers * all_reduce_time(tokens * m.hidden_size * elem_bytes, tp, gbps, lat, cal.link_efficiency)
     forward_ops = m.n_layers * cal.layer_ops / 3 * gpu.op_overhead_us * 1e-6  # a forward launches ~⅓ of the ops
     ttft = flops / tp / (peak * eff) + comm + forward_ops
     # -- decode: one token for each request, reading the weights and the cache at the mean context length
     context = prompt + output / 2
     kv_read = batch * kv_cache_bytes(m, 1, int(context)) * elem_bytes / 4 / kv_split
-    step_flops = 2.0 * params * batch / tp + 4.0 * batch * context * m.head_dim * m.n_heads * m.n_layers / tp
+    step_flops = 2.0 * params * batch / tp + 4.0 * batch * context * score_width(m) * m.n_layers / tp
     compute = step_flops / (peak * gemm_efficiency(min(batch, m.hidden_size / tp), cal))
     tpot = max((weights + kv_read) / hbm, compute) \
         + 2 * m.n_layers * all_reduce_time(batch * m.hidden_size * elem_bytes, tp, gbps, lat, cal.link_efficiency) \

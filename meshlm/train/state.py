@@ -226,7 +226,7 @@ class CheckpointState:
             set_rng_state(state["rng"])
             self.restore_threads(state.get("threads"))  # the count its steps ran with (train/threads.py)
         else:  # any layout into this one: each rank reads the pieces of its tensors
-            sharded.load(path, self.sync, self.optimizer, spec=self.spec)
+            sharded.load(path, self.sync, self.optimizer, spec=self.spec, log=self.log)
             mine = sharded.load_rank_state(path, self.dims.rank, self.layout_summary())
             if mine is not None:  # the same layout: the very random streams, so dropout continues exactly
                 set_rng_state(mine["rng"])

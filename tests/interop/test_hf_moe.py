@@ -134,7 +134,7 @@ def test_hf_options_meshlm_lacks_are_refused():
     refused(transformers.Qwen2MoeConfig(**small, qkv_bias=False, mlp_only_layers=[2]), "mlp_only_layers=[2]")
     refused(transformers.Qwen2MoeConfig(**small, qkv_bias=False, moe_intermediate_size=24,
                                         shared_expert_intermediate_size=40), "shared_expert_intermediate_size=40")
-    refused(transformers.Qwen3MoeConfig(**small), "qwen3_moe", "q_norm")
+    refused(transformers.Qwen3MoeConfig(**small, use_sliding_window=True, sliding_window=8), "use_sliding_window=true")
 
 
 @pytest.mark.parametrize("model, words", [

@@ -242,7 +242,6 @@ def test_unsupported_gpt2_config_is_rejected(field, value, message):
 @pytest.mark.parametrize("field,value,message", [
     ("rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}, r"rope_type='linear'"),
     ("hidden_act", "gelu", r"hidden_act='gelu'"),
-    ("head_dim", 32, r"head_dim=32.*= 16"),
     ("attention_bias", True, r"attention_bias=True, mlp_bias=False"),
 ])
 def test_unsupported_llama_config_is_rejected(field, value, message):

@@ -49,6 +49,8 @@ FAMILIES = {  # family → (bundled config, model keys)
     "gpt": ("gpt-tiny", []),
     "llama": ("llama-tiny", ["--model.n_kv_heads=2"]),  # grouped-query attention: 4 heads, 2 KV heads
     "moe": ("gpt-moe-tiny", ["--model.moe_experts=4", "--model.moe_expert_hidden=32"]),
+    # Qwen3's per-head q/k norms, heads of 16 over a width of 32, one KV head (held by both ranks under tp 2)
+    "qwen3": ("llama-tiny", ["--model.n_kv_heads=1", "--model.qk_norm=true", "--model.head_size=16"]),
     "bert": ("bert-tiny", []),
 }
 COMMON = ["--model.hidden_size=32", "--model.n_heads=4", "--model.seq_len=32", f"--train.max_steps={STEPS}",

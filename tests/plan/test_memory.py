@@ -42,7 +42,9 @@ def test_narayanan_formula_gives_megatrons_published_sizes(shape, published):
 
 @pytest.mark.parametrize("name,changes", [("gpt-tiny", []), ("llama-tiny", []), ("gpt2-124m", []),
                                            ("gpt-tiny", ["--model.bias=false", "--model.tie_embeddings=false"]),
-                                           ("llama-tiny", ["--model.norm=layernorm", "--model.n_kv_heads=1"])])
+                                           ("llama-tiny", ["--model.norm=layernorm", "--model.n_kv_heads=1"]),
+                                           ("llama-tiny", ["--model.qk_norm=true", "--model.head_size=48"]),
+                                           ("gpt-moe-tiny", ["--model.qk_norm=true"])])
 def test_parameter_count_equals_the_model(name, changes):
     m = load_config(name, changes).model
     assert parameter_count(m) == GPT(m).num_params()
@@ -83,6 +85,7 @@ def test_pipeline_factor():
 
 
 LLAMA = {"n_kv_heads": 2, "position": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False}
+QWEN3 = {**LLAMA, "qk_norm": True, "head_size": 24}
 SHAPES = [  # (model changes, micro-batch, precision, recompute)
     ({}, 2, "fp32", "none"),
     ({"dropout": 0.1}, 2, "fp32", "none"),  # math SDPA: s×s scores, float masks
@@ -92,6 +95,10 @@ SHAPES = [  # (model changes, micro-batch, precision, recompute)
     ({**LLAMA}, 2, "fp32", "none"),
     ({**LLAMA, "dropout": 0.1}, 2, "bf16", "selective"),
     ({**LLAMA, "ffn_hidden_size": 96}, 3, "bf16", "full"),
+    ({**QWEN3}, 2, "fp32", "none"),  # Qwen3's q/k norms before RoPE, heads of 24 over a width of 64
+    ({**QWEN3}, 2, "bf16", "none"),
+    ({**QWEN3, "dropout": 0.1}, 2, "fp32", "selective"),
+    ({**QWEN3, "dropout": 0.1}, 1, "bf16", "none"),
 ]
 
 
