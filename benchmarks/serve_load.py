@@ -1,5 +1,5 @@
-"""An OpenAI-client load generator for any OpenAI-compatible server (`meshlm serve`, `vllm serve`), used by
-benchmarks/serve_vs_vllm.py and runnable on its own:
+"""An OpenAI-client load generator for any OpenAI-compatible server (`meshlm serve`, `vllm serve`, llama.cpp's
+`llama-server`), and the servers' processes, used by benchmarks/serve_compare.py and runnable on its own:
 
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --model NAME --tokenizer gpt2 \
         --workload shared-prefix --clients 16 --requests 32 --max-tokens 64
@@ -13,7 +13,10 @@ tokens; `stream_options.include_usage` returns the count, which is checked. N cl
 requests of a fixed list back to back (a closed loop: a client sends its next request when its last one ends)
 until the list is done. Per request: TTFT, from sending to the first streamed chunk that carries a choice;
 TPOT, (last chunk - first chunk) / (output tokens - 1). Per run: output tokens/s and requests/s over the run's
-wall time, TTFT and TPOT median and p99 over its requests (vLLM's `benchmark_serving` reports the same).
+wall time, TTFT and TPOT median and p99 over its requests (vLLM's `benchmark_serving` reports the same), and
+the whole request's latency. Non-streamed (`stream=False`, for a server whose streaming fails): one reply per
+request, its usage count checked alike; TTFT and TPOT are then unknown (nan), only latency is measured.
+A server without `stream_options.include_usage` (no usage chunk) is counted by its chunks that carry text.
 
 Workloads (token ids of real text from the bundled Shakespeare corpus, at seeded random offsets):
 - `random`: each prompt a distinct passage of a length drawn from [prompt_min, prompt_max];
@@ -28,10 +31,15 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -104,6 +112,9 @@ class Result:
     ttft_p99_ms: float
     tpot_p50_ms: float
     tpot_p99_ms: float
+    latency_p50_ms: float = float("nan")
+    latency_p99_ms: float = float("nan")
+    streamed: bool = True
     first_error: str = ""
 
 
@@ -117,29 +128,36 @@ def percentile(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-async def one_request(client, model: str, prompt: list[int], max_tokens: int) -> tuple[float, float, float, int]:
-    """(start, first chunk, last chunk, output tokens) of one streamed completion."""
+async def one_request(client, model: str, prompt: list[int] | str, max_tokens: int,
+                      stream: bool = True) -> tuple[float, float | None, float, int]:
+    """(start, first chunk, last chunk, output tokens) of one completion; first is None when not streamed."""
     start = time.perf_counter()
+    if not stream:
+        reply = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                                                extra_body={"ignore_eos": True})
+        return start, None, time.perf_counter(), reply.usage.completion_tokens if reply.usage else 0
     first = last = None
-    tokens = 0
-    stream = await client.completions.create(
+    tokens = chunks = 0
+    stream_ = await client.completions.create(
         model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    async for chunk in stream:
+    async for chunk in stream_:
         now = time.perf_counter()
         if chunk.choices:
             first = first if first is not None else now
             last = now
+            chunks += any(c.text for c in chunk.choices)
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     if first is None:
         raise RuntimeError("the stream ended without a token")
-    return start, first, last, tokens
+    return start, first, last, tokens or chunks
 
 
-async def run_load(url: str, model: str, prompts: list[list[int]], clients: int, max_tokens: int,
-                   api_key: str = "EMPTY", timeout_s: float = 1800.0) -> Result:
-    """Send `prompts` through `clients` concurrent clients (closed loop) to the server at `url`."""
+async def run_load(url: str, model: str, prompts: list[list[int]] | list[str], clients: int, max_tokens: int,
+                   api_key: str = "EMPTY", timeout_s: float = 1800.0, stream: bool = True) -> Result:
+    """Send `prompts` (token ids, or text for a server that takes no ids) through `clients` concurrent clients
+    (closed loop) to the server at `url`, streamed unless `stream` is False."""
     import httpx
     from openai import AsyncOpenAI, OpenAIError
 
@@ -154,7 +172,7 @@ async def run_load(url: str, model: str, prompts: list[list[int]], clients: int,
         while todo:
             prompt = todo.pop()
             try:
-                done.append(await one_request(client, model, prompt, max_tokens))
+                done.append(await one_request(client, model, prompt, max_tokens, stream))
             except (OpenAIError, httpx.HTTPError, OSError, RuntimeError) as err:  # counted and reported
                 errors.append(f"{type(err).__name__}: {err}")
 
@@ -164,29 +182,116 @@ async def run_load(url: str, model: str, prompts: list[list[int]], clients: int,
         wall = time.perf_counter() - start
     finally:
         await client.close()
-    return summarize(clients, done, errors, wall, max_tokens)
+    return summarize(clients, done, errors, wall, max_tokens, stream)
 
 
-def summarize(clients: int, done: list, errors: list[str], wall: float, max_tokens: int) -> Result:
+def summarize(clients: int, done: list, errors: list[str], wall: float, max_tokens: int,
+              stream: bool = True) -> Result:
     short = [t for *_, t in done if t != max_tokens]
     if short:  # both servers must generate exactly max_tokens (ignore_eos), or the comparison is void
         errors = errors + [f"{len(short)} requests returned {short[0]} tokens, not max_tokens={max_tokens}"]
-    ttft = [f - s for s, f, _, _ in done]
-    tpot = [(e - f) / (t - 1) for _, f, e, t in done if t > 1]
+    ttft = [f - s for s, f, _, _ in done if f is not None]
+    tpot = [(e - f) / (t - 1) for _, f, e, t in done if f is not None and t > 1]
+    latency = [e - s for s, _, e, _ in done]
     out = sum(t for *_, t in done)
+
+    def ms(values: list[float], q: float) -> float:
+        return 1e3 * (statistics.median(values) if q == 0.5 else percentile(values, q)) if values else float("nan")
+
     return Result(clients, len(done), len(errors), wall, out, out / wall, len(done) / wall,
-                  1e3 * statistics.median(ttft) if ttft else float("nan"), 1e3 * percentile(ttft, 0.99),
-                  1e3 * statistics.median(tpot) if tpot else float("nan"), 1e3 * percentile(tpot, 0.99),
-                  errors[0] if errors else "")
+                  ms(ttft, 0.5), ms(ttft, 0.99), ms(tpot, 0.5), ms(tpot, 0.99), ms(latency, 0.5),
+                  ms(latency, 0.99), stream, errors[0] if errors else "")
 
 
-def warm_up(url: str, model: str, longest: int = 256, max_tokens: int = 8, api_key: str = "EMPTY") -> None:
+def warm_up(url: str, model: str, longest: int = 256, max_tokens: int = 8, api_key: str = "EMPTY",
+            stream: bool = True, as_text=None) -> None:
     """A few requests of 8 tokens up to `longest`, alone and four at a time, so lazy initialisation (and any
     compilation for new shapes) is not timed. Their prompts repeat one token, unlike any workload's
-    passages, so they put no workload prefix in a prefix cache."""
+    passages, so they put no workload prefix in a prefix cache. `as_text` (ids -> str) for a text-only server."""
     sizes = sorted({8, max(8, longest // 2), max(8, longest)})
-    asyncio.run(run_load(url, model, [[11] * n for n in sizes], 1, max_tokens, api_key))
-    asyncio.run(run_load(url, model, [[13] * n for n in sizes + sizes[:1]], 4, max_tokens, api_key))
+    for clients, prompts in ((1, [[11] * n for n in sizes]), (4, [[13] * n for n in sizes + sizes[:1]])):
+        prompts = [as_text(p) for p in prompts] if as_text else prompts
+        asyncio.run(run_load(url, model, prompts, clients, max_tokens, api_key, stream=stream))
+
+
+# ---- servers in their own process groups -------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A server command in its own session (process group), its output in `log`, ready once GET /v1/models
+    answers 200; `stop` ends the whole group (SIGINT, then SIGTERM, then SIGKILL), so no worker it forked
+    outlives it, on an error or Ctrl-C as well (use it as a context manager)."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, port: int, log: Path, startup_s: float):
+        self.name, self.cmd, self.env, self.port, self.log, self.startup_s = name, cmd, env, port, log, startup_s
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = None
+        self.startup_took = float("nan")
+
+    def __enter__(self):
+        start = time.perf_counter()
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
+                                         start_new_session=True)
+        while time.perf_counter() - start < self.startup_s:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                self.stop()
+                raise RuntimeError(f"{self.name} exited with {code} at start; the end of {self.log}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
+                    if r.status == 200:
+                        self.startup_took = time.perf_counter() - start
+                        return self
+            except OSError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"{self.name} did not answer within {self.startup_s:.0f} s; the end of {self.log}:\n"
+                           f"{self.tail()}")
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        for sig, wait in ((signal.SIGINT, 30), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.time() + wait
+            while time.time() < deadline and group_alive(self.proc.pid):
+                self.proc.poll()
+                time.sleep(0.2)
+            if not group_alive(self.proc.pid):
+                break
+        self.proc.poll()
+        self.proc = None
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any live (non-zombie) process is left in process group `pgid`."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    out = subprocess.run(["ps", "-o", "stat=", "-g", str(pgid)], capture_output=True, text=True,
+                         check=False).stdout.split()
+    return any(not s.startswith("Z") for s in out)
 
 
 @contextlib.contextmanager

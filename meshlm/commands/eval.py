@@ -16,6 +16,7 @@ import json
 import sys
 import time
 
+from meshlm.commands.serve import add_quantize_flags, quantize_options
 from meshlm.core.config import ConfigError
 
 
@@ -32,18 +33,24 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.out is not None:
         _check_writable(check_out(args.out), args.out)
     kind, data = resolve_task(args.task, args.data)
+    quantize = quantize_options(args)
     progress = args.progress or sys.stderr.isatty()
     start = time.perf_counter()
     try:
         checkpoint = open_checkpoint(args.checkpoint)  # resolved and verified once; a fallback note said once
         loaded = load(checkpoint, overrides, args.batch_size, progress, adapter=args.adapter,
                       adapter_task=args.adapter_task)
+        quantized = _quantize(loaded, quantize, args.checkpoint)
         metrics = evaluate(loaded, args.checkpoint, kind, data, args.batch_size, args.stride)
     except BaseException:
         destroy()
         raise
     result = {"task": args.task, "kind": kind, "checkpoint": args.checkpoint, "data": data, **metrics,
               "seconds": round(time.perf_counter() - start, 3)}
+    if quantized is not None:
+        result["quantized"] = {"mode": quantized.mode, "group_size": quantized.group_size, "head": quantized.head,
+                               "layers": quantized.layers, "weight_bytes_before": quantized.bytes_before,
+                               "weight_bytes_after": quantized.bytes_after}
     if loaded.dims is not None and loaded.dims.world_size > 1:
         d = loaded.dims
         result["layout"] = {"world_size": d.world_size, "tp": d.tp, "pp": d.pp, "dp": d.dp}
@@ -53,6 +60,15 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
         print(json.dumps(result))
     destroy(wait_for_all=True)
     return 0
+
+
+def _quantize(loaded, quantize, given: str):
+    """--quantize on the loaded model (one process, a language model; the scorer calls the same modules),
+    its `QuantizeReport`; None without --quantize."""
+    if quantize is None:
+        return None
+    quantize.check_serving(given, loaded.scorer is not None, loaded.dims.world_size if loaded.dims else 1)
+    return quantize.apply(loaded.model)
 
 
 def _check_writable(out, given: str) -> None:
@@ -96,6 +112,7 @@ def add_eval_command(sub) -> None:
                    "--checkpoint, evaluated on it (one process)")
     p.add_argument("--adapter-task", default=None, metavar="NAME", help="with a several-task prompt adapter: "
                    "the task whose virtual prompt to use")
+    add_quantize_flags(p)
     p.set_defaults(func=_eval)
     h = sub.add_parser("harness", prefix_chars="+", add_help=False,
                        help="run lm-evaluation-harness's command line with meshlm checkpoints as --model meshlm",

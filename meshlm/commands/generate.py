@@ -8,6 +8,7 @@ import argparse
 import math
 import sys
 
+from meshlm.commands.serve import add_quantize_flags, quantize_options
 from meshlm.core.config import ConfigError
 
 
@@ -54,6 +55,7 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides:
         raise ConfigError(f"generate takes no config overrides (got {overrides[0]!r}); see meshlm generate -h")
     check_sampling(args)
+    quantize = quantize_options(args)
     import torch
 
     from meshlm.checkpoint.load import load_model
@@ -85,6 +87,8 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
     model = load_model(checkpoint, spec, device)
     if adapter is not None:
         apply_adapter(model, cfg, adapter)  # LoRA merged into the weights: no extra work per token
+    if quantize is not None:  # after merging: the adapter's update is quantized with the base
+        print(f"note: {quantize.apply(model).line()}", file=sys.stderr)
     prompt = torch.tensor([head + ids], device=device)
     stops = () if args.ignore_eos else tokenizer.stop_ids
     try:
@@ -114,4 +118,5 @@ def add_generate_command(sub) -> None:
     gen.add_argument("--adapter", default=None, metavar="DIR", help="an adapter of meshlm tune (or a PEFT "
                      "directory) tuned on --checkpoint")
     gen.add_argument("--task", default=None, help="with a several-task prompt adapter: the task's prompt")
+    add_quantize_flags(gen)
     gen.set_defaults(func=_generate)

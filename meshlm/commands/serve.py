@@ -11,20 +11,22 @@ from meshlm.core.config import ConfigError
 from meshlm.infer.protocol import MAX_BODY_BYTES
 
 
-def _tp_of(overrides: list[str]) -> int:
-    """The tensor-parallel degree of the only override serve takes, `--parallel.tp=N` (default 1)."""
-    tp = 1
+def _layout_of(overrides: list[str]) -> tuple[int, int]:
+    """(tp, pp): the tensor- and pipeline-parallel degrees of the only overrides serve takes, `--parallel.tp=N`
+    and `--parallel.pp=N` (default 1 each)."""
+    degrees = {"--parallel.tp": 1, "--parallel.pp": 1}
     for o in overrides:
         key, _, value = o.partition("=")
-        if key != "--parallel.tp":
-            raise ConfigError(f"serve takes only the override --parallel.tp=N (got {o!r}); see meshlm serve -h")
+        if key not in degrees:
+            raise ConfigError(f"serve takes only the overrides --parallel.tp=N and --parallel.pp=N (got {o!r}); see "
+                              "meshlm serve -h")
         try:
-            tp = int(value)
+            degrees[key] = int(value)
         except ValueError:
-            raise ConfigError(f"--parallel.tp={value!r} must be an integer >= 1") from None
-        if tp < 1:
-            raise ConfigError(f"--parallel.tp={tp} must be >= 1")
-    return tp
+            raise ConfigError(f"{key}={value!r} must be an integer >= 1") from None
+        if degrees[key] < 1:
+            raise ConfigError(f"{key}={degrees[key]} must be >= 1")
+    return degrees["--parallel.tp"], degrees["--parallel.pp"]
 
 
 def _check_host(host: str) -> None:
@@ -51,7 +53,7 @@ def _check_host(host: str) -> None:
 
 
 def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
-    tp = _tp_of(overrides)
+    tp, pp = _layout_of(overrides)
     from meshlm.infer.server import require_serving_dependencies, serve
 
     require_serving_dependencies()
@@ -67,11 +69,20 @@ def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    if args.max_thinking_tokens is not None and (args.max_thinking_tokens < 0 or args.reasoning_parser is None):
+        raise ConfigError(f"--max-thinking-tokens {args.max_thinking_tokens} must be >= 0 and needs "
+                          "--reasoning-parser (the thinking model's format)")
     options = cache_options(args)
+    if args.compile and (tp > 1 or pp > 1 or args.adapter or args.allow_runtime_lora):
+        raise ConfigError("--compile compiles one process's step without adapters; drop --compile, or the "
+                          "--parallel / --adapter / --allow-runtime-lora flags")
+    quantize = quantize_options(args)
     _check_host(args.host)
+    replies = {"tool_parser": args.tool_parser, "reasoning_parser": args.reasoning_parser,
+               "max_thinking_tokens": args.max_thinking_tokens}
     return serve(args.checkpoint, args.host, args.port, args.max_seqs, args.max_len, args.max_queue, args.api_key,
                  args.served_model_name, tp, args.adapter, args.log_level, args.drain_timeout, args.max_body_bytes,
-                 options)
+                 options, args.allow_runtime_lora, quantize=quantize, replies=replies, pp=pp)
 
 
 def add_serve_command(sub) -> None:
@@ -95,6 +106,16 @@ def add_serve_command(sub) -> None:
     p.add_argument("--adapter", action="append", default=None, metavar="[NAME=]DIR", help="an adapter of meshlm "
                    "tune (or PEFT; LoRA or prompt tuning) tuned on --checkpoint, served as model NAME (default: DIR's "
                    "name) next to the base; repeat it for several, chosen per request by the model field")
+    p.add_argument("--allow-runtime-lora", action="store_true", help="allow POST /v1/load_lora_adapter and "
+                   "/v1/unload_lora_adapter (LoRA adapters of this base, added and removed while serving; behind "
+                   "--api-key when one is set)")
+    r = p.add_argument_group("tool calls and reasoning (docs/serving.md)")
+    r.add_argument("--tool-parser", choices=["hermes", "llama3_json", "mistral"], default=None, help="how the model "
+                   "writes tool calls (default: found from what the chat template renders for a tool)")
+    r.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None, help="split the reply's "
+                   "<think>...</think> into reasoning_content (default: none)")
+    r.add_argument("--max-thinking-tokens", type=int, default=None, help="close the think block after this many "
+                   "tokens (a request's max_thinking_tokens overrides it; needs --reasoning-parser)")
     g = p.add_argument_group("KV cache and scheduling (docs/serving.md)")
     g.add_argument("--block-size", type=int, default=16, help="positions per KV cache block (default 16)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks in the pool (default: "
@@ -107,7 +128,33 @@ def add_serve_command(sub) -> None:
                    "(prompt lookup) or draft (a smaller checkpoint, --draft-checkpoint, with the same tokenizer)")
     g.add_argument("--draft-checkpoint", default=None, help="the draft model of --speculative draft")
     g.add_argument("--num-draft-tokens", type=int, default=4, help="tokens proposed per step (default 4)")
+    g.add_argument("--compile", action="store_true", help="run each step's dense part through torch.compile, "
+                   "compiled at start (tens of seconds; measured no faster on a 2-core CPU, docs/serving.md)")
+    add_quantize_flags(p)
     p.set_defaults(func=_serve)
+
+
+def add_quantize_flags(p) -> None:
+    """`--quantize`, `--quantize-group-size`, `--quantize-float-head` (serve, generate, eval; infer/quantize.py)."""
+    g = p.add_argument_group("quantized weights (docs/serving.md)")
+    g.add_argument("--quantize", default=None, metavar="int8|int4", help="weight-only quantization of the "
+                   "transformer blocks' linears on a CPU: int8 (per-channel scales) or int4 (group-wise scales and "
+                   "zero points); one process only")
+    g.add_argument("--quantize-group-size", type=int, default=32, metavar="N", help="int4: inputs per scale and "
+                   "zero point, 32, 64 or 128 (default 32)")
+    g.add_argument("--quantize-float-head", action="store_true", help="keep the output head in float (by "
+                   "default it goes to int8 too: faster decoding of a large vocabulary; docs/serving.md)")
+
+
+def quantize_options(args: argparse.Namespace):
+    """The checked `infer.quantize.QuantizeOptions` of the flags (None: no --quantize)."""
+    if args.quantize is None:
+        if args.quantize_float_head or args.quantize_group_size != 32:
+            raise ConfigError("--quantize-group-size and --quantize-float-head go with --quantize int8|int4")
+        return None
+    from meshlm.infer.quantize import QuantizeOptions
+
+    return QuantizeOptions(args.quantize, args.quantize_group_size, not args.quantize_float_head)
 
 
 def cache_options(args: argparse.Namespace):
@@ -125,4 +172,4 @@ def cache_options(args: argparse.Namespace):
         if not ok:
             raise ConfigError(message)
     return CacheOptions(args.block_size, args.num_blocks, args.prefix_caching, args.max_batched_tokens or None,
-                        args.speculative, args.draft_checkpoint, args.num_draft_tokens)
+                        args.speculative, args.draft_checkpoint, args.num_draft_tokens, compile=args.compile)

@@ -13,11 +13,22 @@
 
 Index 0 is the base; adapter k is `served[k - 1]`. The runner says, before each forward, which index each
 row of the batch uses (`batch`); outside of it the hooks do nothing.
+
+Runtime LoRA (`meshlm serve --allow-runtime-lora`, POST /v1/load_lora_adapter and /v1/unload_lora_adapter):
+the engine keeps running while an adapter is added or removed, so nothing here may change the live model's
+forward. `load` builds the adapter's LoRA modules on a shadow of the model (its module tree copied, every
+weight shared), and the hooks are put on every linear when the set is made (`runtime=True`), so a load only
+swaps in a new list of (index, LoRA) for a linear, which the engine's thread reads whole. An unloaded adapter
+keeps its index as a tombstone (`removed`): indices are never reused, so neither a request nor a prefix-cache
+block (hashed with its adapter index) can ever meet another adapter under an old index.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +46,7 @@ class ServedAdapter:
     table: torch.Tensor | None = None  # prompt: (n, h), the virtual tokens' embeddings
     loras: list = field(default_factory=list)  # lora: its LoRA modules, one per targeted linear
     tensor_bytes: int = 0
+    removed: bool = False  # unloaded at runtime: a tombstone that keeps its index
 
     @property
     def virtual_tokens(self) -> int:
@@ -44,7 +56,7 @@ class ServedAdapter:
 class AdapterSet:
     """The adapters served over `model` (a plain one-process decoder), by name; index 0 is the base."""
 
-    def __init__(self, model: torch.nn.Module, cfg, adapters: list[tuple[str, object]]):
+    def __init__(self, model: torch.nn.Module, cfg, adapters: list[tuple[str, object]], runtime: bool = False):
         from meshlm.families.registry import get_spec
 
         self.model, self.cfg = model, cfg
@@ -54,15 +66,30 @@ class AdapterSet:
         self.virtual: tuple[torch.Tensor, torch.Tensor] | None = None  # this forward's (rows, virtual tokens)
         self._loras: dict[int, list[tuple[int, torch.nn.Module]]] = {}  # id(linear) → its (adapter index, LoRA)
         self._embedding_hooked = False
+        self._hooked: set[int] = set()  # id(linear) of the linears that carry `_lora_hook`
+        self.changing = threading.Lock()  # one runtime load or unload at a time
+        if runtime:  # every linear hooked now: a runtime load never adds a hook to a module the engine runs
+            for module in model.modules():
+                if isinstance(module, torch.nn.Linear):
+                    self._hook(module)
         for name, adapter in adapters:
             self._add(name, adapter)
 
+    def __getstate__(self) -> dict:  # copied with its model (copy.deepcopy): a fresh lock, not this one
+        return {k: v for k, v in self.__dict__.items() if k != "changing"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.changing = threading.Lock()
+
+    def _hook(self, linear: torch.nn.Module) -> None:
+        if id(linear) not in self._hooked:
+            self._hooked.add(id(linear))
+            linear.register_forward_hook(self._lora_hook)
+
     # ---- loading ----
     def _add(self, name: str, adapter) -> None:
-        extra = sorted(n for n in adapter.tensors if ".lora." not in n and n != "prompt.table")
-        if extra:
-            raise ConfigError(f"--adapter {name}={adapter.source} holds {extra[0]} besides its adapter (a new task "
-                              "head); meshlm serve serves adapters over the base's own output layer only")
+        self._check_tensors(f"--adapter {name}", adapter)
         size = sum(t.numel() * t.element_size() for t in adapter.tensors.values())
         if adapter.tune.method == "lora":
             served = ServedAdapter(name, adapter.source, "lora", tensor_bytes=size)
@@ -84,10 +111,8 @@ class AdapterSet:
             if lora is None:
                 continue
             lora.eval().requires_grad_(False)  # no dropout
-            if id(linear) not in self._loras:
-                self._loras[id(linear)] = []
-                linear.register_forward_hook(self._lora_hook)
-            self._loras[id(linear)].append((index, lora))
+            self._hook(linear)
+            self._loras[id(linear)] = [*self._loras.get(id(linear), []), (index, lora)]
             served.loras.append(lora)
 
     def _add_prompt(self, served: ServedAdapter, adapter) -> None:
@@ -109,12 +134,75 @@ class AdapterSet:
             self._embedding_hooked = True
             embedding.register_forward_hook(self._embedding_hook)
 
+    # ---- runtime loading (the engine runs meanwhile) ----
+    def _check_tensors(self, name: str, adapter) -> None:
+        extra = sorted(n for n in adapter.tensors if ".lora." not in n and n != "prompt.table")
+        if extra:
+            raise ConfigError(f"{name}={adapter.source} holds {extra[0]} besides its adapter (a new task "
+                              "head); meshlm serve serves adapters over the base's own output layer only")
+
+    def _shadow(self) -> torch.nn.Module:
+        """The model's module tree copied with every parameter and buffer shared (nothing of the live model
+        changes when LoRA modules are attached to the copy)."""
+        memo = {id(t): t for t in [*self.model.parameters(), *self.model.buffers()]}
+        memo[id(self)] = self  # the hooks are this set's bound methods
+        return copy.deepcopy(self.model, memo)
+
+    @torch.no_grad()
+    def load(self, name: str, adapter) -> ServedAdapter:
+        """Serve the LoRA `adapter` (a `tune.export.Adapter`, read with the base's fingerprint checked) as
+        `name` from now on, without stopping the engine; ConfigError when it cannot be served (its new
+        index is `len(self.served)`)."""
+        from meshlm.tune.export import apply_adapter
+        from meshlm.tune.lora import detach_lora
+
+        if adapter.tune.method != "lora":
+            raise ConfigError(f"adapter {name}={adapter.source} is a {adapter.tune.method!r} adapter; only LoRA loads "
+                              "at runtime (serve prompt adapters with meshlm serve --adapter)")
+        self._check_tensors(f"adapter {name}", adapter)
+        with self.changing:
+            if name in self.names:
+                raise ConfigError(f"an adapter named {name!r} is already served; unload it first or pick another name")
+            shadow = self._shadow()
+            apply_adapter(shadow, self.cfg, adapter, merge=False)  # checks every tensor's name and shape
+            live = dict(self.model.named_modules())
+            index = len(self.served) + 1
+            size = sum(t.numel() * t.element_size() for t in adapter.tensors.values())
+            served = ServedAdapter(name, adapter.source, "lora", tensor_bytes=size)
+            placed = []
+            for path, linear in shadow.named_modules():
+                lora = detach_lora(linear)
+                if lora is None:
+                    continue
+                if id(live[path]) not in self._hooked:
+                    raise ConfigError(f"adapter {name}={adapter.source} targets {path}, not a linear layer the "
+                                      "server can run LoRA on at runtime; serve it with meshlm serve --adapter")
+                placed.append((id(live[path]), lora.eval().requires_grad_(False)))
+            for key, lora in placed:  # a new list, never one the engine's thread may be reading
+                self._loras[key] = [*self._loras.get(key, []), (index, lora)]
+                served.loras.append(lora)
+            self.served.append(served)
+        return served
+
+    def retire(self, index: int) -> None:
+        """Mark adapter `index` unloaded at once (a tombstone that keeps its index: `Server.check_model` no
+        longer finds it); `unload` then drops its LoRA modules."""
+        self.served[index - 1] = dataclasses.replace(self.served[index - 1], removed=True, loras=[], table=None)
+
+    def unload(self, index: int) -> None:
+        """Stop serving adapter `index` (no request may be using it: the server checks): retired, and its LoRA
+        modules taken off the linears (new lists: the engine's thread may be reading the old ones)."""
+        self.retire(index)
+        with self.changing:
+            for key, entries in list(self._loras.items()):
+                self._loras[key] = [e for e in entries if e[0] != index]
+
     # ---- the forward ----
     def _lora_hook(self, linear, args, output: torch.Tensor) -> torch.Tensor:
         if not self.rows:
             return output
         x = args[0]
-        for index, lora in self._loras[id(linear)]:
+        for index, lora in self._loras.get(id(linear), ()):
             if index not in self.rows:
                 continue
             rows = self.rows[index]
@@ -162,11 +250,12 @@ class AdapterSet:
 
     @property
     def names(self) -> list[str]:
-        return [s.name for s in self.served]
+        """The names of the adapters served now (not the unloaded ones)."""
+        return [s.name for s in self.served if not s.removed]
 
     @property
     def tensor_bytes(self) -> int:
-        return sum(s.tensor_bytes for s in self.served)
+        return sum(s.tensor_bytes for s in self.served if not s.removed)
 
 
 def parse_adapter_args(values: list[str], base_name: str) -> list[tuple[str, str]]:

@@ -1,31 +1,38 @@
-"""The inference engine: continuous batching over a bounded, pre-allocated KV cache.
+"""The inference engine: continuous batching over a paged KV cache, in three pieces (docs/serving.md).
 
-Design (docs/serving.md):
-- The cache holds `max_seqs` rows of `max_len` positions per layer, allocated once (its size is
-  `cache_bytes()`); a request occupies one row from its prefill to its last token. Active requests are kept
-  in rows 0..n-1 (a finished request's row is refilled by moving the last one into it), so a decode step runs
-  on one contiguous slice of the cache.
-- Requests wait in a bounded queue (`max_queue`; beyond it `submit` raises `QueueFull`; one client holds at most
-  half of it, and one request's prompts are queued all or none: `submit_group`). Between decode
-  steps, waiting requests join while rows are free (prefill: the prompt's keys/values written into the
-  request's row), and finished ones leave: continuous batching.
-- One decode step feeds every active row its last token at its own position (per-row positions: the
-  attention mask hides each row's unused cache tail), so rows of different lengths share a step.
+- The KV cache is one pool of fixed-size blocks per layer (`--block-size` positions each, `--num-blocks` of
+  them, allocated once: `Runner.cache_bytes()`); a request holds a block table, the blocks of the positions it
+  has computed, taken as it grows, so memory follows the tokens a request really has (`infer/blocks.py`).
+- The scheduler (`infer/scheduler.py`) decides each step, with no model: running requests first (decoding
+  rows, then prefill chunks), then waiting ones in arrival order while rows (`max_seqs`), blocks and the token
+  budget (`max_batched_tokens`: chunked prefill) last; a prompt whose first full blocks another request
+  computed takes them (prefix caching); when blocks run out the newest running requests are preempted
+  (their blocks freed, recomputed from their tokens later). It returns a frozen `StepPlan`.
+- The runner (`infer/runner.py`) executes the plan's forward: one model call over every token of the step
+  (decoding rows, prefill chunks, speculative drafts) as rows of one token with their own positions; each
+  layer writes keys and values into the plan's block slots and attends through the block tables
+  (`models/paged.py`). Under tensor parallelism rank 0's runner broadcasts each plan (`DistributedRunner`),
+  the other ranks replay it (`worker_loop`).
+- The engine (here) keeps the queue, the thread and acceptance. Requests wait in a bounded queue
+  (`max_queue`; beyond it `submit` raises `QueueFull`; one client holds at most half of it, and one request's
+  prompts are queued all or none: `submit_group`). After each forward it samples every request whose tokens
+  are all computed, checks stop rules, and tells the request's owner (`on_update`).
 - Sampling is per request: temperature, top-k, top-p, a seeded generator per request, repetition /
   presence / frequency penalties, stop strings and token ids, `max_tokens`. Log-probabilities are the
   model's (log-softmax of the logits before any penalty or temperature): of the chosen token and the top N,
   and with `echo` of every prompt token after the first.
-- An exception while running a request (its prefill, sampling, text; a decode step for the rows of that
-  step) fails those requests alone (finish_reason "error", `error` said) and the engine goes on; only an
-  error outside any request (or a failed model call under tensor parallelism) stops the loop (`dead`).
-- The model runs behind a `Runner` (prefill / decode / move); under tensor parallelism rank 0's runner
-  broadcasts each operation to the other ranks first (`DistributedRunner`), which replay it in `worker_loop`.
+- Speculative decoding (`infer/speculative.py`, `--speculative ngram|draft`): decoding rows take up to k
+  draft tokens (in blocks the scheduler reserves, within the budget left), the step verifies them in the same
+  forward, rejection sampling keeps a prefix plus one token of the target's own.
+- An exception while running a request (its prefill, sampling, text; a step for the rows of that step) fails
+  those requests alone (finish_reason "error", `error` said) and the engine goes on; only an error outside
+  any request (or a failed model call under tensor parallelism) stops the loop (`dead`).
 - Adapters (`infer/adapters.py`): a request may name one of the engine's adapters (index 1..K; 0 is the
-  base). Rows of different adapters share a decode step: LoRA runs unmerged on each row's own matrices,
-  and a prompt adapter's virtual tokens are placed before the prompt at prefill (n more positions of the
-  row, not counted as prompt tokens). A request's row starts as a tuning row does (`tune/data.py`) and as
-  `meshlm generate --adapter` lays it out: a prompt adapter's virtual tokens, then the prompt; a LoRA
-  adapter's row, like the base's, is its prompt alone (as PEFT runs an exported adapter).
+  base). Rows of different adapters share a step: LoRA runs unmerged on each row's own matrices, and a
+  prompt adapter's virtual tokens are placed before the prompt (n more positions of the row, not counted as
+  prompt tokens). A request's row starts as a tuning row does (`tune/data.py`) and as `meshlm generate
+  --adapter` lays it out: a prompt adapter's virtual tokens, then the prompt; a LoRA adapter's row, like the
+  base's, is its prompt alone (as PEFT runs an exported adapter).
 """
 
 from __future__ import annotations
@@ -37,13 +44,15 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from meshlm.infer import sampling
-from meshlm.infer.blocks import BlockPool, block_hashes
+from meshlm.infer.blocks import BlockPool
+from meshlm.infer.request import Request
+from meshlm.infer.runner import DistributedRunner, Runner, worker_loop  # noqa: F401 -- worker_loop: the engine's API
 from meshlm.infer.sampling import (  # noqa: F401 -- re-exported: the engine's API
     MAX_TOP_LOGPROBS,
     InvalidRequest,
@@ -52,8 +61,8 @@ from meshlm.infer.sampling import (  # noqa: F401 -- re-exported: the engine's A
     apply_penalties,
     sample_token,
 )
+from meshlm.infer.scheduler import Scheduler, StepPlan
 from meshlm.infer.speculative import target_probs, verify
-from meshlm.models.paged import Batch, PagedKV
 
 
 class QueueFull(RuntimeError):
@@ -62,58 +71,6 @@ class QueueFull(RuntimeError):
 
 class EngineDead(RuntimeError):
     """The engine loop stopped (an error in the model, or a shutdown)."""
-
-
-@dataclass(eq=False)  # a request is itself: compared by identity (the scheduler's lists)
-class Request:
-    prompt_ids: list[int]
-    params: SamplingParams
-    on_update: Callable[[Request], None] | None = None  # called from the engine thread after each change
-    id: int = 0
-    adapter: int = 0  # the engine's adapter index (0: the base)
-    client: str | None = None  # who sent it (the server's peer address): its share of the queue is bounded
-    head: list[int] = field(default_factory=list)  # ids before the prompt in the row (`Engine.head`)
-    output_ids: list[int] = field(default_factory=list)
-    output: list[TokenInfo] = field(default_factory=list)
-    prompt_tokens: list[TokenInfo] = field(default_factory=list)  # with echo: the prompt's tokens
-    text: str = ""  # the output text, cut at a stop string
-    emitted: int = 0  # characters of `text` safe to stream (not a possible stop-string prefix)
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    error: str | None = None
-    arrival: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    cancelled: bool = False
-    generator: torch.Generator | None = None
-    counts: dict[int, int] = field(default_factory=dict)  # output token counts (penalties)
-    seen: set[int] = field(default_factory=set)  # prompt + output ids (repetition penalty)
-    done_event: threading.Event = field(default_factory=threading.Event)
-    # the paged cache (the engine's scheduler): blocks held, positions computed, chained hashes of full blocks,
-    # blocks registered for prefix reuse, this step's speculative drafts, the prompt's log-probabilities done
-    blocks: list[int] = field(default_factory=list)
-    computed: int = 0
-    hashes: list[int] = field(default_factory=list)
-    registered: int = 0
-    drafts: list[int] = field(default_factory=list)
-    draft_probs: torch.Tensor | None = None
-    prompt_done: bool = False
-
-    def tokens(self, start: int = 0, end: int | None = None) -> list[int]:
-        """The ids of its row's positions start..end-1: the head, the prompt, the output (a decoding step asks
-        for the last one only: no copy of the whole row)."""
-        fixed = len(self.head) + len(self.prompt_ids)
-        if start >= fixed:
-            return self.output_ids[start - fixed:None if end is None else end - fixed]
-        return (self.head + self.prompt_ids + self.output_ids)[start:end]
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def length(self) -> int:
-        """Positions of its cache row in use: the head (a prompt adapter's virtual tokens), prompt, output."""
-        return len(self.head) + len(self.prompt_ids) + len(self.output_ids)
 
 
 class Histogram:
@@ -139,94 +96,6 @@ class Histogram:
             return list(zip(self.BOUNDS, self.counts)), self.count, self.total
 
 
-# ---- running the model --------------------------------------------------------------------------------------
-class Runner:
-    """The model and its paged KV cache (`models/paged.py`): `forward(plan)` runs one step's tokens and returns the
-    fp32 logits of the tokens it selects; with `adapters` (an `AdapterSet`) each token's adapter too.
-
-    plan: {"ids": [N token ids], "rows": [(positions, block table) per sequence, in token order], "select":
-    [token indices whose logits are returned], "adapters": [adapter index per
-    token] or None, "virtual": [(token index, adapter, position)]: a prompt adapter's virtual tokens}. Plain lists,
-    so that a tensor-parallel leader can broadcast it."""
-
-    def __init__(self, model, num_blocks: int, block_size: int, vocab_size: int, tp_group=None, adapters=None):
-        self.model, self.adapters = model, adapters
-        self.num_blocks, self.block_size, self.vocab_size, self.tp_group = num_blocks, block_size, vocab_size, tp_group
-        self.device = next(model.parameters()).device
-        self.kv = PagedKV(model, num_blocks, block_size)
-
-    def cache_bytes(self) -> int:
-        return self.kv.nbytes()
-
-    def _logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Whole-vocabulary fp32 logits (gathered over tp when the head is vocab-parallel)."""
-        if self.tp_group is not None:
-            import torch.distributed as dist
-
-            parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(self.tp_group))]
-            dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
-            logits = torch.cat(parts, dim=-1)
-        return logits[..., :self.vocab_size].float()
-
-    def _with(self, plan: dict):
-        if self.adapters is None or plan.get("adapters") is None:
-            return contextlib.nullcontext()
-        return self.adapters.batch(plan["adapters"], plan.get("virtual") or [])
-
-    @torch.no_grad()
-    def forward(self, plan: dict) -> torch.Tensor:
-        batch = Batch(plan["rows"], self.block_size, self.device)
-        ids = torch.tensor(plan["ids"], dtype=torch.long, device=self.device)[:, None]  # (N, 1): a row per token
-        start = batch.positions
-        m = self.model
-        with self._with(plan):
-            x = m.embed(ids, start)
-            x = m.run_layers(x, None, self.kv.caches(batch), start, m.rope(int(start.max()) + 1))
-            select = torch.tensor(plan["select"], dtype=torch.long, device=self.device)
-            return self._logits(m.head(x.index_select(0, select))[:, 0])
-
-    def idle(self) -> None:
-        """Called about once a second while there is nothing to do."""
-
-
-class DistributedRunner(Runner):
-    """Rank 0's runner under tensor parallelism: each step's plan is broadcast to the other ranks first (and a
-    ping every few idle seconds, so that their wait for the next step never reaches the timeout)."""
-
-    PING_S = 5.0
-    last_sent = 0.0
-
-    def _send(self, op: tuple) -> None:
-        import torch.distributed as dist
-
-        dist.broadcast_object_list([op], src=0)
-        self.last_sent = time.monotonic()
-
-    def idle(self):
-        if time.monotonic() - self.last_sent > self.PING_S:
-            self._send(("idle",))
-
-    def forward(self, plan):
-        self._send(("forward", plan))
-        return super().forward(plan)
-
-    def shutdown(self) -> None:
-        self._send(("stop",))
-
-
-def worker_loop(runner: Runner) -> None:
-    """Ranks other than 0: replay rank 0's steps until it says stop."""
-    import torch.distributed as dist
-
-    while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0)
-        op = box[0]
-        if op[0] == "stop":
-            return
-        getattr(Runner, op[0])(runner, *op[1:])
-
-
 @dataclass
 class CacheOptions:
     """The engine's cache and scheduling options (`meshlm serve` flags; docs/serving.md).
@@ -235,7 +104,8 @@ class CacheOptions:
     as before paging); prefix_caching: share the blocks of identical prompt prefixes; max_batched_tokens: the
     tokens one step runs at most (decoding rows first, then prefill chunks; None: whole prompts, no chunking);
     speculative: None, "ngram" (prompt lookup) or "draft" (the model at `draft_checkpoint`), proposing up to
-    `num_draft_tokens` tokens a step."""
+    `num_draft_tokens` tokens a step; compile: the runner's step through torch.compile (`Runner`, compiled at
+    start)."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -244,6 +114,7 @@ class CacheOptions:
     speculative: str | None = None
     draft_checkpoint: str | None = None
     num_draft_tokens: int = 4
+    compile: bool = False
 
     def blocks_for(self, max_seqs: int, max_len: int) -> int:
         return self.num_blocks or max_seqs * -(-max_len // self.block_size)
@@ -271,7 +142,7 @@ class Engine:
         self.max_seqs, self.max_queue, self.max_batched_tokens = max_seqs, max_queue, o.max_batched_tokens
         if runner is None:
             runner = Runner(model, o.blocks_for(max_seqs, self.max_len), o.block_size, cfg.vocab_size,
-                            adapters=adapters)
+                            adapters=adapters, compile=o.compile)
         self.runner, self.block_size = runner, runner.block_size
         self.pool = BlockPool(runner.num_blocks, runner.block_size, o.prefix_caching)
         self.speculator = speculator
@@ -279,10 +150,9 @@ class Engine:
         # every end-of-sequence id the model declares ends a request (`data.tokenizers`: stop_ids), unless ignore_eos
         self.stop_ids = frozenset(getattr(tokenizer, "stop_ids", None) or
                                   (() if self.eod_id is None else (self.eod_id,)))
-        self.waiting: deque[Request] = deque()
-        self.active: list[Request] = []  # the running requests, in the order they were admitted
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
+        self.waiting: deque[Request] = deque()  # the queue: `submit_group` appends under `lock`, admission reads
         self.next_id = 0
         self.thread: threading.Thread | None = None
         self.stopping = False
@@ -294,6 +164,18 @@ class Engine:
                       "batched_tokens": 0, "draft_tokens": 0, "accepted_tokens": 0}
         self.ttft = Histogram()  # seconds from arrival to the first token, of finished requests
         self.tpot = Histogram()  # seconds per output token after the first
+        self.scheduler = Scheduler(self.pool, max_seqs, o.max_batched_tokens, self.lock, self.stats,
+                                   self._released, self.waiting)
+
+    @property
+    def active(self) -> list[Request]:
+        """The running requests, in the order they were admitted (the scheduler's batch)."""
+        return self.scheduler.active
+
+    def _released(self, req: Request) -> None:
+        """`req` gave its blocks back (finished or preempted): its draft model row goes too."""
+        if self.speculator is not None:
+            self.speculator.release(req)
 
     # ---- requests ----
     def virtual_tokens(self, adapter: int) -> int:
@@ -410,7 +292,7 @@ class Engine:
     def running(self) -> int:
         return len(self.active)
 
-    # ---- one step ----
+    # ---- acceptance: sampled tokens, stop rules, finishing, failing ----
     def _finish(self, req: Request, reason: str) -> None:
         req.emitted = len(req.text)  # before the reason: a reader that sees it finished sees all its text
         req.finished_at = time.monotonic()
@@ -497,192 +379,61 @@ class Engine:
             self._fail(reqs, err)
             return None
 
+    # ---- one step: schedule, (speculate,) run, accept ----
     def _release_finished(self) -> None:
         """Finish cancelled requests and give finished ones' blocks back."""
-        keep = []
         for req in self.active:
             if req.cancelled and not req.finished:
                 self._finish(req, "abort")
                 self._notify(req)
-            if req.finished:
-                self._release(req)
-            else:
-                keep.append(req)
-        self.active[:] = keep
-
-    # ---- the cache's blocks ----
-    def _release(self, req: Request) -> None:
-        """Give `req`'s blocks back to the pool (its registered ones stay reusable by prefix)."""
-        self.pool.release(req.blocks)
-        req.blocks = []
-        if self.speculator is not None:
-            self.speculator.release(req)
-
-    def _reserve(self, req: Request, positions: int) -> bool:
-        """Blocks for positions 0..positions-1 of `req` (more taken as needed); False when the pool is short."""
-        need = -(-positions // self.block_size) - len(req.blocks)
-        if need <= 0:
-            return True
-        got = self.pool.allocate(need)
-        if got is None:
-            return False
-        req.blocks.extend(got)
-        return True
-
-    def _preempt(self, req: Request) -> None:
-        """Take `req` out of the running batch (the pool ran short): its blocks go back, it waits at the head of
-        the queue, and is recomputed from its tokens (prompt and output so far) when it comes back."""
-        self.active.remove(req)
-        self._release(req)
-        req.computed = 0
-        self.waiting.appendleft(req)
-        self.stats["preemptions"] += 1
-
-    def _register(self, req: Request) -> None:
-        """Register `req`'s newly completed blocks for prefix reuse."""
-        full = req.computed // self.block_size
-        if not self.pool.prefix_caching or full <= len(req.hashes) and full <= req.registered:
-            return
-        tokens = req.tokens()
-        req.hashes = block_hashes(tokens[:full * self.block_size], self.block_size, req.adapter, req.hashes)
-        bs = self.block_size
-        for j in range(req.registered, full):
-            self.pool.register(req.blocks[j], req.hashes[j], tokens[j * bs:(j + 1) * bs])
-        req.registered = full
-
-    # ---- scheduling one step ----
-    def _schedule_running(self, budget: float) -> tuple[list[tuple[Request, int]], float]:
-        """(request, tokens) for the running requests, oldest first, within `budget` tokens; a request whose next
-        tokens find no free block preempts the newest running ones (itself last)."""
-        out, scheduled = [], set()
-        for req in sorted(self.active, key=lambda r: r.length - r.computed > 1):  # decoding rows first
-            if req not in self.active:  # preempted for an older one
-                continue
-            n = int(min(req.length - req.computed, max(budget, 1)))  # a decoding row always runs
-            if req.length - req.computed > 1 and budget <= 0:
-                break
-            while not self._reserve(req, req.computed + n):
-                victims = [r for r in reversed(self.active) if r is not req and id(r) not in scheduled]
-                self._preempt(victims[0] if victims else req)
-                if not victims:
-                    break
-            if req not in self.active:
-                continue
-            scheduled.add(id(req))
-            out.append((req, n))
-            budget -= n
-        return out, budget
-
-    def _admit(self, budget: float) -> tuple[list[tuple[Request, int]], float]:
-        """(request, tokens) for waiting requests that now join (rows and blocks free), within `budget` tokens;
-        their first blocks are taken from the prefix cache where another request computed the same tokens."""
-        out = []
-        while budget > 0 and len(self.active) < self.max_seqs:
-            with self.lock:
-                if not self.waiting:
-                    break
-                req = self.waiting[0]
-            if req.cancelled:
-                with self.lock:
-                    self.waiting.popleft()
-                self._release(req)
-                self._finish(req, "abort")
-                self._notify(req)
-                continue
-            if not req.blocks and req.computed == 0 and not self._wants_prompt_logits(req):
-                tokens = req.tokens()
-                req.hashes = block_hashes(tokens, self.block_size, req.adapter, req.hashes)
-                req.blocks = self.pool.match(tokens, req.hashes, req.length - 1)
-                req.computed = req.registered = len(req.blocks) * self.block_size
-            n = int(min(req.length - req.computed, budget))
-            if not self._reserve(req, req.computed + n):  # it waits, holding nothing
-                self._release(req)
-                req.computed = req.registered = 0
-                if not self.active:  # nothing will free blocks: cannot happen (check() bounds a request)
-                    raise RuntimeError("the KV cache pool cannot hold one request")
-                break
-            if self.pool.prefix_caching and not self._wants_prompt_logits(req):
-                self.stats["prefix_queried_tokens"] += req.length - 1
-                self.stats["prefix_hit_tokens"] += req.computed
-            with self.lock:
-                self.waiting.popleft()
-            self.active.append(req)
-            out.append((req, n))
-            budget -= n
-        return out, budget
-
-    def _wants_prompt_logits(self, req: Request) -> bool:
-        return req.params.echo and req.params.logprobs is not None and not req.prompt_done
-
-    def _plan(self, work: list[tuple[Request, int]]) -> dict:
-        """The runner's plan (see `Runner`) for `work`, sorted by tokens per sequence (decoding rows first;
-        sequences with as many tokens attend together), then by length (similar lengths share an attention
-        call, `models/paged.py`)."""
-        work.sort(key=lambda w: (w[1] + len(w[0].drafts), w[0].computed))
-        ids, rows, select, adapters, virtual = [], [], [], [], []
-        for req, n in work:
-            first = len(ids)
-            tokens = req.tokens(req.computed, req.computed + n) + req.drafts
-            pos = list(range(req.computed, req.computed + len(tokens)))
-            ids.extend(tokens)
-            rows.append((pos, req.blocks))
-            adapters.extend([req.adapter] * len(tokens))
-            virtual.extend((first + i, req.adapter, p) for i, p in enumerate(pos) if p < len(req.head))
-            if self._wants_prompt_logits(req) or req.drafts:
-                select.extend(range(first, len(ids)))
-            elif req.computed + n == req.length:
-                select.append(len(ids) - 1)
-        return {"ids": ids, "rows": rows, "select": select,
-                "adapters": adapters if any(adapters) else None, "virtual": virtual}
+        self.scheduler.retire()
 
     def step(self) -> bool:
         """Schedule (running requests first, then waiting ones, within the token budget and the pool's
         blocks), run one forward over all their tokens, then take the next token of every request whose tokens
         are all computed. Returns whether anything was done."""
         self._release_finished()
-        budget = self.max_batched_tokens or math.inf
-        work, budget = self._schedule_running(budget)
-        admitted, budget = self._admit(budget)
-        work += admitted
-        if not work:
+        scheduled = self.scheduler.schedule()
+        for req in scheduled.aborted:  # cancelled while waiting
+            self._finish(req, "abort")
+            self._notify(req)
+        if not scheduled.work:
             return False
-        self._speculate(work, budget)
-        self._run(work)
+        self._speculate(scheduled.work, scheduled.budget)
+        self._run(self.scheduler.plan(scheduled.work))
         self._release_finished()
         return True
 
-    def _run(self, work: list[tuple[Request, int]]) -> None:
-        """One forward over `work`. When it fails and holds several requests, each is run again alone, so that
-        an error caused by one request fails that request only (a step's writes to the cache are idempotent);
-        under tensor parallelism a failure is fatal (the other ranks would be out of step)."""
-        plan = self._plan(work)
+    def _run(self, plan: StepPlan) -> None:
+        """The runner's forward of `plan`. When it fails and holds several requests, each is run again alone, so
+        that an error caused by one request fails that request only (a step's writes to the cache are
+        idempotent); under tensor parallelism a failure is fatal (the other ranks would be out of step)."""
         try:
-            logits = self.runner.forward(plan)
+            logits = self.runner.forward(plan.forward)
         except Exception as err:
             if isinstance(self.runner, DistributedRunner):
                 raise
-            if len(work) == 1:
-                self._fail([work[0][0]], err)
+            if len(plan.seqs) == 1:
+                self._fail([plan.seqs[0].request], err)
                 return
-            for one in work:
-                self._run([one])
+            for seq in plan.seqs:
+                self._run(self.scheduler.plan([(seq.request, seq.tokens)]))
             return
         self.stats["steps"] += 1
-        self.stats["batched_tokens"] += len(plan["ids"])
-        self.stats["mixed_steps"] += len({r.adapter for r, _ in work}) > 1
-        self._after(work, logits)
+        self.stats["batched_tokens"] += plan.n_tokens
+        self.stats["mixed_steps"] += len({s.request.adapter for s in plan.seqs}) > 1
+        self._after(plan, logits)
 
-    def _after(self, work: list[tuple[Request, int]], logits: torch.Tensor) -> None:
+    def _after(self, plan: StepPlan, logits: torch.Tensor) -> None:
         """Advance each request of the step by its computed tokens and take its next token(s) from `logits`."""
         argmax = logits.argmax(-1).tolist()  # every selected row's greedy choice at once
         row = 0
-        for req, n in work:
-            wants_all = self._wants_prompt_logits(req) or bool(req.drafts)
-            k = n + len(req.drafts) if wants_all else int(req.computed + n == req.length)
+        for seq in plan.seqs:
+            req, k = seq.request, seq.logits
             mine, greedy = logits[row:row + k], argmax[row:row + k]
             row += k
             if not req.finished:
-                self._isolated([req], self._advance, req, n, mine, greedy)
+                self._isolated([req], self._advance, req, seq.tokens, mine, greedy)
                 self._notify(req)
             req.drafts, req.draft_probs = [], None
 
@@ -698,7 +449,7 @@ class Engine:
             if req.first_token_at is None:
                 self.stats["prompt_tokens"] += len(req.prompt_ids)
             self._accept(req, logits[-1], argmax[-1])
-        self._register(req)
+        self.scheduler.register(req)
 
     def _prompt_logprobs(self, req: Request, start: int, logits: torch.Tensor | None) -> None:
         """Echo: the prompt's tokens (with logprobs, their log-probabilities) from the logits of positions
@@ -734,7 +485,7 @@ class Engine:
         for req, (tokens, probs) in zip(rows, self.speculator.propose(rows, k)):
             room = min(self.max_len - req.length, req.params.max_tokens - len(req.output_ids) - 1)
             tokens = tokens[:max(room, 0)]
-            if tokens and self._reserve(req, req.length + len(tokens)):
+            if tokens and self.scheduler.reserve(req, req.length + len(tokens)):
                 req.drafts = tokens
                 req.draft_probs = probs[:len(tokens)] if probs is not None else None
                 self.stats["draft_tokens"] += len(tokens)

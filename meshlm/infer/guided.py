@@ -1,5 +1,6 @@
 """Guided decoding: OpenAI's `response_format` (`{"type": "json_object"}`, `{"type": "json_schema", ...}`)
-through xgrammar (the optional extra `meshlm[guided]`).
+and forced tool calls (`tool_choice` "required" or a named function: `compile_tool_call`, a tool parser's call
+syntax around JSON arguments that match the tool's `parameters`) through xgrammar (the extra `meshlm[guided]`).
 
 `compile_format(tokenizer, vocab_size, response_format)` checks the request's field and compiles its grammar
 (cached per tokenizer and format: the first request of a format pays for it), before the request is submitted:
@@ -32,8 +33,9 @@ def require_xgrammar():
     try:
         import xgrammar
     except ImportError:
-        raise InvalidRequest("response_format needs guided decoding, whose package (xgrammar) is not installed on "
-                             f"this server; {INSTALL}", "response_format") from None
+        raise InvalidRequest("response_format (and tool_choice 'required' or a named function) need guided "
+                             f"decoding, whose package (xgrammar) is not installed on this server; {INSTALL}",
+                             "response_format") from None
     return xgrammar
 
 
@@ -96,25 +98,60 @@ def compile_format(tokenizer, vocab_size: int, response_format):
     fmt = check_format(response_format)
     if fmt is None:
         return None
+    # json_object: any JSON object (OpenAI's JSON mode); compact JSON, no free whitespace to loop in
+    schema = {"type": "object"} if fmt["schema"] is None else fmt["schema"]
+    return compiled(tokenizer, vocab_size, json.dumps(fmt, sort_keys=True), "response_format",
+                    lambda xgr: xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+
+
+def call_schema(tools: list[dict], arguments_key: str) -> dict:
+    """The JSON schema of one call of any of `tools` (OpenAI's `{"type": "function", "function": {...}}`):
+    `{"name": <a tool's name>, <arguments_key>: <that tool's parameters>}`, name first."""
+    options = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                 arguments_key: t["function"].get("parameters") or {"type": "object"}},
+                "required": ["name", arguments_key], "additionalProperties": False} for t in tools]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def compile_tool_call(tokenizer, vocab_size: int, tools: list[dict], prefix: str, suffix: str,
+                      arguments_key: str):
+    """The `Format` that forces a reply to be one call of one of `tools` in a tool parser's syntax: `prefix`,
+    the call's JSON object (`call_schema`: its arguments match the tool's `parameters`), `suffix`, then the end
+    (`tool_choice` "required" or a named function). InvalidRequest naming `tools` when a tool's parameters are
+    not a schema guided decoding can follow."""
+    schema = call_schema(tools, arguments_key)
+    key = json.dumps({"tool_call": schema, "prefix": prefix, "suffix": suffix}, sort_keys=True)
+
+    def build(xgr):
+        def literal(text):
+            return [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")] if text else []
+
+        pieces = [*literal(prefix), xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
+                  *literal(suffix)]
+        return xgr.Grammar.concat(*pieces) if len(pieces) > 1 else pieces[0]
+
+    return compiled(tokenizer, vocab_size, key, "tools", build)
+
+
+def compiled(tokenizer, vocab_size: int, key_text: str, param: str, build):
+    """The `Format` of the grammar `build(xgrammar)` (cached per tokenizer, vocab size and `key_text`);
+    InvalidRequest naming `param` when xgrammar refuses it."""
     xgr = require_xgrammar()
     key = (id(tokenizer), vocab_size)
-    text = json.dumps(fmt, sort_keys=True)
     with _lock:
-        if (*key, text) in _grammars:
-            return _grammars[(*key, text)]
+        if (*key, key_text) in _grammars:
+            return _grammars[(*key, key_text)]
         if key not in _compilers:
             _compilers[key] = xgr.GrammarCompiler(token_vocabulary(xgr, tokenizer, vocab_size))
         compiler = _compilers[key]
         try:
-            # json_object: any JSON object (OpenAI's JSON mode); compact JSON, no free whitespace to loop in
-            schema = {"type": "object"} if fmt["schema"] is None else fmt["schema"]
-            grammar = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+            grammar = compiler.compile_grammar(build(xgr))
         except Exception as err:  # noqa: BLE001 -- xgrammar's errors (RuntimeError, ValueError, ...) are the schema's
-            raise InvalidRequest(f"response_format.json_schema.schema is not a JSON Schema guided decoding can "
-                                 f"follow ({str(err).splitlines()[0] if str(err) else type(err).__name__})",
-                                 "response_format") from None
-        _grammars[(*key, text)] = Format(grammar)
-        return _grammars[(*key, text)]
+            what = "response_format.json_schema.schema" if param == "response_format" else "a tool's parameters"
+            raise InvalidRequest(f"{what} is not a JSON Schema guided decoding can follow "
+                                 f"({str(err).splitlines()[0] if str(err) else type(err).__name__})", param) from None
+        _grammars[(*key, key_text)] = Format(grammar)
+        return _grammars[(*key, key_text)]
 
 
 class Format:

@@ -1,5 +1,14 @@
 """The server's metrics: request counters kept by the HTTP middleware, and GET /metrics in Prometheus' text
-format (the engine's counters, gauges and histograms are read at scrape time)."""
+format (the engine's counters, gauges and histograms are read at scrape time).
+
+Beside meshlm's own series (`meshlm_*`), the same measurements under vLLM's names and types, labelled
+`model_name` (the served model's name), so that dashboards made for vLLM read this server unchanged:
+gauges `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` and its older
+name `vllm:gpu_cache_usage_perc` (a fraction: 1 is the whole pool); counters `vllm:prompt_tokens_total`,
+`vllm:generation_tokens_total`, `vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total` (in
+tokens), `vllm:num_preemptions_total`; histograms `vllm:time_to_first_token_seconds`,
+`vllm:time_per_output_token_seconds`, `vllm:e2e_request_latency_seconds` (meshlm's buckets). Names and
+types as vLLM's v1 Prometheus logger declares them (a counter's samples end in `_total`)."""
 
 import math
 import threading
@@ -77,11 +86,52 @@ def prometheus(server) -> str:
         for name, hist, help_ in (("meshlm_time_to_first_token_seconds", eng.ttft, "time to first token"),
                                   ("meshlm_time_per_output_token_seconds", eng.tpot,
                                    "time per output token after the first")):
-            buckets, count, total = hist.snapshot()
-            lines.append(f"# HELP {name} {help_}")
-            lines.append(f"# TYPE {name} histogram")
-            for le, c in buckets:
-                lines.append(f'{name}_bucket{{le="{"+Inf" if math.isinf(le) else repr(le)}"}} {c}')
-            lines.append(f"{name}_sum {total}")
-            lines.append(f"{name}_count {count}")
+            histogram(lines, name, help_, hist, {})
+        vllm_series(server, metric, lines)
     return "\n".join(lines) + "\n"
+
+
+def histogram(lines: list[str], name: str, help_: str, hist, labels: dict) -> None:
+    """A histogram (`engine.Histogram`: cumulative bucket counts, count, sum) in Prometheus' text format."""
+    buckets, count, total = hist.snapshot()
+    own = "".join(f'{k}="{v}",' for k, v in labels.items())
+    plain = "{" + own.rstrip(",") + "}" if labels else ""
+    lines.append(f"# HELP {name} {help_}")
+    lines.append(f"# TYPE {name} histogram")
+    for le, c in buckets:
+        lines.append(f'{name}_bucket{{{own}le="{"+Inf" if math.isinf(le) else repr(le)}"}} {c}')
+    lines.append(f"{name}_sum{plain} {total}")
+    lines.append(f"{name}_count{plain} {count}")
+
+
+def label_value(text: str) -> str:
+    """`text` escaped for a Prometheus label value (backslash, double quote, newline)."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def vllm_series(server, metric, lines: list[str]) -> None:
+    """The engine's measurements under vLLM's metric names (see the module docstring)."""
+    eng, pool, s = server.engine, server.engine.pool, server.engine.stats
+    labels = {"model_name": label_value(server.model_name)}
+    usage = pool.used / pool.num_blocks
+    for name, kind, help_, value in (
+            ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", eng.running),
+            ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", eng.queue_length),
+            ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", usage),
+            ("vllm:gpu_cache_usage_perc", "gauge", "KV-cache usage (vLLM's older name). 1 means 100 percent usage.",
+             usage),
+            ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", s["prompt_tokens"]),
+            ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
+             s["generation_tokens"]),
+            ("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.",
+             s["prefix_queried_tokens"]),
+            ("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+             s["prefix_hit_tokens"]),
+            ("vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.",
+             s["preemptions"])):
+        metric(name, kind, help_, [(labels, value)])
+    for name, hist, help_ in (
+            ("vllm:time_to_first_token_seconds", eng.ttft, "Histogram of time to first token in seconds."),
+            ("vllm:time_per_output_token_seconds", eng.tpot, "Histogram of time per output token in seconds."),
+            ("vllm:e2e_request_latency_seconds", server.e2e, "Histogram of e2e request latency in seconds.")):
+        histogram(lines, name, help_, hist, labels)

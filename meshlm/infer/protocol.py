@@ -7,7 +7,7 @@ Plain Python: nothing here imports fastapi or torch.
 import json
 import math
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 CHAT_STOP = "<|"  # the builtin template's end of turn (data.chat.BUILTIN_STOP): the model opened the next tag
 
 
@@ -29,16 +29,153 @@ def chat_template_of(tokenizer):
     return template_for(spec) if isinstance(spec, str) and spec else ChatTemplate(BUILTIN_TEMPLATE)
 
 
-def chat_text(template, messages: list[dict]) -> tuple[str, tuple[str, ...]]:
+def chat_text(template, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, tuple[str, ...]]:
     """(the prompt of `messages` with the generation prompt, the stop strings that end the reply) by the chat
-    template `template`; a conversation the template refuses (its `raise_exception`) is a 400 naming `messages`."""
+    template `template`, with `tools` as its `tools` variable (transformers' `apply_chat_template(tools=...)`);
+    a conversation the template refuses (its `raise_exception`) is a 400 naming `messages`."""
     from meshlm.data.chat import render, stop_strings
     from meshlm.data.items import DataError
 
     try:
-        return render(template, messages, add_generation_prompt=True), stop_strings(template)
+        return render(template, messages, add_generation_prompt=True, tools=tools), stop_strings(template)
     except DataError as err:
         raise bad(str(err), "messages") from None
+
+
+# ---- chat messages, tools and tool_choice ------------------------------------------------------------------------
+MESSAGE_FIELDS = {"system": {"name"}, "user": {"name"}, "assistant": {"name", "tool_calls", "reasoning_content"},
+                  "tool": {"tool_call_id", "name"}}
+TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+
+
+def content_text(content, where: str) -> str:
+    """A message's `content` as text: a string, or a list of `{"type": "text", "text": ...}` parts joined by
+    newlines (as vLLM joins them); any other part (an image) is a 400 naming it."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise bad(f"{where} must be a string or a non-empty list of text parts", "messages")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise bad(f"{where}[{j}] is a {kind!r} part; this server takes text parts only "
+                      "({\"type\": \"text\", \"text\": ...})" if kind else f"{where}[{j}] must be an object "
+                      "{\"type\": \"text\", \"text\": ...}", "messages")
+        if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+            raise bad(f"{where}[{j}] must be {{\"type\": \"text\", \"text\": <string>}}", "messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def assistant_calls(calls, where: str) -> list[dict]:
+    """An assistant message's `tool_calls` for the template: each `function.arguments` (the JSON text OpenAI
+    sends) parsed into the object templates expect (transformers' convention)."""
+    if not isinstance(calls, list) or not calls:
+        raise bad(f"{where} must be a non-empty list of calls", "messages")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(call.get("id"), str) \
+                or call.get("type", "function") != "function":
+            raise bad(f"{where}[{j}] must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                      "\"arguments\"}}}", "messages")
+        try:
+            arguments = json.loads(fn.get("arguments"))
+        except (TypeError, ValueError, RecursionError):
+            raise bad(f"{where}[{j}].function.arguments must be JSON text (a string holding a JSON object), not "
+                      f"{preview(fn.get('arguments'))}", "messages") from None
+        out.append({"id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": arguments}})
+    return out
+
+
+def chat_messages(raw: list) -> list[dict]:
+    """The request's `messages` checked and made ready for the template: a role of CHAT_ROLES, content as text
+    (`content_text`), a tool message's `tool_call_id`, an assistant message's `tool_calls` (`assistant_calls`;
+    its content may then be null). Every problem is a 400 naming `messages` and the message."""
+    messages = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in CHAT_ROLES:
+            raise bad(f"{where} must be an object with 'role' ({', '.join(CHAT_ROLES)}) and 'content'", "messages")
+        extra = sorted(set(m) - {"role", "content"} - MESSAGE_FIELDS[role])
+        if extra:
+            raise bad(f"{where} has unknown field {extra[0]!r} (a {role} message takes content"
+                      f"{''.join(', ' + k for k in sorted(MESSAGE_FIELDS[role]))})", "messages")
+        out = {"role": role}
+        if not isinstance(m.get("name", ""), str):
+            raise bad(f"{where}.name must be a string", "messages")
+        if "name" in m:
+            out["name"] = m["name"]
+        if role == "assistant" and m.get("tool_calls") is not None:
+            out["tool_calls"] = assistant_calls(m["tool_calls"], f"{where}.tool_calls")
+            # no content: "" (templates that know tool calls skip an empty one; the others need a string)
+            out["content"] = content_text(m["content"], f"{where}.content") if m.get("content") is not None else ""
+        else:
+            out["content"] = content_text(m.get("content"), f"{where}.content")
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+                raise bad(f"{where} is a tool message without 'tool_call_id' (the id of the call it answers)",
+                          "messages")
+            out["tool_call_id"] = m["tool_call_id"]
+        messages.append(out)
+    if not messages:
+        raise bad("messages is empty", "messages")
+    return messages
+
+
+def check_tools(tools) -> list[dict] | None:
+    """The request's `tools` checked: a list of `{"type": "function", "function": {"name", "description",
+    "parameters" (a JSON Schema object), "strict"}}`, names distinct; None when absent or empty."""
+    if not tools:
+        return None
+    out, names = [], set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type") != "function" or set(tool) - {"type", "function"}:
+            raise bad(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}", "tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not 0 < len(name) <= 64 or set(name) - TOOL_NAME_CHARS:
+            raise bad(f"{where}.function.name must be 1 to 64 letters, digits, '_', '-' or '.', not "
+                      f"{preview(name)}", "tools")
+        if name in names:
+            raise bad(f"{where}.function.name {name!r} is given twice", "tools")
+        extra = sorted(set(fn) - {"name", "description", "parameters", "strict"})
+        if extra:
+            raise bad(f"{where}.function has unknown field {extra[0]!r}", "tools")
+        if not isinstance(fn.get("description", ""), str) or not isinstance(fn.get("strict", False), bool | None):
+            raise bad(f"{where}.function.description must be a string and strict true or false", "tools")
+        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+            raise bad(f"{where}.function.parameters must be a JSON Schema object, not {preview(fn['parameters'])}",
+                      "tools")
+        names.add(name)
+        out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
+    return out
+
+
+def check_tool_choice(choice, tools: list[dict] | None) -> str | dict:
+    """The request's `tool_choice`: "none", "auto" (the default with tools; "none" without), "required", or
+    the tool of `{"type": "function", "function": {"name"}}` (which must be one of `tools`)."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise bad(f"tool_choice must be 'none', 'auto', 'required' or {{\"type\": \"function\", \"function\": "
+                      f"{{\"name\": ...}}}}, not {preview(choice)}", "tool_choice")
+        if choice == "required" and not tools:
+            raise bad("tool_choice 'required' needs tools", "tool_choice")
+        return choice
+    fn = choice.get("function")
+    if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad("tool_choice must name a function as {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                  "tool_choice")
+    named = [t for t in tools or [] if t["function"]["name"] == fn["name"]]
+    if not named:
+        raise bad(f"tool_choice names the function {fn['name']!r}, which is not one of tools "
+                  f"({', '.join(t['function']['name'] for t in tools or []) or 'none given'})", "tool_choice")
+    return named[0]
 
 
 # ---- errors --------------------------------------------------------------------------------------------------
@@ -147,7 +284,9 @@ MAX_BEST_OF = 20  # candidates per prompt (`best_of`), as OpenAI allows
 COMPLETION_SCHEMA = {**SAMPLING_FIELDS, "prompt": (PROMPT_KINDS, REQUIRED), "logprobs": ((INT, "null"), None),
                      "echo": ((BOOL, "null"), None), "best_of": ((INT, "null"), None)}
 CHAT_SCHEMA = {**SAMPLING_FIELDS, "messages": (("list",), REQUIRED), "logprobs": ((BOOL, "null"), None),
-               "top_logprobs": ((INT, "null"), None), "max_completion_tokens": ((INT, "null"), None)}
+               "top_logprobs": ((INT, "null"), None), "max_completion_tokens": ((INT, "null"), None),
+               "tools": (("list", "null"), None), "tool_choice": ((STR, "object", "null"), None),
+               "parallel_tool_calls": ((BOOL, "null"), None), "max_thinking_tokens": ((INT, "null"), None)}
 EMBEDDING_SCHEMA = {"model": ((STR, "null"), None), "input": (PROMPT_KINDS, REQUIRED),
                     "encoding_format": ((STR, "null"), None), "dimensions": ((INT, "null"), None),
                     "user": ((STR, "null"), None)}
@@ -179,6 +318,27 @@ def choice_counts(f: dict) -> tuple[int, int]:
         raise bad("best_of cannot be used with stream: the best candidates are known only at the end; drop best_of "
                   "or stream", "best_of")
     return n, best_of
+
+
+def sampling_fields(f: dict, default_max: int | None, logprobs: int | None, echo: bool = False) -> dict:
+    """The engine's `SamplingParams` fields (a dict: this module stays torch-free) of a validated request's
+    sampling fields (`SAMPLING_FIELDS`, one choice: n and best_of are the route's), each checked (a 400 naming
+    it). `default_max`: max_tokens when the request has none; `echo`: max_tokens 0 is allowed (scoring)."""
+    stop = f.get("stop")
+    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if any(not s for s in stop):
+        raise bad("stop strings must not be empty", "stop")
+    max_tokens = f.get("max_tokens")
+    if max_tokens is not None and max_tokens < (0 if echo else 1):
+        raise bad(f"max_tokens must be >= 1, not {max_tokens}", "max_tokens")
+    return {"max_tokens": or_default(max_tokens, default_max),
+            "temperature": float(or_default(f.get("temperature"), 1.0)), "top_k": or_default(f.get("top_k"), 0),
+            "top_p": float(or_default(f.get("top_p"), 1.0)), "seed": f.get("seed"), "stop": stop,
+            "stop_token_ids": tuple(or_default(f.get("stop_token_ids"), ())), "ignore_eos": bool(f.get("ignore_eos")),
+            "repetition_penalty": float(or_default(f.get("repetition_penalty"), 1.0)),
+            "presence_penalty": float(or_default(f.get("presence_penalty"), 0.0)),
+            "frequency_penalty": float(or_default(f.get("frequency_penalty"), 0.0)), "logprobs": logprobs,
+            "echo": echo}
 
 
 def logit_bias_of(value, vocab_size: int) -> dict[int, float] | None:

@@ -3,8 +3,10 @@ with `stream: true` as server-sent events), POST /v1/embeddings, GET /v1/models,
 text-generation server), GET /health and GET /metrics.
 
 Each route is a function of the server state (`infer/server.py`'s `Server`) and the request's JSON body,
-checked by `infer/protocol.py`; `add_routes` registers them on the app. fastapi (the optional extra
-`meshlm[serve]`) and the engine (torch) are imported when a route runs, never at module level.
+checked by `infer/protocol.py`; `add_routes` registers them on the app. Chat replies are read into content,
+`reasoning_content` and `tool_calls` by `infer/replies.py` (tool parsers: `infer/tools.py`; reasoning:
+`infer/reasoning.py`). fastapi (the optional extra `meshlm[serve]`) and the engine (torch) are imported when
+a route runs, never at module level.
 """
 
 import asyncio
@@ -16,7 +18,6 @@ import uuid
 
 from meshlm.infer.metrics import prometheus
 from meshlm.infer.protocol import (
-    CHAT_ROLES,
     CHAT_SCHEMA,
     COMPLETION_SCHEMA,
     EMBEDDING_SCHEMA,
@@ -24,13 +25,17 @@ from meshlm.infer.protocol import (
     APIError,
     bad,
     chat_logprobs,
+    chat_messages,
     chat_template_of,
     chat_text,
+    check_tool_choice,
+    check_tools,
     choice_counts,
     completion_logprobs,
     include_usage,
     logit_bias_of,
     or_default,
+    sampling_fields,
     usage,
     validate,
 )
@@ -211,26 +216,26 @@ async def events(server, reqs: list, wake: asyncio.Event, chunks, usage_chunk):
 
 # ---- /v1/completions ---------------------------------------------------------------------------------------------
 async def request_sampling(server, f: dict, default_max: int | None, logprobs: int | None, echo: bool = False):
-    """(SamplingParams, n, best_of) of a validated request: the server's sampling fields, then `logit_bias`
-    and `response_format` (its grammar compiled off the event loop); with best_of > n the candidates' log-
-    probabilities are computed (they are ranked by them) even when the request does not ask for them."""
+    """(SamplingParams, n, best_of) of a validated request: its sampling fields (`protocol.sampling_fields`),
+    `logit_bias` and `response_format` (its grammar compiled off the event loop); with best_of > n the
+    candidates' log-probabilities are computed (they are ranked by them) even when the request does not ask."""
     from meshlm.infer.guided import compile_format
-    from meshlm.infer.sampling import InvalidRequest
+    from meshlm.infer.sampling import InvalidRequest, SamplingParams
 
     n, best_of = choice_counts(f)
-    sp = server.sampling({**f, "n": None, "best_of": None}, default_max, logprobs, echo)
+    fields = sampling_fields(f, default_max, logprobs, echo)
     vocab = server.engine.model.cfg.vocab_size
     bias = logit_bias_of(f["logit_bias"], vocab)
     try:
         guide = await asyncio.to_thread(compile_format, server.tokenizer, vocab, f["response_format"])
     except InvalidRequest as err:
         raise bad(str(err), err.param) from None
-    if guide is not None and sp.ignore_eos:
+    if guide is not None and f.get("ignore_eos"):
         raise bad("response_format ends the output with the end-of-document token once the JSON is complete; drop "
                   "ignore_eos", "response_format")
-    if best_of > n and sp.logprobs is None:
-        logprobs = 0
-    return dataclasses.replace(sp, logit_bias=bias, guide=guide, logprobs=logprobs), n, best_of
+    if best_of > n and fields["logprobs"] is None:
+        fields["logprobs"] = 0  # the candidates are ranked by their log-probabilities
+    return SamplingParams(**fields, logit_bias=bias, guide=guide), n, best_of
 
 
 def choice_params(sp, k: int) -> list:
@@ -304,47 +309,85 @@ async def completions(server, request_body, http_request=None):
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------------------------------
-def chat_messages(f: dict) -> list[dict]:
-    """The request's `messages`, each checked: a role of CHAT_ROLES and string content."""
-    messages = []
-    for i, m in enumerate(f["messages"]):
-        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
-            raise bad(f"messages[{i}] must be an object with 'role' ({', '.join(CHAT_ROLES)}) and string "
-                      "'content'", "messages")
-        extra = sorted(set(m) - {"role", "content", "name"})
-        if extra:
-            raise bad(f"messages[{i}] has unknown field {extra[0]!r}", "messages")
-        if not isinstance(m.get("name", ""), str):
-            raise bad(f"messages[{i}].name must be a string", "messages")
-        messages.append(m)
-    if not messages:
-        raise bad("messages is empty", "messages")
-    return messages
+def tool_family(server, template) -> str | None:
+    """The server's tool parser family: `--tool-parser`, else the one its chat template asks for (found once)."""
+    from meshlm.infer.tools import detect
+
+    if getattr(server, "tool_parser", None):
+        return server.tool_parser
+    if "detected_tool_parser" not in vars(server):
+        server.detected_tool_parser = detect(template)
+    return server.detected_tool_parser
 
 
-async def chat_completions(server, request_body, template=None, http_request=None):
-    """POST /v1/chat/completions: the assistant's reply to `messages`, rendered by the checkpoint's chat
-    template (`template`, a `data.chat.ChatTemplate`; `protocol.chat_template_of` when None) and ended at
-    the template's end of turn (`data.chat.stop_strings`) or the end-of-document token."""
-    f = validate(request_body, CHAT_SCHEMA)
-    adapter = server.check_model(f["model"])
-    model = server.names[adapter]
-    server.need("engine")
-    template = template or chat_template_of(server.tokenizer)
-    text, stops = chat_text(template, chat_messages(f))
-    ids = await asyncio.to_thread(server.tokenizer.encode, text)  # off the event loop
+async def chat_sampling(server, f: dict, room: int, plan, stops: tuple[str, ...]):
+    """(SamplingParams, n) of a validated chat request: the sampling fields, the template's stops, and the
+    guide of a forced tool call (`ToolPlan.guide`) or of the thinking budget (`reasoning.ThinkingBudget`)."""
+    from meshlm.infer.reasoning import ThinkingBudget
+    from meshlm.infer.sampling import InvalidRequest
+
+    top = f["top_logprobs"]
+    if top is not None and not f["logprobs"]:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    sp, n, _ = await request_sampling(server, f, max(1, room), (top or 0) if f["logprobs"] else None)
+    guide = None
+    if plan.forced:
+        if sp.guide is not None:
+            raise bad("tool_choice 'required' or a named function forces the reply's format; drop response_format",
+                      "tool_choice")
+        try:
+            guide = await asyncio.to_thread(plan.guide, server.tokenizer, server.engine.model.cfg.vocab_size)
+        except InvalidRequest as err:
+            raise bad(str(err), err.param) from None
+    budget = or_default(f["max_thinking_tokens"], getattr(server, "max_thinking_tokens", None))
+    reasoning = getattr(server, "reasoning_parser", None)
+    if budget is not None:
+        if budget < 0 or reasoning is None:
+            raise bad("max_thinking_tokens must be >= 0 and needs a thinking model (meshlm serve --reasoning-parser)",
+                      "max_thinking_tokens")
+        if guide is None and sp.guide is None:  # a forced format leaves no room to think
+            guide = ThinkingBudget(budget, server.tokenizer.encode("</think>"), server.tokenizer.decode,
+                                   reasoning == "deepseek_r1")
+    return dataclasses.replace(sp, stop=(*sp.stop, *stops, *plan.stops), guide=guide or sp.guide), n
+
+
+def completion_limit(f: dict) -> dict[str, str]:
+    """A validated chat request's `max_completion_tokens` (OpenAI's newer name) put in `max_tokens`; the
+    request's own names of the engine's parameters, for its errors."""
     names = {"logprobs": "top_logprobs"}
     if f["max_completion_tokens"] is not None:
         if f["max_completion_tokens"] < 1:
             raise bad(f"max_completion_tokens must be >= 1, not {f['max_completion_tokens']}", "max_completion_tokens")
         f["max_tokens"] = f["max_completion_tokens"]
         names["max_tokens"] = "max_completion_tokens"
-    top = f["top_logprobs"]
-    if top is not None and not f["logprobs"]:
-        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    return names
+
+
+async def chat_completions(server, request_body, template=None, http_request=None):
+    """POST /v1/chat/completions: the assistant's reply to `messages` (text or text parts, tool results, earlier
+    tool calls), rendered by the checkpoint's chat template (`template`, a `data.chat.ChatTemplate`;
+    `protocol.chat_template_of` when None) with the request's `tools`, ended at the template's end of turn
+    (`data.chat.stop_strings`) or the end-of-document token, and read into content, reasoning_content and
+    tool_calls (`infer/replies.py`)."""
+    from meshlm.infer.replies import ReplyReader, ToolPlan
+
+    f = validate(request_body, CHAT_SCHEMA)
+    adapter = server.check_model(f["model"])
+    model = server.names[adapter]
+    server.need("engine")
+    template = template or chat_template_of(server.tokenizer)
+    messages, tools = chat_messages(f["messages"]), check_tools(f["tools"])
+    choice = check_tool_choice(f["tool_choice"], tools)
+    try:
+        plan = ToolPlan.of(tools, choice, tool_family(server, template), f["parallel_tool_calls"])
+    except ValueError as err:
+        raise bad(str(err), "tools") from None
+    text, stops = chat_text(template, messages, tools)
+    ids = await asyncio.to_thread(server.tokenizer.encode, text)  # off the event loop
+    names = completion_limit(f)
     room = server.max_len - len(ids) - len(server.engine.head(adapter))  # the rest of the context
-    sp, n, _ = await request_sampling(server, f, max(1, room), (top or 0) if f["logprobs"] else None)
-    sp.stop = (*sp.stop, *stops)
+    sp, n = await chat_sampling(server, f, room, plan, stops)
+    readers = [ReplyReader(getattr(server, "reasoning_parser", None), plan) for _ in range(n)]
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     decode = server.tokenizer.decode
 
@@ -357,15 +400,23 @@ async def chat_completions(server, request_body, template=None, http_request=Non
     def chunks(i, r, delta, toks, first=False, finished=False):
         if first:
             return [chunk(j, {"role": "assistant", "content": ""}, None) for j in range(n)]
-        out = [chunk(i, {"content": delta}, None, toks)] if delta or (toks and sp.logprobs is not None) else []
+        fields = readers[i].feed(delta)
+        out = [chunk(i, fields, None, toks)] if fields or (toks and sp.logprobs is not None) else []
         if finished:
-            out.append(chunk(i, {}, r.finish_reason))
+            rest = readers[i].finish()
+            if rest:
+                out.append(chunk(i, rest, None))
+            out.append(chunk(i, {}, readers[i].finish_reason(r.finish_reason)))
         return out
 
     def final(reqs):
-        choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "finish_reason": r.finish_reason,
-                    "logprobs": chat_logprobs(r.output, lambda t: decode([t])) if sp.logprobs is not None else None}
-                   for i, r in enumerate(reqs)]
+        choices = []
+        for i, r in enumerate(reqs):
+            reader = ReplyReader(getattr(server, "reasoning_parser", None), plan)
+            choices.append({"index": i, "message": reader.message(r.text),
+                            "finish_reason": reader.finish_reason(r.finish_reason),
+                            "logprobs": chat_logprobs(r.output, lambda t: decode([t])) if sp.logprobs is not None
+                            else None})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices, "usage": usage(reqs, n)}
 

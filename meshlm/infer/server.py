@@ -2,13 +2,14 @@
 
 Endpoints (docs/serving.md, `infer/routes.py`): POST /v1/completions, POST /v1/chat/completions (both with
 `stream: true` as server-sent events), POST /v1/embeddings (BERT checkpoints), GET /v1/models, PUT /api
-(Megatron's text-generation server), GET /health, GET /metrics (Prometheus text, `infer/metrics.py`). With
-`--adapter [NAME=]DIR` (repeated) each adapter is one more model next to the base, chosen per request by
+(Megatron's text-generation server), GET /health, GET /metrics (Prometheus text, `infer/metrics.py`); POST
+/v1/responses (`infer/responses.py`); /tokenize, /detokenize and runtime LoRA loading (`infer/ops_routes.py`).
+With `--adapter [NAME=]DIR` (repeated) each adapter is one more model next to the base, chosen per request by
 `model` (`infer/adapters.py`).
 
 Here: the server's state (`Server`), the app assembled over it (`build_app`: error handlers, the API key, the
-engine's start and drain), the state of a checkpoint (`build_server`, also under tensor parallelism, where the
-ranks other than 0 are workers) and `serve` (uvicorn). Requests are validated field by field
+engine's start and drain), the state of a checkpoint (`build_server`, also under tensor and pipeline
+parallelism, where the ranks other than 0 are workers: `infer/runner.py`, `infer/pipeline_runner.py`) and `serve` (uvicorn). Requests are validated field by field
 (`infer/protocol.py`: unknown fields and wrong types are errors); every error is OpenAI's JSON
 `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status, and never stops the server. fastapi
 and uvicorn are the optional extra `meshlm[serve]`: nothing here imports them at module level, so
@@ -20,11 +21,12 @@ import hmac
 import os
 import re
 import sys
+import threading
 import time
 
 from meshlm.core.config import ConfigError
 from meshlm.infer.metrics import Metrics
-from meshlm.infer.protocol import MAX_BODY_BYTES, APIError, bad, or_default
+from meshlm.infer.protocol import MAX_BODY_BYTES, APIError, bad
 
 
 # ---- the server's state --------------------------------------------------------------------------------------
@@ -38,25 +40,54 @@ class Server:
         self.max_body_bytes = max_body_bytes  # a larger request body is a 413, refused before it is read
         self.created = int(time.time())
         self.metrics = Metrics()
-        adapters = getattr(engine, "adapters", None)
-        self.adapters = adapters.served if adapters is not None else []  # index k: self.adapters[k - 1]
+        self.adapter_set = getattr(engine, "adapters", None)  # infer/adapters.AdapterSet, or None
+        # runtime LoRA (`--allow-runtime-lora`, infer/ops_routes.py): the opened base checkpoint (the adapters'
+        # fingerprint is checked against it), and the requests in flight per adapter index (an adapter in use
+        # is not unloaded); `adapter_lock` orders a submit against an unload
+        self.runtime_lora, self.checkpoint = False, None
+        self.scorer = None  # infer/score.Scorer of a cross-encoder checkpoint (/v1/score, /rerank)
+        self.adapter_lock = threading.Lock()
+        self.in_flight: dict[int, int] = {}
+        self.e2e = None
+        if engine is not None:
+            from meshlm.infer.engine import Histogram
+
+            self.e2e = Histogram()  # seconds from arrival to the last token (vllm:e2e_request_latency_seconds)
+
+    @property
+    def adapters(self) -> list:
+        """The adapters served now (`ServedAdapter`s; not the unloaded ones)."""
+        return [] if self.adapter_set is None else [a for a in self.adapter_set.served if not a.removed]
 
     @property
     def names(self) -> list[str]:
-        """Every model this server answers for: the base, then its adapters."""
+        """The model name of each engine adapter index: the base, then its adapters (an adapter unloaded at
+        runtime keeps its slot, so `names[index]` is the name of a request's index; `served_names` lists the
+        models served now)."""
+        served = self.adapter_set.served if self.adapter_set is not None else []
+        return [self.model_name, *(a.name for a in served)]
+
+    @property
+    def served_names(self) -> list[str]:
+        """Every model this server answers for now: the base, then its adapters."""
         return [self.model_name, *(a.name for a in self.adapters)]
 
     # ---- shared checks ----
+    def adapter_index(self, name: str) -> int | None:
+        """The engine's index of the served adapter `name` (None: no such adapter now)."""
+        served = self.adapter_set.served if self.adapter_set is not None else []
+        return next((k + 1 for k, a in enumerate(served) if a.name == name and not a.removed), None)
+
     def check_model(self, name: str | None) -> int:
         """The engine's adapter index of the request's `model` (0: the base, also when none is named)."""
-        names = self.names
         if name is None or name == self.model_name:
             return 0
-        if name not in names:
-            served = ", ".join(repr(n) for n in names)
+        index = self.adapter_index(name)
+        if index is None:
+            served = ", ".join(repr(n) for n in self.served_names)
             raise APIError(404, f"the model {name!r} does not exist; this server serves {served}",
                            param="model", code="model_not_found")
-        return names.index(name)
+        return index
 
     def need(self, what: str):
         """A 400 unless this server has `what`: "engine" (generation) or "embedder" (embeddings)."""
@@ -75,28 +106,6 @@ class Server:
             return [list(prompt)]
         return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
-    def sampling(self, f: dict, default_max: int | None, logprobs: int | None, echo: bool = False):
-        """The engine's SamplingParams of a validated request's sampling fields (`protocol.SAMPLING_FIELDS`)."""
-        from meshlm.infer.engine import SamplingParams
-
-        if or_default(f.get("n"), 1) != 1 or or_default(f.get("best_of"), 1) != 1:
-            raise bad("n and best_of must be 1 (one choice per prompt)", "n")
-        stop = f.get("stop")
-        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if any(not s for s in stop):
-            raise bad("stop strings must not be empty", "stop")
-        max_tokens = f.get("max_tokens")
-        if max_tokens is not None and max_tokens < (0 if echo else 1):
-            raise bad(f"max_tokens must be >= 1, not {max_tokens}", "max_tokens")
-        return SamplingParams(
-            max_tokens=or_default(max_tokens, default_max),
-            temperature=float(or_default(f.get("temperature"), 1.0)), top_k=or_default(f.get("top_k"), 0),
-            top_p=float(or_default(f.get("top_p"), 1.0)), seed=f.get("seed"), stop=stop,
-            stop_token_ids=tuple(or_default(f.get("stop_token_ids"), ())), ignore_eos=bool(f.get("ignore_eos")),
-            repetition_penalty=float(or_default(f.get("repetition_penalty"), 1.0)),
-            presence_penalty=float(or_default(f.get("presence_penalty"), 0.0)),
-            frequency_penalty=float(or_default(f.get("frequency_penalty"), 0.0)), logprobs=logprobs, echo=echo)
-
     def submit_all(self, prompts: list[list[int]], params: list, on_update, adapter: int = 0,
                    names: dict[str, str] | None = None, client: str | None = None) -> list:
         """Queue one request's prompts (with the engine's adapter `adapter`) all together or none: a 400 when
@@ -107,7 +116,13 @@ class Server:
         from meshlm.infer.engine import EngineDead, InvalidRequest, QueueFull
 
         try:
-            return self.engine.submit_group(list(zip(prompts, params)), on_update, adapter, client)
+            with self.adapter_lock:  # an unload waits until this request is counted (or is seen first)
+                if adapter and self.adapter_set.served[adapter - 1].removed:
+                    raise APIError(404, "the adapter this request names was unloaded; list /v1/models",
+                                   param="model", code="model_not_found")
+                reqs = self.engine.submit_group(list(zip(prompts, params)), self.tracked(on_update), adapter, client)
+                self.in_flight[adapter] = self.in_flight.get(adapter, 0) + len(reqs)
+                return reqs
         except InvalidRequest as err:
             own = (names or {}).get(err.param, err.param)
             message = re.sub(rf"(?<![\w']){err.param}(?![\w'])", own, str(err)) if err.param else str(err)
@@ -117,6 +132,20 @@ class Server:
                            code="queue_full", headers={"Retry-After": "1"}) from None
         except EngineDead as err:
             raise APIError(503, f"the engine has stopped ({err})", "server_error", code="engine_dead") from None
+
+    def tracked(self, on_update):
+        """`on_update` that also, once per request when it finishes, counts it out of `in_flight` and records
+        its end-to-end latency (called on the engine's thread)."""
+        def update(req):
+            if req.finished and not getattr(req, "counted_out", False):
+                req.counted_out = True
+                with self.adapter_lock:
+                    self.in_flight[req.adapter] -= 1
+                if req.finished_at is not None:
+                    self.e2e.observe(req.finished_at - req.arrival)
+            if on_update is not None:
+                on_update(req)
+        return update
 
 
 # ---- the app ---------------------------------------------------------------------------------------------------
@@ -129,6 +158,8 @@ def build_app(server: Server):
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
+    from meshlm.infer.ops_routes import add_ops_routes
+    from meshlm.infer.responses import add_responses_route
     from meshlm.infer.routes import add_routes, too_large
 
     @contextlib.asynccontextmanager
@@ -172,6 +203,8 @@ def build_app(server: Server):
         return response
 
     add_routes(app, server)
+    add_ops_routes(app, server)
+    add_responses_route(app, server)
     return app
 
 
@@ -204,9 +237,10 @@ def _read_adapters(checkpoint, adapters: list[str], name: str, tp: int) -> list:
     return [(n, read_adapter(d, cfg, checkpoint)) for n, d in named]
 
 
-def _tensor_parallel_model(checkpoint, tp: int, timeout_s: float = 300):
+def _tensor_parallel_model(checkpoint, tp: int, timeout_s: float = 300, pp: int = 1, pipeline: bool = False):
     """(this rank's part of the model in eval mode, tokenizer, config, ParallelDims) under torchrun with `tp`
-    ranks (tensor parallelism only: the world is tp), from the opened `checkpoint` of any layout."""
+    × `pp` ranks (the world is tp × pp), from the opened `checkpoint` of any layout; with `pipeline`, the
+    `Parallelized` whole (its `pipeline`: this rank's stage) in place of the model."""
     import torch
 
     from meshlm.checkpoint.load import load_parallel
@@ -219,20 +253,20 @@ def _tensor_parallel_model(checkpoint, tp: int, timeout_s: float = 300):
     saved = checkpoint.config
     spec = get_spec(saved.model.family)
     if not spec.decoder:
-        raise ConfigError(f"--parallel.tp={tp} serves GPT checkpoints; {checkpoint.given} is "
+        raise ConfigError(f"--parallel.tp={tp} --parallel.pp={pp} serves GPT checkpoints; {checkpoint.given} is "
                           f"model.family={saved.model.family!r}")
     values = saved.to_dict()
-    values["parallel"] = {**values["parallel"], "tp": tp, "pp": 1, "dp": 0, "sp": False, "vpp": 1, "pp_layers": [],
+    values["parallel"] = {**values["parallel"], "tp": tp, "pp": pp, "dp": 0, "sp": False, "vpp": 1, "pp_layers": [],
                           "zero": 0, "timeout_s": timeout_s}
     values["model"] = {**values["model"], "dropout": 0.0}
     cfg = config_from_dict(values)
     dims = init_distributed(cfg.parallel, torch.device("cpu") if not torch.cuda.is_available() else None)
-    if dims.world_size != tp:
-        raise ConfigError(f"--parallel.tp={tp} serves on exactly tp ranks; this world has {dims.world_size} "
-                          f"(torchrun --nproc-per-node {tp})")
+    if dims.world_size != tp * pp:
+        raise ConfigError(f"--parallel.tp={tp} --parallel.pp={pp} serves on exactly tp × pp ranks; this world has "
+                          f"{dims.world_size} (torchrun --nproc-per-node {tp * pp})")
     torch.manual_seed(0)
     par = load_parallel(checkpoint, spec, cfg, dims, rng=TPRNGTracker(0, dims.tp_rank))
-    return par.model, get_tokenizer(cfg.data.tokenizer), cfg, dims
+    return par if pipeline else par.model, get_tokenizer(cfg.data.tokenizer), cfg, dims
 
 
 def _tensor_parallel_server(checkpoint, max_seqs: int, max_len: int | None, max_queue: int,
@@ -254,26 +288,65 @@ def _tensor_parallel_server(checkpoint, max_seqs: int, max_len: int | None, max_
     return Server(engine, None, tokenizer, name, length, api_key)
 
 
+def _pipeline_server(checkpoint, max_seqs: int, max_len: int | None, max_queue: int, api_key: str | None,
+                     name: str, tp: int, pp: int, options) -> Server | None:
+    """Pipeline parallelism (× tensor parallelism): each rank holds its stage's layers and their KV cache
+    (`infer/pipeline_runner.py`); rank 0 (the first stage) runs the engine and gets the server, the other
+    ranks run each step's part of their stage and return None when rank 0 stops."""
+    from meshlm.infer.engine import Engine
+    from meshlm.infer.pipeline_runner import PipelineRunner, pipeline_worker_loop
+
+    par, tokenizer, cfg, dims = _tensor_parallel_model(checkpoint, tp, pp=pp, pipeline=True)
+    length = max_len or cfg.model.seq_len
+    runner = PipelineRunner(par.model, par.pipeline, options.blocks_for(max_seqs, length), options.block_size,
+                            cfg.model.vocab_size, tp_group=dims.tp_group if tp > 1 else None)
+    if dims.rank != 0:
+        pipeline_worker_loop(runner)
+        return None
+    engine = Engine(par.model, tokenizer, max_seqs, length, max_queue, runner=runner, options=options,
+                    speculator=make_speculator(options, par.model, tokenizer, max_seqs, length))
+    return Server(engine, None, tokenizer, name, length, api_key)
+
+
+def check_pipeline_serving(pp: int, adapters, runtime_lora: bool, quantize, options) -> None:
+    """ConfigError, before anything is loaded, for what `--parallel.pp` does not serve: adapters (runtime ones
+    too), quantized weights and a draft model (n-gram speculation runs on rank 0 alone and is served)."""
+    refused = [(adapters, "--adapter"), (runtime_lora, "--allow-runtime-lora"), (quantize is not None, "--quantize"),
+               (options.speculative == "draft", "--speculative draft")]
+    for given, flag in refused:
+        if given:
+            raise ConfigError(f"{flag} serves without pipeline parallelism; drop --parallel.pp={pp} or {flag}")
+
+
 def _embedding_server(checkpoint, spec, device: str, max_seqs: int, api_key: str | None, name: str) -> Server:
-    """The server of an encoder checkpoint (opened): /v1/embeddings only."""
+    """The server of an encoder checkpoint (opened): /v1/embeddings, and /v1/score and /rerank for a
+    cross-encoder (`infer/score.py`)."""
     from meshlm.checkpoint.load import load_model
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.infer.engine import EmbeddingEngine
+    from meshlm.infer.score import Scorer, is_cross_encoder
 
     cfg = checkpoint.config
     model = load_model(checkpoint, spec, device)
     tokenizer = get_tokenizer(cfg.data.tokenizer)
-    return Server(None, EmbeddingEngine(model, tokenizer, max_seqs), tokenizer, name, cfg.model.seq_len, api_key)
+    server = Server(None, EmbeddingEngine(model, tokenizer, max_seqs), tokenizer, name, cfg.model.seq_len, api_key)
+    if is_cross_encoder(cfg.model):  # a one-label classify head: /v1/score and /rerank too
+        server.scorer = Scorer(model, tokenizer, max_seqs)
+    return server
 
 
 def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None, max_queue: int = 256,
                  api_key: str | None = None, model_name: str | None = None, tp: int = 1,
-                 adapters: list[str] | str | None = None, options=None) -> Server | None:
+                 adapters: list[str] | str | None = None, options=None, runtime_lora: bool = False,
+                 quantize=None, pp: int = 1) -> Server | None:
     """The server state for a checkpoint (opened once here: `interop.checkpoints.open_checkpoint`, so a
     `.gguf` file serves too); under torchrun with tp > 1 only rank 0 gets one (the other ranks
     replay rank 0's engine steps here and return None when it stops). `adapters`: `--adapter` values
     (NAME=DIR or DIR), adapters of `meshlm tune` (or PEFT) tuned on the checkpoint, each served under its
-    name next to the base (`infer/adapters.py`: LoRA unmerged per row, virtual tokens at prefill)."""
+    name next to the base (`infer/adapters.py`: LoRA unmerged per row, virtual tokens at prefill).
+    `runtime_lora`: LoRA adapters may also be loaded and unloaded while it serves (`infer/ops_routes.py`).
+    `quantize`: `infer.quantize.QuantizeOptions`, the blocks' linears packed to int8/int4 after loading.
+    `pp` > 1: pipeline parallelism under torchrun (`infer/pipeline_runner.py`), rank 0 serving."""
     import torch
 
     from meshlm.checkpoint.load import load_model
@@ -287,12 +360,21 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
     options = options or CacheOptions()
     name = model_name or os.path.basename(os.path.normpath(str(checkpoint)))
     adapters = [adapters] if isinstance(adapters, str) else list(adapters or [])
+    if pp > 1:
+        check_pipeline_serving(pp, adapters, runtime_lora, quantize, options)
     checkpoint = open_checkpoint(checkpoint)  # resolved and verified once; the adapters and loaders take it
     tuned = _read_adapters(checkpoint, adapters, name, tp) if adapters else []
     cfg = checkpoint.config
     spec = get_spec(cfg.model.family)
+    if runtime_lora and (tp > 1 or not spec.decoder):
+        raise ConfigError("--allow-runtime-lora serves LoRA adapters on a GPT checkpoint in one process; drop it"
+                          + (" or --parallel.tp" if tp > 1 else f" ({checkpoint.given} is a BERT checkpoint)"))
+    if quantize is not None:
+        quantize.check_serving(checkpoint.given, spec.decoder, tp, runtime_lora)
     if spec.decoder:
         check_pool(options, max_len or cfg.model.seq_len)
+    if pp > 1:
+        return _pipeline_server(checkpoint, max_seqs, max_len, max_queue, api_key, name, tp, pp, options)
     if tp > 1:
         return _tensor_parallel_server(checkpoint, max_seqs, max_len, max_queue, api_key, name, tp, options)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -310,13 +392,17 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
                f"{options.block_size})", "lower --max-seqs, --max-len or --num-blocks", device)
     model, tokenizer = load_model(checkpoint, spec, device), get_tokenizer(cfg.data.tokenizer)
     served = None
-    if tuned:
+    if tuned or runtime_lora:
         from meshlm.infer.adapters import AdapterSet
 
-        served = AdapterSet(model, cfg, tuned)  # one copy of the base; each row runs its own adapter
+        served = AdapterSet(model, cfg, tuned, runtime_lora)  # one copy of the base; each row runs its own adapter
+    if quantize is not None:  # after the adapters: their hooks move onto the quantized linears
+        print(f"meshlm serve: {quantize.apply(model).line()}", file=sys.stderr, flush=True)
     engine = Engine(model, tokenizer, max_seqs, length, max_queue, adapters=served, options=options,
                     speculator=make_speculator(options, model, tokenizer, max_seqs, length))
-    return Server(engine, None, tokenizer, name, engine.max_len, api_key)
+    server = Server(engine, None, tokenizer, name, engine.max_len, api_key)
+    server.runtime_lora, server.checkpoint = runtime_lora, checkpoint
+    return server
 
 
 def check_pool(options, max_len: int) -> None:
@@ -379,10 +465,12 @@ def _draining_server_class():
 def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, max_seqs: int = 32, max_len: int | None = None,
           max_queue: int = 256, api_key: str | None = None, model_name: str | None = None, tp: int = 1,
           adapters: list[str] | None = None, log_level: str = "warning", drain_timeout: float = 60.0,
-          max_body_bytes: int = MAX_BODY_BYTES, options=None) -> int:
+          max_body_bytes: int = MAX_BODY_BYTES, options=None, runtime_lora: bool = False, quantize=None,
+          replies: dict | None = None, pp: int = 1) -> int:
     """Serve `checkpoint` on http://host:port until SIGTERM/SIGINT (which drains the open requests for up to
-    `drain_timeout` seconds); under torchrun with tp > 1 the ranks other than 0 are the workers. A request
-    body over `max_body_bytes` is a 413. Returns 0."""
+    `drain_timeout` seconds); under torchrun with tp or pp > 1 the ranks other than 0 are the workers. A request
+    body over `max_body_bytes` is a 413. `replies`: how chat replies are read (`tool_parser`,
+    `reasoning_parser`, `max_thinking_tokens`; `infer/routes.py`), set on the server. Returns 0."""
     import uvicorn
 
     from meshlm.parallel import destroy
@@ -390,10 +478,15 @@ def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, max_seqs: 
     draining_server = _draining_server_class()
     server = None
     try:
-        server = build_server(checkpoint, max_seqs, max_len, max_queue, api_key, model_name, tp, adapters, options)
+        server = build_server(checkpoint, max_seqs, max_len, max_queue, api_key, model_name, tp, adapters, options,
+                              runtime_lora, quantize, pp=pp)
         if server is not None:
             server.max_body_bytes = max_body_bytes
+            for key, value in (replies or {}).items():
+                setattr(server, key, value)
             also = f" with adapters {', '.join(repr(a.name) for a in server.adapters)}" if server.adapters else ""
+            compiled = getattr(getattr(server.engine, "runner", None), "compile_s", 0.0)
+            also += f", step compiled in {compiled:.1f} s" if compiled else ""
             print(f"meshlm serve: {server.model_name!r}{also} on http://{host}:{port} "
                   f"({'embeddings' if server.engine is None else f'{max_seqs} sequences'})", file=sys.stderr,
                   flush=True)

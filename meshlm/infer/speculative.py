@@ -21,8 +21,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from meshlm.models.cache import AttentionCache
 from meshlm.models.generate import scaled_logits
-from meshlm.models.layers import write_rows
+from meshlm.models.layers import attend_rows
 
 
 # ---- the target's distribution -----------------------------------------------------------------------------
@@ -203,14 +204,15 @@ def ngram_propose(tokens: Sequence[int], k: int, n_max: int = 4, n_min: int = 1)
 
 
 # ---- draft-model proposer ------------------------------------------------------------------------------------
-class _Rows:
-    """Cache rows as a KVCache for `Attention.forward`'s per-row path (start: a (B,) tensor)."""
+class _Rows(AttentionCache):
+    """Rows of the draft's buffers as the cache of one layer's forward (models/cache.py): per-row positions,
+    `start` a (B,) tensor."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
         self.k, self.v = k, v
 
-    def update(self, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        return write_rows(self.k, self.v, start, k, v)
+    def update_and_attend(self, q, k, v, start: torch.Tensor, core, mask=None) -> torch.Tensor:
+        return attend_rows(self.k, self.v, q, k, v, start, core)
 
 
 class DraftModel:

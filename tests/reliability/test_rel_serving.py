@@ -41,8 +41,10 @@ def nested(depth: int, inner: str = "1") -> str:
     return "[" * depth + inner + "]" * depth
 
 
-C, CHAT, API = "/v1/completions", "/v1/chat/completions", "/api"
+C, CHAT, API, RESP = "/v1/completions", "/v1/chat/completions", "/api", "/v1/responses"
 MSG = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 NAN, INF = float("nan"), float("inf")
 # (name, path, body bytes, the status expected, the param the error names (or None))
 HOSTILE = [
@@ -144,6 +146,39 @@ HOSTILE = [
     ("body not UTF-8", C, b'{"prompt": "\xff\xfe"}', 400, None),
     ("body truncated", C, b'{"prompt": "a", ', 400, None),
     ("body over the limit", C, raw({"prompt": "word " * (LIMIT // 5 + 10)}), 413, None),
+    # tools, tool_choice and messages of the agent-facing API (issue 44)
+    ("tools not a list", CHAT, raw({"messages": MSG, "tools": "weather"}), 400, "tools"),
+    ("tool without a name", CHAT, raw({"messages": MSG, "tools": [{"type": "function", "function": {
+        "parameters": {"type": "object"}}}]}), 400, "tools"),
+    ("tool parameters not an object", CHAT, raw({"messages": MSG, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": [1, 2]}}]}), 400, "tools"),
+    ("tool parameters 900 deep", CHAT, ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": '
+                                        '"function", "function": {"name": "f", "parameters": ' +
+                                        nested(900, "{}") + "}}]}").encode(), 400, "tools"),
+    ("tool_choice unknown word", CHAT, raw({"messages": MSG, "tools": TOOLS, "tool_choice": "sometimes"}), 400,
+     "tool_choice"),
+    ("tool_choice unknown function", CHAT, raw({"messages": MSG, "tools": TOOLS, "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}), 400, "tool_choice"),
+    ("tool_choice without tools", CHAT, raw({"messages": MSG, "tool_choice": "required"}), 400, "tool_choice"),
+    ("tool message without tool_call_id", CHAT, raw({"messages": [*MSG, {"role": "tool", "content": "sunny"}]}), 400,
+     "messages"),
+    ("assistant tool_calls arguments not JSON", CHAT, raw({"messages": [*MSG, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}), 400, "messages"),
+    ("content part an image", CHAT, raw({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}), 400, "messages"),
+    ("content part without text", CHAT, raw({"messages": [{"role": "user", "content": [{"type": "text"}]}]}), 400,
+     "messages"),
+    # the Responses API and the operations endpoints
+    ("responses input a number", RESP, raw({"input": 5}), 400, "input"),
+    ("responses previous_response_id", RESP, raw({"input": "hi", "previous_response_id": "resp_1"}), 400,
+     "previous_response_id"),
+    ("responses max_output_tokens 0", RESP, raw({"input": "hi", "max_output_tokens": 0}), 400, "max_output_tokens"),
+    ("responses temperature NaN", RESP, raw({"input": "hi", "temperature": NAN}), 400, "temperature"),
+    ("responses input item unknown type", RESP, raw({"input": [{"type": "telepathy", "content": "x"}]}), 400,
+     "input"),
+    ("tokenize neither prompt nor messages", "/tokenize", raw({}), 400, "prompt"),
+    ("detokenize a negative id", "/detokenize", raw({"tokens": [-1]}), 400, "tokens"),
+    ("detokenize an id past the vocabulary", "/detokenize", raw({"tokens": [10 ** 12]}), 400, "tokens"),
 ]
 
 

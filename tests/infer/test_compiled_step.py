@@ -1,0 +1,65 @@
+"""The serving engine's compiled step (infer/runner.py, `CacheOptions.compile`): the same greedy tokens as the
+eager step and as one request at a time, through decoding, chunked prefill, prefix sharing and speculation."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from meshlm.core.config import ModelConfig
+from meshlm.infer.engine import CacheOptions, Engine, SamplingParams
+from meshlm.models.generate import generate
+from meshlm.models.gpt import GPT
+
+CONFIG = ModelConfig(n_layers=2, hidden_size=32, n_heads=4, n_kv_heads=2, seq_len=64, vocab_size=97,
+                     position="rope", norm="rmsnorm", activation="swiglu", bias=False, tie_embeddings=False)
+
+
+class Ids:
+    eod_id = None
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def alone(model, prompt, n):
+    return generate(model, torch.tensor([prompt]), n, temperature=0)[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return GPT(CONFIG).eval()
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_compiled_and_eager_steps_give_the_single_request_tokens(model, compile):
+    g = torch.Generator().manual_seed(1)
+    system = torch.randint(1, 97, (20,), generator=g).tolist()  # a shared prefix: cascade decoding rows
+    prompts = [system + torch.randint(1, 97, (n,), generator=g).tolist() for n in (3, 9, 1)]
+    prompts += [torch.randint(1, 97, (n,), generator=g).tolist() for n in (30, 2)]  # 30: chunked (max 16)
+    options = CacheOptions(block_size=4, max_batched_tokens=16, compile=compile)
+    engine = Engine(model, Ids(), max_seqs=4, options=options)
+    assert (engine.runner.compile_s > 0) == compile  # compiled (and warmed) at start, or not at all
+    graphs = counters["stats"]["unique_graphs"]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    assert counters["stats"]["unique_graphs"] == graphs  # no step compiled anything after start
+    for prompt, out in zip(prompts, outs):
+        assert out.output_ids == alone(model, prompt, 10)
+
+
+def test_serve_compile_flag_reaches_the_cache_options():
+    from meshlm.cli import build_parser
+    from meshlm.commands.serve import cache_options
+
+    parse = build_parser().parse_args
+    assert cache_options(parse(["serve", "--checkpoint", "x", "--compile"])).compile is True
+    assert cache_options(parse(["serve", "--checkpoint", "x"])).compile is False  # eager by default
+
+
+def test_serve_compile_with_adapters_is_one_error_line_before_loading(capsys):
+    from meshlm.cli import main
+
+    assert main(["serve", "--checkpoint", "nowhere", "--compile", "--adapter", "a"]) == 2  # nothing opened
+    err = capsys.readouterr().err.strip()
+    assert "--compile" in err and "--adapter" in err and len(err.splitlines()) == 1

@@ -1,0 +1,244 @@
+"""Weight-only quantization for inference (`meshlm/infer/quantize.py`, `--quantize int8|int4`).
+
+Each quantized linear is checked against a float reference that dequantizes the same codes, computed here from
+the formulas (int8: per-channel max/127; int4: per-group min/max over 15 steps), so the tolerance is the
+kernel's arithmetic (1e-5 relative), not the quantization error. The whole model is checked against fp32 at
+the tolerance measured on the tiny model; a LoRA adapter served over a quantized base against the merged
+float reference; `meshlm serve --quantize int8` end to end against the same quantized model run here; bad
+values as one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import copy
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from meshlm.cli import main
+from meshlm.infer.quantize import Int4Linear, Int8Linear, quantize_model, weight_bytes
+from tests.conftest import tiny_config
+from tests.infer.server_helpers import GPT_MODEL, ServeProcess, http, save_bert_checkpoint, save_gpt_checkpoint
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.detach().double() - ref.detach()).abs().max() / ref.detach().abs().max())
+
+
+# The codes in float32 arithmetic, as the formulas are specified (in float64 a weight near a rounding tie can
+# land on the other code); the dequantized weights in float64.
+# (the scales, and zero points, as the kernel holds them: in its compute dtype)
+def int8_reference(w: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    s = w.detach().float().abs().amax(dim=1, keepdim=True) / 127
+    return torch.round(w.detach().float() / s).clamp(-127, 127).double() * s.to(dtype).double()
+
+
+def int4_reference(w: torch.Tensor, g: int, dtype=torch.float32) -> torch.Tensor:
+    n, k = w.shape
+    groups = w.detach().float().reshape(n, k // g, g)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    s = (high - low) / 15
+    q = torch.round((groups - low) / s).clamp(0, 15).double()
+    zero = (low + 8 * s).to(dtype).double()
+    return ((q - 8) * s.to(dtype).double() + zero).reshape(n, k)  # the kernel's (q - 8)·s + z
+
+
+# float32: the kernel's arithmetic alone; bfloat16 (the default for a float32 model): the input rounded to
+# bfloat16 in the reference too, and the output's rounding to bfloat16 (2^-9 of each value) on top.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 4e-3}
+COMPUTE = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+@COMPUTE
+def test_int8_linear_equals_its_dequantized_weights(dtype):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 80)
+    x = torch.randn(2, 5, 96)
+    out = Int8Linear(linear, dtype)(x)
+    ref = x.to(dtype).double() @ int8_reference(linear.weight, dtype).T + linear.bias.double()
+    assert out.shape == (2, 5, 80) and out.dtype == torch.float32 and relative_error(out, ref) < TOLERANCE[dtype]
+    assert relative_error(out, linear(x).double()) > 1e-4  # the codes really are 8-bit: not the float weight
+
+
+@COMPUTE
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_linear_equals_its_dequantized_weights(group_size, dtype):
+    torch.manual_seed(1)
+    linear = nn.Linear(256, 48, bias=False)
+    x = torch.randn(7, 256)
+    out = Int4Linear(linear, group_size, dtype)(x)
+    ref = x.to(dtype).double() @ int4_reference(linear.weight, group_size, dtype).T
+    assert out.shape == (7, 48) and relative_error(out, ref) < TOLERANCE[dtype]
+
+
+def tiny_model(**model):
+    from meshlm.models.gpt import GPT
+
+    cfg = tiny_config("/unused", model={**GPT_MODEL, **model})
+    torch.manual_seed(0)
+    return GPT(cfg.model).eval(), cfg
+
+
+@pytest.mark.parametrize("mode, tolerance", [("int8", 0.02), ("int4", 0.15)])
+def test_quantized_model_logits_are_close_to_fp32(mode, tolerance):
+    """Measured on this model (the largest logit error over the largest logit), with the default bfloat16
+    activations: int8 0.0066, int4 0.067 (float32 activations: 0.0050, 0.067)."""
+    model, _ = tiny_model()
+    idx = torch.randint(0, 50257, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(idx).double()
+    linears = [m for m in model.layers.modules() if type(m) is nn.Linear]
+    quantized = copy.deepcopy(model)
+    report = quantize_model(quantized, mode, head=False)
+    with torch.no_grad():
+        out = quantized(idx)
+    assert report.layers == len(linears) == 4 * GPT_MODEL["n_layers"]
+    err = relative_error(out, ref)
+    assert 1e-4 < err < tolerance, err
+    # Weight bytes by hand: each float matrix (N·K·4) becomes its codes plus scales (and zero points)
+    saved, scale_bytes = 0, 2  # scales (and zero points) in bfloat16, the kernels' dtype for a float32 model
+    assert report.compute_dtype == torch.bfloat16
+    for m in linears:
+        n, k = m.weight.shape
+        packed = n * k + scale_bytes * n if mode == "int8" else n * k // 2 + (k // 32) * n * 2 * scale_bytes
+        saved += 4 * n * k - packed
+    assert report.bytes_before == weight_bytes(model) and report.bytes_before - report.bytes_after == saved
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_int8_output_head_is_quantized_and_the_embedding_is_not(mode):
+    model, _ = tiny_model()
+    embedding, head = model.tok_emb.weight.detach().clone(), model.lm_head.weight.detach().clone()
+    report = quantize_model(model, mode, head=True, compute_dtype=torch.float32)
+    assert isinstance(model.lm_head, Int8Linear) and report.layers == 4 * GPT_MODEL["n_layers"] + 1
+    assert isinstance(model.layers[0].mlp.fc, Int8Linear if mode == "int8" else Int4Linear)
+    assert torch.equal(model.tok_emb.weight, embedding)  # the embedding keeps its float weights
+    x = torch.randn(3, GPT_MODEL["hidden_size"])
+    assert relative_error(model.lm_head(x), x.double() @ int8_reference(head).T) < 1e-5
+
+
+def lora_adapter(model, cfg):
+    """A LoRA adapter on q, v and down with random (non-zero) A and B, as `meshlm tune` would export it."""
+    from dataclasses import replace
+
+    from meshlm.families.registry import get_spec
+    from meshlm.tune.adapters import apply_lora
+    from meshlm.tune.export import Adapter
+
+    tune = replace(cfg.tune, method="lora", base="unused", lora_rank=4, lora_alpha=8.0, lora_targets=["q", "v", "down"])
+    scratch = copy.deepcopy(model)
+    apply_lora(scratch, get_spec(cfg.model.family), replace(cfg, tune=tune), SimpleNamespace(pp_rank=0, tp_rank=0, tp=1),
+               None)
+    gen = torch.Generator().manual_seed(5)
+    tensors = {n: torch.randn(p.shape, generator=gen) * 0.3 for n, p in scratch.named_parameters()
+               if getattr(p, "adapter", False)}
+    return Adapter(tune, tensors, [], "test-lora")
+
+
+def test_lora_adapter_adds_to_the_quantized_base_product():
+    """Rows of the adapter: the quantized base plus (α/r) B A x; rows of the base: the quantized base alone.
+    The reference is a float model whose weights are the dequantized codes, the LoRA merged into them."""
+    from meshlm.infer.adapters import AdapterSet
+    from meshlm.tune.export import apply_adapter
+
+    model, cfg = tiny_model()
+    adapter = lora_adapter(model, cfg)
+    dequantized = copy.deepcopy(model)
+    for m in dequantized.layers.modules():
+        if type(m) is nn.Linear:
+            m.weight.data = int8_reference(m.weight).float()
+    merged = apply_adapter(copy.deepcopy(dequantized), cfg, adapter)  # merged into the dequantized weights
+    served = AdapterSet(model, cfg, [("a", adapter)])
+    quantize_model(model, "int8", head=False, compute_dtype=torch.float32)  # float32: the reference's arithmetic
+    idx = torch.randint(0, 50257, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), served.batch([1, 0]):
+        out = model(idx)
+    with torch.no_grad():
+        with_adapter, base = merged(idx[:1]).double(), dequantized(idx[1:]).double()
+        assert relative_error(dequantized(idx[:1]), with_adapter) > 1e-3  # the adapter changes the output
+    assert relative_error(out[:1], with_adapter) < 1e-4 and relative_error(out[1:], base) < 1e-4
+
+
+def greedy(model, ids: list[int], n: int, eod: int) -> list[int]:
+    new: list[int] = []
+    with torch.no_grad():
+        while len(new) < n:
+            nxt = int(model(torch.tensor([ids + new]))[0, -1].argmax())
+            if nxt == eod:
+                break
+            new.append(nxt)
+    return new
+
+
+def test_serve_quantize_int8_answers_as_the_quantized_model(tmp_path):
+    from tests.checkpoint_helpers import load_run
+
+    ckpt = save_gpt_checkpoint(tmp_path / "gpt")
+    model, tok, _ = load_run(str(ckpt))
+    quantize_model(model, "int8")
+    prompt = "To be, or not"
+    expected = tok.decode(greedy(model, tok.encode(prompt), 8, tok.eod_id))
+    server = ServeProcess("--checkpoint", str(ckpt), "--quantize", "int8", "--max-seqs", "2")
+    try:
+        status, _, body = http("POST", server.url + "/v1/completions",
+                               {"model": "gpt", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+    finally:
+        assert server.stop() == 0
+    assert status == 200, body
+    text = json.loads(body)["choices"][0]["text"]
+    assert text and text == expected
+    log = "".join(server.stderr)
+    assert "weights quantized to int8 (per channel): 8 block linears and the output head (int8)" in log and "MiB ->" in log
+
+
+def test_eval_quantize_scores_the_quantized_model(tmp_path, capsys):
+    """`meshlm eval --task perplexity --quantize int8`: the summed negative log-likelihood of the text (one
+    window: shorter than model.seq_len) under the model quantized here, computed by hand; fp32's differs."""
+    from meshlm.checkpoint.single import save_checkpoint
+    from meshlm.data.tokenizers import get_tokenizer
+
+    cfg = tiny_config(tmp_path / "gpt", model=GPT_MODEL)
+    model, _ = tiny_model()
+    save_checkpoint(tmp_path / "gpt", 1, {"model": model.state_dict()}, cfg.to_dict())
+    text = "Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him."
+    (tmp_path / "text.txt").write_text(text)
+    results = {}
+    for name, extra in (("fp32", []), ("int8", ["--quantize", "int8"])):
+        assert main(["eval", "--checkpoint", str(tmp_path / "gpt"), "--task", "perplexity", "--data",
+                     str(tmp_path / "text.txt"), *extra]) == 0
+        results[name] = json.loads(capsys.readouterr().out)
+    tok = get_tokenizer(cfg.data.tokenizer)
+    ids = tok.encode(text)
+    assert len(ids) < GPT_MODEL["seq_len"]
+    quantized = results["int8"]["quantized"]
+    before = weight_bytes(model)
+    quantize_model(model, "int8")
+    assert (quantized["weight_bytes_before"], quantized["weight_bytes_after"]) == (before, weight_bytes(model))
+    with torch.no_grad():  # the stream is [end of document] + the text: each token predicted from those before
+        logits = model(torch.tensor([[tok.eod_id, *ids[:-1]]]))[0]
+    nll = float(torch.nn.functional.cross_entropy(logits.double(), torch.tensor(ids), reduction="sum"))
+    assert quantized["mode"] == "int8" and quantized["layers"] == 8 + 1 and quantized["head"]
+    assert abs(results["int8"]["nll"] / nll - 1) < 1e-5 and abs(results["fp32"]["nll"] / nll - 1) > 1e-5
+
+
+def test_bad_quantize_values_are_one_line(tmp_path, capsys):
+    gpt = str(save_gpt_checkpoint(tmp_path / "gpt"))
+    bert = str(save_bert_checkpoint(tmp_path / "bert"))
+    cases = [
+        (["serve", "--checkpoint", gpt, "--quantize", "int3"], "choose int8 or int4"),
+        (["generate", "--checkpoint", gpt, "--quantize", "int3"], "choose int8 or int4"),
+        (["eval", "--checkpoint", gpt, "--task", "shakespeare-cloze", "--quantize", "int3"], "choose int8 or int4"),
+        (["serve", "--checkpoint", bert, "--quantize", "int8"], "encoder (BERT) checkpoint"),
+        (["serve", "--checkpoint", gpt, "--quantize", "int8", "--parallel.tp=2"], "drop --parallel.tp=2"),
+        (["generate", "--checkpoint", gpt, "--quantize", "int4", "--quantize-group-size", "48"], "choose 32, 64"),
+        (["generate", "--checkpoint", gpt, "--quantize-float-head"], "go with --quantize"),
+        (["generate", "--checkpoint", gpt, "--max-new-tokens", "4", "--quantize", "int4", "--quantize-group-size",
+          "128"],
+         "groups of 128 do not divide layers.0.attn.qkv's 64 inputs; use --quantize-group-size 32 or 64"),
+    ]
+    for argv, message in cases:
+        code = main(argv)
+        out, err = capsys.readouterr()
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and not out, (argv, err)
