@@ -34,6 +34,7 @@ HELPERS = {
     "world.py": "spawns a gloo world of CPU processes for a script (run_world)",
     "smoke.py": "the --smoke flag, its printed notes and tiny random checkpoints",
     "checkpoints.py": "loads a run directory through meshlm's checkpoint door (load_run)",
+    "grpo_task_data.py": "the GRPO task's seeded arithmetic word problems (grpo_task.py)",
 }
 
 # Scripts that cannot run a smoke run, with the reason: none.
@@ -67,10 +68,10 @@ HEADERS = {
     "plan_validation.py": "| row | layout | published TFLOP/s | predicted |",
     "prepare.py": "| method | processes | tokens/s | MB/s |",
     "serve.py": "| clients | requests | req/s | output tok/s |",
+    "serve_compare.py": "| model | precision | workload | clients | engine | weights | out tok/s |",
     "serve_adapters.py": "| case | output tokens/s | vs the base alone |",
     "serve_engine.py": "| bench | proposer | out tok/s | vs off |",
     "serve_load.py": '"out_tok_per_s":',
-    "serve_vs_vllm.py": "| size | workload | clients | server | out tok/s |",
     "tp_comm.py": "| t | SP | collectives per layer, forward (measured) |",
     "train_step.py": "meshlm tok/s  ref tok/s  ratio",
     "tune_probe.py": "linear probe for the play",

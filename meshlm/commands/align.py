@@ -81,6 +81,9 @@ def _add_online_flags(p) -> None:
     g.add_argument("--top-k", type=int, default=0, help="sample among the K likeliest tokens (default 0: off)")
     g.add_argument("--lr", type=float, default=1e-6, help="AdamW's learning rate (default 1e-6, TRL's)")
     g.add_argument("--seed", type=int, default=0, help="the sampling and initialisation seed (default 0)")
+    g.add_argument("--save-every", type=int, default=10, metavar="N",
+                   help="save the run's state every N steps and at the end (default 10): the same --out again "
+                        "resumes from it, exactly")
 
 
 def add_align_command(sub) -> None:

@@ -3,7 +3,7 @@
     meshlm align --method grpo|rloo --checkpoint BASE --train PROMPTS.jsonl --reward module:function [...]
                  --out DIR [--num-generations G] [--prompts-per-step P] [--steps N] [--num-iterations MU]
                  [--loss-type grpo|bnpo|dr_grpo|dapo] [--beta B] [--epsilon E] [--epsilon-high EH]
-                 [--scale-rewards group|batch|none] [--max-completion-length L] [--temperature T] [--top-k K]
+                 [--scale-rewards group|batch|none] [--max-completion-length L] [--temperature T] [--top-k K] [--save-every N]
 
 Each step: P prompts (in file order, wrapping round) → G sampled completions each from meshlm's `Engine`
 running the very module being trained → rewards (the weighted sum of `--reward` functions) → group-relative
@@ -29,7 +29,9 @@ model with its adapter off, no second model; the adapter is merged into DIR's ch
 ordinary `Trainer` is not used: its batches come from a fixed dataset through its `BatchLoader`, while
 rollouts depend on the weights of the step before. The run writes
 DIR/grpo.json, DIR/metrics.jsonl (one row per step, "tokens": completion tokens so far), TensorBoard scalars
-(DIR/tensorboard, the trainer's `RunLog`) and, at the end, a checkpoint of the trained model in DIR
+(DIR/tensorboard, the trainer's `RunLog`), DIR/grpo_state.pt every `--save-every` steps and at the end (the
+trained parameters, AdamW's state, the step: the same --out again resumes exactly, the sampling seeds being
+functions of the seed, the step and the row) and, at the end, a checkpoint of the trained model in DIR
 (`meshlm generate --checkpoint DIR`).
 """
 
@@ -55,6 +57,7 @@ from meshlm.tune import grpo_loss as gl
 from meshlm.tune.rewards import Reward, RewardError, call_reward, load_rewards
 
 INFO_FILE = "grpo.json"
+STATE_FILE = "grpo_state.pt"
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class Options:
     scale_rewards: str = "group"
     seed: int = 0
     loss: gl.LossSettings = field(default_factory=gl.LossSettings)
+    save_every: int = 10
 
 
 def check_options(args: argparse.Namespace) -> Options:
@@ -82,7 +86,7 @@ def check_options(args: argparse.Namespace) -> Options:
         raise ConfigError(f"--num-generations {g}: GRPO compares the completions of one prompt; use 2 or more")
     for flag, value in (("--prompts-per-step", args.prompts_per_step), ("--steps", args.steps),
                         ("--num-iterations", args.num_iterations),
-                        ("--max-completion-length", args.max_completion_length)):
+                        ("--max-completion-length", args.max_completion_length), ("--save-every", args.save_every)):
         if value < 1:
             raise ConfigError(f"{flag} {value} must be >= 1")
     if args.top_k < 0:
@@ -98,7 +102,8 @@ def check_options(args: argparse.Namespace) -> Options:
         raise ConfigError(f"--loss-type {args.loss_type} is for --method grpo; RLOO has its own sequence-level loss")
     loss = gl.LossSettings(loss_type, args.beta, args.epsilon, args.epsilon_high, args.max_completion_length)
     return Options(args.method, g, args.prompts_per_step, args.steps, args.num_iterations, args.lr,
-                   args.max_completion_length, args.temperature, args.top_k, args.scale_rewards, args.seed, loss)
+                   args.max_completion_length, args.temperature, args.top_k, args.scale_rewards, args.seed, loss,
+                   args.save_every)
 
 
 # ---- prompts ------------------------------------------------------------------------------------------------
@@ -309,10 +314,7 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
     opts = check_options(args)
     rewards = load_rewards(args.reward or [], args.reward_weights)
     check_output_dir("--out", args.out)
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"--out {args.out!r} is not empty; a GRPO run starts in a new directory (resuming is not "
-                          "supported yet)")
+    resume = resume_point(args, opts, rewards)
     checkpoint = open_checkpoint(args.checkpoint)
     cfg = checkpoint.config
     if not get_spec(cfg.model.family).decoder:
@@ -327,7 +329,57 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
             call_reward(r, first.text, "", first.row, f"{first.where} (an empty completion, checked before training)")
         except RewardError as err:
             raise ConfigError(str(err)) from None
-    return opts, rewards, checkpoint, tokenizer, prompts
+    return opts, rewards, checkpoint, tokenizer, prompts, resume
+
+
+# ---- resuming ----------------------------------------------------------------------------------------------
+def run_info(args: argparse.Namespace, opts: Options, rewards: list[Reward]) -> dict:
+    """DIR/grpo.json: what the run is; a resumed run must match it in all but `steps` and `save_every`."""
+    return {"method": opts.method, "checkpoint": args.checkpoint, "train": args.train, "adapter": args.adapter,
+            "rewards": [[r.name, r.weight] for r in rewards],
+            **{k: v for k, v in asdict(opts).items() if k != "loss"}, **asdict(opts.loss)}
+
+
+def resume_point(args: argparse.Namespace, opts: Options, rewards: list[Reward]) -> dict | None:
+    """The saved state of the run in --out (None: a new run), checked against these options; a non-empty
+    --out without one, a different run's, or one already past --steps is a ConfigError (nothing written)."""
+    out = Path(args.out)
+    if not out.exists() or not any(out.iterdir()):
+        return None
+    if not (out / STATE_FILE).exists() or not (out / INFO_FILE).exists():
+        raise ConfigError(f"--out {args.out!r} is not empty and holds no GRPO run to resume ({STATE_FILE}); give a "
+                          "new directory")
+    saved = json.loads((out / INFO_FILE).read_text())
+    ignored = ("steps", "save_every")
+    now = json.loads(json.dumps(run_info(args, opts, rewards)))
+    changed = sorted(k for k in set(saved) | set(now) if k not in ignored and saved.get(k) != now.get(k))
+    if changed:
+        raise ConfigError(f"--out {args.out!r} holds a run with other settings ({', '.join(changed)}); resume with "
+                          "the same flags (only --steps and --save-every may change) or give a new directory")
+    state = torch.load(out / STATE_FILE, map_location="cpu", weights_only=True)
+    if state["step"] >= opts.steps:
+        raise ConfigError(f"--out {args.out!r} has already run {state['step']} steps; give --steps above that to "
+                          "go on")
+    return state
+
+
+def save_state(out: Path, model, optimizer, step: int, tokens: int) -> None:
+    """DIR/grpo_state.pt: the trained parameters (the adapter's, or every weight), AdamW's state, the step and
+    the tokens so far, written whole or not at all. The sampling needs nothing: its seeds follow from --seed,
+    the step and the row."""
+    params = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    tmp = out / (STATE_FILE + ".tmp")
+    torch.save({"step": step, "tokens": tokens, "params": params, "optim": optimizer.state_dict()}, tmp)
+    tmp.replace(out / STATE_FILE)
+
+
+def load_state(model, optimizer, state: dict) -> None:
+    """The saved trained parameters and optimizer state into the freshly built model and optimizer."""
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in state["params"].items():
+            named[name].copy_(value)
+    optimizer.load_state_dict(state["optim"])
 
 
 def add_lora(model, spec, checkpoint, overrides: list[str]) -> None:
@@ -378,7 +430,7 @@ def run_grpo(args: argparse.Namespace, overrides: list[str], make_sampler: MakeS
     from meshlm.families.registry import get_spec
     from meshlm.train.log import RunLog
 
-    opts, rewards, checkpoint, tokenizer, prompts = prepare(args, overrides)
+    opts, rewards, checkpoint, tokenizer, prompts, resume = prepare(args, overrides)
     torch.manual_seed(opts.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     spec = get_spec(checkpoint.config.model.family)
@@ -388,22 +440,22 @@ def run_grpo(args: argparse.Namespace, overrides: list[str], make_sampler: MakeS
     reference = make_reference(model, opts, lora=args.adapter == "lora")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opts.lr, betas=(0.9, 0.99),
                                   weight_decay=0.0)
+    if resume is not None:  # after the reference was made: it is the base, not the resumed weights
+        load_state(model, optimizer, resume)
+    first, tokens = (resume["step"], resume["tokens"]) if resume is not None else (0, 0)
     longest = max(len(p.ids) for p in prompts) + opts.max_completion_length
     n_rows = opts.prompts_per_step * opts.group_size
     sample = make_sampler(model, tokenizer, n_rows, longest)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    info = {"method": opts.method, "checkpoint": args.checkpoint, "train": args.train, "prompts": len(prompts),
-            "rewards": [[r.name, r.weight] for r in rewards], **{k: v for k, v in asdict(opts).items() if k != "loss"},
-            **asdict(opts.loss)}
-    (out / INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
+    (out / INFO_FILE).write_text(json.dumps(run_info(args, opts, rewards), indent=1) + "\n")
     say(f"{opts.method} ({opts.loss.loss_type}, beta {opts.loss.beta:g}) on {args.checkpoint}: {opts.steps} steps of "
-        f"{opts.prompts_per_step} prompts x {opts.group_size} completions, lr {opts.lr:g}")
-    log = RunLog(out, is_main=True)  # metrics.jsonl and TensorBoard (DIR/tensorboard), as the trainer writes them
-    log.open(0, opts.steps, progress=False)
-    tokens = 0
+        f"{opts.prompts_per_step} prompts x {opts.group_size} completions, lr {opts.lr:g}"
+        + (f"; resuming after step {first}" if first else ""))
+    log = RunLog(out, is_main=True)  # metrics.jsonl (cut back to `first`) and TensorBoard, as the trainer's
+    log.open(first, opts.steps, progress=False)
     try:
-        for step in range(1, opts.steps + 1):
+        for step in range(first + 1, opts.steps + 1):
             start = (step - 1) * opts.prompts_per_step
             chosen = [prompts[(start + i) % len(prompts)] for i in range(opts.prompts_per_step)]
             row = one_step(model, reference, sample, tokenizer, optimizer, rewards, chosen, opts, step)
@@ -413,6 +465,8 @@ def run_grpo(args: argparse.Namespace, overrides: list[str], make_sampler: MakeS
                     f"length {row['completion_length']:.1f} | zero-std groups {row['frac_reward_zero_std']:.2f} | "
                     f"logprob mismatch {row['logprob_mismatch_max']:.2e} | gen {row['generation_s']:.1f}s "
                     f"train {row['training_s']:.1f}s")
+            if step % opts.save_every == 0 or step == opts.steps:
+                save_state(out, model, optimizer, step, tokens)
     finally:
         log.close()
     if args.adapter == "lora":  # DIR's checkpoint is the base with the adapter merged in
