@@ -15,7 +15,7 @@ One step (`ForwardPlan`, decided on rank 0 by the scheduler, as in one process):
    (len(select), V) back to rank 0, which hands them to the engine as `Runner.forward` does.
 Under pp × tp each stage is tp ranks: every rank of a stage does the same, exchanging the stream with the ranks
 of its own tp coordinate; the last stage gathers the vocab-parallel logits over tp and its tp rank 0 sends them.
-The ranks other than 0 replay the plans in `pipeline_worker_loop` until rank 0 says stop.
+The ranks other than 0 replay the plans in `runner.worker_loop` (`PipelineRunner.replay`) until rank 0 says stop.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class PipelineRunner(DistributedRunner):
     """This rank's stage of the model (the pruned plain model of `load_parallel`: other stages' layers are None)
     and the paged KV cache of its own layers. On rank 0 `forward(plan)` broadcasts the plan first and returns
     the selected tokens' logits, received from the last stage; on the other ranks `stage_forward` runs from
-    `pipeline_worker_loop`."""
+    `runner.worker_loop`."""
 
     def __init__(self, model, pipeline, num_blocks: int, block_size: int, vocab_size: int, tp_group=None):
         # Not Runner.__init__: its PagedKV would walk every layer, and this rank holds only its own.
@@ -101,14 +101,7 @@ class PipelineRunner(DistributedRunner):
         self._send(("forward", plan))
         return self.stage_forward(plan)
 
-
-def pipeline_worker_loop(runner: PipelineRunner) -> None:
-    """Ranks other than 0: run this stage's part of each of rank 0's steps until it says stop."""
-    while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0)
-        op = box[0]
-        if op[0] == "stop":
-            return
+    def replay(self, op: tuple) -> None:
+        """On a rank other than 0 (`runner.worker_loop`): this stage's part of a step; idle pings need nothing."""
         if op[0] == "forward":
-            runner.stage_forward(op[1])
+            self.stage_forward(op[1])

@@ -92,6 +92,11 @@ class Runner:
             self.forward(ForwardPlan(ids=(0,) * n, rows=rows, select=select))
         return time.perf_counter() - t0
 
+    def replay(self, op: tuple) -> None:
+        """On a rank other than 0 (`worker_loop`): rank 0's operation `op` ("forward", "idle") as the plain Runner
+        runs it, sending nothing on."""
+        getattr(Runner, op[0])(self, *op[1:])
+
     def idle(self) -> None:
         """Called about once a second while there is nothing to do."""
 
@@ -122,7 +127,7 @@ class DistributedRunner(Runner):
 
 
 def worker_loop(runner: Runner) -> None:
-    """Ranks other than 0: replay rank 0's steps until it says stop."""
+    """Ranks other than 0: replay rank 0's steps (`runner.replay`) until it says stop."""
     import torch.distributed as dist
 
     while True:
@@ -131,4 +136,4 @@ def worker_loop(runner: Runner) -> None:
         op = box[0]
         if op[0] == "stop":
             return
-        getattr(Runner, op[0])(runner, *op[1:])
+        runner.replay(op)

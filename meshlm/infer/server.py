@@ -294,14 +294,15 @@ def _pipeline_server(checkpoint, max_seqs: int, max_len: int | None, max_queue: 
     (`infer/pipeline_runner.py`); rank 0 (the first stage) runs the engine and gets the server, the other
     ranks run each step's part of their stage and return None when rank 0 stops."""
     from meshlm.infer.engine import Engine
-    from meshlm.infer.pipeline_runner import PipelineRunner, pipeline_worker_loop
+    from meshlm.infer.pipeline_runner import PipelineRunner
+    from meshlm.infer.runner import worker_loop
 
     par, tokenizer, cfg, dims = _tensor_parallel_model(checkpoint, tp, pp=pp, pipeline=True)
     length = max_len or cfg.model.seq_len
     runner = PipelineRunner(par.model, par.pipeline, options.blocks_for(max_seqs, length), options.block_size,
                             cfg.model.vocab_size, tp_group=dims.tp_group if tp > 1 else None)
     if dims.rank != 0:
-        pipeline_worker_loop(runner)
+        worker_loop(runner)
         return None
     engine = Engine(par.model, tokenizer, max_seqs, length, max_queue, runner=runner, options=options,
                     speculator=make_speculator(options, par.model, tokenizer, max_seqs, length))

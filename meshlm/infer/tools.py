@@ -129,12 +129,7 @@ class CallReader:
             return
         if self.in_string:
             self.token += c
-            if self.escape:
-                self.escape = False
-            elif c == "\\":
-                self.escape = True
-            elif c == '"':
-                self.in_string = False
+            if self._string_ends(c):
                 self._string_done(json_string(self.token))
             return
         if c == '"':
@@ -162,14 +157,8 @@ class CallReader:
             return
         if self.in_string:
             self.arguments += c
-            if self.escape:
-                self.escape = False
-            elif c == "\\":
-                self.escape = True
-            elif c == '"':
-                self.in_string = False
-                if self.depth == 1:  # a string value: complete
-                    self._end_arguments()
+            if self._string_ends(c) and self.depth == 1:  # a string value: complete
+                self._end_arguments()
             return
         if self.depth == 1 and self.arguments and c in ",}":  # a number, true, ... ended by what follows it
             self._end_arguments()
@@ -184,6 +173,17 @@ class CallReader:
             self.depth -= 1
             if self.depth == 1:
                 self._end_arguments()
+
+    def _string_ends(self, c: str) -> bool:
+        """Inside a JSON string: track backslash escapes; True when `c` is its closing quote."""
+        if self.escape:
+            self.escape = False
+        elif c == "\\":
+            self.escape = True
+        elif c == '"':
+            self.in_string = False
+            return True
+        return False
 
     def _end_arguments(self) -> None:
         self.in_arguments, self.key = False, None

