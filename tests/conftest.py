@@ -21,10 +21,30 @@ def pytest_addoption(parser):
     group.addoption("--fuzz-seed", type=int, default=0, help="seed of the random layouts (default 0)")
 
 
+def session_cache_dir(tmp_path_factory) -> Path:
+    """The one $MESHLM_CACHE of a test run (prepared corpora, tokenizers, GGUF imports, eval sets), never the
+    user's ~/.cache. Under pytest-xdist every worker uses the controller's base directory, so the corpus is
+    tokenized and SmolLM2's GGUF imported once per run, not once per worker: meshlm's caches are safe for
+    concurrent builders (per-process temporary files, atomic renames)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # xdist's worker base is <the controller's base>/<worker id>
+    return base / "meshlm-cache"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache(tmp_path_factory):
+    """$MESHLM_CACHE set for the whole session, so that module fixtures (set up before any function-scoped
+    fixture) and the commands they start find the same cache as the tests."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MESHLM_CACHE", str(session_cache_dir(tmp_path_factory)))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _cache_dir(tmp_path_factory, monkeypatch):
-    """Tokenized-corpus cache shared by the whole session, never the user's ~/.cache."""
-    monkeypatch.setenv("MESHLM_CACHE", str(tmp_path_factory.getbasetemp() / "meshlm-cache"))
+    """The session's cache again for each test (a test may change the variable; its monkeypatch undoes that)."""
+    monkeypatch.setenv("MESHLM_CACHE", str(session_cache_dir(tmp_path_factory)))
 
 
 def tiny_config(out_dir: str | Path, **sections) -> Config:

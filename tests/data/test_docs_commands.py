@@ -1,15 +1,13 @@
 """Every `$ meshlm ...` command in docs/data.md, run as a user would in a fresh directory.
 
-prepare and tokenizer commands run as subprocesses; the first train command too (a few steps of a tiny
-model); later train commands resolve their config and build their datasets in-process, which is the
-part of training those examples are about."""
+prepare and tokenizer commands run in a fresh process, in order (one process for all: tests/cli_batch.py);
+the first train command too (a few steps of a tiny model); later train commands resolve their config and build
+their datasets in-process, which is the part of training those examples are about."""
 
 from __future__ import annotations
 
 import json
 import shlex
-import subprocess
-import sys
 import tomllib
 
 from meshlm.core.config import load_config
@@ -19,6 +17,7 @@ from meshlm.data.build import parse_paths
 from meshlm.data.gpt_dataset import BlendedDataset
 from meshlm.data.indexed import IndexedDataset
 from meshlm.data.prepare import prepare
+from tests.cli_batch import run_meshlm_batch
 from tests.conftest import ROOT
 
 DOC = ROOT / "docs" / "data.md"
@@ -44,23 +43,23 @@ def test_every_documented_command_works(tmp_path, monkeypatch):
     write_corpus(tmp_path / "my_corpus.jsonl")
     prepare([str(shakespeare_files()[0])], "gpt2", str(tmp_path / "data" / "my_corpus_2"), append_eod=True,
             progress=False)
-    trained = False
-    for argv in commands:
+    first_train = next(i for i, argv in enumerate(commands) if argv[1] == "train")
+    run = [i for i, argv in enumerate(commands) if argv[1] != "train" or i == first_train]
+    # The commands run in their order in one process (tests/cli_batch.py); the later train commands only read
+    # what they wrote, so they are checked after.
+    results = run_meshlm_batch([[*commands[i][1:], *(TINY + [f"--train.out_dir={tmp_path / 'run'}"]
+                                                   if i == first_train else [])] for i in run], cwd=tmp_path)
+    for i, result in zip(run, results):
+        assert result.returncode == 0, f"{shlex.join(commands[i])}\n{result.stderr}"
+    assert "val loss" in results[run.index(first_train)].stdout
+    monkeypatch.chdir(tmp_path)
+    for argv in commands[first_train + 1:]:
         args = argv[1:]
-        if args[0] == "train" and trained:
-            monkeypatch.chdir(tmp_path)
+        if args[0] == "train":
             overrides = [a for a in args if a.startswith("--") and "." in a.split("=")[0]]
             cfg = load_config(args[args.index("--config") + 1], overrides + TINY)
             tok, train, _ = build_datasets(cfg, progress=False)
             assert cfg.model.vocab_size >= tok.vocab_size and len(train) >= 8
-            continue
-        extra = TINY + [f"--train.out_dir={tmp_path / 'run'}"] if args[0] == "train" else []
-        result = subprocess.run([sys.executable, "-m", "meshlm", *args, *extra], cwd=tmp_path, check=False,
-                                capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, f"{shlex.join(argv)}\n{result.stderr}"
-        trained |= args[0] == "train"
-        if args[0] == "train":
-            assert "val loss" in result.stdout
     assert isinstance(train, BlendedDataset) and train.weights == [0.7, 0.3]
     sentences = IndexedDataset(tmp_path / "data" / "my_corpus_bert")  # the BERT example: a sequence per sentence
     assert sentences.n_documents == 300 and sentences.n_sequences > 300

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from meshlm.cli import main
 from meshlm.eval import sets
+from tests.cli_batch import run_meshlm_batch, shell_words
 from tests.eval.eval_helpers import save_tiny_gpt, write_jsonl
 from tests.test_readme_commands import _section_commands
 
@@ -52,7 +53,7 @@ def test_readme_evaluation_commands(task_files, tmp_path):
     assert len(commands) == 8, commands
     bin_dir = str(Path(sys.executable).parent)
     env = {**os.environ, "MESHLM_CACHE": str(tmp_path / "cache"), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    outputs = []
+    typed = []
     for line in commands:
         line = line.replace(".venv/bin/", bin_dir + "/")
         if line.startswith("torchrun"):
@@ -61,10 +62,22 @@ def test_readme_evaluation_commands(task_files, tmp_path):
             start = line.index('"$(')
             line = line[:start] + "text.txt" + line[line.index(')"', start) + 2:]
             line = line.replace("--stride 64", "--stride 16")  # the tiny model's context is 32 tokens
-        proc = subprocess.run(["bash", "-c", line], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                              env=env, check=False)
-        assert proc.returncode == 0, (line, proc.stderr[-2000:])
-        outputs.append(proc.stdout)
+        typed.append(line)
+    # Each line only reads what prepare() wrote: the torchrun launch first, then the seven `meshlm` lines in
+    # their order in one process (tests/cli_batch.py).
+    procs = {}
+    for i, line in enumerate(typed):
+        if not line.startswith(f"{bin_dir}/meshlm "):
+            procs[i] = subprocess.run(["bash", "-c", line], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                                      env=env, check=False)
+    batch = [i for i in range(len(typed)) if i not in procs]
+    assert len(batch) == 7, typed
+    procs.update(zip(batch, run_meshlm_batch([shell_words(typed[i], tmp_path)[1:] for i in batch], cwd=tmp_path,
+                                             env=env)))
+    outputs = []
+    for i, line in enumerate(typed):
+        assert procs[i].returncode == 0, (line, procs[i].stderr[-2000:])
+        outputs.append(procs[i].stdout)
     results = [json.loads(next(x for x in out.splitlines() if x.startswith("{"))) for out in outputs[:7]]
     assert [r["kind"] for r in results] == ["cloze", "choice", "perplexity", "cloze", "choice", "classify", "cloze"]
     assert json.loads((tmp_path / "cloze.json").read_text()) == results[0]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.cli_batch import run_meshlm_batch, shell_words
 from tests.conftest import ROOT
 from tests.test_readme_commands import _section_commands
 
@@ -20,7 +21,7 @@ def test_readme_moe_commands(tmp_path):
     commands = _section_commands("Mixture of experts")
     assert len(commands) == 3, commands
     bin_dir = str(Path(sys.executable).parent)
-    outputs = []
+    typed = []
     for line in commands:
         line = line.replace(".venv/bin/", bin_dir + "/").replace("runs/", f"{tmp_path}/runs/")
         if line.startswith("torchrun"):
@@ -29,8 +30,15 @@ def test_readme_moe_commands(tmp_path):
             line += " " + " ".join(NARROW)
             if "--train.out_dir" not in line:
                 line += f" --train.out_dir={tmp_path}/runs/gpt-moe-tiny"
-        proc = subprocess.run(["bash", "-c", line], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                              check=False)
+        typed.append(line)
+    # The torchrun launch (its own run directory), then the train and convert lines in one process
+    # (tests/cli_batch.py).
+    assert [line.startswith(f"{bin_dir}/meshlm ") for line in typed] == [True, False, True], typed
+    launch = subprocess.run(["bash", "-c", typed[1]], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            check=False)
+    first, last = run_meshlm_batch([shell_words(typed[i], ROOT)[1:] for i in (0, 2)], cwd=ROOT)
+    outputs = []
+    for line, proc in zip(typed, (first, launch, last)):
         assert proc.returncode == 0, (line, proc.stderr[-2000:])
         outputs.append(proc.stdout + proc.stderr)
     for name in ("gpt-moe-tiny", "gpt-moe-tiny-ep2"):

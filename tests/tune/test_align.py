@@ -170,6 +170,7 @@ def test_readme_align_commands(tmp_path):
     import sys
     from pathlib import Path
 
+    from tests.cli_batch import run_meshlm_batch, shell_words
     from tests.conftest import ROOT
     from tests.test_readme_commands import _section_commands
 
@@ -177,16 +178,24 @@ def test_readme_align_commands(tmp_path):
     base = ["--model.n_layers=2", "--model.hidden_size=32", "--train.micro_batch_size=2", "--train.global_batch_size=2",
             "--train.eval_iters=1", "--train.peak_tflops=1", "--train.max_steps=1", "--train.progress=false",
             "--train.sample_tokens=0", f"--train.out_dir={tmp_path}/runs/gpt-tiny"]
-    subprocess.run([sys.executable, "-m", "meshlm", "train", "--config", "gpt-tiny", *base], cwd=ROOT, check=True,
-                   capture_output=True, timeout=300)
     bin_dir = str(Path(sys.executable).parent)
+    typed = []
     for line in README_ALIGN:
         line = line.replace(".venv/bin/", bin_dir + "/").replace("runs/", f"{tmp_path}/runs/")
         line = line.replace("data/plays", f"{tmp_path}/data/plays")
         if " align " in line:
             line += " --train.max_steps=2 --train.progress=false --train.eval_iters=1 --train.peak_tflops=1"
+        typed.append(line)
+    # The two data scripts, then the base's training and the two `meshlm align` lines in one process
+    # (tests/cli_batch.py).
+    for line in typed[:2]:
         proc = subprocess.run(["bash", "-c", line], cwd=ROOT, capture_output=True, text=True, timeout=300,
                               check=False)
+        assert proc.returncode == 0, (line, proc.stderr[-2000:])
+    aligns = typed[2:]
+    batch = run_meshlm_batch([["train", "--config", "gpt-tiny", *base], *(shell_words(ln, ROOT)[1:] for ln in aligns)],
+                             cwd=ROOT)
+    for line, proc in zip(["(the base) train", *aligns], batch):
         assert proc.returncode == 0, (line, proc.stderr[-2000:])
     for name, key in (("plays-dpo", "val_rewards/margins"), ("plays-simpo-lora", "val_rewards/accuracies")):
         assert key in metrics(tmp_path / "runs" / name, "eval")[-1]

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.cli_batch import run_meshlm_batch, shell_words
 from tests.conftest import ROOT
 from tests.infer.server_helpers import free_port
 from tests.test_readme_commands import _section_commands
@@ -18,23 +19,31 @@ def test_readme_chat_commands(tmp_path):
             "--train.global_batch_size=2", "--train.eval_iters=1", "--train.peak_tflops=1", "--train.max_steps=1",
             "--train.progress=false", "--train.sample_tokens=0", "--train.time_budget_s=0",
             f"--train.out_dir={tmp_path}/runs/demo"]
-    subprocess.run([sys.executable, "-m", "meshlm", "train", "--config", "demo", *base], cwd=ROOT, check=True,
-                   capture_output=True, timeout=300)
     port = str(free_port())
     wait = f"for i in $(seq 120); do curl -sf http://127.0.0.1:{port}/health >/dev/null && break; sleep 0.5; done"
     serve = next(i for i, c in enumerate(commands) if c.endswith("&"))
     script = "\n".join([commands[serve], wait, *commands[serve + 1:]]).replace("8003", port)
     bin_dir = str(Path(sys.executable).parent)
-    outputs = []
+    typed = []
     for line in [*commands[:serve], script]:
         line = line.replace(".venv/bin/", bin_dir + "/").replace("runs/", f"{tmp_path}/runs/")
         line = line.replace("data/chat", f"{tmp_path}/data/chat")
         if " tune " in line:
             line += " --train.max_steps=2 --train.progress=false --train.eval_iters=1 --train.peak_tflops=1"
-        proc = subprocess.run(["bash", "-c", line], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                              check=False)
-        assert proc.returncode == 0, (line, proc.stderr[-2000:])
-        outputs.append(proc.stdout)
+        typed.append(line)
+    # The data script, then the base's training and the `meshlm tune` line in one process (tests/cli_batch.py),
+    # then the serving script.
+    assert len(typed) == 3 and "make_chat_task.py" in typed[0] and " tune " in typed[1], typed
+    data = subprocess.run(["bash", "-c", typed[0]], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert data.returncode == 0, (typed[0], data.stderr[-2000:])
+    trained, tuned = run_meshlm_batch([["train", "--config", "demo", *base], shell_words(typed[1], ROOT)[1:]],
+                                      cwd=ROOT)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert tuned.returncode == 0, (typed[1], tuned.stderr[-2000:])
+    served = subprocess.run(["bash", "-c", typed[2]], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            check=False)
+    assert served.returncode == 0, (typed[2], served.stderr[-2000:])
+    outputs = [data.stdout, tuned.stdout, served.stdout]
     data = tmp_path / "data" / "chat"
     assert {"chat_train.jsonl", "chat_valid.jsonl", "chat_test.jsonl", "pref_train.jsonl"} <= {
         p.name for p in data.iterdir()}
