@@ -74,7 +74,7 @@ def conversation_tokens(padded, eod: int) -> int:
 def trainer_for(work: Path, pack: bool, device: str, steps: int):
     """`meshlm tune --method full`'s prepared run and its Trainer (built as the command builds it)."""
     from meshlm.commands.train import build_trainer
-    from meshlm.commands.tune import add_tune_command
+    from meshlm.commands.tune import add_tune_command, tune_options
     from meshlm.tune.command import prepare
 
     argv = ["tune", "--checkpoint", str(work / "base"), "--method", "full", "--train", str(work / "chat.jsonl"),
@@ -87,7 +87,7 @@ def trainer_for(work: Path, pack: bool, device: str, steps: int):
     add_tune_command(parser.add_subparsers())
     args, overrides = parser.parse_known_args(argv)
     with contextlib.redirect_stdout(io.StringIO()):
-        cfg, tokenizer, train, valid, _ = prepare(args, overrides)
+        cfg, tokenizer, train, valid, _ = prepare(tune_options(args), overrides)
         return build_trainer(cfg, datasets=(tokenizer, train, valid)), train, tokenizer.eod_id
 
 

@@ -22,11 +22,20 @@ def _check_json_key(key: str) -> None:
 
 
 def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
-    from meshlm.data import prepare
+    import sys
+
+    from meshlm.data.prepare import prepare
 
     _no_overrides("prepare", overrides)
     _check_json_key(args.json_key)
-    return prepare.main(args)
+    try:
+        prepare(args.input, args.tokenizer, args.output, workers=args.workers, append_eod=args.append_eod,
+                json_key=args.json_key, on_error=args.on_error, split_paragraphs=args.split_paragraphs,
+                progress=not args.no_progress, allow_binary=args.allow_binary, split_sentences=args.split_sentences)
+    except KeyboardInterrupt:
+        print("interrupted; nothing was written", file=sys.stderr)
+        return 130
+    return 0
 
 
 def _tokenizer_train(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -4,16 +4,28 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from meshlm.train.finetune import FinetuneOptions
 
 TASKS = ("classify", "span", "tokens")
 DEFAULT_EPOCHS = 3
+
+
+def finetune_options(args: argparse.Namespace) -> FinetuneOptions:
+    """The typed options of `meshlm finetune`'s parsed flags (what `meshlm.train.finetune` takes)."""
+    from meshlm.train.finetune import FinetuneOptions
+
+    return FinetuneOptions(checkpoint=args.checkpoint, task=args.task, train=args.train, valid=args.valid,
+                           out=args.out, epochs=args.epochs, max_length=args.max_length, truncate=args.truncate)
 
 
 def _finetune(args: argparse.Namespace, overrides: list[str]) -> int:
     from meshlm.commands.train import trainer_extensions
     from meshlm.train.finetune import run_finetune
 
-    return run_finetune(args, overrides, trainer_extensions)
+    return run_finetune(finetune_options(args), overrides, trainer_extensions)
 
 
 def add_finetune_command(sub) -> None:

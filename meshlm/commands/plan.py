@@ -12,8 +12,12 @@ The planner runs in `plan/report.py` (`run_plan`); docs/plan.md describes the co
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from meshlm.core.config import DEFAULT_CONFIG, ConfigError, bundled_configs
+
+if TYPE_CHECKING:
+    from meshlm.plan.options import PlanOptions
 
 # The `--gpu-NAME` options: each overrides one field of the GPU (`plan.catalog.OVERRIDABLE`, in its order;
 # memory-gb is the field memory_gib).
@@ -23,9 +27,9 @@ GPU_FIELDS = [("tflops", "dense 16-bit peak TFLOP/s"), ("memory-gb", "memory per
               ("inter-latency-us", "inter-node latency, µs"), ("op-overhead-us", "host time per op, µs"),
               ("gather-cost", "all-gather / reduce-scatter cost as a fraction of an all-reduce's")]
 
-# The runtimes --runtime describes (`plan.cost.RUNTIMES`, in its order): meshlm's own, or Megatron-LM as the
-# published measurements ran it (docs/plan.md, "What runs").
-RUNTIMES = ("meshlm", "megatron-2021", "megatron-2022")
+# The runtimes --runtime describes (`plan.cost.RUNTIMES`, in its order): meshlm's own, Megatron-LM as the
+# published measurements ran it (docs/plan.md, "What runs"), or DeepSeek-V3's (FP8, DualPipe; docs/formulas.md).
+RUNTIMES = ("meshlm", "megatron-2021", "megatron-2022", "deepseek-v3")
 
 
 def _check_cluster(args: argparse.Namespace) -> None:
@@ -45,11 +49,27 @@ def _check_cluster(args: argparse.Namespace) -> None:
         raise ConfigError(f"--trial {args.trial} must be >= 0")
 
 
+def plan_options(args: argparse.Namespace) -> PlanOptions:
+    """The typed options of `meshlm plan`'s parsed flags (what `meshlm.plan.report.run_plan` takes)."""
+    from meshlm.plan.options import PlanOptions
+
+    return PlanOptions(config=args.config, gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
+                       gpu_tflops=args.gpu_tflops, gpu_memory_gb=args.gpu_memory_gb, gpu_hbm_gbps=args.gpu_hbm_gbps,
+                       gpu_intra_gbps=args.gpu_intra_gbps, gpu_inter_gbps=args.gpu_inter_gbps,
+                       gpu_intra_latency_us=args.gpu_intra_latency_us, gpu_inter_latency_us=args.gpu_inter_latency_us,
+                       gpu_op_overhead_us=args.gpu_op_overhead_us, gpu_gather_cost=args.gpu_gather_cost,
+                       global_batch_size=args.global_batch_size, seq_len=args.seq_len, precision=args.precision,
+                       runtime=args.runtime, top=args.top, all=args.all, json=args.json, layout=args.layout,
+                       explain=args.explain, write_config=args.write_config, trial=args.trial, steps=args.steps,
+                       inference=args.inference, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                       ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms)
+
+
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     _check_cluster(args)
     from meshlm.plan.report import run_plan
 
-    return run_plan(args, overrides)
+    return run_plan(plan_options(args), overrides)
 
 
 def add_plan_command(sub: argparse._SubParsersAction) -> None:
@@ -68,8 +88,9 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
                       help="default: bf16 on a catalog GPU, the config's on --gpu this")
     plan.add_argument("--runtime", choices=RUNTIMES, default="meshlm",
-                      help="the software whose costs are modelled: meshlm (default), or Megatron-LM as the papers "
-                           "ran it (16-bit weights with fp32 master copies, stored attention scores, no DP overlap)")
+                      help="the software whose costs are modelled: meshlm (default), Megatron-LM as the papers "
+                           "ran it (16-bit weights with fp32 master copies, stored attention scores, no DP overlap), "
+                           "or DeepSeek-V3's (FP8 GEMMs, DualPipe, node-limited all-to-all)")
     plan.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     plan.add_argument("--all", action="store_true", help="every fitting variant, not the best of each layout")
     plan.add_argument("--json", action="store_true", help="print the ranked layouts as a JSON list")

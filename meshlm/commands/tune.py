@@ -5,17 +5,31 @@ is `meshlm.tune.command.run_tune`'s."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from meshlm.commands.finetune import DEFAULT_EPOCHS, TASKS
 
+if TYPE_CHECKING:
+    from meshlm.tune.command import TuneOptions
+
 METHODS = ("prompt", "ptuning", "lora", "full")  # full: every weight trains (supervised fine-tuning, SFT), no adapter
+
+
+def tune_options(args: argparse.Namespace) -> TuneOptions:
+    """The typed options of `meshlm tune`'s parsed flags (what `meshlm.tune.command` takes)."""
+    from meshlm.tune.command import TuneOptions
+
+    return TuneOptions(checkpoint=args.checkpoint, method=args.method, train=args.train, valid=args.valid,
+                       out=args.out, epochs=args.epochs, template=tuple(args.template or ()), task=args.task,
+                       max_length=args.max_length, truncate=args.truncate, chat_template=args.chat_template,
+                       pack=args.pack)
 
 
 def _tune(args: argparse.Namespace, overrides: list[str]) -> int:
     from meshlm.commands.train import trainer_extensions
     from meshlm.tune.command import run_tune
 
-    return run_tune(args, overrides, trainer_extensions)
+    return run_tune(tune_options(args), overrides, trainer_extensions)
 
 
 def add_tune_command(sub) -> None:

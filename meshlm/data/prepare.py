@@ -479,15 +479,3 @@ class _Output:
             stats.errors.append("...")
             self.bar.write(f"more bad lines are skipped silently (only the first {MAX_REPORTED} are shown)",
                            file=sys.stderr)
-
-
-def main(args) -> int:
-    """`meshlm prepare` (arguments from meshlm.commands.data)."""
-    try:
-        prepare(args.input, args.tokenizer, args.output, workers=args.workers, append_eod=args.append_eod,
-                json_key=args.json_key, on_error=args.on_error, split_paragraphs=args.split_paragraphs,
-                progress=not args.no_progress, allow_binary=args.allow_binary, split_sentences=args.split_sentences)
-    except KeyboardInterrupt:
-        print("interrupted; nothing was written", file=sys.stderr)
-        return 130
-    return 0

@@ -8,7 +8,6 @@ docs/plan.md describes the cost model; `benchmarks/plan_validation.py` holds it 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -30,6 +29,7 @@ from meshlm.plan.catalog import (
 )
 from meshlm.plan.cost import RUNTIMES, Candidate, Cluster, Options
 from meshlm.plan.inference import plan_serving
+from meshlm.plan.options import PlanOptions
 from meshlm.plan.search import (
     MAX_GLOBAL_BATCH_SIZE,
     MAX_GPUS,
@@ -50,32 +50,32 @@ LAYOUT_KEYS = {"tp", "cp", "pp", "dp", "vpp", "sp", "mbs", "micro_batch_size", "
 
 
 # ---- inputs ------------------------------------------------------------------------------------------------
-def _gpu(args: argparse.Namespace):
-    if args.gpu.strip().lower() == "this":
+def _gpu(plan: PlanOptions):
+    if plan.gpu.strip().lower() == "this":
         threads = None
-        if args.gpus > 1:  # torchrun gives each process one thread (OMP_NUM_THREADS=1)
+        if plan.gpus > 1:  # torchrun gives each process one thread (OMP_NUM_THREADS=1)
             threads = 1
         gpu = measure_this(threads, cores=os.cpu_count() if threads == 1 else None)
         if threads == 1:
-            if args.gpu_intra_gbps is None or args.gpu_intra_latency_us is None:  # not both given: measure
+            if plan.gpu_intra_gbps is None or plan.gpu_intra_latency_us is None:  # not both given: measure
                 gbps, latency, gather = measure_links()  # gloo between two busy processes on this host
                 gpu = with_overrides(gpu, intra_gbps=gbps, inter_gbps=gbps, intra_latency_us=latency,
                                      inter_latency_us=latency, gather_cost=gather)
             gpu = share_cores(gpu)
     else:
-        gpu = get_gpu(args.gpu)
+        gpu = get_gpu(plan.gpu)
     # the --gpu-NAME options of commands/plan.py, one per overridable field (--gpu-memory-gb: memory_gib)
-    values = {key: getattr(args, "gpu_" + key.replace("memory_gib", "memory_gb")) for key in OVERRIDABLE}
+    values = {key: getattr(plan, "gpu_" + key.replace("memory_gib", "memory_gb")) for key in OVERRIDABLE}
     return with_overrides(gpu, **values)
 
 
-def _config(args: argparse.Namespace, overrides: list[str]) -> Config:
+def _config(plan: PlanOptions, overrides: list[str]) -> Config:
     extra = []
-    if args.seq_len is not None:
-        extra.append(f"--model.seq_len={args.seq_len}")
-    if args.global_batch_size is not None:
-        extra.append(f"--train.global_batch_size={args.global_batch_size}")
-    return load_config(args.config, [*overrides, *extra])
+    if plan.seq_len is not None:
+        extra.append(f"--model.seq_len={plan.seq_len}")
+    if plan.global_batch_size is not None:
+        extra.append(f"--train.global_batch_size={plan.global_batch_size}")
+    return load_config(plan.config, [*overrides, *extra])
 
 
 def parse_layout(text: str, gpus: int) -> dict:
@@ -132,14 +132,14 @@ def _check_world(text: str, gpus: int, given: dict) -> None:
         raise ConfigError(f"--layout {text!r} on --gpus {gpus}: {err}") from None
 
 
-def _options(args: argparse.Namespace, cfg: Config, gpu):
+def _options(plan: PlanOptions, cfg: Config, gpu):
     """What runs: meshlm (the config's loss, the GPU's device) or a preset runtime (`cost.RUNTIMES`)."""
     this = gpu.name.startswith("this")
-    preset = RUNTIMES[args.runtime]
+    preset = RUNTIMES[plan.runtime]
     if preset is not None:
-        return dataclasses.replace(preset, precision=args.precision or preset.precision)
+        return dataclasses.replace(preset, precision=plan.precision or preset.precision)
     device = "cpu" if gpu.name == "this (cpu)" else "cuda"
-    precision = args.precision or (cfg.train.precision if this else "bf16")
+    precision = plan.precision or (cfg.train.precision if this else "bf16")
     return Options(precision=precision, device_type=device, fused_loss=cfg.train.fused_loss)
 
 
@@ -212,57 +212,57 @@ def write_config(cfg: Config, path: str) -> Path:
 
 
 # ---- the command -------------------------------------------------------------------------------------------
-def run_plan(args: argparse.Namespace, overrides: list[str]) -> int:
-    """`meshlm plan` with the parsed `args` (commands/plan.py has checked the cluster's numbers) and the config
+def run_plan(plan: PlanOptions, overrides: list[str]) -> int:
+    """`meshlm plan` with its typed flags `plan` (commands/plan.py has checked the cluster's numbers) and the config
     `overrides`: the exit status."""
-    _check_bounds(args)
-    cfg = _config(args, overrides)
-    gpu = _gpu(args)
-    if args.inference:
-        return _inference(args, cfg, gpu)
+    _check_bounds(plan)
+    cfg = _config(plan, overrides)
+    gpu = _gpu(plan)
+    if plan.inference:
+        return _inference(plan, cfg, gpu)
     _check_batch(cfg.train.global_batch_size, "train.global_batch_size=")
-    cluster = Cluster(gpu, args.gpus, args.gpus_per_node)
-    opts = _options(args, cfg, gpu)
+    cluster = Cluster(gpu, plan.gpus, plan.gpus_per_node)
+    opts = _options(plan, cfg, gpu)
     gbs = cfg.train.global_batch_size
-    if args.layout or args.explain:
-        return _one_layout(args, cfg, cluster, opts)
+    if plan.layout or plan.explain:
+        return _one_layout(plan, cfg, cluster, opts)
     result = search(cfg, cluster, gbs, opts)
     if not result.ranked:
         raise ConfigError(_nothing_fits(cfg, cluster, opts, result))
-    ranked = result.ranked if args.all else distinct(result.ranked)
+    ranked = result.ranked if plan.all else distinct(result.ranked)
     best = ranked[0]
-    if args.trial:
-        ranked = run_trials(args, ranked[:args.trial], overrides)
+    if plan.trial:
+        ranked = run_trials(plan, ranked[:plan.trial], overrides)
         best = ranked[0]
-    if args.json:
-        print(json.dumps([e.to_dict() for e in ranked[:max(args.top, args.trial)]], indent=1))
+    if plan.json:
+        print(json.dumps([e.to_dict() for e in ranked[:max(plan.top, plan.trial)]], indent=1))
     else:
         n_checked = len(result.ranked) + len(result.too_big) + len(result.rejected)
-        print(f"{_describe(cfg)} on {args.gpus} × {gpu.name} ({args.gpus_per_node} per node), global batch {gbs}, "
+        print(f"{_describe(cfg)} on {plan.gpus} × {gpu.name} ({plan.gpus_per_node} per node), global batch {gbs}, "
               f"{opts.precision}: {n_checked:,} layouts: {len(result.ranked):,} fit, "
               f"{len(result.too_big):,} too big, {len(result.rejected):,} invalid")
         print()
-        print("\n".join(TABLE_HEAD + [_row(i, e) for i, e in enumerate(ranked[:args.top], 1)]))
+        print("\n".join(TABLE_HEAD + [_row(i, e) for i, e in enumerate(ranked[:plan.top], 1)]))
         summary = result.rejection_summary()
         if summary:
             print("\nrejected:")
             for count, reason, cand in summary:
                 print(f"  {count:>6} × {reason} (e.g. {cand.label()})")
         print(f"\nbest: {best.candidate.label()}\n  overrides: {' '.join(best.candidate.overrides())}")
-    if args.write_config:
-        print(f"wrote {write_config(best.candidate.apply(cfg, gbs), args.write_config)}", file=sys.stderr)
+    if plan.write_config:
+        print(f"wrote {write_config(best.candidate.apply(cfg, gbs), plan.write_config)}", file=sys.stderr)
     return 0
 
 
 # ---- bounds ------------------------------------------------------------------------------------------------
-def _check_bounds(args: argparse.Namespace) -> None:
+def _check_bounds(plan: PlanOptions) -> None:
     """Sizes beyond any real cluster or batch are refused before any work (a billion GPUs used to hang)."""
-    for flag, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node)):
+    for flag, value in (("--gpus", plan.gpus), ("--gpus-per-node", plan.gpus_per_node)):
         if value > MAX_GPUS:
             raise ConfigError(f"{flag} {value} is more GPUs than the planner plans for (at most {MAX_GPUS:,} = "
                               "2^20); give the cluster's real size")
-    if args.global_batch_size is not None:
-        _check_batch(args.global_batch_size, "--global-batch-size ")
+    if plan.global_batch_size is not None:
+        _check_batch(plan.global_batch_size, "--global-batch-size ")
 
 
 def _check_batch(value: int, name: str) -> None:
@@ -272,30 +272,30 @@ def _check_batch(value: int, name: str) -> None:
 
 
 # ---- one layout (--layout, --explain): the given fields, completed by the search ---------------------------
-def _one_layout(args: argparse.Namespace, cfg: Config, cluster: Cluster, opts) -> int:
-    text = args.layout or args.explain
+def _one_layout(plan: PlanOptions, cfg: Config, cluster: Cluster, opts) -> int:
+    text = plan.layout or plan.explain
     given = parse_layout(text, cluster.gpus)
     gbs = cfg.train.global_batch_size
     result = search(cfg, cluster, gbs, opts, space=candidates(cfg, cluster.gpus, cluster.gpus_per_node, gbs, given))
     if result.ranked:
         est = result.ranked[0]
-    elif result.too_big and args.explain:  # the terms of the leanest completion say why it does not fit
+    elif result.too_big and plan.explain:  # the terms of the leanest completion say why it does not fit
         est = evaluate(cfg, result.too_big[0].candidate, cluster, gbs, opts)  # with its time (the search skips it)
     else:
         raise ConfigError(_layout_does_not_fit(cfg, cluster, opts, text, given, result))
     cand = est.candidate
     chosen = [name for name, key in LAYOUT_FIELDS if key not in given]
-    if args.json:
+    if plan.json:
         print(json.dumps([est.to_dict()], indent=1))
-    elif args.explain:
+    elif plan.explain:
         print(explain(est, cand.apply(cfg, gbs)))
     else:
         print("\n".join(TABLE_HEAD + [_row(1, est)]))
         print(f"fits in {cluster.gpu.memory_gib:g} GiB; "
               + (f"completed by the search: {', '.join(chosen)}; " if chosen else "")
               + f"overrides: {' '.join(cand.overrides())}")
-    if args.write_config:
-        print(f"wrote {write_config(cand.apply(cfg, gbs), args.write_config)}", file=sys.stderr)
+    if plan.write_config:
+        print(f"wrote {write_config(cand.apply(cfg, gbs), plan.write_config)}", file=sys.stderr)
     return 0
 
 
@@ -429,31 +429,31 @@ def _smallest_cluster(cfg: Config, cluster, opts) -> int | None:
 
 
 # ---- serving -----------------------------------------------------------------------------------------------
-def _inference(args: argparse.Namespace, cfg: Config, gpu) -> int:
-    precision = args.precision or ("bf16" if not gpu.name.startswith("this") else cfg.train.precision)
+def _inference(plan: PlanOptions, cfg: Config, gpu) -> int:
+    precision = plan.precision or ("bf16" if not gpu.name.startswith("this") else cfg.train.precision)
     elem = 4 if precision == "fp32" else 2
-    for flag, value in (("--ttft-ms", args.ttft_ms), ("--tpot-ms", args.tpot_ms)):
+    for flag, value in (("--ttft-ms", plan.ttft_ms), ("--tpot-ms", plan.tpot_ms)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ConfigError(f"{flag} {value} must be a finite number of milliseconds > 0 (or leave it out)")
-    ttft = args.ttft_ms / 1e3 if args.ttft_ms is not None else None
-    tpot = args.tpot_ms / 1e3 if args.tpot_ms is not None else None
-    rows, refused = plan_serving(cfg.model, gpu, args.gpus_per_node, args.prompt_tokens, args.output_tokens, ttft,
+    ttft = plan.ttft_ms / 1e3 if plan.ttft_ms is not None else None
+    tpot = plan.tpot_ms / 1e3 if plan.tpot_ms is not None else None
+    rows, refused = plan_serving(cfg.model, gpu, plan.gpus_per_node, plan.prompt_tokens, plan.output_tokens, ttft,
                                  tpot, elem)
     if not rows:
-        raise ConfigError(f"the model does not fit for serving on up to {args.gpus_per_node} × {gpu.name} "
+        raise ConfigError(f"the model does not fit for serving on up to {plan.gpus_per_node} × {gpu.name} "
                           f"({gpu.memory_gib:g} GiB each) even at batch 1; use a GPU with more memory or more "
                           "--gpus-per-node" + (f" ({refused[0][1]})" if refused else ""))
     meeting = [r for r in rows if r.meets]
-    if args.json:
-        print(json.dumps([r.to_dict() for r in rows[:args.top]], indent=1))
+    if plan.json:
+        print(json.dumps([r.to_dict() for r in rows[:plan.top]], indent=1))
         return 0
-    targets = ", ".join(t for t in (f"TTFT <= {args.ttft_ms:g} ms" if ttft else "",
-                                    f"TPOT <= {args.tpot_ms:g} ms" if tpot else "") if t) or "none (max throughput)"
-    print(f"serving {_describe(cfg)} on {gpu.name}, prompts of {args.prompt_tokens} tokens, "
-          f"{args.output_tokens} generated, {precision}; targets: {targets}\n")
+    targets = ", ".join(t for t in (f"TTFT <= {plan.ttft_ms:g} ms" if ttft else "",
+                                    f"TPOT <= {plan.tpot_ms:g} ms" if tpot else "") if t) or "none (max throughput)"
+    print(f"serving {_describe(cfg)} on {gpu.name}, prompts of {plan.prompt_tokens} tokens, "
+          f"{plan.output_tokens} generated, {precision}; targets: {targets}\n")
     print("| rank | tp | batch | memory GiB | KV cache/request MiB | TTFT ms | TPOT ms | tokens/s (replica) | "
           "tokens/s per GPU | meets targets |\n|---|---|---|---|---|---|---|---|---|---|")
-    for i, r in enumerate(rows[:args.top], 1):
+    for i, r in enumerate(rows[:plan.top], 1):
         print(f"| {i} | {r.tp} | {r.batch} | {r.memory_bytes / GIB:,.1f} | {r.kv_per_request_bytes / 2 ** 20:,.1f} | "
               f"{r.ttft_s * 1e3:,.1f} | {r.tpot_s * 1e3:,.2f} | {r.tokens_per_s:,.0f} | "
               f"{r.tokens_per_s_per_gpu:,.0f} | {'yes' if r.meets else 'no'} |")

@@ -3,13 +3,14 @@ and re-ranked by their measured step time (docs/plan.md, "Trials")."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from meshlm.plan.options import PlanOptions
 
 
 def trial_command(config: str, cand, world: int, steps: int, out_dir: str, overrides: list[str]) -> list[str]:
@@ -32,19 +33,19 @@ def measured_step_time(out_dir: str, statistic: str = "median") -> float:
     return times[0] if statistic == "min" else times[len(times) // 2]
 
 
-def run_trials(args: argparse.Namespace, top: list, overrides: list[str]) -> list:
+def run_trials(plan: PlanOptions, top: list, overrides: list[str]) -> list:
     """Run each layout with torchrun for --steps steps, measure, re-rank by measurement."""
-    if args.gpu.strip().lower() != "this":
-        print(f"note: --trial runs on this machine, not on {args.gpu}; the measured times are this machine's",
+    if plan.gpu.strip().lower() != "this":
+        print(f"note: --trial runs on this machine, not on {plan.gpu}; the measured times are this machine's",
               file=sys.stderr)
     extra = [*overrides]
-    if args.seq_len is not None:
-        extra.append(f"--model.seq_len={args.seq_len}")
-    if args.global_batch_size is not None:
-        extra.append(f"--train.global_batch_size={args.global_batch_size}")
+    if plan.seq_len is not None:
+        extra.append(f"--model.seq_len={plan.seq_len}")
+    if plan.global_batch_size is not None:
+        extra.append(f"--train.global_batch_size={plan.global_batch_size}")
     for est in top:
         with tempfile.TemporaryDirectory(prefix="meshlm-plan-trial-") as tmp:
-            cmd = trial_command(args.config, est.candidate, est.candidate.world, args.steps, tmp, extra)
+            cmd = trial_command(plan.config, est.candidate, est.candidate.world, plan.steps, tmp, extra)
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if proc.returncode != 0:
                 tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -52,7 +53,7 @@ def run_trials(args: argparse.Namespace, top: list, overrides: list[str]) -> lis
                 est.measured_step_time_s = math.inf
                 continue
             est.measured_step_time_s = measured_step_time(tmp)
-    if not args.json:
+    if not plan.json:
         print("trials (this machine): predicted vs measured step time\n")
         print("| layout | predicted s | measured s | measured / predicted |\n|---|---|---|---|")
         for est in top:

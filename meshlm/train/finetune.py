@@ -33,7 +33,6 @@ their metrics need (`models/bert.py`), so metrics.jsonl's eval rows carry val_ac
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -369,6 +368,21 @@ def finetune_values(base: dict, task: str, num_labels: int, out_dir: str, init_f
 
 
 # ---- the command --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FinetuneOptions:
+    """`meshlm finetune`'s flags (`meshlm.commands.finetune.finetune_options` builds them from the command line;
+    `meshlm tune --task` too)."""
+
+    checkpoint: str  # the base: a run directory or a step directory
+    task: str  # classify | span | tokens
+    train: str  # FILE.jsonl
+    valid: str  # FILE.jsonl
+    out: str  # the run directory (the same again resumes)
+    epochs: int  # passes over the training set
+    max_length: int | None = None  # tokens per example (None: model.seq_len)
+    truncate: bool = False  # cut examples longer than the row instead of refusing them
+
+
 def _given_num_labels(overrides: list[str]) -> int | None:
     value = apply_overrides({}, [o for o in overrides if o.removeprefix("--").startswith("model.num_labels=")])
     given = value.get("model", {}).get("num_labels")
@@ -379,10 +393,10 @@ def _given_num_labels(overrides: list[str]) -> int | None:
     return given
 
 
-def _max_length(args: argparse.Namespace, cfg) -> int:
+def _max_length(opts: FinetuneOptions, cfg) -> int:
     """Tokens per example: --max-length, at most model.seq_len (its default); under sequence parallelism a
     multiple of parallel.tp."""
-    seq_len, wanted = cfg.model.seq_len, getattr(args, "max_length", None)
+    seq_len, wanted = cfg.model.seq_len, opts.max_length
     if wanted is None:
         return seq_len
     if not 2 <= wanted <= seq_len:
@@ -404,65 +418,65 @@ def _class_counts(data: Encoded, labels: Labels) -> str:
     return "classes " + ", ".join(f"{names[c]} {counts.get(c, 0)}" for c in range(labels.num_labels))
 
 
-def prepare(args: argparse.Namespace, overrides: list[str]):
+def prepare(opts: FinetuneOptions, overrides: list[str]):
     """Everything before training, without writing anything: (config, tokenizer, train set, padded valid
     set, info for DIR/finetune.json)."""
     from meshlm.checkpoint.load import open_checkpoint
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.families.registry import get_spec
 
-    if args.epochs < 1:
-        raise ConfigError(f"--epochs {args.epochs} must be >= 1")
-    check_output_dir("--out", args.out)
-    train_lines = read_jsonl(args.train, "--train")
-    valid_lines = read_jsonl(args.valid, "--valid")
-    base = open_checkpoint(args.checkpoint).config  # the trainer reads its weights (`train.init_from`)
+    if opts.epochs < 1:
+        raise ConfigError(f"--epochs {opts.epochs} must be >= 1")
+    check_output_dir("--out", opts.out)
+    train_lines = read_jsonl(opts.train, "--train")
+    valid_lines = read_jsonl(opts.valid, "--valid")
+    base = open_checkpoint(opts.checkpoint).config  # the trainer reads its weights (`train.init_from`)
     if not get_spec(base.model.family).task_heads:
-        raise ConfigError(f"--checkpoint {args.checkpoint!r} holds a model.family={base.model.family!r} model; "
+        raise ConfigError(f"--checkpoint {opts.checkpoint!r} holds a model.family={base.model.family!r} model; "
                           "meshlm finetune needs a BERT checkpoint (model.family=bert)")
     given = _given_num_labels(overrides)
-    if args.task == "span":
+    if opts.task == "span":
         labels = Labels(2)
     else:
-        labels = resolve_labels(_raw_labels(train_lines, args.task), _raw_labels(valid_lines, args.task), given,
+        labels = resolve_labels(_raw_labels(train_lines, opts.task), _raw_labels(valid_lines, opts.task), given,
                                 "--train")
-        if args.task == "tokens" and labels.regression:
+        if opts.task == "tokens" and labels.regression:
             raise ConfigError("--task tokens needs model.num_labels >= 2 (regression is for --task classify)")
-    values = finetune_values(base.to_dict(), args.task, labels.num_labels, args.out, args.checkpoint, overrides)
+    values = finetune_values(base.to_dict(), opts.task, labels.num_labels, opts.out, opts.checkpoint, overrides)
     first = build(values)  # the model's length, the tokenizer and the micro-batch size
     tokenizer = get_tokenizer(first.data.tokenizer)
-    length = _max_length(args, first)
-    enc = Encoder(tokenizer, length, args.truncate)
+    length = _max_length(opts, first)
+    enc = Encoder(tokenizer, length, opts.truncate)
     sets = []
-    for lines, flag, path in ((train_lines, "--train", args.train), (valid_lines, "--valid", args.valid)):
-        if args.task == "classify":
+    for lines, flag, path in ((train_lines, "--train", opts.train), (valid_lines, "--valid", opts.valid)):
+        if opts.task == "classify":
             data = encode_classify(lines, labels, enc, "--train")
-        elif args.task == "span":
+        elif opts.task == "span":
             data = encode_span(lines, enc)
         else:
             data = encode_tokens(lines, labels, enc, "--train")
         sets.append(data)
         note = f"; dropped {data.dropped} whose answer lies beyond the truncated context" if data.dropped else ""
-        counts = "" if args.task == "span" else f" ({_class_counts(data, labels)})"
+        counts = "" if opts.task == "span" else f" ({_class_counts(data, labels)})"
         say(f"{flag} {path}: {len(data.ids)} examples{counts}{note}")
     train, valid = (FinetuneDataset(d) for d in sets)
     # The whole validation set, once per evaluation: padded to whole micro-batches with ignored rows.
     valid = valid.padded(first.train.micro_batch_size, enc)
-    cfg = with_schedule(values, overrides, len(train), len(valid), args.epochs)
-    info = {"task": args.task, "checkpoint": args.checkpoint, "train": args.train, "valid": args.valid,
+    cfg = with_schedule(values, overrides, len(train), len(valid), opts.epochs)
+    info = {"task": opts.task, "checkpoint": opts.checkpoint, "train": opts.train, "valid": opts.valid,
             "train_examples": len(train), "valid_examples": len(sets[1].ids), "max_length": length,
             **labels.to_dict()}
     return cfg, tokenizer, train, valid, info
 
 
-def run_finetune(args: argparse.Namespace, overrides: list[str], extensions: Extensions) -> int:
+def run_finetune(opts: FinetuneOptions, overrides: list[str], extensions: Extensions) -> int:
     """`meshlm finetune` (parsed by `meshlm.commands.finetune`), with the trainer's `extensions(cfg)`."""
-    cfg, tokenizer, train, valid, info = prepare(args, overrides)
+    cfg, tokenizer, train, valid, info = prepare(opts, overrides)
     t = cfg.train
-    say(f"fine-tuning {info['task']} (model.num_labels={cfg.model.num_labels}) from {args.checkpoint}: "
+    say(f"fine-tuning {info['task']} (model.num_labels={cfg.model.num_labels}) from {opts.checkpoint}: "
         f"{t.max_steps} steps of {t.global_batch_size} examples, lr {cfg.optim.lr:g}, evaluation every "
         f"{t.eval_every} steps over {info['valid_examples']} examples ({t.eval_iters} micro-batches)")
-    trainer, result = train_prepared(cfg, (tokenizer, train, valid), args.out, lambda out: write_info(out, info, INFO_FILE, INFO_KEYS),
+    trainer, result = train_prepared(cfg, (tokenizer, train, valid), opts.out, lambda out: write_info(out, info, INFO_FILE, INFO_KEYS),
                                      extensions)
     shown = {k: v for k, v in result.items() if k.startswith("val_")}
     if shown:

@@ -22,9 +22,9 @@ second model in memory during training.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +43,25 @@ REFERENCE_FILE = "align_reference.pt"
 # Learning rates: TRL's DPOConfig default for the whole model; ten times that for a LoRA adapter.
 DEFAULT_LR = {"none": 1e-6, "lora": 1e-5}
 DEFAULT_EPOCHS = 1
+
+
+@dataclass(frozen=True)
+class AlignOptions:
+    """`meshlm align --method dpo|ipo|simpo`'s flags (`meshlm.commands.align.align_options` builds them from the
+    command line)."""
+
+    checkpoint: str  # the base and frozen reference: a run directory, a step directory or a .gguf file
+    method: str  # dpo | ipo | simpo
+    train: str  # FILE.jsonl of preference pairs
+    valid: str  # FILE.jsonl of held-out pairs
+    out: str  # the run directory (the same again resumes)
+    beta: float  # the preference strength
+    label_smoothing: float  # conservative DPO / SimPO: the share of pairs assumed flipped
+    simpo_gamma: float  # SimPO's target reward margin
+    adapter: str  # none (every weight trains) | lora
+    epochs: int  # passes over the training pairs
+    max_length: int | None = None  # tokens per row, prompt + completion (None: model.seq_len)
+    chat_template: str | None = None  # conversational lines: a Jinja2 template instead of the base tokenizer's
 
 
 class Preference(Extension):
@@ -74,17 +93,17 @@ def align_values(base: dict, adapter: str, checkpoint: str, out_dir: str, overri
     return apply_overrides(values, overrides)
 
 
-def check_objective(args: argparse.Namespace) -> Objective:
-    if not (args.beta > 0 and math.isfinite(args.beta)):
-        raise ConfigError(f"--beta {args.beta} must be > 0 (the strength of the preference; 0.1 is usual)")
-    if not 0 <= args.label_smoothing < 0.5:
-        raise ConfigError(f"--label-smoothing {args.label_smoothing} must be in [0, 0.5) (0: plain DPO)")
-    if args.label_smoothing and args.method == "ipo":
+def check_objective(opts: AlignOptions) -> Objective:
+    if not (opts.beta > 0 and math.isfinite(opts.beta)):
+        raise ConfigError(f"--beta {opts.beta} must be > 0 (the strength of the preference; 0.1 is usual)")
+    if not 0 <= opts.label_smoothing < 0.5:
+        raise ConfigError(f"--label-smoothing {opts.label_smoothing} must be in [0, 0.5) (0: plain DPO)")
+    if opts.label_smoothing and opts.method == "ipo":
         raise ConfigError("--label-smoothing is for --method dpo|simpo; IPO's squared loss has none: drop it")
-    if not math.isfinite(args.simpo_gamma):
-        raise ConfigError(f"--simpo-gamma {args.simpo_gamma} must be a finite number (SimPO's target margin; 0.5 "
+    if not math.isfinite(opts.simpo_gamma):
+        raise ConfigError(f"--simpo-gamma {opts.simpo_gamma} must be a finite number (SimPO's target margin; 0.5 "
                           "is usual)")
-    return Objective(args.method, args.beta, args.label_smoothing, args.simpo_gamma)
+    return Objective(opts.method, opts.beta, opts.label_smoothing, opts.simpo_gamma)
 
 
 def check_config(cfg, length: int) -> None:
@@ -116,34 +135,34 @@ def chat_template(tokenizer: str, override: str | None):
     return get
 
 
-def prepare(args: argparse.Namespace, overrides: list[str], checkpoint):
+def prepare(opts: AlignOptions, overrides: list[str], checkpoint):
     """Everything before training, writing nothing: (config, objective, tokenizer, train set, valid set, info);
     the sets without their reference log-probs yet. `checkpoint`: the opened base (`--checkpoint`)."""
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.families.registry import get_spec
     from meshlm.tune.export import base_fingerprint
 
-    if args.epochs < 1:
-        raise ConfigError(f"--epochs {args.epochs} must be >= 1")
-    objective = check_objective(args)
-    check_output_dir("--out", args.out)
+    if opts.epochs < 1:
+        raise ConfigError(f"--epochs {opts.epochs} must be >= 1")
+    objective = check_objective(opts)
+    check_output_dir("--out", opts.out)
     base = checkpoint.config
     if not get_spec(base.model.family).decoder:
-        raise ConfigError(f"--checkpoint {args.checkpoint!r} holds a model.family={base.model.family!r} model; "
+        raise ConfigError(f"--checkpoint {opts.checkpoint!r} holds a model.family={base.model.family!r} model; "
                           "meshlm align needs a decoder (GPT) checkpoint")
     # The run names the verified step directory: a resumed run reads the very weights this one starts from.
-    values = align_values(base.to_dict(), args.adapter, str(checkpoint.path), args.out, overrides)
+    values = align_values(base.to_dict(), opts.adapter, str(checkpoint.path), opts.out, overrides)
     first = build(values)
-    template = chat_template(first.data.tokenizer, args.chat_template)
+    template = chat_template(first.data.tokenizer, opts.chat_template)
     texts = {}
-    for flag, path in (("--train", args.train), ("--valid", args.valid)):
+    for flag, path in (("--train", opts.train), ("--valid", opts.valid)):
         lines = read_jsonl(path, flag)
         texts[flag] = ([preference.pair_texts(line, template) for line in lines], [line.where for line in lines])
-    length = row_length(args, first.model.seq_len)
+    length = row_length(opts.max_length, first.model.seq_len)
     check_config(first, length)
     tokenizer = get_tokenizer(first.data.tokenizer)
     sets = {}
-    for flag, path in (("--train", args.train), ("--valid", args.valid)):
+    for flag, path in (("--train", opts.train), ("--valid", opts.valid)):
         data = preference.encode_pairs(*texts[flag], tokenizer, length)
         sets[flag] = data
         say(f"{flag} {path}: {len(data)} pairs, {data.num_tokens:,} completion tokens")
@@ -152,11 +171,11 @@ def prepare(args: argparse.Namespace, overrides: list[str], checkpoint):
     if first.train.micro_batch_size < 1:
         raise ConfigError("train.micro_batch_size must be >= 1 (pairs per micro-batch)")
     valid = valid.padded(first.train.micro_batch_size, tokenizer.eod_id)
-    cfg = with_schedule(values, overrides, len(train), len(valid), args.epochs)
-    info = {"method": args.method, "adapter": args.adapter, "beta": objective.beta,
+    cfg = with_schedule(values, overrides, len(train), len(valid), opts.epochs)
+    info = {"method": opts.method, "adapter": opts.adapter, "beta": objective.beta,
             "label_smoothing": objective.label_smoothing, "simpo_gamma": objective.gamma,
-            "checkpoint": args.checkpoint, "base_fingerprint": base_fingerprint(checkpoint.path),
-            "train": args.train, "valid": args.valid, "train_pairs": len(train), "valid_pairs": n_valid,
+            "checkpoint": opts.checkpoint, "base_fingerprint": base_fingerprint(checkpoint.path),
+            "train": opts.train, "valid": opts.valid, "train_pairs": len(train), "valid_pairs": n_valid,
             "max_length": length}
     return cfg, objective, tokenizer, train, valid, info
 
@@ -247,31 +266,31 @@ def write_run_files(out: Path, info: dict, saved) -> None:
         tmp.replace(out / REFERENCE_FILE)
 
 
-def run_align(args: argparse.Namespace, overrides: list[str], extensions: Extensions) -> int:
+def run_align(opts: AlignOptions, overrides: list[str], extensions: Extensions) -> int:
     """`meshlm align` (parsed by `meshlm.commands.align`), with the trainer's `extensions(cfg)` (the LoRA
     adapter's: `meshlm.commands.train.trainer_extensions`) and the `Preference` loss."""
     from meshlm.interop.checkpoints import open_checkpoint
     from meshlm.train.prepared import train_prepared
     from meshlm.tune.export import export_run
 
-    checkpoint = open_checkpoint(args.checkpoint)  # resolved and verified once, for the whole command
-    cfg, objective, tokenizer, train, valid, info = prepare(args, overrides, checkpoint)
+    checkpoint = open_checkpoint(opts.checkpoint)  # resolved and verified once, for the whole command
+    cfg, objective, tokenizer, train, valid, info = prepare(opts, overrides, checkpoint)
     train, valid, saved = with_reference(cfg, objective, info, train, valid, checkpoint)
     t = cfg.train
-    say(f"aligning ({args.method}, beta {objective.beta:g}, adapter {args.adapter}) {args.checkpoint}: {t.max_steps} "
+    say(f"aligning ({opts.method}, beta {objective.beta:g}, adapter {opts.adapter}) {opts.checkpoint}: {t.max_steps} "
         f"steps of {t.global_batch_size} pairs, lr {cfg.optim.lr:g}, evaluation every {t.eval_every} steps over "
         f"{info['valid_pairs']} pairs")
     loss = Preference(objective, t.micro_batch_size, info["max_length"])
-    trainer, result = train_prepared(cfg, (tokenizer, train, valid), args.out,
+    trainer, result = train_prepared(cfg, (tokenizer, train, valid), opts.out,
                                      lambda d: write_run_files(d, info, saved),
                                      lambda c: [*extensions(c), loss])
     if is_main() and trainer.stop_signal is None:
         shown = " | ".join(f"{k} {v:.4f}" for k, v in result.items() if k in ("val_loss", "val_rewards/accuracies",
                                                                            "val_rewards/margins"))
         done = f"align: step {result['step']}: {shown}"
-        if args.adapter == "none":
-            say(f"{done}; the aligned model is {args.out}'s checkpoint")
+        if opts.adapter == "none":
+            say(f"{done}; the aligned model is {opts.out}'s checkpoint")
         else:
-            written = export_run(Path(args.out))
-            say(f"{done}; adapter in {', '.join(str(p.name) for p in written)} of {args.out}")
+            written = export_run(Path(opts.out))
+            say(f"{done}; adapter in {', '.join(str(p.name) for p in written)} of {opts.out}")
     return trainer.exit_code

@@ -17,7 +17,7 @@ holds the adapter for `meshlm generate --adapter DIR` and for Hugging Face PEFT 
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 from meshlm.core.config import ConfigError, apply_overrides, build, check_output_dir
@@ -29,6 +29,24 @@ from meshlm.train.prepared import Extensions, with_schedule
 INFO_FILE = "tune.json"
 # Learning rates that work for each method on small models (docs/tune.md): prompt tables move slowly.
 DEFAULT_LR = {"prompt": 3e-2, "ptuning": 1e-3, "lora": 1e-3, "full": 3e-4}
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    """`meshlm tune`'s flags (`meshlm.commands.tune.tune_options` builds them from the command line)."""
+
+    checkpoint: str  # the frozen base: a run directory, a step directory or a .gguf file
+    method: str  # prompt | ptuning | lora | full
+    train: str  # FILE.jsonl
+    valid: str  # FILE.jsonl
+    out: str  # the run directory (the same again resumes)
+    epochs: int  # passes over the training set
+    template: tuple[str, ...] = ()  # `[TASK=]TEXT` prompt templates
+    task: str | None = None  # BERT checkpoints: meshlm finetune's task (classify | span | tokens)
+    max_length: int | None = None  # tokens per row (None: model.seq_len)
+    truncate: bool = False
+    chat_template: str | None = None  # conversations: a Jinja2 template (file or text) instead of the base's
+    pack: bool = False  # conversations: several per row (data.document_mask)
 
 
 def tune_values(base: dict, method: str, checkpoint: str, out_dir: str, tasks: list[str],
@@ -63,9 +81,8 @@ def _tasks(items: list[tuple[str, str, str]], valid: list[tuple[str, str, str]],
     return [] if names == [""] else names
 
 
-def row_length(args: argparse.Namespace, seq_len: int) -> int:
-    """Tokens per row: `--max-length`, checked against the base's model.seq_len (its default)."""
-    wanted = args.max_length
+def row_length(wanted: int | None, seq_len: int) -> int:
+    """Tokens per row: `--max-length` (`wanted`), checked against the base's model.seq_len (its default)."""
     if wanted is None:
         return seq_len
     if not 2 <= wanted <= seq_len:
@@ -73,51 +90,52 @@ def row_length(args: argparse.Namespace, seq_len: int) -> int:
     return wanted
 
 
-def _chat_flags(args: argparse.Namespace, chat: bool) -> None:
+def _chat_flags(opts: TuneOptions, chat: bool) -> None:
     """The flags that go with conversation data, or without it."""
     if chat:
-        if args.template:
+        if opts.template:
             raise ConfigError("--template is for input/output and task lines; conversations ('messages' lines) are "
                               "rendered with the chat template: give --chat-template FILE to replace the checkpoint's")
-        if args.pack and args.method in ("prompt", "ptuning"):
-            raise ConfigError(f"--pack with --method {args.method}: the virtual tokens start each row, not each "
+        if opts.pack and opts.method in ("prompt", "ptuning"):
+            raise ConfigError(f"--pack with --method {opts.method}: the virtual tokens start each row, not each "
                               "conversation; use --method full or lora with --pack, or drop --pack")
-    elif args.pack or args.chat_template:
-        flag = "--pack" if args.pack else "--chat-template"
+    elif opts.pack or opts.chat_template:
+        flag = "--pack" if opts.pack else "--chat-template"
         raise ConfigError(f"{flag} is for conversations ({{\"messages\": [...]}} lines); --train holds "
                           "input/output lines")
 
 
-def _chat_sets(args, base, lines: tuple, length: int, n_virtual: int, tokenizer) -> tuple[list, dict]:
+def _chat_sets(opts: TuneOptions, base, lines: tuple, length: int, n_virtual: int, tokenizer) -> tuple[list, dict]:
     """Conversation files encoded (chat_data.py): ([train, valid], what tune.json records of them)."""
     from meshlm.data.chat import template_for
     from meshlm.tune.chat_data import encode_chats
 
-    template = template_for(base.data.tokenizer, override=args.chat_template)
+    template = template_for(base.data.tokenizer, override=opts.chat_template)
     sets = []
-    for part, flag, path in zip(lines, ("--train", "--valid"), (args.train, args.valid)):
-        data, cut, n = encode_chats(part, tokenizer, template, length, n_virtual, args.truncate, args.pack)
+    for part, flag, path in zip(lines, ("--train", "--valid"), (opts.train, opts.valid)):
+        data, cut, n = encode_chats(part, tokenizer, template, length, n_virtual, opts.truncate, opts.pack)
         sets.append(data)
         say(f"{flag} {path}: {n} conversations, {data.num_tokens:,} assistant tokens"
-            + (f" packed into {len(data)} rows of {length}" if args.pack else "")
+            + (f" packed into {len(data)} rows of {length}" if opts.pack else "")
             + (f"; {cut} cut to fit (--truncate keeps their start)" if cut else ""))
-    return sets, {"chat_template": getattr(template, "text", template), "pack": bool(args.pack)}
+    return sets, {"chat_template": getattr(template, "text", template), "pack": bool(opts.pack)}
 
 
-def _io_sets(args, items: tuple, lines: tuple, length: int, n_virtual: int, tasks: list[str], tokenizer) -> list:
+def _io_sets(opts: TuneOptions, items: tuple, lines: tuple, length: int, n_virtual: int, tasks: list[str],
+             tokenizer) -> list:
     """Input/output or task lines encoded (data.py): [train, valid]."""
     from meshlm.tune.data import encode
 
     sets = []
-    for part, part_lines, flag, path in zip(items, lines, ("--train", "--valid"), (args.train, args.valid)):
-        data, cut = encode(part, [x.where for x in part_lines], tokenizer, length, n_virtual, tasks, args.truncate)
+    for part, part_lines, flag, path in zip(items, lines, ("--train", "--valid"), (opts.train, opts.valid)):
+        data, cut = encode(part, [x.where for x in part_lines], tokenizer, length, n_virtual, tasks, opts.truncate)
         sets.append(data)
         say(f"{flag} {path}: {len(data)} examples, {data.num_tokens:,} output tokens"
             + (f"; {cut} inputs cut to fit" if cut else ""))
     return sets
 
 
-def prepare(args: argparse.Namespace, overrides: list[str]):
+def prepare(opts: TuneOptions, overrides: list[str]):
     """Everything before training, writing nothing: (config, tokenizer, train set, valid set, info)."""
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.families.registry import get_spec
@@ -126,85 +144,87 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
     from meshlm.tune.data import examples, parse_templates, trim_multiple
     from meshlm.tune.export import base_fingerprint
 
-    if args.epochs < 1:
-        raise ConfigError(f"--epochs {args.epochs} must be >= 1")
-    check_output_dir("--out", args.out)
-    checkpoint = open_checkpoint(args.checkpoint)  # resolved and verified once, for the whole command
+    if opts.epochs < 1:
+        raise ConfigError(f"--epochs {opts.epochs} must be >= 1")
+    check_output_dir("--out", opts.out)
+    checkpoint = open_checkpoint(opts.checkpoint)  # resolved and verified once, for the whole command
     base = checkpoint.config
     if not get_spec(base.model.family).decoder:
-        raise ConfigError(f"--checkpoint {args.checkpoint!r} holds a model.family={base.model.family!r} model; for it "
+        raise ConfigError(f"--checkpoint {opts.checkpoint!r} holds a model.family={base.model.family!r} model; for it "
                           "give --task classify|span|tokens (meshlm finetune's data) with --method lora")
-    if args.task is not None:
-        raise ConfigError(f"--task {args.task} is for BERT checkpoints; a GPT checkpoint learns --train's outputs")
-    lines = (read_jsonl(args.train, "--train"), read_jsonl(args.valid, "--valid"))
+    if opts.task is not None:
+        raise ConfigError(f"--task {opts.task} is for BERT checkpoints; a GPT checkpoint learns --train's outputs")
+    lines = (read_jsonl(opts.train, "--train"), read_jsonl(opts.valid, "--valid"))
     chat = is_chat(*lines)
-    _chat_flags(args, chat)
-    templates = {} if chat else parse_templates(args.template or [])
+    _chat_flags(opts, chat)
+    templates = {} if chat else parse_templates(list(opts.template))
     items = () if chat else tuple(examples(part, templates, flag) for part, flag in zip(lines, ("--train", "--valid")))
     tasks = [] if chat else _tasks(items[0], items[1], [x.where for x in lines[1]])
-    if tasks and args.method in ("lora", "full"):
-        raise ConfigError(f"--method {args.method} with several tasks ({', '.join(tasks[:3])}): only prompt tuning has a "
+    if tasks and opts.method in ("lora", "full"):
+        raise ConfigError(f"--method {opts.method} with several tasks ({', '.join(tasks[:3])}): only prompt tuning has a "
                           "prompt per task; train one run per task, or use --method prompt|ptuning")
     # The run names the verified step directory: a resumed run reads the very weights this one starts from.
-    values = tune_values(base.to_dict(), args.method, str(checkpoint.path), args.out, tasks,
-                         (["--data.document_mask=true"] if args.pack else []) + overrides)
+    values = tune_values(base.to_dict(), opts.method, str(checkpoint.path), opts.out, tasks,
+                         (["--data.document_mask=true"] if opts.pack else []) + overrides)
     first = build(values)
-    if args.pack and not first.data.document_mask:
+    if opts.pack and not first.data.document_mask:
         raise ConfigError("--pack needs data.document_mask=true (conversations sharing a row must not attend to "
                           "each other); drop --data.document_mask=false")
     tokenizer = get_tokenizer(first.data.tokenizer)
-    length = row_length(args, first.model.seq_len)
-    n_virtual = first.tune.virtual_tokens if args.method in ("prompt", "ptuning") else 0
+    length = row_length(opts.max_length, first.model.seq_len)
+    n_virtual = first.tune.virtual_tokens if opts.method in ("prompt", "ptuning") else 0
     extra = {}
     if chat:
-        (train, valid), extra = _chat_sets(args, base, lines, length, n_virtual, tokenizer)
+        (train, valid), extra = _chat_sets(opts, base, lines, length, n_virtual, tokenizer)
     else:
-        train, valid = _io_sets(args, items, lines, length, n_virtual, tasks, tokenizer)
+        train, valid = _io_sets(opts, items, lines, length, n_virtual, tasks, tokenizer)
     n_valid = len(valid)
     valid = valid.padded(first.train.micro_batch_size, tokenizer.eod_id)
-    cfg = with_schedule(values, overrides, len(train), len(valid), args.epochs)
+    cfg = with_schedule(values, overrides, len(train), len(valid), opts.epochs)
     train.trim = valid.trim = trim_multiple(cfg.parallel)  # each batch as long as its longest row needs
-    info = {"method": args.method, "checkpoint": args.checkpoint, "base_fingerprint": base_fingerprint(checkpoint.path),
-            "train": args.train, "valid": args.valid, "train_examples": len(train), "valid_examples": n_valid,
+    info = {"method": opts.method, "checkpoint": opts.checkpoint, "base_fingerprint": base_fingerprint(checkpoint.path),
+            "train": opts.train, "valid": opts.valid, "train_examples": len(train), "valid_examples": n_valid,
             "max_length": length, "tasks": tasks, "templates": {k: t.text for k, t in templates.items()}, **extra}
     return cfg, tokenizer, train, valid, info
 
 
-def run_tune(args: argparse.Namespace, overrides: list[str], extensions: Extensions) -> int:
+def run_tune(opts: TuneOptions, overrides: list[str], extensions: Extensions) -> int:
     """`meshlm tune` (parsed by `meshlm.commands.tune`), with the trainer's `extensions(cfg)` (the adapter's
     and any evaluation tasks': `meshlm.commands.train.trainer_extensions`)."""
-    if args.task is not None:  # BERT: meshlm finetune's data and heads, with the adapter on the frozen encoder
-        from meshlm.train.finetune import run_finetune
+    if opts.task is not None:  # BERT: meshlm finetune's data and heads, with the adapter on the frozen encoder
+        from meshlm.train.finetune import FinetuneOptions, run_finetune
 
-        if args.pack or args.chat_template:
-            raise ConfigError(f"{'--pack' if args.pack else '--chat-template'} is for conversations on a GPT "
-                              f"checkpoint; --task {args.task} reads meshlm finetune's data")
+        if opts.pack or opts.chat_template:
+            raise ConfigError(f"{'--pack' if opts.pack else '--chat-template'} is for conversations on a GPT "
+                              f"checkpoint; --task {opts.task} reads meshlm finetune's data")
 
-        if args.method == "full":  # that is meshlm finetune itself
-            return run_finetune(args, overrides, extensions)
-        extra = [f"--tune.method={args.method}", f"--tune.base={args.checkpoint}", "--train.init_from=",
-                 f"--optim.lr={DEFAULT_LR[args.method]}"]
-        code = run_finetune(args, extra + overrides, extensions)
+        finetune = FinetuneOptions(opts.checkpoint, opts.task, opts.train, opts.valid, opts.out, opts.epochs,
+                                   opts.max_length, opts.truncate)
+        if opts.method == "full":  # that is meshlm finetune itself
+            return run_finetune(finetune, overrides, extensions)
+        extra = [f"--tune.method={opts.method}", f"--tune.base={opts.checkpoint}", "--train.init_from=",
+                 f"--optim.lr={DEFAULT_LR[opts.method]}"]
+        code = run_finetune(finetune, extra + overrides, extensions)
         if code == 0 and is_main():
             from meshlm.tune.export import export_run
 
-            export_run(Path(args.out))
+            export_run(Path(opts.out))
         return code
     from meshlm.train.prepared import train_prepared, write_info
     from meshlm.tune.export import export_run
 
-    cfg, tokenizer, train, valid, info = prepare(args, overrides)
+    cfg, tokenizer, train, valid, info = prepare(opts, overrides)
     t = cfg.train
-    say(f"tuning ({args.method}) {args.checkpoint}: {t.max_steps} steps of {t.global_batch_size} examples, lr "
+    say(f"tuning ({opts.method}) {opts.checkpoint}: {t.max_steps} steps of {t.global_batch_size} examples, lr "
         f"{cfg.optim.lr:g}, evaluation every {t.eval_every} steps over {info['valid_examples']} examples")
-    out = Path(args.out)
+    out = Path(opts.out)
     # A DIR of conversations resumes only with the same packing and template (its rows would differ).
     keep = ("method", "tasks", "base_fingerprint") + (("pack", "chat_template") if "pack" in info else ())
-    trainer, result = train_prepared(cfg, (tokenizer, train, valid), args.out,
+    trainer, result = train_prepared(cfg, (tokenizer, train, valid), opts.out,
                                      lambda d: write_info(d, info, INFO_FILE, keep), extensions)
     if is_main() and trainer.stop_signal is None:
         done = f"tune: step {result['step']}: val loss {result.get('val_loss', float('nan')):.4f}"
-        if args.method == "full":
+        if opts.method == "full":
             say(f"{done}; the fine-tuned model is {out}'s checkpoint")
         else:
             written = export_run(out)

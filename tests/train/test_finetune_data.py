@@ -5,10 +5,10 @@ answer offsets, truncation), and the genre task built from the plays (split by p
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
-from argparse import Namespace
 
 import numpy as np
 import pytest
@@ -241,8 +241,8 @@ def test_config_follows_the_data_and_the_user(tmp_path):
     base = save_base(tmp_path / "base")
     train = write_jsonl(tmp_path / "t.jsonl", [{"text": "a b", "label": i % 3} for i in range(100)])
     valid = write_jsonl(tmp_path / "v.jsonl", [{"text": "a b", "label": i % 3} for i in range(21)])
-    args = Namespace(checkpoint=str(base), task="classify", train=str(train), valid=str(valid),
-                     out=str(tmp_path / "out"), epochs=2, truncate=False)
+    args = ft.FinetuneOptions(checkpoint=str(base), task="classify", train=str(train), valid=str(valid),
+                              out=str(tmp_path / "out"), epochs=2, truncate=False)
     cfg, _, train_set, valid_set, info = ft.prepare(args, ["--train.micro_batch_size=8"])
     m, t, o = cfg.model, cfg.train, cfg.optim
     assert (m.bert_head, m.num_labels, m.hidden_size) == ("classify", 3, 32)
@@ -302,11 +302,11 @@ def test_genre_passages_drop_speakers_and_directions():
 def test_max_length_pads_shorter_than_the_model(tmp_path):
     base = save_base(tmp_path / "base")  # model.seq_len 16
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": "a b c", "label": i % 2} for i in range(4)])
-    args = Namespace(checkpoint=str(base), task="classify", train=str(data), valid=str(data),
-                     out=str(tmp_path / "out"), epochs=1, truncate=False, max_length=8)
+    args = ft.FinetuneOptions(checkpoint=str(base), task="classify", train=str(data), valid=str(data),
+                              out=str(tmp_path / "out"), epochs=1, truncate=False, max_length=8)
     cfg, _, train_set, _, info = ft.prepare(args, [])
     inputs, _ = train_set.collate(np.stack([train_set[0]]))
     assert inputs.shape == (1, 3, 8) and cfg.model.seq_len == 16 and info["max_length"] == 8
     for bad in (17, 1):
         with pytest.raises(ConfigError, match=f"--max-length {bad} must be in 2..16"):
-            ft.prepare(Namespace(**{**vars(args), "max_length": bad}), [])
+            ft.prepare(dataclasses.replace(args, max_length=bad), [])

@@ -117,14 +117,14 @@ def prepared(argv: list[str]):
     import contextlib
     import io
 
-    from meshlm.commands.tune import add_tune_command
+    from meshlm.commands.tune import add_tune_command, tune_options
     from meshlm.tune.command import prepare
 
     parser = argparse.ArgumentParser()
     add_tune_command(parser.add_subparsers())
     args, overrides = parser.parse_known_args(argv)
     with contextlib.redirect_stdout(io.StringIO()):
-        return prepare(args, overrides)
+        return prepare(tune_options(args), overrides)
 
 
 @pytest.fixture(scope="module")

@@ -52,12 +52,12 @@ def test_base_bit_identical_and_adapter_learns(data, method, base, tmp_path):
     from meshlm.tune.command import prepare
 
     parser = argparse.ArgumentParser()
-    from meshlm.commands.tune import add_tune_command
+    from meshlm.commands.tune import add_tune_command, tune_options
 
     add_tune_command(parser.add_subparsers())
     args, overrides = parser.parse_known_args(tune_args(data, method, tmp_path / "run", base=base))
     with contextlib.redirect_stdout(io.StringIO()):
-        cfg, tok, train, valid, _ = prepare(args, overrides)
+        cfg, tok, train, valid, _ = prepare(tune_options(args), overrides)
         trainer = build_trainer(cfg, datasets=(tok, train, valid))
         assert trainer.model.loss_on_target_rows  # the fused head runs on the answers' rows only
         first = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
