@@ -63,6 +63,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--alpha", type=float, default=16.0)
     ap.add_argument("--max-completion-length", type=int, default=48)
     ap.add_argument("--loss-type", default="grpo", choices=("grpo", "bnpo", "dr_grpo", "dapo"))
+    ap.add_argument("--seed", type=int, default=0, help="both trainers' seed (sampling, LoRA initialisation)")
     ap.add_argument("--samples", type=int, default=3, help="held-out completions shown per model")
     ap.add_argument("--skip-trl", action="store_true", help="meshlm's run only")
     ap.add_argument("--data-only", action="store_true", help="write WORK/train.jsonl and WORK/test.jsonl and stop")
@@ -81,11 +82,12 @@ def held_out(model, tok, template, rows: list[dict], max_tokens: int) -> dict:
     trained: 1·exact + 0.2·format) and the completions."""
     from meshlm.commands.align import engine_sampler
     from meshlm.data.chat import render
+    from meshlm.tune.grpo import completion_text
     from meshlm.tune.rewards import exact_number, format_regex
 
     ids = [tok.encode(render(template, r["prompt"], add_generation_prompt=True)) for r in rows]
     sample = engine_sampler(model, tok, len(rows), max(map(len, ids)) + max_tokens)
-    texts = [tok.decode(o) for o, _ in sample(ids, max_tokens, 0.0, 0, list(range(len(rows))))]
+    texts = [completion_text(tok, o) for o, _ in sample(ids, max_tokens, 0.0, 0, list(range(len(rows))))]
     exact = [exact_number("", t, r) for t, r in zip(texts, rows)]
     fmt = [format_regex("", t, r) for t, r in zip(texts, rows)]
     n = len(rows)
@@ -135,7 +137,7 @@ def trl_worker(spec_file: str) -> int:
 
     s = json.loads(Path(spec_file).read_text())
     out = Path(s["out"])
-    torch.manual_seed(0)
+    torch.manual_seed(s["seed"])
     tok = AutoTokenizer.from_pretrained(s["tokenizer_dir"])
     gguf = Path(s["gguf"])
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32)
@@ -151,7 +153,7 @@ def trl_worker(spec_file: str) -> int:
         max_grad_norm=1.0, max_completion_length=s["max_completion_length"], temperature=1.0, top_k=0,
         loss_type=s["loss_type"], beta=0.0, num_iterations=1, scale_rewards="group", shuffle_dataset=False,
         disable_dropout=True, gradient_checkpointing=False, use_cpu=True, bf16=False, fp16=False, report_to=[],
-        logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, reward_weights=s["weights"])
+        logging_steps=1, save_strategy="no", disable_tqdm=True, seed=s["seed"], reward_weights=s["weights"])
     rows = [json.loads(x) for x in Path(s["train"]).read_text().splitlines()]
     check_same_prompts(tok, s["tokenizer_dir"], rows)
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
@@ -187,7 +189,7 @@ def meshlm_run(args, py: str, train: Path, work: Path) -> dict:
            "--reward-weights", *map(str, WEIGHTS), "--num-generations", str(args.num_generations),
            "--prompts-per-step", str(args.prompts_per_step), "--steps", str(args.steps), "--lr", f"{args.lr:g}",
            "--max-completion-length", str(args.max_completion_length), "--loss-type", args.loss_type,
-           f"--tune.lora_rank={args.rank}", f"--tune.lora_alpha={args.alpha:g}", "--tune.lora_dropout=0",
+           "--seed", str(args.seed), f"--tune.lora_rank={args.rank}", f"--tune.lora_alpha={args.alpha:g}", "--tune.lora_dropout=0",
            "--tune.lora_targets=[\"q\",\"v\"]"]
     _, wall = ct.run(cmd, work / "meshlm.log")
     rows = [json.loads(x) for x in (work / "meshlm" / "metrics.jsonl").read_text().splitlines()]
@@ -207,7 +209,8 @@ def trl_run(args, py: str, train: Path, work: Path, tokenizer_dir: str) -> dict:
     spec = {"out": str(out), "gguf": args.gguf, "tokenizer_dir": tokenizer_dir, "train": str(train),
             "rank": args.rank, "alpha": args.alpha, "lr": args.lr, "steps": args.steps, "weights": WEIGHTS,
             "prompts_per_step": args.prompts_per_step, "num_generations": args.num_generations,
-            "max_completion_length": args.max_completion_length, "loss_type": args.loss_type}
+            "max_completion_length": args.max_completion_length, "loss_type": args.loss_type,
+            "seed": args.seed}
     (out / "spec.json").write_text(json.dumps(spec, indent=1))
     _, wall = ct.run([py, Path(__file__).resolve(), "--trl-worker", out / "spec.json"], work / "trl.log")
     stats = json.loads((out / "stats.json").read_text())

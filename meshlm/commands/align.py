@@ -5,6 +5,11 @@ work is `meshlm.tune.align.run_align`'s and `meshlm.tune.grpo.run_grpo`'s."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from meshlm.tune.align import AlignOptions
+    from meshlm.tune.grpo import Flags
 
 PREFERENCE = ("dpo", "ipo", "simpo")
 ONLINE = ("grpo", "rloo")
@@ -21,36 +26,114 @@ def _align(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.beta is None:
         args.beta = DEFAULT_BETA["online" if online else "preference"]
     if online:
+        from meshlm.tune import grpo_parallel
         from meshlm.tune.grpo import run_grpo
 
-        return run_grpo(args, overrides, engine_sampler)
+        if grpo_parallel.wanted(overrides):  # torchrun, or --parallel.*: the layouts' run (tune/grpo_parallel.py)
+            return grpo_parallel.run(grpo_flags(args), overrides, engine_sampler)
+        return run_grpo(grpo_flags(args), overrides, engine_sampler)
     if args.valid is None:
         raise ConfigError(f"--method {args.method} needs --valid FILE.jsonl (held-out pairs)")
     from meshlm.commands.train import trainer_extensions
     from meshlm.tune.align import run_align
 
-    return run_align(args, overrides, trainer_extensions)
+    return run_align(align_options(args), overrides, trainer_extensions)
 
 
-def engine_sampler(model, tokenizer, rows: int, positions: int):
+def align_options(args: argparse.Namespace) -> AlignOptions:
+    """The typed options of `meshlm align --method dpo|ipo|simpo`'s parsed flags (what `meshlm.tune.align` takes;
+    --beta's default already filled in)."""
+    from meshlm.tune.align import AlignOptions
+
+    return AlignOptions(checkpoint=args.checkpoint, method=args.method, train=args.train, valid=args.valid,
+                        out=args.out, beta=args.beta, label_smoothing=args.label_smoothing,
+                        simpo_gamma=args.simpo_gamma, adapter=args.adapter, epochs=args.epochs,
+                        max_length=args.max_length, chat_template=args.chat_template)
+
+
+def grpo_flags(args: argparse.Namespace) -> Flags:
+    """The typed flags of `meshlm align --method grpo|rloo` (what `meshlm.tune.grpo` takes): the online RL group's
+    and the shared ones GRPO reads (--beta's online default filled in; lists as tuples)."""
+    import dataclasses
+
+    from meshlm.tune.grpo import Flags
+
+    names = {f.name for f in dataclasses.fields(Flags)}
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items() if k in names}
+    beta = DEFAULT_BETA["online"] if given["beta"] is None else given["beta"]
+    return Flags(**{**given, "reward": given["reward"] or (), "beta": beta})  # no --reward: checked in grpo.prepare
+
+
+def engine_sampler(model, tokenizer, rows: int, positions: int, par=None):
     """GRPO's sampler (`meshlm.tune.grpo.Sample`): meshlm's Engine on `model` itself (no copy: each rollout
     samples from the weights as they are), `rows` requests at once of up to `positions` tokens, prefix
     caching off (a cached prefix would keep keys and values of older weights). Returns, per prompt, the sampled
-    ids and the engine's log-prob of each (the raw distribution, before temperature and top-k)."""
+    ids and the engine's log-prob of each (the raw distribution, before temperature and top-k).
+
+    `par`: this rank's `Parallelized` part of the model under torchrun (`meshlm.tune.grpo_parallel`). Under
+    tensor parallelism every tp rank runs its own engine in lockstep (its runner all-gathers the vocab-split
+    logits, so each samples the same tokens); under pipeline parallelism rank 0's engine drives serve's
+    `PipelineRunner`, the other ranks replay its steps, and rank 0's completions are broadcast to every rank."""
     from meshlm.infer.engine import CacheOptions, Engine
+    from meshlm.infer.runner import Runner
+
+    options = CacheOptions(prefix_caching=False, max_batched_tokens=None)
+    dims = par.dims if par is not None else None
+    if dims is not None and dims.pp > 1:
+        return _pipeline_sampler(par, tokenizer, rows, positions, options)
+    runner = None
+    if dims is not None and dims.tp > 1:
+        runner = Runner(model, options.blocks_for(rows, positions), options.block_size, model.cfg.vocab_size,
+                        tp_group=dims.tp_group)
+    engine = Engine(model, tokenizer, max_seqs=rows, max_len=positions, max_queue=max(256, rows), runner=runner,
+                    options=options)
+    return lambda prompts, max_tokens, temperature, top_k, seeds: _generate(engine, prompts, max_tokens, temperature,
+                                                                         top_k, seeds)
+
+
+def _generate(engine, prompts: list[list[int]], max_tokens: int, temperature: float, top_k: int, seeds: list[int]):
     from meshlm.infer.sampling import SamplingParams
 
-    engine = Engine(model, tokenizer, max_seqs=rows, max_len=positions, max_queue=max(256, rows),
-                    options=CacheOptions(prefix_caching=False, max_batched_tokens=None))
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed, logprobs=0)
+              for seed in seeds]
+    reqs = engine.generate(prompts, params)
+    failed = [r.error for r in reqs if getattr(r, "error", None)]
+    if failed:
+        raise RuntimeError(f"generation failed: {failed[0]}")
+    return [(list(r.output_ids), [t.logprob for t in r.output]) for r in reqs]
 
-    def sample(prompts: list[list[int]], max_tokens: int, temperature: float, top_k: int, seeds: list[int]):
-        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed, logprobs=0)
-                  for seed in seeds]
-        reqs = engine.generate(prompts, params)
-        failed = [r.error for r in reqs if getattr(r, "error", None)]
-        if failed:
-            raise RuntimeError(f"generation failed: {failed[0]}")
-        return [(list(r.output_ids), [t.logprob for t in r.output]) for r in reqs]
+
+def _pipeline_sampler(par, tokenizer, rows: int, positions: int, options):
+    """The pipeline's sampler: rank 0 runs the engine over `PipelineRunner` and stops the other ranks' replay
+    loop after each rollout; its completions (or its error) are then broadcast to every rank."""
+    import torch.distributed as dist
+
+    from meshlm.infer.engine import Engine
+    from meshlm.infer.pipeline_runner import PipelineRunner
+    from meshlm.infer.runner import worker_loop
+
+    dims, model = par.dims, par.model
+    runner = PipelineRunner(model, par.pipeline, options.blocks_for(rows, positions), options.block_size,
+                            model.cfg.vocab_size, tp_group=dims.tp_group if dims.tp > 1 else None)
+    engine = Engine(model, tokenizer, max_seqs=rows, max_len=positions, max_queue=max(256, rows), runner=runner,
+                    options=options) if dims.rank == 0 else None
+
+    def sample(prompts, max_tokens, temperature, top_k, seeds):
+        box = [(None, None)]  # (rank 0's error, its completions)
+        if engine is None:
+            worker_loop(runner)
+        else:
+            try:
+                box[0] = (None, _generate(engine, prompts, max_tokens, temperature, top_k, seeds))
+            except Exception as err:  # noqa: BLE001 -- every rank raises it, after the broadcast below
+                box[0] = (f"{type(err).__name__}: {err}", None)
+            finally:
+                runner.shutdown()
+        dist.broadcast_object_list(box, src=0)
+        error, out = box[0]
+        if error is not None:
+            raise RuntimeError(f"generation failed on rank 0: {error}")
+        return out
 
     return sample
 
@@ -81,6 +164,14 @@ def _add_online_flags(p) -> None:
     g.add_argument("--top-k", type=int, default=0, help="sample among the K likeliest tokens (default 0: off)")
     g.add_argument("--lr", type=float, default=1e-6, help="AdamW's learning rate (default 1e-6, TRL's)")
     g.add_argument("--seed", type=int, default=0, help="the sampling and initialisation seed (default 0)")
+    g.add_argument("--off-policy-lag", type=int, default=0, metavar="K",
+                   help="train step s on completions sampled by the weights of step s-1-K (default 0: strictly "
+                        "on-policy); the importance ratio to the sampling policy corrects the lag")
+    g.add_argument("--dynamic-sampling", action="store_true",
+                   help="DAPO's dynamic sampling: drop groups whose rewards are all equal and sample the next "
+                        "prompts until --prompts-per-step groups have some variance")
+    g.add_argument("--max-sampling-rounds", type=int, default=4, metavar="N",
+                   help="generation rounds per step at most under --dynamic-sampling (default 4)")
     g.add_argument("--save-every", type=int, default=10, metavar="N",
                    help="save the run's state every N steps and at the end (default 10): the same --out again "
                         "resumes from it, exactly")

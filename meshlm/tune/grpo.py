@@ -23,7 +23,8 @@ against the trainer's recomputed ones (one full forward per row), both of the ra
 `logprob_mismatch_mean`).
 
 π_old: the trainer's log-probs before the step's first update (with MU = 1 they are the current ones,
-detached, as TRL does). One process; every weight trains (the reference, when β > 0: a frozen copy of the
+detached, as TRL does; with `--off-policy-lag` the sampling weights' log-probs: `tune/grpo_rollouts.py`). One
+process here (`tune/grpo_parallel.py` runs the tp, pp and dp layouts); every weight trains (the reference, when β > 0: a frozen copy of the
 base made before training), or with `--adapter lora` a LoRA adapter on the frozen base (the reference: the
 model with its adapter off, no second model; the adapter is merged into DIR's checkpoint at the end). The
 ordinary `Trainer` is not used: its batches come from a fixed dataset through its `BatchLoader`, while
@@ -37,7 +38,6 @@ functions of the seed, the step and the row) and, at the end, a checkpoint of th
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import json
@@ -54,10 +54,56 @@ from meshlm.core.console import say
 from meshlm.data.items import DataError
 from meshlm.data.jsonl import Line, read_jsonl, short_json
 from meshlm.tune import grpo_loss as gl
+from meshlm.tune.grpo_rollouts import (  # noqa: F401 -- the rollout phase's names, also used as grpo.X
+    Batch,
+    Rollout,
+    RolloutSource,
+    Sample,
+    batch_rows,
+    completion_text,
+    mismatch,
+    rollout,
+    score,
+    token_logps,
+    total_rewards,
+)
 from meshlm.tune.rewards import Reward, RewardError, call_reward, load_rewards
 
 INFO_FILE = "grpo.json"
 STATE_FILE = "grpo_state.pt"
+
+
+@dataclass(frozen=True)
+class Flags:
+    """`meshlm align --method grpo|rloo`'s flags as parsed (`meshlm.commands.align.grpo_flags` builds them; the
+    preference methods' own flags are left out); `check_options` checks them."""
+
+    checkpoint: str
+    method: str
+    train: str
+    out: str
+    beta: float
+    adapter: str = "none"
+    chat_template: str | None = None
+    reward: tuple[str, ...] = ()
+    reward_weights: tuple[float, ...] | None = None
+    num_generations: int = 4
+    prompts_per_step: int = 4
+    steps: int = 10
+    num_iterations: int = 1
+    loss_type: str = "grpo"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    scale_rewards: str = "group"
+    max_completion_length: int = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    lr: float = 1e-6
+    seed: int = 0
+    off_policy_lag: int = 0
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
+    save_every: int = 10
 
 
 @dataclass(frozen=True)
@@ -77,33 +123,47 @@ class Options:
     seed: int = 0
     loss: gl.LossSettings = field(default_factory=gl.LossSettings)
     save_every: int = 10
+    off_policy_lag: int = 0
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
+    # what the run reads and writes
+    checkpoint: str = ""
+    train: str = ""
+    out: str = ""
+    adapter: str = "none"
+    chat_template: str | None = None
 
 
-def check_options(args: argparse.Namespace) -> Options:
+def check_options(f: Flags) -> Options:
     """Options from the parsed flags; a ConfigError naming the flag and the fix."""
-    g = args.num_generations
+    g = f.num_generations
     if g < 2:
         raise ConfigError(f"--num-generations {g}: GRPO compares the completions of one prompt; use 2 or more")
-    for flag, value in (("--prompts-per-step", args.prompts_per_step), ("--steps", args.steps),
-                        ("--num-iterations", args.num_iterations),
-                        ("--max-completion-length", args.max_completion_length), ("--save-every", args.save_every)):
+    for flag, value in (("--prompts-per-step", f.prompts_per_step), ("--steps", f.steps),
+                        ("--num-iterations", f.num_iterations),
+                        ("--max-completion-length", f.max_completion_length), ("--save-every", f.save_every)):
         if value < 1:
             raise ConfigError(f"{flag} {value} must be >= 1")
-    if args.top_k < 0:
-        raise ConfigError(f"--top-k {args.top_k} must be >= 0 (0: off)")
-    checks = (("--lr", args.lr, args.lr > 0), ("--temperature", args.temperature, args.temperature > 0),
-              ("--beta", args.beta, args.beta >= 0), ("--epsilon", args.epsilon, args.epsilon > 0),
-              ("--epsilon-high", args.epsilon_high, args.epsilon_high is None or args.epsilon_high > 0))
+    if f.top_k < 0:
+        raise ConfigError(f"--top-k {f.top_k} must be >= 0 (0: off)")
+    if f.off_policy_lag < 0:
+        raise ConfigError(f"--off-policy-lag {f.off_policy_lag} must be >= 0 (0: strictly on-policy)")
+    if f.max_sampling_rounds < 1:
+        raise ConfigError(f"--max-sampling-rounds {f.max_sampling_rounds} must be >= 1")
+    checks = (("--lr", f.lr, f.lr > 0), ("--temperature", f.temperature, f.temperature > 0),
+              ("--beta", f.beta, f.beta >= 0), ("--epsilon", f.epsilon, f.epsilon > 0),
+              ("--epsilon-high", f.epsilon_high, f.epsilon_high is None or f.epsilon_high > 0))
     for flag, value, ok in checks:
         if value is not None and not (ok and math.isfinite(value)):
             raise ConfigError(f"{flag} {value} must be a finite number > 0 (--beta: >= 0)")
-    loss_type = "rloo" if args.method == "rloo" else args.loss_type
-    if args.method == "rloo" and args.loss_type != "grpo":
-        raise ConfigError(f"--loss-type {args.loss_type} is for --method grpo; RLOO has its own sequence-level loss")
-    loss = gl.LossSettings(loss_type, args.beta, args.epsilon, args.epsilon_high, args.max_completion_length)
-    return Options(args.method, g, args.prompts_per_step, args.steps, args.num_iterations, args.lr,
-                   args.max_completion_length, args.temperature, args.top_k, args.scale_rewards, args.seed, loss,
-                   args.save_every)
+    loss_type = "rloo" if f.method == "rloo" else f.loss_type
+    if f.method == "rloo" and f.loss_type != "grpo":
+        raise ConfigError(f"--loss-type {f.loss_type} is for --method grpo; RLOO has its own sequence-level loss")
+    loss = gl.LossSettings(loss_type, f.beta, f.epsilon, f.epsilon_high, f.max_completion_length)
+    return Options(f.method, g, f.prompts_per_step, f.steps, f.num_iterations, f.lr, f.max_completion_length,
+                   f.temperature, f.top_k, f.scale_rewards, f.seed, loss, f.save_every, f.off_policy_lag,
+                   f.dynamic_sampling, f.max_sampling_rounds, f.checkpoint, f.train, f.out, f.adapter,
+                   f.chat_template)
 
 
 # ---- prompts ------------------------------------------------------------------------------------------------
@@ -154,89 +214,8 @@ def read_prompts(path: str, tokenizer, template, max_len: int, room: int) -> lis
 
 
 # ---- one step -----------------------------------------------------------------------------------------------
-@dataclass
-class Rollout:
-    prompts: list[Prompt]  # one per completion (each prompt G times, consecutive)
-    ids: list[list[int]]  # the completions' tokens
-    texts: list[str]
-    engine_logps: list[list[float]]
-    seconds: float
-
-
-# (prompts' token ids, max_tokens, temperature, top_k, one seed per prompt) → per prompt (the sampled ids, the
-# sampler's log-prob of each under the raw distribution). `meshlm.commands.align.engine_sampler` makes one from
-# meshlm's Engine (infer/ sits above tune/, so the command hands it in).
-Sample = Callable[[list[list[int]], int, float, int, list[int]], list[tuple[list[int], list[float]]]]
 # (model, tokenizer, rows at once, positions per row) → a Sample running that very model.
 MakeSampler = Callable[[object, object, int, int], Sample]
-
-
-def rollout(sample: Sample, tokenizer, prompts: list[Prompt], opts: Options, step: int) -> Rollout:
-    """G sampled completions of each prompt (seeded by the run's seed, the step and the row)."""
-    rows = [p for p in prompts for _ in range(opts.group_size)]
-    seeds = [opts.seed * 1_000_003 + step * 10_007 + i for i in range(len(rows))]
-    start = time.perf_counter()
-    out = sample([p.ids for p in rows], opts.max_completion_length, opts.temperature, opts.top_k, seeds)
-    seconds = time.perf_counter() - start
-    ids = [list(i) for i, _ in out]
-    return Rollout(rows, ids, [tokenizer.decode(i) for i in ids], [list(lp) for _, lp in out], seconds)
-
-
-def score(rewards: list[Reward], ro: Rollout, group_size: int) -> tuple[torch.Tensor, list[str]]:
-    """(B, R) rewards per completion and function (NaN where the function failed) and the failures' messages."""
-    table = torch.full((len(ro.ids), len(rewards)), float("nan"), dtype=torch.float64)
-    failures = []
-    for i, (p, text) in enumerate(zip(ro.prompts, ro.texts)):
-        for j, r in enumerate(rewards):
-            try:
-                table[i, j] = call_reward(r, p.text, text, p.row, f"{p.where} (completion {i % group_size + 1})")
-            except RewardError as err:
-                failures.append(str(err))
-    return table, failures
-
-
-def total_rewards(table: torch.Tensor, rewards: list[Reward]) -> torch.Tensor:
-    """The weighted sum over functions; NaN only where every function failed (TRL's rule)."""
-    weights = torch.tensor([r.weight for r in rewards], dtype=table.dtype)
-    total = (torch.nan_to_num(table, nan=0.0) * weights).sum(1)
-    total[torch.isnan(table).all(1)] = float("nan")
-    return total
-
-
-def batch_rows(ro: Rollout, pad_id: int):
-    """(ids (B, S), completion positions index (B, L), mask (B, L), tokens (B, L)): each row prompt +
-    completion right-padded; position t of completion k is predicted at row position len(prompt) + t − 1."""
-    L = max(1, max(len(c) for c in ro.ids))
-    S = max(len(p.ids) + len(c) for p, c in zip(ro.prompts, ro.ids))
-    ids = torch.full((len(ro.ids), S), pad_id, dtype=torch.long)
-    tokens = torch.full((len(ro.ids), L), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(ro.ids), L)
-    where = torch.zeros(len(ro.ids), L, dtype=torch.long)
-    for b, (p, c) in enumerate(zip(ro.prompts, ro.ids)):
-        n = len(p.ids)
-        ids[b, :n + len(c)] = torch.tensor(p.ids + c)
-        tokens[b, :len(c)] = torch.tensor(c, dtype=torch.long)
-        mask[b, :len(c)] = 1
-        where[b] = (n - 1 + torch.arange(L)).clamp(max=S - 1)
-    return ids, where, mask, tokens
-
-
-def token_logps(model, ids, where, tokens, temperature: float = 1.0):
-    """(B, L) log-probabilities of `tokens` at completion positions `where`, of logits / temperature."""
-    # The head runs on the completion positions only (as `forward` would, then picking them): the prompts'
-    # positions would cost a (B, S, V) logits tensor for nothing.
-    x = model.run_layers(model.embed(ids), None, None, 0, model.rope(ids.shape[1]))  # (B, S, h)
-    picked = model.head(x.gather(1, where.unsqueeze(-1).expand(-1, -1, x.shape[-1]))).float()  # (B, L, V)
-    return torch.log_softmax(picked / temperature, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def mismatch(engine_logps: list[list[float]], trainer: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
-    """The largest and the mean |engine − trainer| log-prob over the sampled tokens."""
-    eng = torch.zeros_like(trainer)
-    for b, row in enumerate(engine_logps):
-        eng[b, :len(row)] = torch.tensor(row, dtype=trainer.dtype)
-    diff = (eng - trainer).abs() * mask
-    return (float(diff.max()), float(diff.sum() / mask.sum())) if mask.any() else (0.0, 0.0)
 
 
 def advantages_of(rewards: torch.Tensor, ro_mask: torch.Tensor, old: torch.Tensor, ref, opts: Options):
@@ -258,7 +237,7 @@ def optimise(model, optimizer, batch, old, ref, adv, opts: Options) -> dict:
     metrics = {}
     for _ in range(opts.num_iterations):
         logps = token_logps(model, ids, where, tokens, opts.temperature)
-        loss, parts = gl.grpo_loss(logps, logps.detach() if old is None else old, ref, mask, adv.to(logps.dtype),
+        loss, parts = gl.grpo_loss(logps, logps.detach() if old is None else old, ref, mask, adv.to(device=logps.device, dtype=logps.dtype),
                                    opts.loss)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -268,62 +247,65 @@ def optimise(model, optimizer, batch, old, ref, adv, opts: Options) -> dict:
     return metrics
 
 
-def one_step(model, reference, sample: Sample, tokenizer, optimizer, rewards: list[Reward], prompts: list[Prompt],
-             opts: Options, step: int) -> dict:
-    """Roll out, score, and optimise one step; its metrics row."""
-    ro = rollout(sample, tokenizer, prompts, opts, step)
-    table, failures = score(rewards, ro, opts.group_size)
-    for message in failures:
+def one_step(model, reference, source: RolloutSource, optimizer, rewards: list[Reward], opts: Options,
+             step: int) -> dict:
+    """Take step `step`'s batch from `source` (sampled now, or `--off-policy-lag` steps ago), score it and
+    optimise; its metrics row."""
+    b = source.next(step, version=step - 1)
+    for message in b.failures:
         say(f"step {step}: {message}; that completion is left out of its group")
-    total = total_rewards(table, rewards)
+    ids, where, mask, tokens = b.rows
+    total = total_rewards(b.table, rewards).to(mask.device)
     start = time.perf_counter()
-    batch = ids, where, mask, tokens = batch_rows(ro, tokenizer.eod_id)
     with torch.no_grad():
-        raw = token_logps(model, ids, where, tokens)  # the engine's distribution: temperature 1
-        old = None  # π_old: the current policy, detached in the loss (one pass), else these numbers
-        if opts.num_iterations > 1 or opts.method == "rloo":
-            old = raw if opts.temperature == 1 else token_logps(model, ids, where, tokens, opts.temperature)
         ref = reference(ids, where, tokens) if reference is not None else None
-    adv, adv_metrics = advantages_of(total, mask, old, ref, opts)
-    loss_metrics = optimise(model, optimizer, batch, old, ref, adv, opts)
-    train_s = time.perf_counter() - start
+    adv, adv_metrics = advantages_of(total, mask, b.old, ref, opts)
+    loss_metrics = optimise(model, optimizer, b.rows, b.old, ref, adv, opts)
+    train_s = time.perf_counter() - start + b.seconds
     n_tokens = float(mask.sum())
-    worst, mean = mismatch(ro.engine_logps, raw, mask)
+    worst, mean = mismatch(b.ro.engine_logps, b.raw, mask)
     row = {"kind": "train", "step": step, "completion_tokens": n_tokens, **loss_metrics, **adv_metrics,
-           "completion_length": n_tokens / len(ro.ids), "logprob_mismatch_max": worst, "logprob_mismatch_mean": mean,
-           "reward_failures": len(failures), "generation_s": ro.seconds, "training_s": train_s,
-           "rollout_tokens_per_s": n_tokens / max(ro.seconds, 1e-9),
-           "train_tokens_per_s": float(ids.numel()) * opts.num_iterations / max(train_s, 1e-9)}
+           "completion_length": n_tokens / len(b.ro.ids), "logprob_mismatch_max": worst, "logprob_mismatch_mean": mean,
+           "reward_failures": len(b.failures), "generation_s": b.ro.seconds, "training_s": train_s,
+           "rollout_tokens_per_s": n_tokens / max(b.ro.seconds, 1e-9),
+           "train_tokens_per_s": float(ids.numel()) * opts.num_iterations / max(train_s, 1e-9),
+           "policy_lag": step - 1 - b.version}
+    if opts.dynamic_sampling:
+        row.update({"sampling_rounds": b.rounds, "groups_dropped": b.dropped,
+                    "sampled_frac_reward_zero_std": b.sampled_zero_std})
     for j, r in enumerate(rewards):
-        col = table[:, j][~torch.isnan(table[:, j])]
+        col = b.table[:, j][~torch.isnan(b.table[:, j])]
         row[f"rewards/{r.name}/mean"] = float(col.mean()) if col.numel() else float("nan")
         row[f"rewards/{r.name}/std"] = float(gl.sample_std(col)) if col.numel() > 1 else 0.0
     return row
 
 
 # ---- the command --------------------------------------------------------------------------------------------
-def prepare(args: argparse.Namespace, overrides: list[str]):
-    """Everything before training, writing nothing: (options, rewards, checkpoint, tokenizer, prompts)."""
+def prepare(flags: Flags, overrides: list[str]):
+    """Everything before training, writing nothing: (options, rewards, checkpoint, tokenizer, prompts, the saved
+    state to resume from or None)."""
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.families.registry import get_spec
     from meshlm.interop.checkpoints import open_checkpoint
     from meshlm.tune.align import chat_template
 
-    for o in overrides:
-        if not (args.adapter == "lora" and o.removeprefix("--").startswith("tune.lora_")):
-            raise ConfigError(f"--method {args.method} takes no {o.split('=')[0]} yet; its own flags set the run "
-                              "(and, with --adapter lora, --tune.lora_rank, _alpha, _dropout, _targets)")
-    opts = check_options(args)
-    rewards = load_rewards(args.reward or [], args.reward_weights)
-    check_output_dir("--out", args.out)
-    resume = resume_point(args, opts, rewards)
-    checkpoint = open_checkpoint(args.checkpoint)
+    for o in overrides:  # --parallel.*: the layout (`tune/grpo_parallel.py` checks them)
+        if not (flags.adapter == "lora" and o.removeprefix("--").startswith("tune.lora_")
+                or o.removeprefix("--").startswith("parallel.")):
+            raise ConfigError(f"--method {flags.method} takes no {o.split('=')[0]} yet; its own flags set the run "
+                              "(and --parallel.tp, pp, dp, zero; with --adapter lora, --tune.lora_rank, _alpha, "
+                              "_dropout, _targets)")
+    opts = check_options(flags)
+    rewards = load_rewards(list(flags.reward), None if flags.reward_weights is None else list(flags.reward_weights))
+    check_output_dir("--out", opts.out)
+    resume = resume_point(opts, rewards)
+    checkpoint = open_checkpoint(opts.checkpoint)
     cfg = checkpoint.config
     if not get_spec(cfg.model.family).decoder:
-        raise ConfigError(f"--checkpoint {args.checkpoint!r} holds a model.family={cfg.model.family!r} model; "
-                          f"--method {args.method} needs a decoder (GPT) checkpoint")
+        raise ConfigError(f"--checkpoint {opts.checkpoint!r} holds a model.family={cfg.model.family!r} model; "
+                          f"--method {opts.method} needs a decoder (GPT) checkpoint")
     tokenizer = get_tokenizer(cfg.data.tokenizer)
-    prompts = read_prompts(args.train, tokenizer, chat_template(cfg.data.tokenizer, args.chat_template),
+    prompts = read_prompts(opts.train, tokenizer, chat_template(cfg.data.tokenizer, opts.chat_template),
                            cfg.model.seq_len, opts.max_completion_length)
     first = prompts[0]
     for r in rewards:  # a reward that cannot score an empty completion of the first row fails now, not mid-run
@@ -335,43 +317,45 @@ def prepare(args: argparse.Namespace, overrides: list[str]):
 
 
 # ---- resuming ----------------------------------------------------------------------------------------------
-def run_info(args: argparse.Namespace, opts: Options, rewards: list[Reward]) -> dict:
-    """DIR/grpo.json: what the run is; a resumed run must match it in all but `steps` and `save_every`."""
-    return {"method": opts.method, "checkpoint": args.checkpoint, "train": args.train, "adapter": args.adapter,
-            "rewards": [[r.name, r.weight] for r in rewards],
-            **{k: v for k, v in asdict(opts).items() if k != "loss"}, **asdict(opts.loss)}
+def run_info(opts: Options, rewards: list[Reward]) -> dict:
+    """DIR/grpo.json: what the run is; a resumed run must match it in all but `steps` and `save_every` (and
+    where --out is: a moved directory resumes)."""
+    return {"rewards": [[r.name, r.weight] for r in rewards],
+            **{k: v for k, v in asdict(opts).items() if k not in ("loss", "out")}, **asdict(opts.loss)}
 
 
-def resume_point(args: argparse.Namespace, opts: Options, rewards: list[Reward]) -> dict | None:
+def resume_point(opts: Options, rewards: list[Reward]) -> dict | None:
     """The saved state of the run in --out (None: a new run), checked against these options; a non-empty
     --out without one, a different run's, or one already past --steps is a ConfigError (nothing written)."""
-    out = Path(args.out)
+    out = Path(opts.out)
     if not out.exists() or not any(out.iterdir()):
         return None
     if not (out / STATE_FILE).exists() or not (out / INFO_FILE).exists():
-        raise ConfigError(f"--out {args.out!r} is not empty and holds no GRPO run to resume ({STATE_FILE}); give a "
+        raise ConfigError(f"--out {opts.out!r} is not empty and holds no GRPO run to resume ({STATE_FILE}); give a "
                           "new directory")
     saved = json.loads((out / INFO_FILE).read_text())
     ignored = ("steps", "save_every")
-    now = json.loads(json.dumps(run_info(args, opts, rewards)))
+    now = json.loads(json.dumps(run_info(opts, rewards)))
     changed = sorted(k for k in set(saved) | set(now) if k not in ignored and saved.get(k) != now.get(k))
     if changed:
-        raise ConfigError(f"--out {args.out!r} holds a run with other settings ({', '.join(changed)}); resume with "
+        raise ConfigError(f"--out {opts.out!r} holds a run with other settings ({', '.join(changed)}); resume with "
                           "the same flags (only --steps and --save-every may change) or give a new directory")
     state = torch.load(out / STATE_FILE, map_location="cpu", weights_only=True)
     if state["step"] >= opts.steps:
-        raise ConfigError(f"--out {args.out!r} has already run {state['step']} steps; give --steps above that to "
+        raise ConfigError(f"--out {opts.out!r} has already run {state['step']} steps; give --steps above that to "
                           "go on")
     return state
 
 
-def save_state(out: Path, model, optimizer, step: int, tokens: int) -> None:
-    """DIR/grpo_state.pt: the trained parameters (the adapter's, or every weight), AdamW's state, the step and
-    the tokens so far, written whole or not at all. The sampling needs nothing: its seeds follow from --seed,
-    the step and the row."""
+def save_state(out: Path, model, optimizer, step: int, tokens: int, rollouts: dict | None = None) -> None:
+    """DIR/grpo_state.pt: the trained parameters (the adapter's, or every weight), AdamW's state, the step, the
+    tokens so far and the rollout source's state (`RolloutSource.state`: the prompt file's position and the
+    batches sampled ahead under --off-policy-lag), written whole or not at all. The sampling itself needs
+    nothing: its seeds follow from --seed, the step and the row."""
     params = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
     tmp = out / (STATE_FILE + ".tmp")
-    torch.save({"step": step, "tokens": tokens, "params": params, "optim": optimizer.state_dict()}, tmp)
+    torch.save({"step": step, "tokens": tokens, "params": params, "optim": optimizer.state_dict(),
+                "rollouts": rollouts}, tmp)
     tmp.replace(out / STATE_FILE)
 
 
@@ -424,7 +408,7 @@ def make_reference(model, opts: Options, lora: bool):
     return lambda ids, where, tokens: token_logps(frozen, ids, where, tokens, opts.temperature)
 
 
-def run_grpo(args: argparse.Namespace, overrides: list[str], make_sampler: MakeSampler) -> int:
+def run_grpo(flags: Flags, overrides: list[str], make_sampler: MakeSampler) -> int:
     """`meshlm align --method grpo|rloo` (parsed by `meshlm.commands.align`), sampling with
     `make_sampler(model, tokenizer, rows, positions)` (`meshlm.commands.align.engine_sampler`)."""
     from meshlm.checkpoint.load import load_model
@@ -432,14 +416,17 @@ def run_grpo(args: argparse.Namespace, overrides: list[str], make_sampler: MakeS
     from meshlm.families.registry import get_spec
     from meshlm.train.log import RunLog
 
-    opts, rewards, checkpoint, tokenizer, prompts, resume = prepare(args, overrides)
+    opts, rewards, checkpoint, tokenizer, prompts, resume = prepare(flags, overrides)
+    if resume is not None and "layout" in resume:  # a parallel run's state (`grpo_parallel.save_state`)
+        raise ConfigError(f"--out {opts.out!r} holds a run of layout [tp, pp, dp, zero] = {resume['layout']}; resume "
+                          "it under torchrun with that layout or give a new directory")
     torch.manual_seed(opts.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     spec = get_spec(checkpoint.config.model.family)
     model = load_model(checkpoint, spec, device)  # eval mode: dropout off
-    if args.adapter == "lora":
+    if opts.adapter == "lora":
         add_lora(model, spec, checkpoint, overrides)
-    reference = make_reference(model, opts, lora=args.adapter == "lora")
+    reference = make_reference(model, opts, lora=opts.adapter == "lora")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opts.lr, betas=(0.9, 0.99),
                                   weight_decay=0.0)
     if resume is not None:  # after the reference was made: it is the base, not the resumed weights
@@ -448,19 +435,19 @@ def run_grpo(args: argparse.Namespace, overrides: list[str], make_sampler: MakeS
     longest = max(len(p.ids) for p in prompts) + opts.max_completion_length
     n_rows = opts.prompts_per_step * opts.group_size
     sample = make_sampler(model, tokenizer, n_rows, longest)
-    out = Path(args.out)
+    saved = (resume or {}).get("rollouts") or {"cursor": first * opts.prompts_per_step, "queued": []}
+    source = RolloutSource(model, sample, tokenizer, rewards, prompts, opts, saved["cursor"], saved["queued"])
+    out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / INFO_FILE).write_text(json.dumps(run_info(args, opts, rewards), indent=1) + "\n")
-    say(f"{opts.method} ({opts.loss.loss_type}, beta {opts.loss.beta:g}) on {args.checkpoint}: {opts.steps} steps of "
+    (out / INFO_FILE).write_text(json.dumps(run_info(opts, rewards), indent=1) + "\n")
+    say(f"{opts.method} ({opts.loss.loss_type}, beta {opts.loss.beta:g}) on {opts.checkpoint}: {opts.steps} steps of "
         f"{opts.prompts_per_step} prompts x {opts.group_size} completions, lr {opts.lr:g}"
         + (f"; resuming after step {first}" if first else ""))
     log = RunLog(out, is_main=True)  # metrics.jsonl (cut back to `first`) and TensorBoard, as the trainer's
     log.open(first, opts.steps, progress=False)
     try:
         for step in range(first + 1, opts.steps + 1):
-            start = (step - 1) * opts.prompts_per_step
-            chosen = [prompts[(start + i) % len(prompts)] for i in range(opts.prompts_per_step)]
-            row = one_step(model, reference, sample, tokenizer, optimizer, rewards, chosen, opts, step)
+            row = one_step(model, reference, source, optimizer, rewards, opts, step)
             tokens += int(row["completion_tokens"])
             log.write({**row, "tokens": tokens})
             log.log(f"step {step}: reward {row['reward']:.4f} ± {row['reward_std']:.4f} | loss {row['loss']:.4f} | "
@@ -468,10 +455,10 @@ def run_grpo(args: argparse.Namespace, overrides: list[str], make_sampler: MakeS
                     f"logprob mismatch {row['logprob_mismatch_max']:.2e} | gen {row['generation_s']:.1f}s "
                     f"train {row['training_s']:.1f}s")
             if step % opts.save_every == 0 or step == opts.steps:
-                save_state(out, model, optimizer, step, tokens)
+                save_state(out, model, optimizer, step, tokens, source.state())
     finally:
         log.close()
-    if args.adapter == "lora":  # DIR's checkpoint is the base with the adapter merged in
+    if opts.adapter == "lora":  # DIR's checkpoint is the base with the adapter merged in
         from meshlm.tune.lora import merge_lora
 
         for linear in [m for m in model.modules() if hasattr(m, "_lora_hook")]:
@@ -479,5 +466,5 @@ def run_grpo(args: argparse.Namespace, overrides: list[str], make_sampler: MakeS
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     save_checkpoint(out, opts.steps, {"model": state, "optim": optimizer.state_dict(),
                                       "state": {"step": opts.steps, "tokens_seen": 0}}, checkpoint.config.to_dict())
-    say(f"{opts.method}: {opts.steps} steps; the trained model is {args.out}'s checkpoint")
+    say(f"{opts.method}: {opts.steps} steps; the trained model is {opts.out}'s checkpoint")
     return 0
