@@ -2,7 +2,10 @@
 
 - The KV cache is one pool of fixed-size blocks per layer (`--block-size` positions each, `--num-blocks` of
   them, allocated once: `Runner.cache_bytes()`); a request holds a block table, the blocks of the positions it
-  has computed, taken as it grows, so memory follows the tokens a request really has (`infer/blocks.py`).
+  has computed, taken as it grows, so memory follows the tokens a request really has (`infer/blocks.py`). An MLA
+  layer caches its latent and RoPE key, not keys and values; sliding-window layers give back the blocks that
+  fall out of their window, in a pool of their own when global layers are mixed in (docs/serving.md, "Cache
+  memory"; `core/kv_cache.py` is the formula).
 - The scheduler (`infer/scheduler.py`) decides each step, with no model: running requests first (decoding
   rows, then prefill chunks), then waiting ones in arrival order while rows (`max_seqs`), blocks and the token
   budget (`max_batched_tokens`: chunked prefill) last; a prompt whose first full blocks another request
@@ -49,6 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from meshlm.core.kv_cache import kv_groups
 from meshlm.infer import sampling
 from meshlm.infer.blocks import BlockPool
 from meshlm.infer.request import Request
@@ -61,7 +65,7 @@ from meshlm.infer.sampling import (  # noqa: F401 -- re-exported: the engine's A
     apply_penalties,
     sample_token,
 )
-from meshlm.infer.scheduler import Scheduler, StepPlan
+from meshlm.infer.scheduler import KVGroup, Scheduler, StepPlan
 from meshlm.infer.speculative import target_probs, verify
 
 
@@ -119,6 +123,14 @@ class CacheOptions:
     def blocks_for(self, max_seqs: int, max_len: int) -> int:
         return self.num_blocks or max_seqs * -(-max_len // self.block_size)
 
+    def local_blocks_for(self, max_seqs: int, max_len: int, window: int) -> int:
+        """The local layers' pool, when they have their own (`core/kv_cache.kv_groups`): `max_seqs` sequences each
+        holding at most the blocks of its longest step (a prefill chunk, or a token and its drafts) and the
+        window before it; never more than the main pool."""
+        chunk = max(self.max_batched_tokens or max_len, 1 + self.num_draft_tokens if self.speculative else 1)
+        per_seq = min(-(-max_len // self.block_size), -(-(min(chunk, max_len) + window - 1) // self.block_size) + 1)
+        return min(self.blocks_for(max_seqs, max_len), max_seqs * per_seq)
+
 
 # ---- the engine ---------------------------------------------------------------------------------------------
 class Engine:
@@ -140,11 +152,15 @@ class Engine:
             raise InvalidRequest(f"max_batched_tokens must be >= 1 or None (got {o.max_batched_tokens})",
                                  "max_batched_tokens")
         self.max_seqs, self.max_queue, self.max_batched_tokens = max_seqs, max_queue, o.max_batched_tokens
+        window, local_window = kv_groups(cfg)  # one group for every layer, or a second one for the local layers
         if runner is None:
+            local = o.local_blocks_for(max_seqs, self.max_len, local_window) if local_window else 0
             runner = Runner(model, o.blocks_for(max_seqs, self.max_len), o.block_size, cfg.vocab_size,
-                            adapters=adapters, compile=o.compile)
+                            adapters=adapters, compile=o.compile, local_blocks=local)
         self.runner, self.block_size = runner, runner.block_size
         self.pool = BlockPool(runner.num_blocks, runner.block_size, o.prefix_caching)
+        local_blocks = getattr(runner, "local_blocks", 0)  # a given runner says (pipeline serving's: one group)
+        self.local_pool = BlockPool(local_blocks, runner.block_size, o.prefix_caching) if local_blocks else None
         self.speculator = speculator
         self.eod_id = getattr(tokenizer, "eod_id", None)
         # every end-of-sequence id the model declares ends a request (`data.tokenizers`: stop_ids), unless ignore_eos
@@ -160,12 +176,14 @@ class Engine:
         # mixed_steps: steps whose rows used more than one model (the base, adapters)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0, "steps": 0,
                       "mixed_steps": 0, "requests_failed": 0, "preemptions": 0, "prefix_queried_tokens": 0,
-                      "prefix_hit_tokens": 0,
+                      "prefix_hit_tokens": 0, "window_freed_blocks": 0,
                       "batched_tokens": 0, "draft_tokens": 0, "accepted_tokens": 0}
         self.ttft = Histogram()  # seconds from arrival to the first token, of finished requests
         self.tpot = Histogram()  # seconds per output token after the first
+        # blocks out of a window go back to their pool as a sequence grows (infer/scheduler.py)
+        local = KVGroup(self.local_pool, local_window, "local_blocks", "local_freed") if local_blocks else None
         self.scheduler = Scheduler(self.pool, max_seqs, o.max_batched_tokens, self.lock, self.stats,
-                                   self._released, self.waiting)
+                                   self._released, self.waiting, window=window, local=local)
 
     @property
     def active(self) -> list[Request]:
@@ -213,8 +231,10 @@ class Engine:
             raise InvalidRequest(f"max_tokens {params.max_tokens} with the prompt's {len(prompt_ids)} tokens is "
                                  f"more than the model's context of {context}; at most "
                                  f"{room - len(prompt_ids)}", "max_tokens")
-        # within the context: only a pool smaller than one sequence can refuse it here
-        blocks = -(-(head + len(prompt_ids) + params.max_tokens) // self.block_size)
+        # within the context: only a pool smaller than one sequence (under a window: its longest step) refuses it;
+        # a local layers' pool of their own holds as much as the main one needs (`CacheOptions.local_blocks_for`)
+        blocks = self.scheduler.blocks_needed(head + len(prompt_ids) + params.max_tokens,
+                                              self.scheduler.groups[0].window)
         if blocks > self.pool.num_blocks:
             raise InvalidRequest(f"the prompt's {len(prompt_ids)} tokens and max_tokens {params.max_tokens} need "
                                  f"{blocks} KV cache blocks of {self.block_size} positions; the cache holds "

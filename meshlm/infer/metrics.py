@@ -59,12 +59,23 @@ def prometheus(server) -> str:
                "models (the base and adapters)", [({}, s["mixed_steps"])])
         metric("meshlm_kv_cache_bytes", "gauge", "bytes of the pre-allocated KV cache (the block pool)",
                [({}, eng.runner.cache_bytes())])
+        metric("meshlm_kv_cache_bytes_per_token", "gauge", "bytes of one position of every layer in the pool "
+               "(MLA: its latent and RoPE key; others: a key and a value per KV head)",
+               [({}, eng.runner.cache_bytes_per_token())])
+        metric("meshlm_kv_cache_window_freed_blocks_total", "counter", "blocks given back as sequences passed "
+               "every layer's sliding window", [({}, s.get("window_freed_blocks", 0))])
         pool = eng.pool
         metric("meshlm_kv_cache_blocks", "gauge", "blocks of the KV cache pool", [({}, pool.num_blocks)])
         metric("meshlm_kv_cache_blocks_used", "gauge", "blocks held by running requests", [({}, pool.used)])
         metric("meshlm_kv_cache_usage", "gauge", "share of the pool's blocks held by running requests",
                [({}, pool.used / pool.num_blocks)])
         metric("meshlm_kv_cache_block_size", "gauge", "positions per block", [({}, pool.block_size)])
+        local = getattr(eng, "local_pool", None)  # the local (sliding-window) layers' own pool, when mixed
+        if local is not None:
+            metric("meshlm_kv_cache_local_blocks", "gauge", "blocks of the local layers' own pool",
+                   [({}, local.num_blocks)])
+            metric("meshlm_kv_cache_local_blocks_used", "gauge", "blocks of the local layers' pool held by "
+                   "running requests", [({}, local.used)])
         metric("meshlm_preemptions_total", "counter", "requests preempted (blocks freed, recomputed later) when "
                "the pool ran short", [({}, s["preemptions"])])
         metric("meshlm_batched_tokens_total", "counter", "tokens run by the steps (decoding rows, prefill chunks, "

@@ -45,8 +45,13 @@ class Request:
     seen: set[int] = field(default_factory=set)  # prompt + output ids (repetition penalty)
     done_event: threading.Event = field(default_factory=threading.Event)
     # the paged cache (the scheduler's): blocks held, positions computed, chained hashes of full blocks,
-    # blocks registered for prefix reuse, this step's speculative drafts, the prompt's log-probabilities done
+    # blocks registered for prefix reuse, this step's speculative drafts, the prompt's log-probabilities done;
+    # freed: the first blocks of `blocks` already given back (out of every layer's sliding window): their entries
+    # stay, so that a position's block is still blocks[position // block_size], but are never read unmasked
     blocks: list[int] = field(default_factory=list)
+    freed: int = 0
+    local_blocks: list[int] = field(default_factory=list)  # the local layers' table, when they have their own pool
+    local_freed: int = 0
     computed: int = 0
     hashes: list[int] = field(default_factory=list)
     registered: int = 0

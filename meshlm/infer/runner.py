@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from meshlm.core.kv_cache import kv_groups
 from meshlm.infer.scheduler import ForwardPlan
 from meshlm.models.paged import Batch, PagedKV
 
@@ -33,11 +34,14 @@ class Runner:
     weights per step); `compile_s`: the seconds its warm-up took (0.0: eager)."""
 
     def __init__(self, model, num_blocks: int, block_size: int, vocab_size: int, tp_group=None, adapters=None,
-                 compile: bool = False):
+                 compile: bool = False, local_blocks: int = 0):
         self.model, self.adapters = model, adapters
         self.num_blocks, self.block_size, self.vocab_size, self.tp_group = num_blocks, block_size, vocab_size, tp_group
+        self.local_blocks = local_blocks  # > 0: the local (sliding-window) layers' own pool (models/paged.py)
+        # the windows of the layouts' readers: every layer local (W, 0), or the local layers' own tables (0, W)
+        self.windows = kv_groups(model.cfg) if hasattr(model, "cfg") else (0, 0)
         self.device = next(model.parameters()).device
-        self.kv = PagedKV(model, num_blocks, block_size)
+        self.kv = PagedKV(model, num_blocks, block_size, local_blocks)
         self.step_fn = self._dense
         self.compile_s = 0.0
         if compile and adapters is None and tp_group is None:
@@ -47,6 +51,11 @@ class Runner:
 
     def cache_bytes(self) -> int:
         return self.kv.nbytes()
+
+    def cache_bytes_per_token(self) -> int:
+        """Bytes one position of every layer of this process takes in the pool (`core/kv_cache.py`'s formula: MLA
+        layers hold their latent and RoPE key, the others a key and a value per KV head)."""
+        return self.kv.bytes_per_token()
 
     def _logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Whole-vocabulary fp32 logits (gathered over tp when the head is vocab-parallel)."""
@@ -73,13 +82,17 @@ class Runner:
     @torch.no_grad()
     def forward(self, plan: ForwardPlan) -> torch.Tensor:
         """(len(plan.select), V) fp32 logits of the selected tokens, after writing every token's keys and values."""
-        batch = Batch(plan.rows, self.block_size, self.device)
+        batch = Batch(plan.rows, self.block_size, self.device, window=self.windows[0])
+        local = None
+        if plan.local_tables:  # the local layers' own block tables: same positions, their own slots
+            rows = [(pos, table) for (pos, _), table in zip(plan.rows, plan.local_tables)]
+            local = Batch(rows, self.block_size, self.device, window=self.windows[1])
         ids = torch.tensor(plan.ids, dtype=torch.long, device=self.device)[:, None]  # (N, 1): a row per token
         start = batch.positions
         select = torch.tensor(plan.select, dtype=torch.long, device=self.device)
         with self._with(plan):
             rope = self.model.rope(int(start.max()) + 1)
-            return self._logits(self.step_fn(ids, start, self.kv.caches(batch), rope, select))
+            return self._logits(self.step_fn(ids, start, self.kv.caches(batch, local), rope, select))
 
     def warm(self) -> float:
         """Run the compiled step once for each graph it needs and return the seconds it took: torch.compile
@@ -89,7 +102,8 @@ class Runner:
         t0 = time.perf_counter()
         for n, select in ((1, ()), (1, (0,)), (5, ()), (5, (4,)), (5, tuple(range(5)))):
             rows = ((range(n), (0,) * n),)
-            self.forward(ForwardPlan(ids=(0,) * n, rows=rows, select=select))
+            local = ((0,) * n,) if self.local_blocks else ()
+            self.forward(ForwardPlan(ids=(0,) * n, rows=rows, select=select, local_tables=local))
         return time.perf_counter() - t0
 
     def replay(self, op: tuple) -> None:

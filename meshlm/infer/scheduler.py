@@ -8,7 +8,15 @@ Every step (`Engine.step`) it decides, with no model in sight:
   joining request first takes the registered blocks that hold its prompt's first full blocks (prefix caching),
   and registers its own once computed (`register`);
 - preemption: when a running request's next tokens find no free block, the newest running requests give theirs
-  back and wait at the head of the queue, to be recomputed from their tokens when they return (itself last).
+  back and wait at the head of the queue, to be recomputed from their tokens when they return (itself last);
+- KV cache groups (`KVGroup`, `core/kv_cache.kv_groups`): a request holds one block table per group, each over
+  its group's pool: one group for every layer, or, when local (sliding-window) and global layers are mixed, a
+  second one for the local layers. In a group with a window W no later query reads a position before
+  computed − W + 1, so the blocks wholly before it go back to that group's pool as the request grows
+  (`free_out_of_window`, before each reservation: a block another request or the prefix cache still holds
+  keeps its reference). A request then holds there at most the blocks of its step and the W − 1 positions
+  before it. Admission and reservation take blocks from every group; prefix caching matches the prefix that
+  every group still holds.
 
 `schedule()` returns what runs (`Scheduled`); after the engine has attached speculative drafts, `plan(work)`
 freezes it into a `StepPlan`: per sequence its request, tokens and share of the logits, and the `ForwardPlan` the
@@ -23,8 +31,21 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from meshlm.core.kv_cache import blocks_needed
 from meshlm.infer.blocks import BlockPool, block_hashes
 from meshlm.infer.request import Request
+
+
+@dataclass
+class KVGroup:
+    """Layers sharing one block table per request over one pool: `pool`; `window` (0: every block kept, W: blocks
+    out of the window freed); `table` and `freed` name the request's fields holding its table and how many of
+    its first blocks went back (`Request.blocks`/`freed`, or `local_blocks`/`local_freed`)."""
+
+    pool: BlockPool
+    window: int = 0
+    table: str = "blocks"
+    freed: str = "freed"
 
 
 @dataclass(frozen=True)
@@ -33,13 +54,15 @@ class ForwardPlan:
 
     ids: the N token ids; rows: (positions, block table) per sequence, in token order; select: the token indices
     whose logits are returned; adapters: the adapter index per token, or None (all the base); virtual: (token
-    index, adapter, position) of a prompt adapter's virtual tokens."""
+    index, adapter, position) of a prompt adapter's virtual tokens; local_tables: per sequence its local layers'
+    block table, when they have a pool of their own (else empty)."""
 
     ids: tuple[int, ...]
     rows: tuple[tuple[range, tuple[int, ...]], ...]
     select: tuple[int, ...]
     adapters: tuple[int, ...] | None = None
     virtual: tuple[tuple[int, int, int], ...] = ()
+    local_tables: tuple[tuple[int, ...], ...] = ()
 
     def __getitem__(self, name: str):
         """`plan["ids"]`: the fields by name too (the plan was a dict before it was a dataclass)."""
@@ -92,12 +115,15 @@ class Scheduler:
 
     def __init__(self, pool: BlockPool, max_seqs: int, max_batched_tokens: int | None,
                  lock: threading.Lock | None = None, stats: dict | None = None,
-                 on_release: Callable[[Request], None] | None = None, waiting: deque[Request] | None = None):
+                 on_release: Callable[[Request], None] | None = None, waiting: deque[Request] | None = None,
+                 window: int = 0, local: KVGroup | None = None):
         self.pool, self.block_size = pool, pool.block_size
+        self.groups = [KVGroup(pool, window)] + ([local] if local is not None else [])
         self.max_seqs, self.max_batched_tokens = max_seqs, max_batched_tokens
         self.lock = lock or threading.Lock()
         self.stats = stats if stats is not None else {"preemptions": 0, "prefix_queried_tokens": 0,
                                                       "prefix_hit_tokens": 0}
+        self.stats.setdefault("window_freed_blocks", 0)
         self.on_release = on_release
         self.waiting: deque[Request] = waiting if waiting is not None else deque()
         self.active: list[Request] = []
@@ -125,7 +151,7 @@ class Scheduler:
         """The frozen plan of `work`, sorted by tokens per sequence (decoding rows first; sequences with as many
         tokens attend together), then by length (similar lengths share an attention call, `models/paged.py`)."""
         work = sorted(work, key=lambda w: (w[1] + len(w[0].drafts), w[0].computed))
-        ids, rows, select, adapters, virtual, seqs = [], [], [], [], [], []
+        ids, rows, select, adapters, virtual, seqs, local = [], [], [], [], [], [], []
         for req, n in work:
             first, selected = len(ids), len(select)
             drafts = tuple(req.drafts)
@@ -133,6 +159,8 @@ class Scheduler:
             pos = range(req.computed, req.computed + len(tokens))
             ids.extend(tokens)
             rows.append((pos, tuple(req.blocks)))
+            if len(self.groups) > 1:
+                local.append(tuple(req.local_blocks))
             adapters.extend([req.adapter] * len(tokens))
             virtual.extend((first + i, req.adapter, p) for i, p in enumerate(pos) if p < len(req.head))
             if req.wants_prompt_logits or drafts:
@@ -141,26 +169,51 @@ class Scheduler:
                 select.append(len(ids) - 1)
             seqs.append(SeqPlan(req, req.computed, n, drafts, len(select) - selected))
         forward = ForwardPlan(tuple(ids), tuple(rows), tuple(select), tuple(adapters) if any(adapters) else None,
-                              tuple(virtual))
+                              tuple(virtual), tuple(local))
         return StepPlan(tuple(seqs), forward)
 
     # ---- the cache's blocks ----
     def release(self, req: Request) -> None:
-        """Give `req`'s blocks back to the pool (its registered ones stay reusable by prefix)."""
-        self.pool.release(req.blocks)
-        req.blocks = []
+        """Give `req`'s blocks back to the pools (its registered ones stay reusable by prefix)."""
+        for g in self.groups:
+            g.pool.release(getattr(req, g.table)[getattr(req, g.freed):])
+            setattr(req, g.table, [])
+            setattr(req, g.freed, 0)
         if self.on_release is not None:
             self.on_release(req)
 
+    def free_out_of_window(self, req: Request) -> None:
+        """In each group with a window W, give back the blocks of `req` wholly before position computed − W + 1,
+        which no later query of its layers reads (module doc); their entries stay in its table (`Request.freed`)."""
+        for g in self.groups:
+            if not g.window:
+                continue
+            table, freed = getattr(req, g.table), getattr(req, g.freed)
+            dead = min(max(0, req.computed - g.window + 1) // self.block_size, len(table))
+            if dead > freed:
+                g.pool.release(table[freed:dead])
+                self.stats["window_freed_blocks"] += dead - freed
+                setattr(req, g.freed, dead)
+
+    def blocks_needed(self, positions: int, window: int = 0) -> int:
+        """The most blocks a request of `positions` positions holds at once in a group: all of them, or under a
+        window W those of its longest step (a prefill chunk of up to `max_batched_tokens`) and the W − 1 positions
+        before it."""
+        return blocks_needed(positions, self.block_size, window, self.max_batched_tokens)
+
     def reserve(self, req: Request, positions: int) -> bool:
-        """Blocks for positions 0..positions-1 of `req` (more taken as needed); False when the pool is short."""
-        need = -(-positions // self.block_size) - len(req.blocks)
-        if need <= 0:
-            return True
-        got = self.pool.allocate(need)
-        if got is None:
-            return False
-        req.blocks.extend(got)
+        """Blocks for positions 0..positions-1 of `req` in every group (more taken as needed, after its blocks
+        out of a window went back); False when a pool is short (what the others gave stays with `req`)."""
+        self.free_out_of_window(req)
+        for g in self.groups:
+            table = getattr(req, g.table)
+            need = -(-positions // self.block_size) - len(table)
+            if need <= 0:
+                continue
+            got = g.pool.allocate(need)
+            if got is None:
+                return False
+            table.extend(got)
         return True
 
     def preempt(self, req: Request) -> None:
@@ -180,8 +233,10 @@ class Scheduler:
         tokens = req.tokens()
         req.hashes = block_hashes(tokens[:full * self.block_size], self.block_size, req.adapter, req.hashes)
         bs = self.block_size
-        for j in range(req.registered, full):
-            self.pool.register(req.blocks[j], req.hashes[j], tokens[j * bs:(j + 1) * bs])
+        for g in self.groups:
+            table = getattr(req, g.table)
+            for j in range(max(req.registered, getattr(req, g.freed)), full):  # a freed block may be another's now
+                g.pool.register(table[j], req.hashes[j], tokens[j * bs:(j + 1) * bs])
         req.registered = full
 
     # ---- scheduling ----
@@ -247,5 +302,9 @@ class Scheduler:
         are needed): those positions count as computed."""
         tokens = req.tokens()
         req.hashes = block_hashes(tokens, self.block_size, req.adapter, req.hashes)
-        req.blocks = self.pool.match(tokens, req.hashes, req.length - 1)
-        req.computed = req.registered = len(req.blocks) * self.block_size
+        tables = [g.pool.match(tokens, req.hashes, req.length - 1) for g in self.groups]
+        n = min(len(t) for t in tables)  # the prefix every group still holds
+        for g, table in zip(self.groups, tables):
+            g.pool.release(table[n:])
+            setattr(req, g.table, table[:n])
+        req.computed = req.registered = n * self.block_size

@@ -12,7 +12,10 @@ the tokens of the step. In attention each layer's `PagedCache.update_and_attend`
 - for a longer run (a prefill chunk): gathers its sequence's keys up to its last token, causal attention from
   the run's offset.
 A layer with a sliding window or sinks gets the same masks and applies its band in its core (`visible_keys`);
-its decoding rows skip the cascade, whose softmax is plain.
+its decoding rows skip the cascade, whose softmax is plain. A layout read by local layers only (`Batch(window=W)`)
+starts each row's table at its first block in the window. An MLA layer's pool holds its latent and RoPE key, and
+attends in the absorbed form (models/mla.py); local layers mixed with global ones hold a pool of their own
+(`PagedKV(local_blocks=...)`), read through their own block tables.
 The layout tensors are built once per step (`Batch`) and shared by the layers. Which blocks a sequence holds
 is the scheduler's business (`infer/scheduler.py`, `infer/blocks.py`); this module only reads and writes the
 slots it is given.
@@ -32,20 +35,39 @@ from meshlm.models.cache import AttentionCache
 class PagedKV:
     """The pool's tensors: per layer, keys and values of shape (n_kv_heads, num_blocks × block_size, head_dim).
     Head-major, so that a gather of whole blocks lands as (heads, rows, positions, head_dim), whose every
-    (row, head) is contiguous: the layout the attention kernel reads fastest."""
+    (row, head) is contiguous: the layout the attention kernel reads fastest. A latent-attention layer (MLA, a
+    module with `latent_dim`, models/mla.py) holds one tensor (1, num_blocks × block_size, kv_lora_rank +
+    qk_rope_head_dim): its normalised latent and RoPE key, whose first kv_lora_rank columns are also the values
+    (the absorbed form), and no separate values (None). With `local_blocks` > 0 the local (sliding-window)
+    layers hold `local_blocks` blocks of their own, read through their own block tables (a second `Batch`):
+    the engine's second KV cache group (infer/scheduler.py). `bytes_per_token()` is `core/kv_cache.py`'s
+    formula."""
 
-    def __init__(self, model, num_blocks: int, block_size: int):
+    def __init__(self, model, num_blocks: int, block_size: int, local_blocks: int = 0):
         p = next(model.parameters())
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.layers = []
+        self.num_blocks, self.block_size, self.local_blocks = num_blocks, block_size, local_blocks
+        # per layer: (keys, values or None, value width, whether it reads the local tables)
+        self.layers: list[tuple[torch.Tensor, torch.Tensor | None, int, bool]] = []
         for layer in model.layers:
-            shape = (layer.attn.n_kv_heads, num_blocks * block_size, layer.attn.head_dim)  # head-major
+            local = bool(local_blocks and getattr(layer.attn, "window", 0))
+            slots = (local_blocks if local else num_blocks) * block_size
+            latent = getattr(layer.attn, "latent_dim", 0)
+            if latent:
+                keys = torch.zeros((1, slots, latent), dtype=p.dtype, device=p.device)
+                self.layers.append((keys, None, layer.attn.kv_rank, local))
+                continue
+            shape = (layer.attn.n_kv_heads, slots, layer.attn.head_dim)  # head-major
             self.layers.append((torch.zeros(shape, dtype=p.dtype, device=p.device),
-                                torch.zeros(shape, dtype=p.dtype, device=p.device)))
+                                torch.zeros(shape, dtype=p.dtype, device=p.device), layer.attn.head_dim, local))
         self.scratch = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)
+        return sum(t.numel() * t.element_size() for k, v, _, _ in self.layers for t in (k, v) if t is not None)
+
+    def bytes_per_token(self) -> int:
+        """Bytes one position of every layer takes in the pool (each layer's bytes / its positions, summed)."""
+        return sum(t.numel() * t.element_size() // t.shape[1] for k, v, _, _ in self.layers for t in (k, v)
+                   if t is not None)
 
     def gather_buffer(self, numel: int) -> torch.Tensor:
         """A reused (2, numel) buffer for the keys and values a layer gathers: the layers run one after the other,
@@ -55,9 +77,10 @@ class PagedKV:
                                        device=self.scratch.device)
         return self.scratch[:2 * numel].view(2, numel)
 
-    def caches(self, batch: Batch) -> list[PagedCache]:
-        """One cache view per layer for the forward of `batch`."""
-        return [PagedCache(k, v, batch, self) for k, v in self.layers]
+    def caches(self, batch: Batch, local: Batch | None = None) -> list[PagedCache]:
+        """One cache view per layer for the forward of `batch` (`local`: the same tokens in the local layers' own
+        block tables, when they have a pool of their own)."""
+        return [PagedCache(k, v, local if is_local else batch, self, width) for k, v, width, is_local in self.layers]
 
 
 @dataclass
@@ -85,11 +108,13 @@ class Batch:
     to `group_max` (decoding rows: one; a token and its speculative drafts: a few), and of lengths not far apart
     (the scheduler sorts them by length), attend in one call; a longer run (a prefill chunk) attends alone.
     Built from plain sequences (positions: a list or a range; block tables: lists or tuples), what a
-    tensor-parallel leader broadcasts."""
+    tensor-parallel leader broadcasts. `window` W > 0: every layer reading this layout is local (sliding window
+    W), so a row reads its blocks from the first one holding position first − W + 1 on (the scheduler may have
+    freed the ones before: `infer/scheduler.py`), and attention costs the window, not the whole sequence."""
 
     def __init__(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]], block_size: int, device,
-                 group_max: int = 16):
-        self.block_size = block_size
+                 group_max: int = 16, window: int = 0):
+        self.block_size, self.window = block_size, window
         positions, slots = [], []
         for pos, blocks in rows:
             positions.extend(pos)
@@ -124,6 +149,8 @@ class Batch:
     def _group(self, rows, start: int, T: int, device) -> Group:
         bs = self.block_size
         ends = [pos[-1] + 1 for pos, _ in rows]
+        if self.window and any(pos[0] >= self.window + bs - 1 for pos, _ in rows):
+            return self._windowed(rows, start, T, device)
         width = -(-max(ends) // bs)
         table = [list(blocks[:width]) + [0] * (width - len(blocks[:width])) for _, blocks in rows]
         blocks = torch.tensor(table, dtype=torch.long, device=device)
@@ -145,6 +172,20 @@ class Batch:
         mask = (keys[None, None, :] <= query[:, :, None])[:, None]  # (R, 1, T, width × bs)
         return Group(start, len(rows), T, blocks, mask, width * bs)
 
+    def _windowed(self, rows, start: int, T: int, device) -> Group:
+        """A group of rows past their window: row r's table from its block `skip_r` = ⌊(first − W + 1) / bs⌋ on
+        (no query of the step sees a position before it), its mask over the positions those blocks hold
+        (skip_r · bs + j), still causal in key index as `visible_keys` needs for the band."""
+        bs = self.block_size
+        skip = [max(0, pos[0] - self.window + 1) // bs for pos, _ in rows]
+        width = max(-(-(pos[-1] + 1) // bs) - s for (pos, _), s in zip(rows, skip))
+        table = [list(b[s:s + width]) + [0] * (width - len(b[s:s + width])) for (_, b), s in zip(rows, skip)]
+        first = torch.tensor([pos[0] for pos, _ in rows], dtype=torch.long, device=device)
+        query = first[:, None] + torch.arange(T, device=device)  # (R, T) positions
+        keys = torch.tensor(skip, dtype=torch.long, device=device)[:, None] * bs + torch.arange(width * bs, device=device)
+        mask = (keys[:, None, :] <= query[:, :, None])[:, None]  # (R, 1, T, width × bs)
+        return Group(start, len(rows), T, torch.tensor(table, dtype=torch.long, device=device), mask, width * bs)
+
     @property
     def n_tokens(self) -> int:
         return int(self.positions.shape[0])
@@ -152,40 +193,51 @@ class Batch:
 
 class PagedCache(AttentionCache):
     """One layer's view of the pool for one step: the `AttentionCache` Attention hands its queries, keys and
-    values to (models/cache.py)."""
+    values to (models/cache.py). `v` None: a latent layer's (PagedKV), whose values are the first `value_dim`
+    columns of its keys; `latent` tells MLA to hand it the absorbed form (models/mla.py)."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, batch: Batch, pool: PagedKV):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor | None, batch: Batch, pool: PagedKV, value_dim: int = 0):
         self.k, self.v, self.batch, self.pool = k, v, batch, pool
+        self.value_dim = value_dim or k.shape[-1]
+
+    @property
+    def latent(self) -> bool:
+        return self.v is None
 
     def gather(self, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values of `blocks` (B, nb) (in order) as (B, nkv, length, hd) views of the gather
-        buffer: whole blocks of each head copied (`index_select` into a reused buffer)."""
+        buffer: whole blocks of each head copied (`index_select` into a reused buffer). A latent layer copies
+        its keys only: its values are their first `value_dim` columns."""
         B, nb = blocks.shape
         nkv, slots, hd = self.k.shape
         bs = self.batch.block_size
         index = (torch.arange(nkv, device=blocks.device)[:, None] * (slots // bs) + blocks.reshape(1, -1)).reshape(-1)
         buf = self.pool.gather_buffer(nkv * B * nb * bs * hd)
         out = []
-        for i, src in enumerate((self.k, self.v)):
+        for i, src in enumerate((self.k,) if self.v is None else (self.k, self.v)):
             dst = buf[i].view(nkv * B * nb, bs * hd)
             torch.index_select(src.view(-1, bs * hd), 0, index, out=dst)
             out.append(dst.view(nkv, B, nb * bs, hd)[:, :, :length].transpose(0, 1))
+        if self.v is None:
+            out.append(out[0][..., :self.value_dim])
         return out[0], out[1]
 
     @torch.compiler.disable  # a compiled step (infer/runner.py) runs attention eagerly: its layout is per step
-    def update_and_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start, core,
+    def update_and_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, start, core,
                           mask: torch.Tensor | None = None) -> torch.Tensor:
-        """q (N, nh, 1, hd), k and v (N, nkv, 1, hd) for the step's N tokens → (N, nh, 1, hd). `core(q, k, v,
-        causal, mask)` is the layer's attention kernel (scaled dot product, GQA aware). `start` (the tokens'
-        positions) and `mask` are unused: the step's `Batch` holds each token's position, slot and visible keys."""
+        """q (N, nh, 1, hd), k and v (N, nkv, 1, hd) for the step's N tokens → (N, nh, 1, value width). `core(q, k,
+        v, causal, mask)` is the layer's attention kernel (scaled dot product, GQA aware). A latent layer's `k` is
+        (N, 1, 1, kv_lora_rank + d_r) and `v` None. `start` (the tokens' positions) and `mask` are unused: the
+        step's `Batch` holds each token's position, slot and visible keys."""
         b = self.batch
         self.k.index_copy_(1, b.slots, k[:, :, 0].transpose(0, 1).to(self.k.dtype))
-        self.v.index_copy_(1, b.slots, v[:, :, 0].transpose(0, 1).to(self.v.dtype))
-        out = torch.empty_like(q)
+        if self.v is not None:
+            self.v.index_copy_(1, b.slots, v[:, :, 0].transpose(0, 1).to(self.v.dtype))
+        out = q.new_empty(q.shape[:-1] + (self.value_dim,))
         nh, hd = q.shape[1], q.shape[3]
         for g in b.groups:
             if g.shared is not None and not _banded(core):
-                out[g.start:g.start + g.rows] = self.cascade(q[g.start:g.start + g.rows], g)
+                out[g.start:g.start + g.rows] = self.cascade(q[g.start:g.start + g.rows], g, _scale(core, hd))
                 continue
             if g.shared is not None:  # a sliding window or sinks: the core sees the shared keys with the rest
                 g = _uncascaded(g)
@@ -193,16 +245,15 @@ class PagedCache(AttentionCache):
             qg = q[g.start:g.start + n, :, 0].view(g.rows, g.T, nh, hd).transpose(1, 2)  # (R, nh, T, hd)
             keys, values = self.gather(g.blocks, g.keys)  # (R, nkv, L, hd)
             y = core(qg, keys.to(q.dtype), values.to(q.dtype), g.causal, g.mask)
-            out[g.start:g.start + n, :, 0] = y.transpose(1, 2).reshape(n, nh, hd)
+            out[g.start:g.start + n, :, 0] = y.transpose(1, 2).reshape(n, nh, self.value_dim)
         return out
 
-    def cascade(self, q: torch.Tensor, g: Group) -> torch.Tensor:
+    def cascade(self, q: torch.Tensor, g: Group, scale: float) -> torch.Tensor:
         """Decoding rows q (R, nh, 1, hd) over their shared first blocks and then their own: softmax attention
-        split in two parts by keys and merged by their log-sum-exps. The shared keys are read once for all the
-        rows (one matrix product), not copied once per row."""
+        (scores times `scale`) split in two parts by keys and merged by their log-sum-exps. The shared keys are
+        read once for all the rows (one matrix product), not copied once per row."""
         R, nh, _, hd = q.shape
         nkv = self.k.shape[0]
-        scale = hd ** -0.5
         qh = q[:, :, 0].reshape(R, nkv, nh // nkv, hd)  # a KV head's query heads together (GQA)
         keys, values = self.gather(g.shared[None], g.shared_keys)  # (1, nkv, P, hd)
         qp = qh.transpose(0, 1).reshape(nkv, -1, hd)  # (nkv, R × group, hd)
@@ -219,7 +270,14 @@ class PagedCache(AttentionCache):
         (m1, l1, o1), (m2, l2, o2) = parts
         m = torch.maximum(m1, m2)
         a, b = (m1 - m).exp(), (m2 - m).exp()
-        return ((o1 * a + o2 * b) / (l1 * a + l2 * b)).reshape(R, nh, 1, hd)
+        return ((o1 * a + o2 * b) / (l1 * a + l2 * b)).reshape(R, nh, 1, self.value_dim)
+
+
+def _scale(core, head_dim: int) -> float:
+    """The softmax scale of `core`: its module's own `scale` where it sets one (MLA's), else 1/√head_dim."""
+    owner = getattr(inspect.unwrap(core), "__self__", None)
+    scale = getattr(owner, "scale", None)
+    return scale if isinstance(scale, float) else head_dim ** -0.5
 
 
 def _banded(core) -> bool:
