@@ -124,8 +124,9 @@ def add_serve_command(sub) -> None:
                    help="do not share the cache blocks of identical prompt prefixes between requests")
     g.add_argument("--max-batched-tokens", type=int, default=512, help="tokens one step runs at most: decoding "
                    "rows first, then prefill chunks of long prompts (default 512; 0: whole prompts, no chunking)")
-    g.add_argument("--speculative", choices=["ngram", "draft"], default=None, help="speculative decoding: ngram "
-                   "(prompt lookup) or draft (a smaller checkpoint, --draft-checkpoint, with the same tokenizer)")
+    g.add_argument("--speculative", choices=["ngram", "draft", "mtp"], default=None, help="speculative decoding: ngram "
+                   "(prompt lookup), draft (a smaller checkpoint, --draft-checkpoint, with the same tokenizer) or mtp "
+                   "(the model's own multi-token prediction modules, model.mtp_depth: up to that many tokens a step)")
     g.add_argument("--draft-checkpoint", default=None, help="the draft model of --speculative draft")
     g.add_argument("--num-draft-tokens", type=int, default=4, help="tokens proposed per step (default 4)")
     g.add_argument("--compile", action="store_true", help="run each step's dense part through torch.compile, "

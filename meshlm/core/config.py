@@ -133,6 +133,11 @@ class ModelConfig:
     v_head_dim: int = 0
     rope_interleave: bool = True
     rope_mscale_all_dim: float = 0.0
+    # DeepSeek-V3's multi-token prediction (models/mtp.py): mtp_depth modules after the last layer, module k
+    # (1..D) predicting the token k + 1 ahead; λ/D × the sum of their cross-entropies joins the training loss's
+    # gradient (λ = mtp_loss_weight; the logged loss stays the main one, `mtp_loss` is logged apart). 0: none.
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
@@ -149,6 +154,7 @@ class ModelConfig:
     rope_beta_fast: float = 32.0
     rope_beta_slow: float = 1.0
     rope_attention_factor: float = 0.0
+    rope_truncate: bool = True  # YaRN's ramp ends rounded to whole dims (the paper); false: kept fractional (gpt-oss)
     init_std: float = 0.02
     # Mixture of experts (GPT family only; models/moe.py, docs/moe.md). 0 experts: dense. Layer i (from 0) is MoE
     # when i >= moe_first_dense and (i + 1) % moe_every == 0; its MLP is a router over moe_experts SwiGLU experts
@@ -174,6 +180,13 @@ class ModelConfig:
     # the sum of its two best selection scores; a token picks its top_k among the moe_topk_groups best groups only.
     moe_groups: int = 1
     moe_topk_groups: int = 1
+    # gpt-oss's experts: moe_bias adds a bias to the router's logits and to each routed expert's two projections;
+    # moe_activation 'swiglu' (silu(gate)·up) or 'swiglu_clamped': gate ≤ limit, -limit ≤ up ≤ limit, then
+    # (up + 1)·gate·sigmoid(alpha·gate), with limit moe_swiglu_limit and alpha moe_swiglu_alpha (routed experts only).
+    moe_bias: bool = False
+    moe_activation: str = "swiglu"  # swiglu | swiglu_clamped
+    moe_swiglu_limit: float = 7.0
+    moe_swiglu_alpha: float = 1.702
     # BERT family only (models/bert.py):
     type_vocab_size: int = 2  # token-type (segment) embeddings
     bert_head: str = "pretrain"  # pretrain (MLM + sentence order) | mlm | classify | span | tokens | encoder
@@ -226,6 +239,9 @@ class ModelConfig:
         self._validate_window()
         self._validate_rope_scaling()
         self._validate_moe()
+        _non_negative("model", self, "mtp_depth", zero="0 turns multi-token prediction off")
+        _check(self.mtp_loss_weight >= 0, f"model.mtp_loss_weight={self.mtp_loss_weight} must be at least 0 "
+               "(DeepSeek-V3: 0.3, then 0.1); set a non-negative weight")
 
     @property
     def rope_dim(self) -> int:
@@ -290,8 +306,14 @@ class ModelConfig:
                       "moe_aux_loss", "moe_z_loss", "moe_capacity_factor", "moe_bias_rate", zero="0 turns it off")
         _positive("model", self, "moe_top_k", "moe_every", "moe_routed_scale", "moe_groups", "moe_topk_groups")
         _choices("model.moe_router", self.moe_router, ("softmax", "sigmoid"))
+        _choices("model.moe_activation", self.moe_activation, ("swiglu", "swiglu_clamped"))
+        _positive("model", self, "moe_swiglu_limit", "moe_swiglu_alpha")
         if self.moe_experts == 0:
+            _check(not self.moe_bias and self.moe_activation == "swiglu", "model.moe_bias and model.moe_activation "
+                   "are for the experts, but model.moe_experts=0; set model.moe_bias=false, model.moe_activation='swiglu'")
             return
+        _check(self.moe_activation == "swiglu" or not self.moe_shared_experts, "model.moe_activation='swiglu_clamped' "
+               "is for the routed experts (gpt-oss has no shared expert); set model.moe_shared_experts=0")
         self._validate_moe_groups()
         E = self.moe_experts
         _check(self.moe_top_k <= E, f"model.moe_top_k={self.moe_top_k} exceeds model.moe_experts={E} (each token "
@@ -327,6 +349,8 @@ class ModelConfig:
         _positive("model", self, "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow")
         _check(self.rope_attention_factor >= 0, f"model.rope_attention_factor={self.rope_attention_factor} must "
                "be positive, or 0 for YaRN's 0.1 ln(rope_factor) + 1")
+        _check(self.rope_truncate or self.rope_scaling == "yarn", "model.rope_truncate=false keeps YaRN's ramp ends "
+               "fractional (gpt-oss); set model.rope_scaling='yarn' or model.rope_truncate=true")
         if self.rope_scaling == "none":
             return
         name = f"model.rope_scaling={self.rope_scaling!r}"
@@ -562,6 +586,8 @@ class ParallelConfig:
 
 
 LORA_TARGETS = ("q", "k", "v", "qkv", "o", "up", "gate", "fc", "down")
+# Multi-head latent attention's linears (model.attention='mla'), by Hugging Face DeepSeek-V3's module names
+MLA_LORA_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 @dataclass(frozen=True)
@@ -595,9 +621,10 @@ class TuneConfig:
                "tune.prompt_init='text' needs tune.prompt_init_text (the words whose embeddings start the prompt)")
         _check(bool(self.lora_targets), f"tune.lora_targets is empty; name some of {', '.join(LORA_TARGETS)}")
         for name in self.lora_targets:
-            _check(name in LORA_TARGETS, f"tune.lora_targets holds {name!r}, not a LoRA target; choose from "
-                   f"{', '.join(LORA_TARGETS)} (q/k/v: rows of the fused attention input, qkv: all of it, o: the "
-                   "attention output, up/gate: the MLP input (SwiGLU's halves), fc: the whole MLP input, down: its output)")
+            _check(name in LORA_TARGETS + MLA_LORA_TARGETS, f"tune.lora_targets holds {name!r}, not a LoRA target; "
+                   f"choose from {', '.join(LORA_TARGETS)} (q/k/v: rows of the fused attention input, qkv: all of it, "
+                   "o: the attention output, up/gate: the MLP input (SwiGLU's halves), fc: the whole MLP input, down: "
+                   f"its output), or under model.attention='mla' {', '.join(MLA_LORA_TARGETS)} (DeepSeek-V3's names)")
         _check(len(set(self.lora_targets)) == len(self.lora_targets), f"tune.lora_targets={self.lora_targets} names a target twice")
         for name in self.tasks:
             _check(name.strip() != "", f"tune.tasks={self.tasks!r} holds an empty task name")

@@ -74,9 +74,6 @@ def check_context_parallel(cfg: Config, cp: int, tp: int, decoder: bool = True) 
     if not decoder:
         raise ConfigError(f"parallel.cp={cp} splits causal attention into a ring; model.family={m.family!r} attends "
                           "both ways (an encoder) and is not supported; use parallel.cp=1")
-    if m.attention == "mla":
-        raise ConfigError(f"parallel.cp={cp}: the ring attention does not support model.attention='mla' yet; use "
-                          "parallel.cp=1")
     if m.seq_len % (2 * cp):
         raise ConfigError(f"parallel.cp={cp} cuts each row into 2·cp = {2 * cp} equal chunks, but model.seq_len="
                           f"{m.seq_len} is not divisible by {2 * cp}; set model.seq_len to a multiple of {2 * cp}")
@@ -282,6 +279,12 @@ def check_config(cfg: Config) -> None:
     check_context_parallel(cfg, p.cp, p.tp)
     check_data_parallel(cfg, p.tp)
     check_expert_parallel(cfg)
+    if m.mtp_depth and p.cp > 1:  # multi-token prediction shifts tokens across the ranks' chunks (models/mtp.py)
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth} with parallel.cp={p.cp} is not supported yet; set "
+                          "parallel.cp=1 or model.mtp_depth=0")
+    if m.mtp_depth and cfg.data.document_mask:  # its blocks attend over whole rows
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth} with data.document_mask=true is not supported yet; set "
+                          "data.document_mask=false or model.mtp_depth=0")
     if cfg.tune.method != "none" and p.zero:
         raise ConfigError(f"parallel.zero={p.zero} with tune.method={cfg.tune.method!r}: an adapter's optimizer state is "
                           "tiny and is kept whole on every rank; set parallel.zero=0")

@@ -16,7 +16,7 @@ residual stream holds s·b/(c·t) tokens per rank, else s·b/c.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshlm.core.config import Config, ModelConfig
 from meshlm.core.layout import full_recompute_chunks
@@ -26,7 +26,8 @@ from meshlm.core.mla import mla_activation_terms, mla_attention_parameters
 
 
 def parameter_count(m: ModelConfig) -> int:
-    """Exact parameter count of `meshlm.models.gpt.GPT(m)` (tied head counted once), from the config."""
+    """Exact parameter count of `meshlm.models.gpt.GPT(m)` (tied head counted once), from the config; its
+    multi-token prediction modules included (`mtp_parameters`)."""
     h, k, f = m.hidden_size, m.head_dim, m.ffn_size
     norm = (2 * h if m.bias else h) if m.norm == "layernorm" else h
     qkv = h * k * (m.n_heads + 2 * m.kv_heads) + (k * (m.n_heads + 2 * m.kv_heads) if m.bias else 0)
@@ -40,15 +41,43 @@ def parameter_count(m: ModelConfig) -> int:
     embed = m.vocab_size * h + (m.seq_len * h if m.position == "learned" else 0)
     head = 0 if m.tie_embeddings else m.vocab_size * h
     n_moe = m.moe_layers()
-    return m.n_layers * layer + n_moe * (moe_mlp_parameters(m) - mlp) + embed + norm + head
+    return m.n_layers * layer + n_moe * (moe_mlp_parameters(m) - mlp) + embed + norm + head + mtp_parameters(m)
 
 
 def moe_mlp_parameters(m: ModelConfig, active: bool = False) -> int:
     """Parameters of one MoE layer's MLP (`models/moe.py`): router E·h, E SwiGLU experts of width F (3·h·F
-    each), the shared expert (3·h·S) and its gate (h). `active`: those one token uses (top_k experts)."""
+    each), the shared expert (3·h·S) and its gate (h); with moe_bias the router's E and each expert's 2F + h biases.
+    `active`: those one token uses (top_k experts)."""
     h, F, E = m.hidden_size, m.expert_size, m.moe_experts
     shared = 3 * h * m.moe_shared_experts * F + (h if m.moe_shared_gate else 0)
-    return E * h + (m.moe_top_k if active else E) * 3 * h * F + shared
+    expert = 3 * h * F + ((2 * F + h) if m.moe_bias else 0)
+    return E * h + (E if m.moe_bias else 0) + (m.moe_top_k if active else E) * expert + shared
+
+
+def active_parameter_count(m: ModelConfig) -> int:
+    """The parameters one token's computation uses (a mixture of experts' "active" size): `parameter_count`
+    less each MoE layer's unrouted experts (E − top_k of them) and less the input embedding table, of which a
+    token reads one row (the head's V·h is counted: it is a matmul; a tied table is the head). DeepSeek-V3:
+    36.6B of 671B (37.6B with the embedding table; the report says 37B). The main model's: no MTP modules."""
+    m = replace(m, mtp_depth=0)
+    inactive = m.moe_layers() * (moe_mlp_parameters(m) - moe_mlp_parameters(m, active=True))
+    lookup = (0 if m.tie_embeddings else m.vocab_size * m.hidden_size) \
+        + (m.seq_len * m.hidden_size if m.position == "learned" else 0)  # learned positions: a lookup too
+    return parameter_count(m) - inactive - lookup
+
+
+def mtp_parameters(m: ModelConfig) -> int:
+    """Parameters of the `model.mtp_depth` multi-token prediction modules (models/mtp.py): each a block of the last
+    layer's kind (its count in `parameter_count`: the model less the model without its last layer), the 2h → h
+    merge and three norms (enorm, hnorm, its output norm); the embedding and the head are the model's own. DeepSeek-
+    V3's one module: 11.7B (the report's 14B counts its own copies of the embedding and the head, 2 × 0.93B)."""
+    if not m.mtp_depth:
+        return 0
+    main = replace(m, mtp_depth=0)
+    block = parameter_count(main) - parameter_count(replace(main, n_layers=m.n_layers - 1))
+    h = m.hidden_size
+    norm = (2 * h if m.bias else h) if m.norm == "layernorm" else h
+    return m.mtp_depth * (block + 2 * h * h + 3 * norm)
 
 
 def narayanan_parameter_count(h: int, n_layers: int, vocab: int, seq_len: int) -> float:
@@ -281,7 +310,7 @@ def _moe_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes) -> dict[str
              "indices (int64): top-k, sort order, sorted tokens": (n * k + 2 * A) * 8}
     if m.moe_norm_topk:
         terms["top-k weights, their sum (fp32)"] = (A + n) * 4
-    if m.moe_aux_loss > 0:
+    if m.moe_aux_loss > 0:  # (the sigmoid router's selection, group limits included, saves nothing: no grad)
         terms["aux loss: expert shares" + (", score sums" if m.moe_router == "sigmoid" else "")] = \
             E * 4 + (n * 4 if m.moe_router == "sigmoid" else 0)
     if m.moe_z_loss > 0:

@@ -6,6 +6,7 @@ family may use them too (`tests/families/toy_family.py` does).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 from meshlm.core.config import Config, ModelConfig
@@ -56,6 +57,9 @@ class Entry(NamedTuple):
     # Rows of each HF tensor when not `split_sizes`' (a shared expert's [gate; up]; a stacked MoE expert tensor
     # (E, rows, cols), read as (E * rows, cols): one HF tensor per expert, or two, [gate_j; up_j]).
     rows: tuple[int, ...] | None = None
+    # One HF tensor stored in another layout than ours (gpt-oss's transposed, interleaved experts): functions
+    # (ours → theirs, theirs → ours), exact copies both ways; None: the same layout.
+    layout: tuple[Callable, Callable] | None = None
 
 
 def split_sizes(cfg: ModelConfig, n_parts: int) -> list[int]:

@@ -17,6 +17,7 @@ from meshlm.families.common import (
     recompute_extra_flops,
 )
 from meshlm.families.hf_deepseek import deepseek_table
+from meshlm.families.hf_gpt_oss import gpt_oss_table, is_gpt_oss
 from meshlm.families.hf_moe import moe_architecture, moe_table
 from meshlm.families.spec import ModelSpec, PipelinePlan
 from meshlm.families.styles import (
@@ -30,15 +31,15 @@ from meshlm.families.styles import (
     VocabParallel,
 )
 from meshlm.models.gpt import GPT, init_rule
-from meshlm.models.layers import lora_targets
 from meshlm.models.loss import cross_entropy
+from meshlm.models.mla import lora_targets  # layers.lora_targets, with MLA's linears
 
 
 def tp_plan(cfg: ModelConfig) -> dict:
     """Megatron's split: embedding and head over the vocabulary, attention by heads, the MLP's fc by columns
     (each of [W_gate; W_up] alike) and its proj by rows; norms, dropout and positions per token under SP."""
     ffn = cfg.ffn_size
-    return {
+    plan = {
         "tok_emb": VocabParallel(),
         "pos_emb": SequenceShardedPositions(),
         "drop": SequenceDropout(),
@@ -52,6 +53,12 @@ def tp_plan(cfg: ModelConfig) -> dict:
         "norm": SequenceParallel(),
         "lm_head": ColumnParallel(vocab_of="tok_emb"),
     }
+    if cfg.mtp_depth:  # multi-token prediction (models/mtp.py): its blocks as the layers, its norms and the
+        # replicated 2h → h merge per token (their gradients summed over tp under SP)
+        plan.update({f"mtp.*.block.{k[len('layers.*.'):]}": v for k, v in plan.items() if k.startswith("layers.*.")})
+        plan.update({"mtp.*.[eh]norm": SequenceParallel(), "mtp.*.merge": SequenceParallel(),
+                     "mtp.*.norm": SequenceParallel()})
+    return plan
 
 
 def logical_blocks(name: str, cfg: ModelConfig) -> list[tuple[str, int]]:
@@ -70,7 +77,7 @@ def logical_blocks(name: str, cfg: ModelConfig) -> list[tuple[str, int]]:
 def hf_architecture(cfg: ModelConfig) -> str:
     """The Hugging Face architecture of this GPT: 'qwen3' with per-head q/k norms, 'llama' with RoPE, else
     'gpt2' (learned positions); `interop.hf_config.check_representable` checks the other switches. A MoE GPT:
-    'mixtral', 'qwen2_moe' or 'qwen3_moe' (`families/hf_moe.py`); latent attention: 'deepseek_v3'
+    'mixtral', 'qwen2_moe', 'qwen3_moe' or 'gpt_oss' (`families/hf_moe.py`); latent attention: 'deepseek_v3'
     (`families/hf_deepseek.py`)."""
     if cfg.attention == "mla":
         return "deepseek_v3"
@@ -123,7 +130,7 @@ def hf_table(cfg: ModelConfig) -> list[Entry]:
     if cfg.attention == "mla":
         return deepseek_table(cfg)
     if cfg.moe_experts:
-        return moe_table(cfg, llama_table(cfg))
+        return gpt_oss_table(cfg) if is_gpt_oss(cfg) else moe_table(cfg, llama_table(cfg))
     return gpt2_table(cfg) if hf_architecture(cfg) == "gpt2" else llama_table(cfg)
 
 
@@ -140,7 +147,7 @@ def document_inputs(ids, eod_id: int) -> dict:
 
 GPT_SPEC = ModelSpec(
     name="gpt", model_class=GPT, tp_plan=tp_plan, check_tensor_parallel=check_tp,
-    pipeline=PipelinePlan(first=("tok_emb", "pos_emb", "drop"), layers="layers", last=("norm", "lm_head")),
+    pipeline=PipelinePlan(first=("tok_emb", "pos_emb", "drop"), layers="layers", last=("norm", "lm_head", "mtp")),
     selective_recompute=("attn.core",), init_rule=init_rule, logical_blocks=logical_blocks, loss=cross_entropy,
     fused_loss=True, flops=model_flops, recompute_flops=recompute_extra_flops, stage_costs=embedding_and_head_costs,
     parameter_count=parameter_count, activation_bytes=activation_bytes, build_datasets=_datasets,

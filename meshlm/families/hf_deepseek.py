@@ -48,18 +48,41 @@ def _deepseek_moe(cfg: ModelConfig, ours: str, theirs: str) -> list[Entry]:
     return table
 
 
+def _layer_entries(cfg: ModelConfig, ours: str, theirs: str, moe: bool) -> list[Entry]:
+    table = [Entry(f"{ours}norm1.weight", (f"{theirs}input_layernorm.weight",)),
+             Entry(f"{ours}norm2.weight", (f"{theirs}post_attention_layernorm.weight",))]
+    table += _mla_entries(cfg, ours, theirs)
+    if moe:
+        return table + _deepseek_moe(cfg, ours, theirs)
+    mlp = f"{theirs}mlp."
+    return table + [Entry(f"{ours}mlp.fc.weight", (f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight")),
+                    Entry(f"{ours}mlp.proj.weight", (f"{mlp}down_proj.weight",))]
+
+
+def mtp_entries(cfg: ModelConfig) -> list[Entry]:
+    """DeepSeek's multi-token prediction modules (models/mtp.py), as its checkpoints store module k (from 0) after
+    the last layer, in `model.layers.{n_layers + k}.`: `enorm`, `hnorm`, `eh_proj` (our `merge`), a whole decoder
+    layer (our `block`, of the last layer's kind), `shared_head.norm` (our module `norm`), and copies of the shared
+    embedding and output head (`embed_tokens`, `shared_head.head`: written from ours, read back as ours; a tied
+    head is not copied). transformers' DeepseekV3ForCausalLM ignores these tensors."""
+    table = []
+    for k in range(cfg.mtp_depth):
+        ours, theirs = f"mtp.{k}.", f"model.layers.{cfg.n_layers + k}."
+        table += [Entry(f"{ours}enorm.weight", (f"{theirs}enorm.weight",)),
+                  Entry(f"{ours}hnorm.weight", (f"{theirs}hnorm.weight",)),
+                  Entry(f"{ours}merge.weight", (f"{theirs}eh_proj.weight",)),
+                  Entry(f"{ours}norm.weight", (f"{theirs}shared_head.norm.weight",)),
+                  Entry("tok_emb.weight", (f"{theirs}embed_tokens.weight",))]
+        if not cfg.tie_embeddings:
+            table.append(Entry("lm_head.weight", (f"{theirs}shared_head.head.weight",)))
+        table += _layer_entries(cfg, f"{ours}block.", theirs, cfg.is_moe_layer(cfg.n_layers - 1))
+    return table
+
+
 def deepseek_table(cfg: ModelConfig) -> list[Entry]:
-    """DeepSeek-V3's name table (module doc)."""
+    """DeepSeek-V3's name table (module doc; the MTP modules' names: `mtp_entries`)."""
     table = [Entry("tok_emb.weight", ("model.embed_tokens.weight",))]
     for i in range(cfg.n_layers):
-        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        table += [Entry(f"{ours}norm1.weight", (f"{theirs}input_layernorm.weight",)),
-                  Entry(f"{ours}norm2.weight", (f"{theirs}post_attention_layernorm.weight",))]
-        table += _mla_entries(cfg, ours, theirs)
-        if cfg.is_moe_layer(i):
-            table += _deepseek_moe(cfg, ours, theirs)
-        else:
-            mlp = f"{theirs}mlp."
-            table += [Entry(f"{ours}mlp.fc.weight", (f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight")),
-                      Entry(f"{ours}mlp.proj.weight", (f"{mlp}down_proj.weight",))]
-    return table + [Entry("norm.weight", ("model.norm.weight",)), Entry("lm_head.weight", ("lm_head.weight",))]
+        table += _layer_entries(cfg, f"layers.{i}.", f"model.layers.{i}.", cfg.is_moe_layer(i))
+    return table + [Entry("norm.weight", ("model.norm.weight",)), Entry("lm_head.weight", ("lm_head.weight",))] \
+        + mtp_entries(cfg)

@@ -27,10 +27,14 @@ from __future__ import annotations
 
 from meshlm.core.config import ModelConfig
 from meshlm.families.common import Entry
+from meshlm.families.hf_gpt_oss import is_gpt_oss
 
 
 def moe_architecture(cfg: ModelConfig) -> str:
-    """'qwen3_moe' for a MoE GPT with per-head q/k norms, else 'qwen2_moe' with a shared expert, else 'mixtral'."""
+    """'gpt_oss' for a MoE GPT with gpt-oss's parts (`families/hf_gpt_oss.py`), 'qwen3_moe' with per-head q/k
+    norms, else 'qwen2_moe' with a shared expert, else 'mixtral'."""
+    if is_gpt_oss(cfg):
+        return "gpt_oss"
     if cfg.qk_norm:
         return "qwen3_moe"
     return "qwen2_moe" if cfg.moe_shared_experts else "mixtral"

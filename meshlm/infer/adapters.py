@@ -105,6 +105,10 @@ class AdapterSet:
         from meshlm.tune.lora import detach_lora
 
         index = len(self.served) + 1
+        if self.cfg.model.attention == "mla" and any(".kv_up." in name for name in adapter.tensors):
+            raise ConfigError(f"--adapter {served.name}={served.source} adapts kv_b_proj (an MLA layer's kv_up), which "
+                              "the engine's latent cache folds into the queries and cannot apply per request; merge "
+                              "it into the checkpoint (meshlm convert --adapter) or train it without kv_b_proj")
         apply_adapter(self.model, self.cfg, adapter, merge=False)  # checks every tensor's name and shape
         for _, linear in list(self.model.named_modules()):
             lora = detach_lora(linear)  # detached: this adapter's update now runs only on its own rows

@@ -273,13 +273,16 @@ def _tensor_parallel_server(checkpoint, max_seqs: int, max_len: int | None, max_
                             api_key: str | None, name: str, tp: int, options) -> Server | None:
     """Rank 0's server over this rank's part of the model; the other ranks run the worker loop (replaying
     rank 0's engine steps) and return None when it stops."""
+    from meshlm.core.kv_cache import kv_groups
     from meshlm.infer.engine import DistributedRunner, Engine, Runner, worker_loop
 
     model, tokenizer, cfg, dims = _tensor_parallel_model(checkpoint, tp)
     length = max_len or cfg.model.seq_len
     runner_cls = Runner if dims.tp_rank != 0 else DistributedRunner
+    window = kv_groups(cfg.model)[1]  # local layers mixed with global ones: their own pool, on every rank alike
     runner = runner_cls(model, options.blocks_for(max_seqs, length), options.block_size, cfg.model.vocab_size,
-                        tp_group=dims.tp_group)
+                        tp_group=dims.tp_group,
+                        local_blocks=options.local_blocks_for(max_seqs, length, window) if window else 0)
     if dims.tp_rank != 0:
         worker_loop(runner)
         return None
@@ -313,7 +316,7 @@ def check_pipeline_serving(pp: int, adapters, runtime_lora: bool, quantize, opti
     """ConfigError, before anything is loaded, for what `--parallel.pp` does not serve: adapters (runtime ones
     too), quantized weights and a draft model (n-gram speculation runs on rank 0 alone and is served)."""
     refused = [(adapters, "--adapter"), (runtime_lora, "--allow-runtime-lora"), (quantize is not None, "--quantize"),
-               (options.speculative == "draft", "--speculative draft")]
+               (options.speculative == "draft", "--speculative draft"), (options.speculative == "mtp", "--speculative mtp")]
     for given, flag in refused:
         if given:
             raise ConfigError(f"{flag} serves without pipeline parallelism; drop --parallel.pp={pp} or {flag}")
@@ -351,7 +354,8 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
     import torch
 
     from meshlm.checkpoint.load import load_model
-    from meshlm.core.fit import check_fits, kv_cache_bytes
+    from meshlm.core.fit import check_fits
+    from meshlm.core.kv_cache import cache_bytes_per_token, kv_groups
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.families.registry import get_spec
     from meshlm.infer.engine import CacheOptions, Engine
@@ -373,7 +377,7 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
     if quantize is not None:
         quantize.check_serving(checkpoint.given, spec.decoder, tp, runtime_lora)
     if spec.decoder:
-        check_pool(options, max_len or cfg.model.seq_len)
+        check_pool(options, max_len or cfg.model.seq_len, kv_groups(cfg.model)[0])
     if pp > 1:
         return _pipeline_server(checkpoint, max_seqs, max_len, max_queue, api_key, name, tp, pp, options)
     if tp > 1:
@@ -386,7 +390,8 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
         raise ConfigError(f"--max-len {length} is more than the model's model.seq_len={cfg.model.seq_len} (learned "
                           "positions); lower it")
     blocks = options.blocks_for(max_seqs, length)
-    needed = {"weights": weights_bytes(cfg.model), "KV cache": kv_cache_bytes(cfg.model, 1, blocks * options.block_size)}
+    needed = {"weights": weights_bytes(cfg.model),  # the pool at fp32: the engine's formula (core/kv_cache.py)
+              "KV cache": cache_bytes_per_token(cfg.model, 4) * blocks * options.block_size}
     if tuned:
         needed["adapters"] = sum(t.numel() * 4 for _, a in tuned for t in a.tensors.values())
     check_fits(needed, f"serving {max_seqs} sequences of {length} tokens ({blocks} KV blocks of "
@@ -406,10 +411,13 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
     return server
 
 
-def check_pool(options, max_len: int) -> None:
-    """ConfigError when `--num-blocks` cannot hold one sequence of `max_len` positions: every request that
-    needs more would be refused (a server that starts but can never answer a long request)."""
-    need = -(-max_len // options.block_size)
+def check_pool(options, max_len: int, window: int = 0) -> None:
+    """ConfigError when `--num-blocks` cannot hold one sequence of `max_len` positions (with every layer local, of
+    its longest step and the `window` before it: `core/kv_cache.blocks_needed`): every request that needs more
+    would be refused (a server that starts but can never answer a long request)."""
+    from meshlm.core.kv_cache import blocks_needed
+
+    need = blocks_needed(max_len, options.block_size, window, options.max_batched_tokens)
     if options.num_blocks is not None and options.num_blocks < need:
         raise ConfigError(f"--num-blocks {options.num_blocks} holds {options.num_blocks * options.block_size} "
                           f"positions, fewer than one --max-len {max_len} sequence needs ({need} blocks of "
@@ -425,6 +433,15 @@ def make_speculator(options, model, tokenizer, max_seqs: int, max_len: int):
 
     if options.speculative == "ngram":
         return Speculator("ngram")
+    if options.speculative == "mtp":  # the served model's own multi-token prediction modules (infer/mtp_draft.py)
+        from torch import nn
+
+        from meshlm.infer.mtp_draft import MTPDraft
+
+        if getattr(model, "mtp", None) is None or type(model.lm_head) is not nn.Linear:
+            raise ConfigError("--speculative mtp needs a model with multi-token prediction modules (model.mtp_depth "
+                              "> 0), whole on one process; use --speculative ngram or draft")
+        return Speculator("mtp", MTPDraft(model, model.cfg.vocab_size))
     from meshlm.checkpoint.load import load_model
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.families.registry import get_spec
@@ -488,6 +505,8 @@ def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, max_seqs: 
             also = f" with adapters {', '.join(repr(a.name) for a in server.adapters)}" if server.adapters else ""
             compiled = getattr(getattr(server.engine, "runner", None), "compile_s", 0.0)
             also += f", step compiled in {compiled:.1f} s" if compiled else ""
+            runner = getattr(server.engine, "runner", None)  # the pool's bytes per position (core/kv_cache.py)
+            also += f", KV cache {runner.cache_bytes_per_token():,} bytes/token" if runner is not None else ""
             print(f"meshlm serve: {server.model_name!r}{also} on http://{host}:{port} "
                   f"({'embeddings' if server.engine is None else f'{max_seqs} sequences'})", file=sys.stderr,
                   flush=True)

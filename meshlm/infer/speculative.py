@@ -389,12 +389,14 @@ class DraftModel:
 
 
 class Speculator:
-    """The engine's proposer: prompt lookup (`method` "ngram") or a draft model (`draft`, a `DraftModel`), over
-    the engine's requests (their `id`, `tokens()`, `params`, `generator`)."""
+    """The engine's proposer: prompt lookup (`method` "ngram"), a draft model (`draft`, a `DraftModel`), or the
+    served model's multi-token prediction modules ("mtp", `draft` an `infer.mtp_draft.MTPDraft`: the same
+    `propose`/`rollback`/`release`), over the engine's requests (their `id`, `tokens()`, `params`, `generator`)."""
 
     def __init__(self, method: str, draft: DraftModel | None = None, n_max: int = 4):
-        if method not in ("ngram", "draft") or (method == "draft") != (draft is not None):
-            raise ValueError(f"speculative method {method!r}: 'ngram', or 'draft' with a DraftModel")
+        if method not in ("ngram", "draft", "mtp") or (method != "ngram") != (draft is not None):
+            raise ValueError(f"speculative method {method!r}: 'ngram', or 'draft' with a DraftModel, or 'mtp' "
+                             "with an MTPDraft")
         self.method, self.draft, self.n_max = method, draft, n_max
 
     def propose(self, reqs: Sequence, k: int) -> list[tuple[list[int], torch.Tensor | None]]:

@@ -1,5 +1,6 @@
 """Hugging Face interop: GPT-2, Llama, Mixtral and Qwen2-MoE checkpoints to and from meshlm's `GPT` (BERT:
-`hf_bert.py`; the MoE layers' names: `families/hf_moe.py`, their configs: `hf_moe.py`).
+`hf_bert.py`; the MoE layers' names: `families/hf_moe.py`, their configs: `hf_moe.py`; gpt-oss's names and
+layouts: `families/hf_gpt_oss.py`, its config: `hf_gpt_oss.py`).
 
 Both directions go through one table per architecture of (meshlm key, HF keys, Conv1D-transposed). A meshlm
 tensor is the HF tensors concatenated along dim 0 (the output dim), transposed for GPT-2's Conv1D, which
@@ -44,6 +45,7 @@ from meshlm.interop.hf_config import (
     hf_config_from_model_config,
     model_config_from_hf,
 )
+from meshlm.interop.hf_deepseek import mtp_depth_in_files
 from meshlm.interop.hf_moe import check_zero, split_fused_experts
 from meshlm.models.gpt import GPT
 
@@ -66,6 +68,9 @@ def _to_hf_state(model: GPT, arch: str) -> dict[str, torch.Tensor]:
         if not entry.theirs:
             check_zero(entry.ours, tensor, arch)
             continue
+        if entry.layout is not None:  # one HF tensor in its own layout (gpt-oss's experts)
+            out[entry.theirs[0]] = entry.layout[0](tensor).contiguous().clone()
+            continue
         rows = entry_rows(cfg, entry)
         flat = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 2 else tensor  # (E, r, c) → (E·r, c)
         parts = flat.split(rows) if rows is not None else [tensor]
@@ -85,6 +90,8 @@ def _normalise_keys(state: dict[str, torch.Tensor], arch: str) -> dict[str, torc
 
 def _from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], arch: str) -> GPT:
     state = _normalise_keys(state, arch)
+    if arch == "deepseek_v3":  # the multi-token prediction modules the files hold (transformers saves none)
+        cfg = mtp_depth_in_files(cfg, state)
     table = get_spec(cfg.family).hf_table(cfg)
     ours, used, missing, zero = {}, set(), [], []
     for entry in table:
@@ -106,6 +113,8 @@ def _from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], arch: str) 
             continue
         used.update(entry.theirs)
         tensor = torch.cat([state[k] for k in entry.theirs], dim=0)
+        if entry.layout is not None:
+            tensor = entry.layout[1](tensor)
         ours[entry.ours] = tensor.t() if entry.transposed else tensor
     unexpected = sorted(set(state) - used)
     if missing or unexpected:

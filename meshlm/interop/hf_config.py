@@ -1,6 +1,7 @@
 """Hugging Face config.json <-> `ModelConfig` for GPT-2, Llama, BERT, Mixtral and Qwen2-MoE (the MoE map:
-`hf_moe.py`'s doc), Qwen3 and Qwen3-MoE (`hf_qwen3.py`), Mistral (`hf_mistral.py`); the Llama reader, which the
-others build on, is `hf_llama_config.py`.
+`hf_moe.py`'s doc), Qwen3 and Qwen3-MoE (`hf_qwen3.py`), Mistral (`hf_mistral.py`), DeepSeek-V3
+(`hf_deepseek.py`), gpt-oss (`hf_gpt_oss.py`); the Llama reader, which the others build on, is
+`hf_llama_config.py`.
 
 `model_config_from_hf` reads a `transformers` config object or a plain config.json dict (missing keys take
 the HF defaults), so loading needs no `transformers`; only `hf_config_from_model_config` imports it. Every
@@ -20,6 +21,12 @@ from meshlm.interop.hf_deepseek import (
     check_deepseek_v3_representable,
     deepseek_v3_config_dict,
     model_config_from_deepseek_v3,
+)
+from meshlm.interop.hf_gpt_oss import (
+    GPT_OSS_ARCHITECTURES,
+    check_gpt_oss_representable,
+    gpt_oss_config_dict,
+    model_config_from_gpt_oss,
 )
 from meshlm.interop.hf_llama_config import (
     _default_ffn,
@@ -72,7 +79,8 @@ _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 
 
 def model_config_from_hf(hf_config: Any, expect: str | None = None) -> ModelConfig:
-    """A `ModelConfig` from an HF GPT-2, Llama, Mistral, BERT, Mixtral, Qwen2-MoE, Qwen3 or Qwen3-MoE config (object or
+    """A `ModelConfig` from an HF GPT-2, Llama, Mistral, BERT, Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V3 or
+    gpt-oss config (object or
     config.json dict); ValueError if the HF model uses something meshlm lacks (exact GeLU in GPT-2, a sliding
     window, ...). `expect` ('gpt2' or 'llama') is assumed when the dict has no model_type and enforced when it
     has one."""
@@ -89,12 +97,14 @@ def model_config_from_hf(hf_config: Any, expect: str | None = None) -> ModelConf
                "mistral": (model_config_from_mistral, MISTRAL_ARCHITECTURES),
                "qwen3": (model_config_from_qwen3, QWEN3_ARCHITECTURES),
                "qwen3_moe": (model_config_from_qwen3_moe, QWEN3_MOE_ARCHITECTURES),
-               "deepseek_v3": (model_config_from_deepseek_v3, DEEPSEEK_V3_ARCHITECTURES)}
+               "deepseek_v3": (model_config_from_deepseek_v3, DEEPSEEK_V3_ARCHITECTURES),
+               "gpt_oss": (model_config_from_gpt_oss, GPT_OSS_ARCHITECTURES)}
     if kind in NOT_YET:
         raise ConfigError(NOT_YET[kind])
     if kind not in readers:
         raise ConfigError(f"Hugging Face model_type={kind!r} is not supported; meshlm converts 'gpt2', 'llama', "
-                          "'bert', 'mistral', 'mixtral', 'qwen2_moe', 'qwen3', 'qwen3_moe' and 'deepseek_v3'")
+                          "'bert', 'mistral', 'mixtral', 'qwen2_moe', 'qwen3', 'qwen3_moe', 'deepseek_v3' and "
+                          "'gpt_oss'")
     read, known = readers[kind]
     architecture = hf_architecture_name(d)
     if architecture is not None and known and architecture not in known:
@@ -114,7 +124,8 @@ _INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                "n_inner", "n_ctx", "type_vocab_size", "num_local_experts", "num_experts", "num_experts_per_tok",
                "moe_intermediate_size", "shared_expert_intermediate_size", "decoder_sparse_step", "head_dim")
 _FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta", "initializer_range",
-                 "resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob")
+                 "resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob",
+                 "swiglu_limit", "swiglu_alpha")
 
 
 def _check_field_types(d: dict[str, Any]) -> None:
@@ -216,7 +227,12 @@ def check_representable(cfg: ModelConfig, arch: str) -> None:
         return _check_bert(cfg)
     if arch == "mistral":
         return check_mistral_representable(cfg)
+    if arch == "gpt_oss":
+        return check_gpt_oss_representable(cfg)
     refuse_window(cfg, arch)
+    if cfg.mtp_depth and arch != "deepseek_v3":  # only DeepSeek's files hold multi-token prediction modules
+        raise ConfigError(f"model.mtp_depth={cfg.mtp_depth}: Hugging Face {arch} has no multi-token prediction "
+                          "modules (DeepSeek-V3 has); keep the model in meshlm")
     if cfg.attention == "mla" or arch == "deepseek_v3":
         if arch != "deepseek_v3" or hf_architecture(cfg) != arch:
             raise ConfigError(f"a meshlm model with model.attention={cfg.attention!r} cannot be written as Hugging "
@@ -301,6 +317,8 @@ def hf_config_dict(cfg: ModelConfig, arch: str | None = None) -> dict[str, Any]:
         return mistral_config_dict(cfg, common)
     if arch == "deepseek_v3":
         return deepseek_v3_config_dict(cfg, common)
+    if arch == "gpt_oss":
+        return gpt_oss_config_dict(cfg, common)
     if arch == "gpt2":
         return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **common, "n_positions": cfg.seq_len,
                 "n_embd": cfg.hidden_size, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,

@@ -24,7 +24,10 @@ experts. The map:
 
 Refused with the field and the fix: attention biases, an activation other than SiLU, num_key_value_heads other
 than num_attention_heads, groups that do not split the experts evenly. The multi-token-prediction layers
-(num_nextn_predict_layers) are not part of DeepseekV3ForCausalLM, and not converted. Exported, a model must
+(num_nextn_predict_layers → model.mtp_depth, models/mtp.py) are not part of transformers' DeepseekV3ForCausalLM,
+which ignores them; meshlm reads and writes them in DeepSeek's own naming (`model.layers.{n + k}.`,
+`families/hf_deepseek.py` `mtp_entries`), and a checkpoint whose files lack them (one saved by transformers)
+loads without them (`mtp_depth_in_files`). Exported, a model must
 have MLA, RMSNorm, RoPE, SwiGLU, no bias, and with experts the sigmoid router without capacity limit or gated
 shared expert (and some experts: HF DeepSeek-V3 has no all-dense form).
 """
@@ -47,7 +50,7 @@ _DEFAULTS = {"vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 184
              "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True, "hidden_act": "silu",
              "max_position_embeddings": 4096, "initializer_range": 0.02, "rms_norm_eps": 1e-6,
              "tie_word_embeddings": False, "rope_interleave": True, "attention_bias": False,
-             "attention_dropout": 0.0, "rope_theta": 10000.0}
+             "attention_dropout": 0.0, "rope_theta": 10000.0, "num_nextn_predict_layers": 0}
 
 
 def _mscale(factor: float, m: float) -> float:
@@ -98,7 +101,8 @@ def model_config_from_deepseek_v3(d: dict[str, Any]) -> ModelConfig:
                       init_std=g["initializer_range"], attention="mla", q_lora_rank=int(g["q_lora_rank"]),
                       kv_lora_rank=g["kv_lora_rank"], qk_nope_head_dim=g["qk_nope_head_dim"],
                       qk_rope_head_dim=g["qk_rope_head_dim"], v_head_dim=g["v_head_dim"],
-                      rope_interleave=bool(g["rope_interleave"]), **rope)
+                      rope_interleave=bool(g["rope_interleave"]), mtp_depth=int(g["num_nextn_predict_layers"] or 0),
+                      **rope)
     if experts and first < n:
         cfg = replace(cfg, moe_experts=experts, moe_top_k=int(g["num_experts_per_tok"]), moe_first_dense=first,
                       moe_shared_experts=int(g["n_shared_experts"] or 0), moe_router="sigmoid",
@@ -146,7 +150,16 @@ def deepseek_v3_config_dict(cfg: ModelConfig, common: dict[str, Any]) -> dict[st
          "first_k_dense_replace": cfg.moe_first_dense, "norm_topk_prob": cfg.moe_norm_topk,
          "routed_scaling_factor": cfg.moe_routed_scale, "n_group": cfg.moe_groups,
          "topk_group": cfg.moe_topk_groups,
-         "num_nextn_predict_layers": 0}
+         "num_nextn_predict_layers": cfg.mtp_depth}
     if cfg.rope_scaling != "none":  # transformers 4.x reads rope_scaling
         d["rope_scaling"] = rope
     return d
+
+
+def mtp_depth_in_files(cfg: ModelConfig, keys) -> ModelConfig:
+    """`cfg` with mtp_depth lowered to the MTP modules the checkpoint's tensor names (`keys`) hold: transformers
+    saves DeepSeek-V3 without them, though its config.json keeps num_nextn_predict_layers."""
+    depth = 0
+    while depth < cfg.mtp_depth and f"model.layers.{cfg.n_layers + depth}.eh_proj.weight" in keys:
+        depth += 1
+    return cfg if depth == cfg.mtp_depth else replace(cfg, mtp_depth=depth)

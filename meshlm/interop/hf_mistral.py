@@ -74,12 +74,10 @@ def mistral_config_dict(cfg: ModelConfig, common: dict[str, Any]) -> dict[str, A
 
 # Models whose attention meshlm now has (sliding windows, sinks) but whose other parts it lacks: refused by name
 NOT_YET = {
-    "gpt_oss": "Hugging Face gpt_oss (GptOssForCausalLM) is not converted yet: meshlm has its attention "
-               "(model.sliding_window, model.window_pattern=2, model.attention_sinks) but not its mixture of experts "
-               "(a router with a bias, experts with biases and a clamped SwiGLU)",
     "gemma3_text": "Hugging Face gemma3_text (Gemma3ForCausalLM) is not converted yet: meshlm has its local/global "
                    "attention (model.sliding_window, model.window_pattern=6) but not its scaled embeddings, sandwich "
-                   "norms, per-head q/k norms with Gemma's (1 + w) weights and separate local RoPE base",
+                   "norms, RMSNorms with Gemma's (1 + w) weights, query_pre_attn_scalar, GeGLU MLP and separate local "
+                   "RoPE base",
 }
 NOT_YET["gemma3"] = NOT_YET["gemma3_text"]
 
@@ -88,7 +86,7 @@ def refuse_window(cfg: ModelConfig, arch: str) -> None:
     """ConfigError when `cfg` has a sliding window or sinks and `arch` (not 'mistral') cannot hold them."""
     if cfg.sliding_window or cfg.attention_sinks:
         fix = "export it as 'mistral'" if not (cfg.window_pattern or cfg.attention_sinks) else \
-            "meshlm has no Hugging Face class for alternating windows or sinks yet"
+            "alternating windows and sinks export with gpt-oss's experts as 'gpt_oss' (families/hf_gpt_oss.py)"
         raise ConfigError(f"model.sliding_window={cfg.sliding_window}, model.window_pattern={cfg.window_pattern}, "
                           f"model.attention_sinks={cfg.attention_sinks} cannot be written as Hugging Face {arch} "
                           f"(full attention, no sinks); {fix}")

@@ -57,6 +57,8 @@ def hf_plan(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> list[Planne
         if entry.ours == "lm_head.weight" and cfg.tie_embeddings:
             continue
         shape = tuple(shapes[entry.ours])
+        if entry.layout is not None:  # one HF tensor in its own layout (gpt-oss's experts): its shape from ours
+            shape = tuple(entry.layout[0](torch.empty(shape, device="meta")).shape)
         rows = entry_rows(cfg, entry)
         parts = []
         for key, n in zip(entry.theirs, rows or [shape[0]]):
@@ -69,6 +71,8 @@ def hf_plan(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> list[Planne
 
 
 def _hf_parts(entry: Entry, tensor: torch.Tensor, cfg: ModelConfig, count: int) -> list[torch.Tensor]:
+    if entry.layout is not None:
+        return [entry.layout[0](tensor)]
     rows = entry_rows(cfg, entry)
     flat = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 2 else tensor  # (E, r, c) → (E·r, c)
     parts = list(flat.split(rows)) if rows is not None else [tensor]

@@ -88,6 +88,9 @@ class BERT(nn.Module):
         if cfg.attention != "mha":  # DeepSeek's latent attention is a decoder's; BERT's layers have their own
             raise ConfigError(f"model.attention={cfg.attention!r} is a decoder's (DeepSeek) attention, but "
                               "model.family='bert'; set model.attention='mha'")
+        if cfg.mtp_depth:  # multi-token prediction is a decoder's (DeepSeek-V3's) objective
+            raise ConfigError(f"model.mtp_depth={cfg.mtp_depth} is for decoders (model.family='gpt'), not "
+                              "model.family='bert'; set model.mtp_depth=0")
         self.cfg = cfg
         self.init_seed = draw_base_seed()  # the one draw from the global generator (also on the meta device)
         h, head = cfg.hidden_size, cfg.bert_head

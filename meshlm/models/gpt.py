@@ -25,6 +25,7 @@ from meshlm.models.layers import Block, KVCache, document_causal_mask, make_norm
 from meshlm.models.loss import linear_cross_entropy
 from meshlm.models.mla import MultiHeadLatentAttention
 from meshlm.models.moe import MoE
+from meshlm.models.mtp import MultiTokenPrediction
 
 
 class GPT(nn.Module):
@@ -52,10 +53,15 @@ class GPT(nn.Module):
                                         for i in range(cfg.n_layers))  # MoE layers: models/moe.py
             self.norm = make_norm(cfg)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            # DeepSeek-V3's multi-token prediction modules (models/mtp.py): training only, and serving's draft
+            self.mtp = MultiTokenPrediction(cfg) if cfg.mtp_depth else None
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.register_module("prompt", None)  # empty: no virtual tokens (see the class doc)
         self.loss_on_target_rows = False
+        self.logits_loss = None  # tensor parallelism's vocab-parallel cross-entropy on split logits (`head_loss`)
+        # first-stage modules the last pipeline stage also reads: the embedding the MTP modules share
+        self.head_reads = ("tok_emb",) if cfg.mtp_depth else ()
         self.rope_len = 0
         self.init_buffers()
         if not self.tok_emb.weight.is_meta:
@@ -128,11 +134,26 @@ class GPT(nn.Module):
         return self.lm_head(self.norm(x))  # (B, T, V), or (B, T, V/t) under tensor parallelism
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The mean cross-entropy of `head(x)` without building the logits (the whole output layer only)."""
-        if type(self.lm_head) is not nn.Linear:
+        """The mean cross-entropy of `head(x)` without building the logits (the whole output layer; under tensor
+        parallelism, with `logits_loss` set, on the split logits). In training with multi-token prediction its
+        gradient also carries λ/D Σ CE_k (value: the main loss; `models/mtp.py`)."""
+        h = self.norm(x)
+        loss = self.normed_loss(h, targets)
+        if self.mtp is None or not self.training:
+            return loss
+        losses = self.mtp.losses(h, targets, self.tok_emb, self.normed_loss, self.rope(self.rope_len))
+        self.mtp.record(losses)
+        return self.mtp.objective(loss, losses)
+
+    def normed_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The output layer's mean cross-entropy on normed states h (B, T, h): fused for the whole layer, else
+        `logits_loss` on its split logits (set by tensor parallelism for the model's own loss path)."""
+        if type(self.lm_head) is nn.Linear:
+            return linear_cross_entropy(h, self.lm_head.weight, targets, target_rows=self.loss_on_target_rows)
+        if self.logits_loss is None:
             raise RuntimeError("forward(targets=...) fuses the whole output layer; with parallel.tp > 1 compute "
                                "the vocab-parallel loss on forward(idx)'s logits")
-        return linear_cross_entropy(self.norm(x), self.lm_head.weight, targets, target_rows=self.loss_on_target_rows)
+        return self.logits_loss(self.lm_head(h), targets)
 
     def forward(self, idx: torch.Tensor, caches: list[KVCache] | None = None, start: int = 0,
                 targets: torch.Tensor | None = None, *, positions: torch.Tensor | None = None,
@@ -157,8 +178,8 @@ class GPT(nn.Module):
 
 def init_rule(name: str, shape: tuple, cfg: ModelConfig) -> InitRule:
     """GPT-2/Megatron init: N(0, std) everywhere, output projections N(0, std/√(2L)) (the experts' `proj` too),
-    biases 0, norms 1; MoE routers N(0, std)."""
-    if len(shape) == 1:
+    biases 0 (the experts' stacked `fc_bias`/`proj_bias` too), norms 1; MoE routers N(0, std)."""
+    if len(shape) == 1 or name.endswith("_bias"):
         return InitRule("ones") if "norm" in name and name.endswith("weight") else InitRule("zeros")
     if name.endswith(("proj.weight", "experts.proj")):
         return InitRule("normal", cfg.init_std / math.sqrt(2 * cfg.n_layers))

@@ -70,8 +70,10 @@ def _yarn_frequencies(base: torch.Tensor, head_dim: int, theta: float, cfg: Mode
     def dim_for(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times over the context
         return head_dim * math.log(cfg.rope_original_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(dim_for(cfg.rope_beta_fast)), 0)
-    high = min(math.ceil(dim_for(cfg.rope_beta_slow)), head_dim - 1)
+    low, high = dim_for(cfg.rope_beta_fast), dim_for(cfg.rope_beta_slow)
+    if cfg.rope_truncate:  # whole dimensions, as the paper; gpt-oss keeps the fractional ends
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
     span = (high - low) if high != low else 0.001
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=base.device) - low) / span).clamp(0.0, 1.0)
     return base / cfg.rope_factor * ramp + base * (1 - ramp)

@@ -20,10 +20,20 @@ heads (`families.styles.HeadParallelLatentAttention`): `q`/`q_up`/`kv_up` column
 the down projections and their norms replicated, every rank computing them whole (Megatron-Core's
 "duplicated" down projections); under sequence parallelism the tokens are gathered once, before them.
 
-This is the training form: full per-head keys and values are built and handed to any cache (models/cache.py)
-as n_heads keys and values of width `head_dim` = max(d_n + d_r, d_v) (the narrower zero-padded; zeros change
-neither q·k nor the output, which is cut back to d_v). Caching the latent instead, and the absorbed form
-(W_uk folded into the query, W_uv into W_o), are the engine's business (issue 46, item 5).
+Two forms, one module. The training form builds full per-head keys and values and hands them to any cache
+(models/cache.py) as n_heads keys and values of width `head_dim` = max(d_n + d_r, d_v) (the narrower
+zero-padded; zeros change neither q·k nor the output, which is cut back to d_v): training, `meshlm generate`'s
+cache, the draft model's. A cache that says `latent` (the serving engine's pool, models/paged.py) gets the
+absorbed form instead, and holds per token only ĉ = RMSNorm(c) and RoPE(k_r): kv_lora_rank + d_r elements
+for all the heads (`latent_dim`), against 2·n·head_dim. With W_ukv's rows per head split as [W_uk_h; W_uv_h]:
+
+    q_h·k_h = q_n,h·(W_uk_h ĉ) + q_r,h·k_r = (W_uk_hᵀ q_n,h)·ĉ + q_r,h·k_r = [W_uk_hᵀ q_n,h; q_r,h]·[ĉ; k_r]
+    Σ_j p_j v_h,j = W_uv_h (Σ_j p_j ĉ_j)
+
+so attention runs as multi-query attention of n heads of width r + d_r over ONE cached key [ĉ; k_r] whose first
+r columns are also the value, and W_uv_h is applied to each head's output afterwards (`_absorbed`). Every
+step, prefill chunks included, uses this form (DeepSeek-V2's and vLLM's decode path; vLLM prefills through the
+up-projected form instead, which spends fewer FLOPs on long chunks).
 """
 
 from __future__ import annotations
@@ -34,9 +44,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshlm.core.config import ModelConfig
+from meshlm.core.config import MLA_LORA_TARGETS, ModelConfig
 from meshlm.models.cache import AttentionCache
 from meshlm.models.layers import RMSNorm, apply_rope, document_causal_mask, positions_of, rope_at
+from meshlm.models.layers import lora_targets as attention_lora_targets
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm use RMSNorm's default, not rms_norm_eps
 
@@ -48,6 +59,28 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
         mscale = 0.1 * cfg.rope_mscale_all_dim * math.log(cfg.rope_factor) + 1.0
         scale *= mscale * mscale
     return scale
+
+
+# LoRA targets on MLA's linears, named as Hugging Face DeepSeek-V3's modules (so PEFT's target_modules read alike)
+MLA_LORA_MODULES = dict(zip(MLA_LORA_TARGETS, ("q", "q_down", "q_up", "kv_down", "kv_up")))
+
+
+def lora_targets(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, int] | None]]:
+    """A GPT layer's LoRA targets (`tune/lora.py`; name → (path pattern, rows or None: all)): those of
+    `layers.lora_targets`, and under `model.attention='mla'` MLA's linears in place of the fused qkv's q/k/v/qkv,
+    which MLA does not have: `q_proj` (no q compression) or `q_a_proj`/`q_b_proj` (q_down/q_up), `kv_a_proj_with_mqa`
+    (kv_down, latent and rope key) and `kv_b_proj` (kv_up); `o` stays the output projection, the MLP's names the
+    MLP's."""
+    targets = attention_lora_targets(cfg)
+    if cfg.attention != "mla":
+        return targets
+    for name in ("q", "k", "v", "qkv"):
+        del targets[name]
+    present = {"q_a_proj", "q_b_proj"} if cfg.q_lora_rank > 0 else {"q_proj"}
+    for name, module in MLA_LORA_MODULES.items():
+        if name.startswith("kv") or name in present:
+            targets[name] = (f"layers.*.attn.{module}", None)
+    return targets
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -67,6 +100,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.qk_dim = self.nope_dim + self.rope_dim
         self.head_dim = max(self.qk_dim, self.v_dim)  # the width a cache stores per head
         self.kv_rank, self.interleave = cfg.kv_lora_rank, cfg.rope_interleave
+        self.latent_dim = self.kv_rank + self.rope_dim  # what a latent cache stores per token (all heads)
         self.q_compressed = cfg.q_lora_rank > 0
         if self.q_compressed:
             self.q_down = nn.Linear(h, cfg.q_lora_rank, bias=False)
@@ -117,6 +151,8 @@ class MultiHeadLatentAttention(nn.Module):
         any cache), with `rope` tables qk_rope_head_dim wide."""
         if (positions is not None or segments is not None) and cache is not None:
             raise ValueError("positions/segments are for a training or evaluation forward, not the KV cache")
+        if cache is not None and getattr(cache, "latent", False):
+            return self._absorbed(x, rope, cache, start, mask)
         q, k_n, k_r, v = self._queries_keys_values(x)
         B, _, T, _ = q.shape
         per_row = isinstance(start, torch.Tensor)
@@ -140,4 +176,50 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             y = self.core(q, k, v, mask is None, mask)  # (B, nh, T, head_dim)
         y = y[..., :self.v_dim].transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim)  # (B, T, nh·d_v)
+        return self.resid_dropout(self.proj(y))
+
+    def latent_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The absorbed form's attention: q (B, nh, T, r + d_r) over one latent key k (B, 1, L, r + d_r) and value
+        v (B, 1, L, r) → (B, nh, T, r), at MLA's softmax scale (not 1/√(r + d_r)). Every head reads the same key,
+        so the heads run as nh·T queries of one head: on the CPU SDPA's `enable_gqa` with one KV head was ~8×
+        slower at 16 heads × 1,024 positions (benchmarks/mla_decode.py)."""
+        B, nh, T, D = q.shape
+        L = k.shape[2]
+        if causal:  # query t sits at position L - T + t
+            mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)
+        if mask is not None:
+            mask = mask.expand(B, nh, T, L).reshape(B, 1, nh * T, L)
+        y = F.scaled_dot_product_attention(q.reshape(B, 1, nh * T, D), k, v, attn_mask=mask, scale=self.scale)
+        return y.view(B, nh, T, v.shape[-1])  # (B, nh, T, r)
+
+    def _absorbed(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: AttentionCache, start,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+        """The forward through a latent cache (module doc): the cache stores [ĉ; RoPE(k_r)] (B, 1, T, r + d_r) and
+        attends with the absorbed queries [W_ukᵀ q_n; RoPE(q_r)]; W_uv maps each head's latent output to d_v."""
+        x = self.gather_input(x)  # (B, T, h)
+        q = self.q_up(self.q_norm(self.q_down(x))) if self.q_compressed else self.q(x)  # (B, T, nh·(d_n+d_r))
+        B, T, _ = q.shape
+        q = q.view(B, T, self.n_heads, self.qk_dim).transpose(1, 2)  # (B, nh, T, d_n+d_r)
+        q_n, q_r = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_r = self.kv_down(x).split([self.kv_rank, self.rope_dim], dim=-1)  # (B, T, r), (B, T, d_r)
+        k_r = k_r.view(B, 1, T, self.rope_dim)
+        if self.interleave:
+            q_r, k_r = deinterleave(q_r), deinterleave(k_r)
+        if isinstance(start, torch.Tensor):
+            cos, sin = rope_at(rope, positions_of(start, T, x.device))
+        else:
+            cos, sin = rope[0][start:start + T], rope[1][start:start + T]
+        if hasattr(self.kv_up, "_lora_hook"):  # a training LoRA (tune/lora.py) on kv_up acts on its output only
+            raise ValueError("an MLA layer's kv_up (kv_b_proj) carries a LoRA served unmerged, which the latent cache's "
+                             "absorbed form cannot apply; merge that adapter into the checkpoint or drop kv_b_proj "
+                             "from its targets")
+        w = self.kv_up.weight.view(self.n_heads, self.nope_dim + self.v_dim, self.kv_rank)  # per head [W_uk; W_uv]
+        w_uk, w_uv = w.split([self.nope_dim, self.v_dim], dim=1)  # (nh, d_n, r), (nh, d_v, r)
+        q_latent = torch.matmul(q_n, w_uk.to(q.dtype))  # (B, nh, T, r): W_ukᵀ q_n per head
+        q = torch.cat((q_latent, apply_rope(q_r, cos, sin)), dim=-1)  # (B, nh, T, r + d_r)
+        key = torch.cat((self.kv_norm(latent).view(B, 1, T, self.kv_rank), apply_rope(k_r, cos, sin)), dim=-1)
+        y = cache.update_and_attend(q, key, None, start, self.latent_core, mask)  # (B, nh, T, r)
+        y = torch.matmul(y, w_uv.transpose(1, 2).to(y.dtype))  # (B, nh, T, d_v)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim)  # (B, T, nh·d_v)
         return self.resid_dropout(self.proj(y))

@@ -5,15 +5,16 @@ CONTRACT (read by parallel/ and interop/; changes to it are written here first)
   Names inside `layers.N.`: `mlp.router.weight` (E, H); buffer `mlp.router.score_bias` (E,) (sigmoid router only,
   saved); `mlp.experts.fc` (E, 2F, H) = per expert [W_gate; W_up]; `mlp.experts.proj` (E, H, F);
   `mlp.shared.fc.weight` (2S, H) and `mlp.shared.proj.weight` (H, S) (a `layers.MLP`, S = shared_experts · F);
-  `mlp.shared_gate.weight` (1, H). No biases.
+  `mlp.shared_gate.weight` (1, H). With `moe_bias` (gpt-oss): `mlp.router.bias` (E,), `mlp.experts.fc_bias` (E, 2F)
+  = per expert [b_gate; b_up], `mlp.experts.proj_bias` (E, H); otherwise no biases.
   Dispatch: `MoE.forward` routes (fp32), applies capacity, then calls
       y = self.dispatch(x, tokens, experts, weights, self.experts)
   x (N, H) the layer's tokens; tokens / experts (A,) int64 and weights (A,) fp32 the kept assignments (A ≤ N·k),
   ordered token-major (token t's slots in rank order); returns y (N, H) = Σ_a weights[a] · expert_{experts[a]}(x[tokens[a]])
   in x's dtype (tokens no expert took: 0). `LocalDispatch` is the one-process implementation. Experts are computed by
   `Experts.run(rows, counts)`: rows sorted by LOCAL expert id, counts (n_local,) how many rows each — an all-to-all
-  dispatch (expert parallelism) slices `experts.fc/proj` to the rank's `n_local` contiguous experts, sets
-  `experts.first` (the global id of its first one) and calls `run` on the rows it received.
+  dispatch (expert parallelism) slices `experts.fc/proj` (and their biases) to the rank's `n_local` contiguous
+  experts, sets `experts.first` (the global id of its first one) and calls `run` on the rows it received.
   Aux losses: added to the gradients by `AuxLossGrad` (the output passes through unchanged), scaled by
   `MoE.aux_grad_scale` (the trainer sets it each step to the loss scale / micro-batches, `set_aux_grad_scale`).
   Statistics for metrics and the sigmoid router's bias: `MoE.stats` (on the device, summed over the micro-batches
@@ -23,7 +24,7 @@ CONTRACT (read by parallel/ and interop/; changes to it are written here first)
   tokens, `route`) and `MoE.aux_weight` (1/tp under SP), set by parallel/expert.py, so the aux and z losses
   and their gradients are one process's.
 
-Routing per token (logits z = W_r x in fp32):
+Routing per token (logits z = W_r x (+ b_r with moe_bias) in fp32):
   softmax: p = softmax(z), the top_k of p; weights = those p (renormalised to sum 1 with moe_norm_topk).
   sigmoid: s = sigmoid(z), the top_k of s + score_bias (the bias only selects), weights = those s (renormalised
   with moe_norm_topk); p = s / Σ s for the aux loss. With moe_groups > 1 the top_k are taken among the
@@ -33,6 +34,9 @@ Aux loss (Switch): E · Σ_i f_i · P_i, f_i = share of the N·k assignments rou
 Capacity (moe_capacity_factor cf > 0): each expert keeps at most C = ceil(cf · N · k / E) of its assignments,
   those of the highest router weight; ties by token index, then slot (lower kept first) — deterministic, so
   every layout that routes the same tokens drops the same ones.
+Experts: proj(act(x W_gate + b_gate, x W_up + b_up)) + b_proj (biases with moe_bias), act = silu(g)·u (swiglu) or
+  gpt-oss's `clamped_swiglu`. gpt-oss's router (softmax over the top-k logits) is the softmax router with
+  moe_norm_topk: exp(z_i) / Σ_topk exp(z_j) either way.
 """
 
 from __future__ import annotations
@@ -65,11 +69,13 @@ class AuxLossGrad(torch.autograd.Function):
 
 
 class Router(nn.Module):
-    """z = W_r x (no bias); the sigmoid router's `score_bias` (a buffer, saved) shifts selection only."""
+    """z = W_r x (+ b_r with `moe_bias`, gpt-oss); the sigmoid router's `score_bias` (a buffer, saved) shifts
+    selection only."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.moe_experts, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.empty(cfg.moe_experts)) if cfg.moe_bias else None
         if cfg.moe_router == "sigmoid":
             self.register_buffer("score_bias", torch.zeros(cfg.moe_experts, dtype=torch.float32))
         else:
@@ -81,12 +87,22 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = torch.promote_types(x.dtype, torch.float32)  # at least fp32 (float64 runs stay float64)
-        return F.linear(x.to(dtype), self.weight.to(dtype))  # routing in fp32 under autocast too
+        bias = self.bias.to(dtype) if self.bias is not None else None
+        return F.linear(x.to(dtype), self.weight.to(dtype), bias)  # routing in fp32 under autocast too
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation: g = min(gate, limit), u = clamp(up, -limit, limit), (u + 1) · g · σ(alpha·g).
+    The clamps bound the activations of its low-precision experts; the + 1 lets an expert pass g when u = 0."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(alpha * gate)
 
 
 class Experts(nn.Module):
-    """`n_local` SwiGLU experts, stacked: fc (n, 2F, H) = [W_gate; W_up], proj (n, H, F). `first`: the global id
-    of expert 0 here (expert parallelism holds a contiguous slice)."""
+    """`n_local` SwiGLU experts, stacked: fc (n, 2F, H) = [W_gate; W_up], proj (n, H, F); with `moe_bias` their
+    biases fc_bias (n, 2F) and proj_bias (n, H). `first`: the global id of expert 0 here (expert parallelism
+    holds a contiguous slice)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -94,11 +110,18 @@ class Experts(nn.Module):
         self.n_experts, self.n_local, self.first = E, E, 0
         self.fc = nn.Parameter(torch.empty(E, 2 * Fw, H))
         self.proj = nn.Parameter(torch.empty(E, H, Fw))
+        self.fc_bias = nn.Parameter(torch.empty(E, 2 * Fw)) if cfg.moe_bias else None
+        self.proj_bias = nn.Parameter(torch.empty(E, H)) if cfg.moe_bias else None
+        self.clamped = cfg.moe_activation == "swiglu_clamped"
+        self.alpha, self.limit = cfg.moe_swiglu_alpha, cfg.moe_swiglu_limit
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Local expert e on rows x (n, H): proj(silu(x W_gate) ⊙ x W_up)."""
-        gate, up = F.linear(x, self.fc[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.proj[e])
+        """Local expert e on rows x (n, H): proj(silu(x W_gate) ⊙ x W_up), or with biases and the clamped
+        activation (gpt-oss) proj(clamped_swiglu(x W_gate + b_gate, x W_up + b_up)) + b_proj."""
+        fc_bias = self.fc_bias[e] if self.fc_bias is not None else None
+        gate, up = F.linear(x, self.fc[e], fc_bias).chunk(2, dim=-1)
+        h = clamped_swiglu(gate, up, self.alpha, self.limit) if self.clamped else F.silu(gate) * up
+        return F.linear(h, self.proj[e], self.proj_bias[e] if self.proj_bias is not None else None)
 
     def run(self, rows: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
         """Rows sorted by local expert, `counts[e]` of them for expert e: each group through its expert
@@ -153,12 +176,13 @@ def route(logits: torch.Tensor, cfg: ModelConfig, score_bias: torch.Tensor | Non
         weights, chosen = probs.topk(k, dim=-1)
     else:
         scores = logits.sigmoid()
-        select = scores if score_bias is None else scores + score_bias
-        if cfg.moe_groups > 1:
-            select = limit_to_groups(select, cfg.moe_groups, cfg.moe_topk_groups)
-        chosen = select.topk(k, dim=-1).indices
+        with torch.no_grad():  # the selection only picks indices: none of it is saved for backward
+            select = scores if score_bias is None else scores + score_bias
+            if cfg.moe_groups > 1:
+                select = limit_to_groups(select, cfg.moe_groups, cfg.moe_topk_groups)
+            chosen = select.topk(k, dim=-1).indices
         weights = scores.gather(1, chosen)
-        probs = scores / scores.sum(-1, keepdim=True)
+        probs = None  # s / Σ s, for the aux loss only (below)
     if cfg.moe_norm_topk:
         weights = weights / weights.sum(-1, keepdim=True)
     if cfg.moe_routed_scale != 1.0:  # DeepSeek-V3's routed_scaling_factor (after the renormalisation)
@@ -172,6 +196,8 @@ def route(logits: torch.Tensor, cfg: ModelConfig, score_bias: torch.Tensor | Non
             dist.all_reduce(load, group=group)
         share = load / load.sum().clamp_min(1)
     with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.moe_aux_loss > 0):  # else a metric only
+        if probs is None:
+            probs = scores / scores.sum(-1, keepdim=True)
         aux = E * (share * probs.mean(0)).sum()
     with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.moe_z_loss > 0):
         z = torch.logsumexp(logits, dim=-1).pow(2).mean()

@@ -5,10 +5,12 @@ c = T / (2·cp); cp rank i holds chunks i and 2·cp − 1 − i, so every rank h
 causal triangle's work. Everything outside attention is per token, so the rest of the layer runs on the
 rank's 2·c tokens unchanged; only attention needs keys and values of the whole row.
 
-`ring_attention(q, k, v, group)` computes softmax(QKᵀ/√d)·V for this rank's queries against every rank's
-keys: the keys and values (only the KV heads, never repeated to the query heads under grouped-query
-attention) travel around the cp ring with point-to-point sends (`dist.batch_isend_irecv`); the next
-block's exchange is posted before the current block is computed, so the transfer overlaps the compute.
+`ring_attention(q, k, v, group)` computes softmax(QKᵀ·s)·V (s = 1/√d unless the layer sets its own, as
+multi-head latent attention does) for this rank's queries against every rank's keys: the keys and values
+(only the KV heads, never repeated to the query heads under grouped-query attention; the values may be of
+another width than the keys, as MLA's are) travel around the cp ring with point-to-point sends
+(`dist.batch_isend_irecv`); the next block's exchange is posted before the current block is computed, so the
+transfer overlaps the compute.
 Each block's scores are masked with the global token indices (causal) and, for packed documents, the
 tokens' document ids, and merged into the running result with the online-softmax rule (running row max,
 running sum of exponentials, rescaled accumulator), in at least fp32; of another rank's block only the
@@ -30,6 +32,7 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from meshlm.models.layers import document_causal_mask
@@ -145,21 +148,21 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, segments, group, seq_len, scale, window=0, sinks=None):
         ring = _Ring(group)
         B, nh, Tl, d = q.shape
-        nkv = k.shape[1]
+        nkv, d_v = k.shape[1], v.shape[-1]
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
         qg = q.to(acc_dtype).view(B, nkv, nh // nkv, Tl, d)
         segs = _gather_segments(segments, ring)
         pos_q = local_positions(seq_len, ring.size, ring.rank, q.device)
-        kv = torch.stack([k, v]).contiguous()
+        kv = torch.cat([k, v], dim=-1).contiguous()  # (B, nkv, Tl, d + d_v): one message a hop
         row_max = torch.full((B, nkv, nh // nkv, Tl, 1), float("-inf"), dtype=acc_dtype, device=q.device)
         row_sum = torch.zeros_like(row_max)
-        acc = torch.zeros_like(qg)
+        acc = torch.zeros((B, nkv, nh // nkv, Tl, d_v), dtype=acc_dtype, device=q.device)
         for t in range(ring.size):
             src = (ring.rank - t) % ring.size
             if t < ring.size - 1:  # the next block travels while this one is computed
                 nxt, works = ring.exchange(kv, tag=0)
             qs, ks = _block(ring.rank, src, Tl)
-            s = _block_scores(qg[..., qs, :], kv[0][:, :, ks].to(acc_dtype), scale, pos_q[qs],
+            s = _block_scores(qg[..., qs, :], kv[:, :, ks, :d].to(acc_dtype), scale, pos_q[qs],
                               local_positions(seq_len, ring.size, src, q.device)[ks], segs, ring.rank, src, qs, ks,
                               window)
             # Block 0 is the rank's own keys, where every query sees itself: the row max is finite from then on.
@@ -169,7 +172,7 @@ class _RingAttention(torch.autograd.Function):
             rescale = torch.exp(old_max - new_max)
             row_sum[..., qs, :] = row_sum[..., qs, :] * rescale + p.sum(-1, keepdim=True)
             acc[..., qs, :] = acc[..., qs, :] * rescale + torch.einsum("bhgqk,bhkd->bhgqd", p,
-                                                                       kv[1][:, :, ks].to(acc_dtype))
+                                                                       kv[:, :, ks, d:].to(acc_dtype))
             row_max[..., qs, :] = new_max
             if t < ring.size - 1:
                 _Ring.wait(works)
@@ -184,37 +187,37 @@ class _RingAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, *(segs or []))
         ctx.group, ctx.seq_len, ctx.scale, ctx.window = group, seq_len, scale, window
         ctx.sink = None if sinks is None else sink
-        return out.view(B, nh, Tl, d).to(q.dtype)
+        return out.view(B, nh, Tl, d_v).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, *segs = ctx.saved_tensors
         ring, scale, segs = _Ring(ctx.group), ctx.scale, segs or None
         B, nh, Tl, d = q.shape
-        nkv = k.shape[1]
+        nkv, d_v = k.shape[1], v.shape[-1]
         acc_dtype = out.dtype
         qg = q.to(acc_dtype).view(B, nkv, nh // nkv, Tl, d)
-        do = grad_out.to(acc_dtype).reshape(B, nkv, nh // nkv, Tl, d)
+        do = grad_out.to(acc_dtype).reshape(B, nkv, nh // nkv, Tl, d_v)
         delta = (do * out).sum(-1, keepdim=True)  # D = rowsum(dO ∘ O)
         pos_q = local_positions(ctx.seq_len, ring.size, ring.rank, q.device)
         dq = torch.zeros_like(qg)
-        kv = torch.stack([k, v]).contiguous()
+        kv = torch.cat([k, v], dim=-1).contiguous()  # (B, nkv, Tl, d + d_v), as forward
         dkv_in, dkv_works = None, []
         for t in range(ring.size):
             src = (ring.rank - t) % ring.size
             if t < ring.size - 1:
                 nxt, works = ring.exchange(kv, tag=0)
             qs, ks = _block(ring.rank, src, Tl)
-            kb, vb = kv[0][:, :, ks].to(acc_dtype), kv[1][:, :, ks].to(acc_dtype)
+            kb, vb = kv[:, :, ks, :d].to(acc_dtype), kv[:, :, ks, d:].to(acc_dtype)
             s = _block_scores(qg[..., qs, :], kb, scale, pos_q[qs],
                               local_positions(ctx.seq_len, ring.size, src, q.device)[ks], segs, ring.rank, src, qs, ks,
                               ctx.window)
             p = torch.exp(s - lse[..., qs, :])  # the block's probabilities, 0 where hidden
-            dkv = torch.zeros((2, *k.shape), dtype=acc_dtype, device=k.device)
-            dkv[1][:, :, ks] = torch.einsum("bhgqk,bhgqd->bhkd", p, do[..., qs, :])
+            dkv = torch.zeros_like(kv, dtype=acc_dtype)  # [dK; dV] of the block's keys, travelling with them
+            dkv[:, :, ks, d:] = torch.einsum("bhgqk,bhgqd->bhkd", p, do[..., qs, :])
             ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", do[..., qs, :], vb) - delta[..., qs, :]) * scale
             dq[..., qs, :] += torch.einsum("bhgqk,bhkd->bhgqd", ds, kb)
-            dkv[0][:, :, ks] = torch.einsum("bhgqk,bhgqd->bhkd", ds, qg[..., qs, :])
+            dkv[:, :, ks, :d] = torch.einsum("bhgqk,bhgqd->bhkd", ds, qg[..., qs, :])
             if t > 0:  # the gradient of these keys so far, from the ranks they visited before this one
                 _Ring.wait(dkv_works)
                 dkv = dkv + dkv_in
@@ -223,7 +226,7 @@ class _RingAttention(torch.autograd.Function):
                 _Ring.wait(works)
                 kv = nxt
         _Ring.wait(dkv_works)  # the last hop: this rank's own keys, with every rank's contribution
-        dk, dv = dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
+        dk, dv = dkv_in[..., :d].to(k.dtype), dkv_in[..., d:].to(v.dtype)
         dsink = None
         if ctx.sink is not None:  # d out / d sink = −p_sink · out, so dL/d sink = −Σ p_sink · rowsum(dO ∘ O)
             dsink = -(torch.exp(ctx.sink - lse) * delta).sum(dim=(0, 3, 4)).reshape(nh).to(q.dtype)
@@ -235,15 +238,19 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this cp rank's queries over the whole row.
 
-    q: (B, nh, T/cp, d), k and v: (B, nkv, T/cp, d) with nkv dividing nh: this rank's two chunks (see
-    `chunk_bounds`), in order. `segments` (B, T/cp), optional: each token's document id; a query then sees
-    only keys of its own document. `window` > 0: each query sees only the last `window` keys (itself included);
-    `sinks` (nh,): a logit per head added to each softmax's denominator (gpt-oss), with its gradient.
-    Returns (B, nh, T/cp, d). A group of one rank is plain causal attention.
+    q and k: (B, nh, T/cp, d) and (B, nkv, T/cp, d), v: (B, nkv, T/cp, d_v) with nkv dividing nh: this rank's
+    two chunks (see `chunk_bounds`), in order; the values may be narrower or wider than the keys (multi-head latent
+    attention's d_v against d_n + d_r), keys and values travelling as one (B, nkv, T/cp, d + d_v) block.
+    `segments` (B, T/cp), optional: each token's document id; a query then sees only keys of its own document.
+    `window` > 0: each query sees only the last `window` keys (itself included); `sinks` (nh,): a logit per head
+    added to each softmax's denominator (gpt-oss), with its gradient. `scale`: the logits' factor (None: 1/√d). Returns (B, nh, T/cp, d_v). A group of one rank is plain causal attention.
     """
     cp = dist.get_world_size(group) if group is not None else 1
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{k.shape[1]} KV heads do not divide {q.shape[1]} query heads")
+    if k.shape[:-1] != v.shape[:-1] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} must match but for the value width, "
+                         f"and the keys' width the queries' {q.shape[-1]}")
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return _RingAttention.apply(q, k, v, segments, group if cp > 1 else None, q.shape[2] * cp, scale, window, sinks)
 
@@ -287,7 +294,12 @@ def _ring_core(original, group: dist.ProcessGroup):
 
     Its `mask` argument carries this rank's document ids (B, T/cp), integers, instead of a boolean mask (None:
     one document per row): they must reach the core as an argument, so that recomputation, which replays a
-    region with the arguments it saved, sees the same ids as the forward did."""
+    region with the arguments it saved, sees the same ids as the forward did.
+
+    The layer's attributes tune the ring: `window` and `sinks` (Attention), and for multi-head latent attention
+    (models/mla.py) its softmax `scale` (1/√(d_n + d_r) · mscale², not 1/√ of the padded width) and the true
+    widths `qk_dim` and `v_dim`: MLA hands its core q, k, v zero-padded to one width (what its caches store), the
+    ring takes them unpadded, so the padding's zeros never travel, and pads the output back."""
 
     owner = getattr(inspect.unwrap(original), "__self__", None)  # the layer's Attention: its window and sinks
 
@@ -299,7 +311,13 @@ def _ring_core(original, group: dist.ProcessGroup):
         sinks = getattr(owner, "sinks", None)
         if sinks is not None:  # this rank's heads' entries (tensor parallelism splits the heads)
             sinks = sinks[owner.head_offset:owner.head_offset + q.shape[1]]
-        return ring_attention(q, k, v, group, segments=mask, window=getattr(owner, "window", 0), sinks=sinks)
+        width = q.shape[-1]
+        qk_dim, v_dim = getattr(owner, "qk_dim", width), getattr(owner, "v_dim", width)
+        if qk_dim != width or v_dim != width:  # MLA's padded widths (zeros change neither q·k nor the output)
+            q, k, v = q[..., :qk_dim], k[..., :qk_dim], v[..., :v_dim]
+        y = ring_attention(q, k, v, group, segments=mask, scale=getattr(owner, "scale", None),
+                           window=getattr(owner, "window", 0), sinks=sinks)
+        return F.pad(y, (0, width - v_dim)) if v_dim != width else y
 
     return core
 

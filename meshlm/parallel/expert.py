@@ -51,7 +51,7 @@ from meshlm.parallel.data import GradSync, MakeOptimizer, Owned, ParamGroups
 from meshlm.parallel.grads import local_square_sum, sum_over_group
 from meshlm.parallel.mesh import ParallelDims
 
-EXPERT_PARAMS = ("fc", "proj")  # `Experts`' stacked parameters, (E, …) each
+EXPERT_PARAMS = ("fc", "proj", "fc_bias", "proj_bias")  # `Experts`' stacked parameters, (E, …) each (biases: moe_bias)
 
 
 def is_expert(p: torch.Tensor) -> bool:
@@ -123,6 +123,8 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims, cfg: Config) -> 
         first = dims.ep_rank * n_local
         for name in EXPERT_PARAMS:
             p = getattr(experts, name)
+            if p is None:  # no expert biases (model.moe_bias=false)
+                continue
             part = torch.empty((n_local, *p.shape[1:]), dtype=p.dtype, device="meta") if p.is_meta \
                 else p.detach()[first:first + n_local].clone()
             new = nn.Parameter(part, requires_grad=p.requires_grad)

@@ -88,6 +88,8 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleList(getattr(model, plan.layers)[i] for i in layer_ids)
         for name in plan.last if last else ():
             setattr(self, name, getattr(model, name))
+        for name in getattr(model, "head_reads", ()) if last and not first else ():  # first-stage modules the
+            setattr(self, name, getattr(model, name))  # head also reads (a copy here, its gradient summed: tied)
         # The model's methods (plain attributes: the model is not a submodule of its stage).
         self._embed, self._run_layers, self._head = model.embed, model.run_layers, model.head
 
@@ -121,6 +123,9 @@ def tied_parameter(model: nn.Module, spec) -> tuple[str, str] | None:
             for n, p in getattr(model, m).named_parameters(prefix=m):
                 if id(p) in firsts:
                     return firsts[id(p)], n
+    for m in getattr(model, "head_reads", ()):  # a first-stage module the last stage also computes with (GPT's
+        for n, _ in getattr(model, m).named_parameters(prefix=m):  # embedding in multi-token prediction): a copy
+            return n, n  # on both, kept equal as a tied one
     return None
 
 
@@ -265,13 +270,16 @@ class Pipeline:
         # Every stage's forward gets its micro-batch's inputs too when the family needs them (torch splits
         # keyword arguments into micro-batches and passes them to each stage of this rank).
         extra = {"inputs": x} if self.stage_inputs else dict(documents)
-        parts = self.loss_fn if self.has_last and hasattr(self.loss_fn, "recorded") else None
-        held = parts.recorded if parts is not None else 0
+        # What records a value per loss call (a PartsLoss; modules such as GPT's multi-token prediction): newer
+        # torch calls the loss once more on placeholder tensors, first, at the first step to infer shapes
+        recorders = [r for r in (self.loss_fn, *(m for stage in self.modules for m in stage.modules()))
+                     if hasattr(r, "recorded") and hasattr(r, "drop")] if self.has_last else []
+        held = [r.recorded for r in recorders]
         with self._peers("training step"):
             self.schedule.step(*args, target=y if self.has_last else None,
                                losses=losses if self.has_last else None, **self._step_kwargs, **extra)
-            if parts is not None:  # newer torch calls the loss once more on placeholder tensors, first, at the
-                parts.drop(held, parts.recorded - held - self.n_microbatches)  # first step to infer shapes
+            for r, before in zip(recorders, held):  # drop those placeholder calls' records
+                r.drop(before, r.recorded - before - self.n_microbatches)
             total = torch.zeros((), dtype=torch.promote_types(torch.get_default_dtype(), torch.float32),
                                 device=self.dims.device)
             for loss in losses:  # the accumulation loop's order: the same float sum
@@ -351,7 +359,8 @@ def fused_head(cfg: Config, dims: ParallelDims, spec) -> bool:
     `models/loss.py`): no logits."""
     from meshlm.models.loss import use_fused_loss
 
-    return use_fused_loss(cfg, dims.device) and dims.tp == 1 and spec.fused_loss
+    own_loss = cfg.model.mtp_depth > 0  # multi-token prediction: the model's head_loss at any tp (models/mtp.py)
+    return (use_fused_loss(cfg, dims.device) and dims.tp == 1 or own_loss) and spec.fused_loss
 
 
 def build_pipeline(model: nn.Module, spec, dims: ParallelDims, cfg: Config, loss_fn: LossFn, cut) -> Pipeline:

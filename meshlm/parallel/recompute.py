@@ -167,9 +167,14 @@ def apply_recompute(model: nn.Module, cfg: Config, rng: TPRNGTracker | None = No
     # No TP stream, or no dropout to draw from it: the plain checkpoint (which torch.compile also takes).
     context_fn = _replay_tp_stream(rng) if rng is not None and cfg.model.dropout > 0 else noop_context_fn
     check_compiled_recompute(cfg, context_fn is not noop_context_fn)  # (core/layout.py: plan_layout asks it too)
+    # GPT's multi-token prediction blocks (models/mtp.py; a last stage holds them): recomputed as the layers are
+    # when every layer is (selective, or full with recompute_num_layers 0: each alone), as the planner counts them
+    extra = [module.block for module in getattr(model, "mtp", None) or ()]
     if t.recompute == "selective":
-        _recompute_methods(layers, spec.selective_recompute, context_fn)
+        _recompute_methods(layers + extra, spec.selective_recompute, context_fn)
     else:
         for chunk in full_recompute_chunks(len(layers), t.recompute_method, t.recompute_num_layers):
             _recompute_chunk([layers[i] for i in chunk], context_fn)
+        for block in extra if not t.recompute_num_layers else ():
+            _recompute_chunk([block], context_fn)
     _RECOMPUTED[model] = t.recompute

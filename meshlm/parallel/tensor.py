@@ -73,6 +73,8 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, sp: bool = False
         return family_loss(spec, cfg)
     ops = TokenOps(functools.partial(vocab_parallel_cross_entropy, group=dims.tp_group, vocab_size=cfg.vocab_size),
                    functools.partial(vocab_parallel_correct, group=dims.tp_group, vocab_size=cfg.vocab_size))
+    if getattr(model, "logits_loss", False) is None:  # a model that computes its own loss from the stream (GPT's
+        model.logits_loss = ops.ce  # multi-token prediction, `head_loss`) gets the vocab-parallel cross-entropy
     return family_loss(spec, cfg, ops)
 
 

@@ -72,10 +72,11 @@ def bench_memory(cfg: Config) -> str:
     lines += [total, "", outside, ""]
     if cp_layers:
         lines += _cp_lines(cfg, spec, cp_layers, formula, dtypes, backend)
-    moe = m.moe_layers() > 0  # the terms of a MoE layer (models/moe.py)
-    lines.append(f"formula terms of a stored {'MoE ' if moe else ''}layer (bytes):")
+    moe = m.moe_layers() > 0  # the terms of a MoE layer (models/moe.py), of a local one if any is (its band mask)
+    local = any(m.layer_window(i) > 0 for i in range(m.n_layers))
+    lines.append(f"formula terms of a stored {'MoE ' if moe else ''}{'sliding-window ' if local else ''}layer (bytes):")
     terms = activation_terms(m, t.micro_batch_size, p.tp, p.sp, "none" if t.recompute == "full" else t.recompute,
-                             dtypes, backend, cp=p.cp, moe=moe)
+                             dtypes, backend, cp=p.cp, moe=moe, local=local)
     lines += [f"  {name}: {value:,.0f}" for name, value in terms.items()]
     paper = korthikanti_bytes(m.seq_len, t.micro_batch_size, m.hidden_size, m.n_heads, p.tp, p.sp,
                               t.recompute if t.recompute != "full" else "full")

@@ -3,7 +3,7 @@
 Every number is a vendor datasheet figure (dense, no sparsity; 16-bit tensor-core rate: bf16 where the chip
 has it, fp16 on V100), stated per GPU:
 
-* `tflops`: dense bf16/fp16 tensor-core peak, TFLOP/s;
+* `tflops`: dense bf16/fp16 tensor-core peak, TFLOP/s; `fp8_tflops`: the dense FP8 peak where the chip has one;
 * `memory_gib`: memory as the driver reports it, GiB;
 * `hbm_gbps`: memory bandwidth, GB/s;
 * `intra_gbps`: NVLink (or PCIe) bandwidth per GPU and per direction inside a node, GB/s (the datasheet's
@@ -60,6 +60,9 @@ class Gpu:
     # An all-gather's or reduce-scatter's cost as a fraction of an all-reduce's of the same tensor (module
     # docstring): a ring's 0.5; measured on gloo by `measure_links`.
     gather_cost: float = 0.5
+    # Dense FP8 tensor-core peak, TFLOP/s (Hopper and later; None: the chip has none): the rate of the GEMMs a
+    # runtime runs in FP8 (`cost.Options.precision='fp8'`).
+    fp8_tflops: float | None = None
 
     def describe(self) -> str:
         return (f"{self.name}: {self.tflops:g} TFLOP/s, {self.memory_gib:g} GiB, HBM {self.hbm_gbps:g} GB/s, "
@@ -70,16 +73,19 @@ CATALOG: dict[str, Gpu] = {g.name: g for g in [
     # A100 SXM: 312 TFLOP/s bf16; NVLink 3 600 GB/s both ways; HDR InfiniBand 200 Gb/s per GPU.
     Gpu("a100-80gb", 312.0, 80.0, 2039.0, 300.0, 25.0),
     Gpu("a100-40gb", 312.0, 40.0, 1555.0, 300.0, 25.0),
-    # H100 SXM: 989 TFLOP/s bf16 dense; NVLink 4 900 GB/s both ways; NDR 400 Gb/s per GPU.
-    Gpu("h100-80gb", 989.0, 80.0, 3350.0, 450.0, 50.0),
+    # H100 SXM: 989 TFLOP/s bf16 dense, 1979 FP8 dense; NVLink 4 900 GB/s both ways; NDR 400 Gb/s per GPU.
+    Gpu("h100-80gb", 989.0, 80.0, 3350.0, 450.0, 50.0, fp8_tflops=1979.0),
     # H200 SXM: the H100's compute with 141 GB of HBM3e at 4.8 TB/s.
-    Gpu("h200", 989.0, 140.0, 4800.0, 450.0, 50.0),
+    Gpu("h200", 989.0, 140.0, 4800.0, 450.0, 50.0, fp8_tflops=1979.0),
+    # H800 SXM (the H100 for export, DeepSeek-V3's GPU): the H100's compute and 80 GB of HBM3, its NVLink cut
+    # to 400 GB/s both ways; 8 × 400 Gb/s InfiniBand per node, 50 GB/s per GPU.
+    Gpu("h800", 989.0, 80.0, 3350.0, 200.0, 50.0, fp8_tflops=1979.0),
     # V100 SXM2 32 GB: 125 TFLOP/s fp16 (no bf16); NVLink 2 300 GB/s both ways; EDR 100 Gb/s.
     Gpu("v100-32gb", 125.0, 32.0, 900.0, 150.0, 12.5),
-    # B200: 2.25 PFLOP/s bf16 dense; NVLink 5 1.8 TB/s both ways; 400 Gb/s per GPU.
-    Gpu("b200", 2250.0, 180.0, 8000.0, 900.0, 50.0),
-    # L40S (PCIe, no NVLink): 362 TFLOP/s bf16 dense; PCIe 4.0 x16 between GPUs.
-    Gpu("l40s", 362.0, 48.0, 864.0, 32.0, 25.0),
+    # B200: 2.25 PFLOP/s bf16 dense, 4.5 FP8 dense; NVLink 5 1.8 TB/s both ways; 400 Gb/s per GPU.
+    Gpu("b200", 2250.0, 180.0, 8000.0, 900.0, 50.0, fp8_tflops=4500.0),
+    # L40S (PCIe, no NVLink): 362 TFLOP/s bf16 dense, 733 FP8 dense; PCIe 4.0 x16 between GPUs.
+    Gpu("l40s", 362.0, 48.0, 864.0, 32.0, 25.0, fp8_tflops=733.0),
 ]}
 
 OVERRIDABLE = ("tflops", "memory_gib", "hbm_gbps", "intra_gbps", "inter_gbps", "intra_latency_us",

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from meshlm.core.config import Config, ModelConfig
+from meshlm.core.config import Config, ConfigError, ModelConfig
 from meshlm.core.flops import layer_flops_per_token, model_flops, rank_attention_flops, recompute_flops
 from meshlm.core.layout import Layout, full_recompute_chunks, recomputed_layers
 from meshlm.core.memory import (
@@ -39,6 +39,7 @@ from meshlm.core.memory import (
 )
 from meshlm.families.registry import get_spec, muon_share
 from meshlm.plan.catalog import Gpu, shared_rates
+from meshlm.plan.overlap import dualpipe_bubble, exposed, fp8_share, mirrored, node_limited_time
 
 GIB = 2 ** 30
 
@@ -96,6 +97,16 @@ class Options:
     # separate add reads both and writes one (meshlm, 3 × grad_bytes per parameter), or the weight-gradient
     # GEMM accumulates in place (Megatron-LM's fused accumulation, True: free).
     fused_grad_accumulation: bool = False
+    # DeepSeek-V3's runtime (`plan/overlap.py`). dualpipe: two stages per rank, communication overlapped with
+    # computation, (p/2 − 1) micro-batches of fill and drain. comm_sm_share: the share of the GPU's cores that
+    # run the overlapped communication, lost to the GEMMs and attention (DeepSeek: 20 of the H800's 132 SMs).
+    # ep_dispatch_bytes: bytes per element of the dispatch-direction all-to-alls (forward dispatch, backward
+    # combine-gradient; None: the activations' element; DeepSeek: FP8, 1). ep_node_limited: a token crosses the
+    # network once per node it targets, NVLink forwards it inside (`overlap.node_limited_time`).
+    dualpipe: bool = False
+    comm_sm_share: float = 0.0
+    ep_dispatch_bytes: float | None = None
+    ep_node_limited: bool = False
 
 
 # The runtimes `meshlm plan --runtime` describes (commands/plan.py lists the names): meshlm's own, and
@@ -111,6 +122,15 @@ RUNTIMES: dict[str, Options | None] = {
     "meshlm": None,  # None: the precision, device and loss of the config and GPU (`plan.report`)
     "megatron-2021": _MEGATRON_2021,
     "megatron-2022": dataclasses.replace(_MEGATRON_2021, tp_backward_overlap=True),
+    # DeepSeek-V3 as its report describes the run (§3.2-3.3, docs/formulas.md "DeepSeek-V3"): FP8 GEMMs in the
+    # linear layers, BF16 elsewhere and in the saved activations (fp32 norm statistics), fp32 master weights and
+    # gradients (Megatron's "mixed" states: 2 + 4 + 12 B per parameter, the report's BF16 Adam moments not
+    # credited), flash attention, the gradients accumulated in fp32 by the GEMMs, DualPipe with 20 of 132 SMs
+    # on communication, the dispatch in FP8 and node-limited.
+    "deepseek-v3": Options(precision="fp8", device_type="cuda", backend="flash",
+                           dtypes=ActivationDtypes(residual=2, compute=2, math=2, bool_masks=True),
+                           states="mixed", fused_loss=True, fused_grad_accumulation=True, dualpipe=True,
+                           comm_sm_share=20 / 132, ep_dispatch_bytes=1.0, ep_node_limited=True),
 }
 
 
@@ -226,11 +246,14 @@ class Estimate:
 # ---- parameters per rank -----------------------------------------------------------------------------------
 @lru_cache(maxsize=64)
 def _parameter_split(m: ModelConfig) -> tuple[float, float, float]:
-    """(per layer, outside the layers, word embedding V·h) parameters, from the family's exact count."""
-    count = get_spec(m.family).parameter_count
-    one = count(dataclasses.replace(m, n_layers=1))
-    two = count(dataclasses.replace(m, n_layers=2))
-    return float(two - one), float(2 * one - two), float(m.vocab_size * m.hidden_size)
+    """(per layer: the model's mean layer, outside the layers, word embedding V·h) parameters, from the family's
+    exact count. The one- and two-layer models give what lies outside the layers; the mean layer comes from the
+    whole model, so first dense layers (`moe_first_dense`) or alternating MoE layers are counted at their share."""
+    count, main = get_spec(m.family).parameter_count, dataclasses.replace(m, mtp_depth=0)  # MTP: `_with_mtp`
+    one = count(dataclasses.replace(main, n_layers=1))
+    two = count(dataclasses.replace(main, n_layers=2))
+    outside = 2 * one - two
+    return float(count(main) - outside) / m.n_layers, float(outside), float(m.vocab_size * m.hidden_size)
 
 
 def rank_parameters(m: ModelConfig, layers: int, first: bool, last: bool, tp: int, pp: int) -> float:
@@ -354,10 +377,25 @@ def gemm_efficiency(width: float, cal: Calibration) -> float:
 @lru_cache(maxsize=4096)
 def _layer_bytes(m: ModelConfig, b: int, tp: int, sp: bool, recompute: str, opts: Options,
                  seq_len: int, cp: int = 1) -> float:
-    """One layer's saved bytes on a rank; `seq_len` is the whole sequence, of which the rank holds 1/cp."""
+    """The mean layer's saved bytes on a rank; `seq_len` is the whole sequence, of which the rank holds 1/cp.
+    Each kind of layer (MoE or dense MLP, sliding-window or global attention: `layer_kinds`) counts its own
+    terms (`activation_terms`), weighted by how many layers have it: a stage's layers are taken as the model's
+    mean layer, as its parameters are (`_parameter_split`)."""
     dtypes = opts.dtypes or activation_dtypes(opts.precision, opts.device_type)
     backend = opts.backend or attention_backend(opts.device_type, m.dropout)
-    return sum(activation_terms(m, b, tp, sp, recompute, dtypes, backend, seq_len, cp).values())
+    total = sum(n * sum(activation_terms(m, b, tp, sp, recompute, dtypes, backend, seq_len, cp, moe=moe,
+                                         local=local).values()) for (moe, local), n in layer_kinds(m).items())
+    return total / m.n_layers
+
+
+@lru_cache(maxsize=64)
+def layer_kinds(m: ModelConfig) -> dict[tuple[bool, bool], int]:
+    """{(MoE layer, sliding-window layer): how many layers} of the model."""
+    out: dict[tuple[bool, bool], int] = {}
+    for i in range(m.n_layers):
+        key = (m.is_moe_layer(i), m.layer_window(i) > 0)
+        out[key] = out.get(key, 0) + 1
+    return out
 
 
 def _ring_buffers(r: _Run) -> float:
@@ -423,6 +461,20 @@ class _Run:
     pp_link: tuple[float, float]
     ep: int = 1  # expert parallelism (carved from dp × cp)
     ep_link: tuple[float, float] = (1.0, 0.0)  # an ep group: ep consecutive dp × cp indices, tp · ep ranks
+    fp8_peak: float = 0.0  # FLOP/s of the GEMMs that run in FP8 (precision 'fp8')
+
+    @property
+    def rate(self) -> float:
+        """The 16-bit FLOP/s the compute gets: the peak less the cores the overlapped communication holds."""
+        return self.peak * (1.0 - self.opts.comm_sm_share)
+
+    def gemm_time(self, flops: float, eff: float) -> float:
+        """Seconds of the layers' matmuls: under FP8 training `overlap.fp8_share` of them at the FP8 peak."""
+        if self.opts.precision != "fp8":
+            return flops / (self.rate * eff)
+        share = fp8_share(self.m)
+        fp8_rate = self.fp8_peak * (1.0 - self.opts.comm_sm_share)
+        return flops * share / (fp8_rate * eff) + flops * (1.0 - share) / (self.rate * eff)
 
     @property
     def m(self) -> ModelConfig:
@@ -446,7 +498,7 @@ class _Run:
     def weight_elem(self) -> int:
         """Bytes per weight the ZeRO all-gathers move: meshlm's are fp32; with 16-bit weights and fp32 master
         copies ("mixed", Megatron's distributed optimizer) the updated 16-bit weights are gathered."""
-        return 2 if self.opts.states == "mixed" and self.opts.precision in ("bf16", "fp16") else 4
+        return 2 if self.opts.states == "mixed" and self.opts.precision in ("bf16", "fp16", "fp8") else 4
 
     def all_reduce(self, nbytes: float, n: int, link: tuple[float, float]) -> float:
         return all_reduce_time(nbytes, n, link[0], link[1], self.cal.link_efficiency)
@@ -462,14 +514,20 @@ def _run(cfg: Config, cand: Candidate, cluster: Cluster, layout: Layout, opts: O
     opts, cal = opts or Options(), for_gpu(cal or Calibration(), cluster.gpu)
     tp, pp, dp, cp = cand.tp, cand.pp, cand.dp, cand.cp
     gpu = cluster.gpu
+    if opts.precision == "fp8" and not gpu.fp8_tflops:
+        raise ConfigError(f"FP8 GEMMs on --gpu {gpu.name}, which has no FP8 peak in the catalog; use a Hopper or "
+                          "later GPU (h100-80gb, h800, h200, b200) or another --runtime")
+    if opts.dualpipe and pp > 1 and (cand.vpp > 1 or pp % 2):
+        raise ConfigError(f"DualPipe pairs stage k with stage p − 1 − k, one chunk each: it needs an even parallel.pp "
+                          f"and parallel.vpp=1 (got pp={pp}, vpp={cand.vpp}); choose such a layout or another --runtime")
     # the mesh is (pp, dp, cp, tp), tp innermost: a cp group spans tp · cp consecutive ranks
     return _Run(cfg, cand, cluster, opts, cal, s=cfg.model.seq_len // cp, seq=cfg.model.seq_len,
                 b=cand.micro_batch_size, tp=tp, pp=pp, dp=dp, cp=cp,
                 v=cand.vpp if pp > 1 else 1, sp=cand.sp and tp > 1, mb=layout.microbatches, peak=gpu.tflops * 1e12,
-                hbm=gpu.hbm_gbps * 1e9, c_bytes=2 if opts.precision in ("bf16", "fp16") else 4,
+                hbm=gpu.hbm_gbps * 1e9, c_bytes=4 if opts.precision == "fp32" else 2,
                 tp_link=_link(cluster, tp), cp_link=_link(cluster, tp * cp), dp_link=_link(cluster, tp * cp * dp),
                 pp_link=_link(cluster, tp * cp * dp * 2) if pp > 1 else (1.0, 0.0), ep=cand.ep,
-                ep_link=_link(cluster, tp * cand.ep))
+                ep_link=_link(cluster, tp * cand.ep), fp8_peak=(gpu.fp8_tflops or 0.0) * 1e12)
 
 
 @dataclass(frozen=True)
@@ -522,8 +580,8 @@ def _layer_times(r: _Run) -> _LayerTimes:
     eff = gemm_efficiency(m.hidden_size / tp, cal)
     dense = layer_flops_per_token(m) * b * r.s / tp  # this rank's s/cp tokens
     attn = rank_attention_flops(m, b, s, tp, cp)  # 1/cp of the causal scores (the load balance)
-    t_gemm = dense / (r.peak * eff)
-    t_attn = attn / (r.peak * eff * cal.attention_efficiency)
+    t_gemm = r.gemm_time(dense, eff)
+    t_attn = attn / (r.rate * eff * cal.attention_efficiency)
     stored = _layer_bytes(m, b, tp, sp, "selective" if r.cand.recompute == "selective" else "none", opts, s, cp)
     none_bytes = _layer_bytes(m, b, tp, sp, "none", opts, s, cp)
     t_elem = cal.elementwise_passes * none_bytes / r.hbm
@@ -543,17 +601,37 @@ def _layer_times(r: _Run) -> _LayerTimes:
     sent = ring_send_bytes(m, b, tp, cp, dataclasses.replace(KORTHIKANTI_DTYPES, compute=r.c_bytes), s)
     ring_fwd, ring_bwd = ring_exposed_time(sent["block"], cp, t_attn, r.cp_link[0], r.cp_link[1], cal.link_efficiency,
                                            sent["grad_block"])
-    # expert parallelism: each MoE layer's two all-to-alls (tokens out, results back) in forward and their two
-    # conjugates in backward, of this rank's tokens (its sequence shard under SP), not overlapped
-    a2a = 0.0
-    if r.ep > 1:
-        msg = dispatch_bytes(m, b, r.s // (tp if sp else 1), r.c_bytes)
-        a2a = 4 * moe_layer_share(m) * all_to_all_time(msg, r.ep, r.ep_link[0], r.ep_link[1], cal.link_efficiency)
-    full_extra = t_gemm / 3 + t_attn / 3 + t_elem / cal.elementwise_passes + 2 * t_coll + t_ops / 3 + ring_fwd + a2a / 2
+    # expert parallelism: each MoE layer's all-to-alls (`_ep_exchanges`); not overlapped but under DualPipe, where
+    # the replayed forward's join the overlapped communication too (`_rank_comm`)
+    a2a = moe_layer_share(m) * _ep_exchanges(r) if r.ep > 1 else 0.0
+    replayed_a2a = 0.0 if opts.dualpipe else a2a / 2
+    full_extra = (t_gemm / 3 + t_attn / 3 + t_elem / cal.elementwise_passes + 2 * t_coll + t_ops / 3 + ring_fwd
+                  + replayed_a2a)
     # selective: the attention core's GEMMs and the elementwise work on what it no longer stores (one pass)
     sel_extra = t_attn / 3 + (none_bytes - _layer_bytes(m, b, tp, sp, "selective", opts, s, cp)) / r.hbm + ring_fwd
     return _LayerTimes(t_gemm, t_attn, t_elem, n_coll, t_coll, t_regather, t_ops, full_extra, sel_extra, stored,
                        ring_fwd + ring_bwd, a2a)
+
+
+def _ep_exchanges(r: _Run) -> float:
+    """Seconds of one MoE layer's all-to-alls for a micro-batch: two in forward (the dispatch of this rank's tokens,
+    its sequence shard under SP, top_k rows each, and the combine of the results) and their two conjugates in
+    backward (the combine's gradient travels as a dispatch, the dispatch's as a combine). Dispatch-direction ones
+    at `Options.ep_dispatch_bytes` per element (DeepSeek's FP8), combine-direction ones at the activations'; each
+    a plain all-to-all over the EP group's link, or node-limited (`overlap.node_limited_time`)."""
+    m, opts, cal, gpu = r.m, r.opts, r.cal, r.gpu
+    tokens = r.b * (r.s // (r.tp if r.sp else 1))
+
+    def one(elem: float) -> float:
+        if opts.ep_node_limited:
+            per_node = max(1, r.cluster.gpus_per_node // r.tp)
+            return node_limited_time(tokens, m, elem, r.ep, per_node, (gpu.intra_gbps, gpu.intra_latency_us),
+                                     (gpu.inter_gbps, gpu.inter_latency_us), cal.link_efficiency)
+        msg = dispatch_bytes(m, 1, tokens, 1) * elem
+        return all_to_all_time(msg, r.ep, r.ep_link[0], r.ep_link[1], cal.link_efficiency)
+
+    dispatch = opts.ep_dispatch_bytes or r.c_bytes
+    return 2 * one(dispatch) + 2 * one(r.c_bytes)
 
 
 @dataclass(frozen=True)
@@ -564,6 +642,20 @@ class _Stages:
     layers: list[int]
     recomputed: list[int]
     regions: list[int]
+
+
+def _with_mtp(st: _Stages, m: ModelConfig, cand: Candidate) -> _Stages:
+    """The stages with the `model.mtp_depth` MTP modules (models/mtp.py) on the last pipeline rank, beside the head
+    they share: each counted as one more of the model's mean layers (its block: weights, activations, time,
+    recomputed as the stage's layers are when every layer is), its merge and norms added by `_estimate`."""
+    if not m.mtp_depth:
+        return st
+    d, every = m.mtp_depth, cand.recompute == "selective" or (cand.recompute == "full" and not cand.recompute_num_layers)
+    layers, recomputed, regions = list(st.layers), list(st.recomputed), list(st.regions)
+    layers[-1] += d
+    recomputed[-1] += d if every else 0
+    regions[-1] += d if every and cand.recompute == "full" else 0
+    return _Stages(layers, recomputed, regions)
 
 
 def _stages(layout: Layout, cand: Candidate, pp: int, v: int) -> _Stages:
@@ -603,11 +695,14 @@ class _Edges:
 
 def _edges(r: _Run) -> _Edges:
     m, cal, opts, gpu, b, s, tp, pp, sp = r.m, r.cal, r.opts, r.gpu, r.b, r.s, r.tp, r.pp, r.sp
-    head_flops = 6.0 * b * s * m.hidden_size * m.vocab_size / tp
+    # the head runs once more for each MTP module, whose 2h → h merge is a GEMM too (`_with_mtp`)
+    head_flops = 6.0 * b * s * m.hidden_size * m.vocab_size / tp * (1 + m.mtp_depth)
+    merge_flops = 6.0 * b * s * 2 * m.hidden_size ** 2 / tp * m.mtp_depth
     # the fused head + loss (tp = 1) works chunk by chunk in cache; otherwise the fp32 logits go to memory
     # and back like any saved tensor
-    logits_bytes = 0.0 if (tp == 1 and opts.fused_loss) else b * s * m.vocab_size / tp * 4
-    t_head = head_flops / (r.peak * gemm_efficiency(m.hidden_size, cal)) + cal.elementwise_passes * logits_bytes / r.hbm
+    logits_bytes = 0.0 if (tp == 1 and opts.fused_loss) else b * s * m.vocab_size / tp * 4 * (1 + m.mtp_depth)
+    eff = gemm_efficiency(m.hidden_size, cal)
+    t_head = head_flops / (r.rate * eff) + r.gemm_time(merge_flops, eff) + cal.elementwise_passes * logits_bytes / r.hbm
     # a measured CPU: the softmax's elementwise work on every logit, at the measured rate of the path taken
     fused = tp == 1 and opts.fused_loss
     per_logit = (gpu.fused_softmax_ns_per_element if fused else None) or gpu.softmax_ns_per_element
@@ -629,14 +724,31 @@ def _edges(r: _Run) -> _Edges:
     return _Edges(t_head, edge_coll, t_p2p)
 
 
+def _rank_comm(r: _Run, lt: _LayerTimes, st: _Stages, edges: _Edges, rank: int) -> tuple[float, float]:
+    """(EP all-to-all, PP sends) of one micro-batch on pipeline rank `rank`: as they run, waited for; under
+    DualPipe (`overlap.py`) only what exceeds the rank's computation of a micro-batch (its layers' GEMMs, attention
+    and elementwise work), the all-to-alls of full recomputation's replayed forwards included."""
+    n = st.layers[rank]
+    a2a = n * lt.a2a
+    if not r.opts.dualpipe:
+        return a2a, edges.p2p
+    compute = n * (lt.gemm + lt.attn + lt.elem)
+    if r.cand.recompute == "full":  # the replayed forwards: their all-to-alls, and their compute to hide them
+        a2a += st.recomputed[rank] * lt.a2a / 2
+        compute += st.recomputed[rank] * lt.full_extra
+    ep = exposed(a2a, compute)
+    return ep, exposed(a2a + edges.p2p, compute) - ep
+
+
 def _rank_terms(r: _Run, lt: _LayerTimes, st: _Stages, edges: _Edges, rank: int) -> dict[str, float]:
     """One micro-batch on pipeline rank `rank`, by named term."""
     n = st.layers[rank]
     extra = st.recomputed[rank] * (lt.full_extra if r.cand.recompute == "full" else lt.sel_extra)
+    ep, p2p = _rank_comm(r, lt, st, edges, rank)
     return {"GEMMs (layers)": n * lt.gemm, "attention": n * lt.attn, "elementwise (memory-bound)": n * lt.elem,
             "recompute (extra forward)": extra, "TP collectives": n * (lt.n_coll * lt.coll + lt.regather),
-            "CP ring (exposed)": n * lt.ring, "EP all-to-all": n * lt.a2a,
-            "LM head + loss": edges.head if rank == r.pp - 1 else 0.0, "PP point-to-point": edges.p2p,
+            "CP ring (exposed)": n * lt.ring, "EP all-to-all": ep,
+            "LM head + loss": edges.head if rank == r.pp - 1 else 0.0, "PP point-to-point": p2p,
             "TP collectives (embedding, head, loss)": edges.coll[rank],
             "op overhead (host)": n * lt.ops}
 
@@ -648,15 +760,22 @@ def _pipeline_time(r: _Run, lt: _LayerTimes, st: _Stages, edges: _Edges
     pp = r.pp
     # the slowest rank from scalar totals (pp can be 64), then its terms by name
     extra_unit = lt.full_extra if r.cand.recompute == "full" else lt.sel_extra
-    rank_time = [st.layers[k] * lt.unit + st.recomputed[k] * extra_unit + (edges.head if k == pp - 1 else 0.0)
-                 + edges.p2p + edges.coll[k] for k in range(pp)]
+    rank_time = [st.layers[k] * (lt.unit - lt.a2a) + st.recomputed[k] * extra_unit + sum(_rank_comm(r, lt, st, edges, k))
+                 + (edges.head if k == pp - 1 else 0.0) + edges.coll[k] for k in range(pp)]
+    if r.opts.dualpipe:  # each rank runs stage k and stage p − 1 − k, half the micro-batches each
+        rank_time = mirrored(rank_time)
     slowest = max(range(pp), key=lambda k: rank_time[k])
     terms = _rank_terms(r, lt, st, edges, slowest)
+    if r.opts.dualpipe:
+        mirror = _rank_terms(r, lt, st, edges, pp - 1 - slowest)
+        terms = {k: (v + mirror[k]) / 2 for k, v in terms.items()}
     time = {k: r.mb * val for k, val in terms.items()}
     # fill and drain: while the slowest rank is busy with its m micro-batches, every other rank does one
-    # micro-batch's forward and backward outside that window, each in v chunks (equal stages: (p − 1)/v · t)
+    # micro-batch's forward and backward outside that window, each in v chunks (equal stages: (p − 1)/v · t);
+    # DualPipe: (p/2 − 1) of them
     others = sum(rank_time) - rank_time[slowest]
-    time["pipeline bubble"] = others / r.v if pp > 1 else 0.0
+    bubble = dualpipe_bubble(others, pp) if r.opts.dualpipe else others / r.v
+    time["pipeline bubble"] = bubble if pp > 1 else 0.0
     return time, terms, rank_time, slowest
 
 
@@ -728,11 +847,13 @@ def _memory(r: _Run, stored: float, st: _Stages, params: list[float], experts: l
             layer_acts = st.layers[k] * stored
         # rank k of 1F1B holds min(p − k, m) micro-batches; the first rank the most
         held = factor if k == 0 else (min(pp - k, mb) * (1 + (pp - 1) / (pp * v)) if v > 1 else min(pp - k, mb))
+        if opts.dualpipe:  # p + 1 micro-batches of one stage in flight (the report's Table 2); its two stages' layers
+            held = min(pp + 1, mb) / 2
         mem["activations"] = layer_acts * held
         if ring:
             mem["CP ring buffers (transient)"] = ring
         logits = 0.0 if (tp == 1 and opts.fused_loss) else 4.0 * b * s * m.vocab_size / tp
-        mem["logits (last stage)"] = logits if k == pp - 1 else 0.0
+        mem["logits (last stage)"] = logits if k == pp - 1 or (opts.dualpipe and k == 0) else 0.0
         mem["gradients"] = gradient_bytes(per_param["grads"] * dense, cand.zero, dp, mb, opts.states,
                                           mem["activations"] + mem["logits (last stage)"]) + whole["grads"] * ex
         if a2a:  # one MoE layer's rows sent, received, their outputs and the outputs back (transient)
@@ -752,14 +873,19 @@ def _estimate(cfg: Config, layout: Layout, cand: Candidate, cluster: Cluster, op
               cal: Calibration | None, time_too_big: bool = True) -> Estimate:
     r = _run(cfg, cand, cluster, layout, opts, cal)
     m, tp, pp = r.m, r.tp, r.pp
-    st = _stages(layout, cand, pp, r.v)
+    st = _with_mtp(_stages(layout, cand, pp, r.v), m, cand)
     params = _rank_parameters(m, st.layers, tp, pp)
+    params[-1] += m.mtp_depth * (2 * m.hidden_size ** 2 + 3 * m.hidden_size) / tp  # MTP merges and norms
     moe = [rank_expert_parameters(m, n, tp, r.ep) for n in st.layers]
     params = [p + fix for p, (fix, _) in zip(params, moe)]
     experts = [ex for _, ex in moe]
+    held = st
+    if r.opts.dualpipe and pp > 1:  # each rank holds stage k and stage p − 1 − k: both copies' weights and states
+        params, experts = [2 * x for x in mirrored(params)], [2 * x for x in mirrored(experts)]
+        held = _Stages(*([2 * x for x in mirrored(getattr(st, f))] for f in ("layers", "recomputed", "regions")))
     stored = _layer_bytes(m, r.b, tp, r.sp, "selective" if cand.recompute == "selective" else "none", r.opts, r.seq,
                           r.cp)
-    memory = _memory(r, stored, st, params, experts)
+    memory = _memory(r, stored, held, params, experts)
     limit = r.gpu.memory_gib * GIB
     fits = sum(memory.values()) <= limit
     if not fits and not time_too_big:  # a search ranks only what fits: the time of the others is not needed

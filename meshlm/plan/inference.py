@@ -9,9 +9,12 @@ A replica of `tp` GPUs serves `batch` requests at a time, each a prompt of P tok
 * decode (time per output token) is bound by memory bandwidth: every step reads the weights and the
   batch's whole KV cache, at `hbm_efficiency` of the datasheet bandwidth, or by its FLOPs when the batch
   is large; plus two small all-reduces per layer, which are latency-bound;
-* memory: 16-bit weights split over tp, the KV cache of `batch` requests of P + O tokens
-  (`fit.kv_cache_bytes` at 16 bits; KV heads are split over tp, replicated once tp exceeds them), the
-  prefill's activations and the reserve.
+* memory: 16-bit weights split over tp, the KV cache of `batch` requests of P + O tokens, by the serving
+  engine's own formula (`core/kv_cache.py`: a key and a value per KV head and layer, split over tp and
+  replicated once tp exceeds the KV heads; under MLA the latent and RoPE key, kv_lora_rank + qk_rope_head_dim
+  per layer, whole on every tp rank; with every layer local, at most the window's blocks of positions), the
+  prefill's activations and the reserve. Decode reads that cache; its attention FLOPs count the positions
+  the layers read (at most the window) and, under MLA, the absorbed form's widths (models/mla.py).
 
 Throughput of a replica: batch·O / (TTFT + O·TPOT); per GPU: divided by tp.
 """
@@ -21,12 +24,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshlm.core.config import ConfigError, ModelConfig
-from meshlm.core.fit import kv_cache_bytes
+from meshlm.core.kv_cache import sequence_cache_bytes
 from meshlm.core.layout import check_tensor_parallel
 from meshlm.core.mla import score_width
 from meshlm.plan.cost import GIB, Calibration, _parameter_split, all_reduce_time, for_gpu, gemm_efficiency
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+BLOCK_SIZE = 16  # the engine's default KV block (meshlm serve --block-size)
+
+
+def decode_score_width(m: ModelConfig) -> float:
+    """n·k of a decoding query's attention FLOPs (4·k·n per key and layer: scores and values): for MLA in the
+    absorbed form (models/mla.py) the scores are r + d_r wide and the values r, per head."""
+    if m.attention != "mla":
+        return score_width(m)
+    return m.n_heads * (2 * m.kv_lora_rank + m.qk_rope_head_dim) / 2
 
 
 @dataclass
@@ -61,8 +73,8 @@ def serving_estimate(m: ModelConfig, gpu, tp: int, batch: int, prompt: int, outp
     peak, hbm = gpu.tflops * 1e12, gpu.hbm_gbps * 1e9 * cal.hbm_efficiency
     gbps, lat = (gpu.intra_gbps, gpu.intra_latency_us) if tp <= gpus_per_node else (gpu.inter_gbps, gpu.inter_latency_us)
     eff = gemm_efficiency(m.hidden_size / tp, cal)
-    kv_split = min(tp, m.kv_heads)
-    kv_request = kv_cache_bytes(m, 1, prompt + output) * elem_bytes / 4  # fit's formula is fp32
+    kv_split = 1 if m.attention == "mla" else min(tp, m.kv_heads)  # the latent is whole on every rank
+    kv_request = sequence_cache_bytes(m, prompt + output, elem_bytes, BLOCK_SIZE)  # what the engine's pool holds
     weights = params * elem_bytes / tp
     # -- prefill: the batch's prompts at once
     tokens = batch * prompt
@@ -73,8 +85,9 @@ def serving_estimate(m: ModelConfig, gpu, tp: int, batch: int, prompt: int, outp
     ttft = flops / tp / (peak * eff) + comm + forward_ops
     # -- decode: one token for each request, reading the weights and the cache at the mean context length
     context = prompt + output / 2
-    kv_read = batch * kv_cache_bytes(m, 1, int(context)) * elem_bytes / 4 / kv_split
-    step_flops = 2.0 * params * batch / tp + 4.0 * batch * context * score_width(m) * m.n_layers / tp
+    kv_read = batch * sequence_cache_bytes(m, int(context), elem_bytes, BLOCK_SIZE) / kv_split
+    read = sum(min(context, m.layer_window(i) or context) for i in range(m.n_layers))  # keys a query reads
+    step_flops = 2.0 * params * batch / tp + 4.0 * batch * read * decode_score_width(m) / tp
     compute = step_flops / (peak * gemm_efficiency(min(batch, m.hidden_size / tp), cal))
     tpot = max((weights + kv_read) / hbm, compute) \
         + 2 * m.n_layers * all_reduce_time(batch * m.hidden_size * elem_bytes, tp, gbps, lat, cal.link_efficiency) \

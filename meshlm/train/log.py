@@ -109,6 +109,8 @@ def train_line(rec: dict, parts: dict) -> str:
     if "moe_max_load" in rec:  # mixture of experts (train/metrics.py `moe_metrics`)
         more += (f" | moe aux {rec['moe_aux']:.3f} max load {rec['moe_max_load']:.2f}x"
                  f" dropped {100 * rec['moe_dropped']:.1f}%")
+    if "mtp_loss" in rec:  # multi-token prediction (train/metrics.py `mtp_metrics`)
+        more += f" | mtp {rec['mtp_loss']:.4f}"
     return (f"step {rec['step']:>6} | loss {rec['loss']:.4f}{more} | lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f}"
             f" | {rec['tokens_per_s']:,.0f} tok/s | {rec['tflops']:.3f} TFLOP/s | "
             f"MFU {100 * rec['mfu']:.1f}% | HFU {100 * rec['hfu']:.1f}% | mem {rec['peak_mem_mb']:,.0f} MiB")

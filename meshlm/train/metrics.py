@@ -70,6 +70,31 @@ def moe_groups(dims, sp: bool) -> list:
     return groups + ([dims.tp_group] if sp and dims.tp > 1 else [])
 
 
+def mtp_groups(dims) -> list:
+    """The groups over which multi-token prediction losses are summed: the replicas (dp × cp) and the pipeline
+    (only its last stage holds the modules; the others add zeros)."""
+    return ([dims.dpcp_group] if dims.dp * dims.cp > 1 else []) + ([dims.pp_group] if dims.pp > 1 else [])
+
+
+def mtp_metrics(model, depth: int, groups=()) -> dict:
+    """Multi-token prediction's losses since the last call (`models/mtp.py`), averaged over the micro-batches and
+    summed over `groups` (one collective; every rank with `depth` > 0 calls it): `mtp_loss_k` (CE of depth k) and
+    `mtp_loss` (their mean, the term weighted by model.mtp_loss_weight). {} when depth is 0."""
+    if not depth:
+        return {}
+    modules = getattr(model, "mtp", None)
+    taken = modules.take_stats() if modules is not None else None
+    vec = torch.zeros(depth + 1, device=next(model.parameters()).device)
+    if taken is not None:
+        vec[:depth], vec[depth] = taken[0], taken[1]
+    for group in groups:
+        dist.all_reduce(vec, group=group)
+    calls = max(float(vec[depth]), 1.0)
+    rec = {f"mtp_loss_{k + 1}": float(vec[k]) / calls for k in range(depth)}
+    rec["mtp_loss"] = sum(rec.values()) / depth
+    return rec
+
+
 def moe_metrics(model, groups=()) -> dict:
     """Every MoE layer's statistics since the last call, summed over `groups` (one collective; every rank calls
     it): per layer i, `moe_load_i` (the share of routed assignments per expert), `moe_aux_i` and `moe_z_i` (the
@@ -93,7 +118,8 @@ def moe_metrics(model, groups=()) -> dict:
     rec, maxima = {}, []
     for position, ((name, _), vec) in enumerate(zip(layers, flat.split([len(v) for v in vecs]))):
         found = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
-        i = int(found.group(1)) if found else position
+        mtp = re.search(r"(?:^|\.)mtp\.(\d+)\.", name)  # a multi-token prediction module's block (models/mtp.py)
+        i = int(found.group(1)) if found else f"mtp{mtp.group(1)}" if mtp else position
         counts, (dropped, aux, z, tokens) = vec[:-4], vec[-4:].tolist()
         routed = max(float(counts.sum()), 1.0)
         rec[f"moe_load_{i}"] = [round(x, 5) for x in (counts / routed).tolist()]

@@ -50,7 +50,14 @@ from meshlm.parallel.heartbeat import start_heartbeat
 from meshlm.train.budget import BudgetTooShort, TimeBudget, check_budget_schedule, duration, with_steps
 from meshlm.train.extension import Extension, check_extensions
 from meshlm.train.log import RunLog, eval_line, run_summary, train_line
-from meshlm.train.metrics import measure_peak_tflops, moe_groups, moe_metrics, peak_memory_mb
+from meshlm.train.metrics import (
+    measure_peak_tflops,
+    moe_groups,
+    moe_metrics,
+    mtp_groups,
+    mtp_metrics,
+    peak_memory_mb,
+)
 from meshlm.train.optim import build_optimizer, lr_at
 from meshlm.train.out_dir import OutDir
 from meshlm.train.state import CheckpointState
@@ -190,6 +197,8 @@ class Trainer(CheckpointState):
         # `auto`: where it is faster than logits + cross-entropy for this shape and device (`fused_head_wins`).
         self.fused_loss = use_fused_loss(cfg, self.device) and self.spec.fused_loss and self.dims.tp == 1 \
             and self.pipeline is None
+        if cfg.model.mtp_depth and self.pipeline is None:  # multi-token prediction: the model's own loss (gpt.py)
+            self.fused_loss = True
 
     def _build_step(self) -> None:
         t = self.cfg.train
@@ -562,6 +571,7 @@ class Trainer(CheckpointState):
                "hfu": hw_flops / dt / 1e12 / peak, "peak_mem_mb": peak_memory_mb(self.device),
                "step_time_s": dt, "threads": torch.get_num_threads()}
         rec.update(moe_metrics(self.model, moe_groups(self.dims, self.cfg.parallel.sp)))  # every rank: collective
+        rec.update(mtp_metrics(self.model, self.cfg.model.mtp_depth, mtp_groups(self.dims)))  # every rank, too
         self.runlog.write(rec)
         self.log(train_line(rec, parts))
 

@@ -32,8 +32,12 @@ def _lora_blocks(spec, cfg: Config) -> dict[str, list]:
     out: dict[str, list] = {}
     for name in cfg.tune.lora_targets:
         if name not in known:
-            raise ConfigError(f"tune.lora_targets holds {name!r}, which this model does not have (model.activation="
-                              f"{cfg.model.activation!r}); choose from {', '.join(sorted(known))}")
+            m = cfg.model
+            why = f"model.activation={m.activation!r}" if name in ("up", "gate", "fc") else \
+                f"model.attention={m.attention!r}" + (f", model.q_lora_rank={m.q_lora_rank}" if m.attention == "mla"
+                                                      and name.startswith("q_") else "")
+            raise ConfigError(f"tune.lora_targets holds {name!r}, which this model does not have ({why}); choose "
+                              f"from {', '.join(sorted(known))}")
         pattern, rows = known[name]
         out.setdefault(pattern, []).append((name, rows))
     blocks: dict[str, list] = {}

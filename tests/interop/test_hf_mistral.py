@@ -117,10 +117,10 @@ def test_what_mistral_cannot_hold_is_refused(tmp_path):
     assert none.sliding_window == 0
 
 
-def test_gpt_oss_and_gemma3_are_refused_by_name(tmp_path):
-    """Their attention is here, the rest of their layers not yet: `convert --from-hf` says so in one line."""
-    for model_type, arch, words in (("gpt_oss", "GptOssForCausalLM", "mixture of experts"),
-                                    ("gemma3_text", "Gemma3ForCausalLM", "sandwich norms")):
+def test_gemma3_is_refused_by_name(tmp_path):
+    """Its attention is here, the rest of its layers not yet: `convert --from-hf` says so in one line (gpt-oss:
+    test_hf_gpt_oss.py)."""
+    for model_type, arch, words in (("gemma3_text", "Gemma3ForCausalLM", "sandwich norms"),):
         path = tmp_path / model_type
         path.mkdir()
         (path / "config.json").write_text(f'{{"model_type": "{model_type}", "architectures": ["{arch}"]}}')

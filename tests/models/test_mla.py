@@ -141,10 +141,11 @@ def test_bert_refuses_latent_attention_when_built():
         BERT(cfg)
 
 
-def test_mla_refuses_context_parallelism():
-    with pytest.raises(ConfigError, match=r"parallel\.cp=2.*model\.attention='mla'"):
-        build({"model": {**MLA, "n_layers": 1, "hidden_size": 32, "n_heads": 4, "seq_len": 16},
-               "parallel": {"cp": 2}})
+def test_mla_is_accepted_under_context_parallelism():
+    """The ring runs MLA (unpadded widths, MLA's scale): tests/parallel/test_mla_parallel_exact.py checks cp2."""
+    cfg = build({"model": {**MLA, "n_layers": 1, "hidden_size": 32, "n_heads": 4, "seq_len": 16},
+                 "parallel": {"cp": 2}})
+    assert cfg.parallel.cp == 2 and cfg.model.attention == "mla"
 
 
 @pytest.mark.parametrize("changes", [{}, {"q_lora_rank": 0}, {"moe_experts": 4, "moe_shared_experts": 1,
@@ -193,12 +194,13 @@ def test_measured_saved_bytes_equal_our_formula(changes, b, precision, recompute
 
 
 def test_paged_pool_bytes_per_token_equal_the_formula():
-    """The serving engine's block pool holds full per-head keys and values for MLA today (n_heads × the padded
-    width, `core.mla.cached_width`): its bytes equal the server's `kv_cache_bytes` formula."""
-    from meshlm.core.fit import kv_cache_bytes
+    """The serving engine's block pool holds MLA's latent and RoPE key per token and layer (kv_lora_rank +
+    qk_rope_head_dim = 8 + 4, whatever the value width), not full per-head keys and values: its bytes equal
+    `core.kv_cache`'s formula and the hand count 2 layers × 12 positions × 12 × 4 bytes."""
+    from meshlm.core.kv_cache import cache_bytes_per_token
     from meshlm.models.paged import PagedKV
 
     for changes in ({}, {"v_head_dim": 16}):
         cfg = tiny(**changes)
         pool = PagedKV(GPT(cfg), num_blocks=3, block_size=4)
-        assert pool.nbytes() == kv_cache_bytes(cfg, 1, 12) == 2 * 4 * 2 * 12 * 4 * max(12, cfg.v_head_dim)
+        assert pool.nbytes() == 12 * cache_bytes_per_token(cfg, 4) == 2 * 12 * (8 + 4) * 4
