@@ -156,7 +156,9 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.cat([k, v], dim=-1).contiguous()  # (B, nkv, Tl, d + d_v): one message a hop
         row_max = torch.full((B, nkv, nh // nkv, Tl, 1), float("-inf"), dtype=acc_dtype, device=q.device)
         row_sum = torch.zeros_like(row_max)
-        acc = torch.zeros((B, nkv, nh // nkv, Tl, d_v), dtype=acc_dtype, device=q.device)
+        # laid out as (B, Tl, heads, d_v) in memory: the layer's (B, T, h) output is then a view of `out` (saved
+        # for backward), not another copy of it (docs/memory.md counts one)
+        acc = torch.zeros((B, Tl, nkv, nh // nkv, d_v), dtype=acc_dtype, device=q.device).permute(0, 2, 3, 1, 4)
         for t in range(ring.size):
             src = (ring.rank - t) % ring.size
             if t < ring.size - 1:  # the next block travels while this one is computed
