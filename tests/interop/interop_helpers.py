@@ -73,6 +73,38 @@ SHARDED_MODELS = {
 }
 
 
+def assert_generate_and_serve_equal_hf(hf, tmp_path, eod: int = 50256, new: int = 8,
+                                       prompts: tuple[str, ...] = ("ROMEO. But soft, what light", "Hello")) -> None:
+    """`meshlm generate` (one sequence, KV cache) and `meshlm serve` (the paged engine, the prompts batched) give the
+    transformers model `hf`'s greedy tokens (gpt2 tokenizer; `eod` must be its end-of-sequence id, never reached)."""
+    import json
+
+    from meshlm.data.tokenizers import get_tokenizer
+    from tests.infer.server_helpers import ServeProcess, http
+
+    hf.save_pretrained(str(tmp_path / "hf"))
+    ok(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")])
+    tok = get_tokenizer("gpt2")
+    want = {}
+    for prompt in prompts:
+        ids = torch.tensor([tok.encode(prompt)])
+        with torch.no_grad():
+            out = hf.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=eod)
+        want[prompt] = out[0, ids.shape[1]:].tolist()
+        assert eod not in want[prompt]
+        text = ok(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", prompt, "--max-new-tokens",
+                   str(new), "--temperature", "0"])
+        assert text == tok.decode(tok.encode(prompt) + want[prompt]) + "\n"
+    server = ServeProcess("--checkpoint", str(tmp_path / "run"), "--max-seqs", "4")
+    try:
+        body = {"model": "run", "prompt": list(prompts), "max_tokens": new, "temperature": 0}
+        status, _, text = http("POST", server.url + "/v1/completions", body)
+        assert status == 200, text
+        choices = sorted(json.loads(text)["choices"], key=lambda c: c["index"])
+        assert [c["text"] for c in choices] == [tok.decode(want[p]) for p in prompts]
+    finally:
+        assert server.stop() == 0, "".join(server.stderr)[-3000:]
+
 def sharded_config(family: str, tp: int = 2):
     from meshlm.core.config import build
 

@@ -17,7 +17,7 @@ import json
 
 import pytest
 import torch
-from interop_helpers import assert_same_state, ok, one_error_line, perturbed
+from interop_helpers import assert_generate_and_serve_equal_hf, assert_same_state, ok, one_error_line, perturbed
 
 from meshlm.checkpoint.single import save_checkpoint
 from meshlm.core.config import ConfigError
@@ -226,33 +226,7 @@ def test_bad_gpt_oss_keys_are_one_line_errors(model, words, tmp_path):
 def test_generate_and_serve_equal_transformers_greedy(tmp_path):
     """`meshlm generate` (one sequence, KV cache) and `meshlm serve` (the paged engine, two prompts batched) give
     transformers' greedy tokens for an imported gpt-oss, past its window of 4."""
-    from meshlm.data.tokenizers import get_tokenizer
-    from tests.infer.server_helpers import ServeProcess, http
-
-    eod, new, prompts = 50256, 8, ["ROMEO. But soft, what light", "Hello"]
-    hf = gpt_oss(bos_token_id=eod, eos_token_id=eod)
-    hf.save_pretrained(str(tmp_path / "hf"))
-    ok(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")])
-    tok = get_tokenizer("gpt2")
-    want = {}
-    for prompt in prompts:
-        ids = torch.tensor([tok.encode(prompt)])
-        with torch.no_grad():
-            out = hf.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=eod)
-        want[prompt] = out[0, ids.shape[1]:].tolist()
-        assert eod not in want[prompt]
-        text = ok(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", prompt, "--max-new-tokens",
-                   str(new), "--temperature", "0"])
-        assert text == tok.decode(tok.encode(prompt) + want[prompt]) + "\n"
-    server = ServeProcess("--checkpoint", str(tmp_path / "run"), "--max-seqs", "4")
-    try:
-        body = {"model": "run", "prompt": prompts, "max_tokens": new, "temperature": 0}
-        status, _, text = http("POST", server.url + "/v1/completions", body)
-        assert status == 200, text
-        choices = sorted(json.loads(text)["choices"], key=lambda c: c["index"])
-        assert [c["text"] for c in choices] == [tok.decode(want[p]) for p in prompts]
-    finally:
-        assert server.stop() == 0, "".join(server.stderr)[-3000:]
+    assert_generate_and_serve_equal_hf(gpt_oss(bos_token_id=50256, eos_token_id=50256), tmp_path)
 
 
 def test_gpt_oss_20b_config_reads_and_writes_back():
