@@ -73,6 +73,22 @@ SHARDED_MODELS = {
 }
 
 
+class IdTokenizer:
+    """Token ids as text: all the engine needs of a tokenizer in these tests."""
+
+    eod_id = None
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def load_whole(model_class, path):
+    """`model_class.from_pretrained(path)` in eval mode, asserting every tensor of the files was used and none
+    was missing or of another shape."""
+    model, info = model_class.from_pretrained(str(path), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model.eval()
+
 def assert_generate_and_serve_equal_hf(hf, tmp_path, eod: int = 50256, new: int = 8,
                                        prompts: tuple[str, ...] = ("ROMEO. But soft, what light", "Hello")) -> None:
     """`meshlm generate` (one sequence, KV cache) and `meshlm serve` (the paged engine, the prompts batched) give the

@@ -17,7 +17,15 @@ import json
 
 import pytest
 import torch
-from interop_helpers import assert_generate_and_serve_equal_hf, assert_same_state, ok, one_error_line, perturbed
+from interop_helpers import (
+    IdTokenizer,
+    assert_generate_and_serve_equal_hf,
+    assert_same_state,
+    load_whole,
+    ok,
+    one_error_line,
+    perturbed,
+)
 
 from meshlm.checkpoint.single import save_checkpoint
 from meshlm.core.config import ConfigError
@@ -59,19 +67,6 @@ def _ids(seed: int = 1, n: int = SEQ) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(seed))
 
 
-class _IdTokenizer:
-    """Token ids as text: all the engine needs of a tokenizer here."""
-
-    eod_id = None
-
-    def decode(self, ids):
-        return " ".join(map(str, ids))
-
-
-def _loaded(path):
-    model, info = transformers.GptOssForCausalLM.from_pretrained(str(path), output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    return model.eval()
 
 
 def _logits_with(model: GPT, ids: torch.Tensor, **changes) -> torch.Tensor:
@@ -103,7 +98,7 @@ def test_gpt_oss_converts_both_ways(variant, tmp_path):
         want = hf(ids).logits
         assert float((model(ids) - want).abs().max()) <= TOL
         ok(["convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "out")])
-        back = _loaded(tmp_path / "out")
+        back = load_whole(transformers.GptOssForCausalLM, tmp_path / "out")
         assert_same_state(back.state_dict(), hf.state_dict())
         assert torch.equal(back(ids).logits, want)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["layer_types"] == hf.config.layer_types
@@ -141,7 +136,7 @@ def test_greedy_generation_equals_transformers_and_the_engine(tmp_path):
     assert len(set(ours[:, 10:].flatten().tolist())) > 4  # a continuation, not one token repeated
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     for options in (CacheOptions(), CacheOptions(block_size=4, max_batched_tokens=3)):
-        engine = Engine(model, _IdTokenizer(), max_seqs=2, options=options)
+        engine = Engine(model, IdTokenizer(), max_seqs=2, options=options)
         assert engine.generate([prompt[0].tolist()], sp)[0].output_ids == theirs[0, 10:].tolist()
         reqs = engine.generate([row.tolist() for row in prompt], sp)
         assert [r.output_ids for r in reqs] == theirs[:, 10:].tolist()
