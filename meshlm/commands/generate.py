@@ -8,7 +8,7 @@ import argparse
 import math
 import sys
 
-from meshlm.commands.serve import add_quantize_flags, quantize_options
+from meshlm.commands.serve import add_dtype_flag, add_quantize_flags, quantize_options
 from meshlm.core.config import ConfigError
 
 
@@ -59,8 +59,11 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
     from meshlm.checkpoint.load import load_model
+    from meshlm.core.precision import cast_parameters, serving_dtype_note
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.families.registry import get_spec
+    from meshlm.infer.local import GenerationFailed, local_engine, stream
+    from meshlm.infer.sampling import SamplingParams
     from meshlm.interop.checkpoints import open_checkpoint
     from meshlm.models.generate import NonFiniteLogits, cut_at_stop, generate
 
@@ -80,25 +83,54 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
         adapter = read_adapter(args.adapter, cfg, checkpoint)
         # As the tuning data lays an example out (tune/data.py): the task's virtual-token placeholders (a
         # prompt adapter), then the prompt; nothing else.
-        head = [adapter.task_index(args.task)] * adapter.virtual_tokens
+        task = args.task
+        head = [adapter.task_index(task)] * adapter.virtual_tokens
     elif args.task is not None:
         raise ConfigError("--task chooses the virtual prompt of an --adapter; give --adapter DIR")
     max_new_tokens = _check_lengths(cfg, len(head) + len(ids), args.max_new_tokens)
     model = load_model(checkpoint, spec, device)
-    if adapter is not None:
+    served, index = None, 0
+    if adapter is not None and adapter.tune.method == "lora":
         apply_adapter(model, cfg, adapter)  # LoRA merged into the weights: no extra work per token
+    elif adapter is not None:  # the task's virtual tokens placed before the prompt at prefill (infer/adapters.py)
+        from meshlm.infer.adapters import AdapterSet
+
+        served, index = AdapterSet(model, cfg, [("adapter", one_task(adapter, task))]), 1
+    if args.dtype != "fp32":
+        if note := serving_dtype_note(args.dtype, torch.device(device)):
+            print(f"note: {note}", file=sys.stderr)
+        cast_parameters(model, args.dtype)
     if quantize is not None:  # after merging: the adapter's update is quantized with the base
         print(f"note: {quantize.apply(model).line()}", file=sys.stderr)
-    prompt = torch.tensor([head + ids], device=device)
     stops = () if args.ignore_eos else tokenizer.stop_ids
     try:
-        out = generate(model, prompt, max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, seed=args.seed, use_cache=not args.no_cache, stop_ids=stops)
-    except NonFiniteLogits as err:
+        if max_new_tokens == 0:
+            new = []
+        elif args.no_cache:  # every step recomputes the whole prefix (a check of the cached path)
+            prompt = torch.tensor([head + ids], device=device)
+            out = generate(model, prompt, max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                           top_p=args.top_p, seed=args.seed, use_cache=False, stop_ids=stops)
+            new = out[0, prompt.shape[1]:].tolist()
+        else:  # the serving engine's paged path, in this process (infer/local.py)
+            engine = local_engine(model, tokenizer, len(head) + len(ids) + max(max_new_tokens, 1), served)
+            params = SamplingParams(max_tokens=max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                    top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+            new = list(stream(engine, ids, params, adapter=index))
+    except (NonFiniteLogits, GenerationFailed) as err:
         raise ConfigError(f"{args.checkpoint}: {err}") from None
-    new, _ = cut_at_stop(out[0, prompt.shape[1]:].tolist(), stops)  # the reply ends before its stop id
+    new, _ = cut_at_stop(new, stops)  # the reply ends before its stop id
     print(tokenizer.decode(ids + new))
     return 0
+
+
+def one_task(adapter, task: str | None):
+    """A prompt `adapter` (tune.export.Adapter) with only `task`'s virtual tokens (the engine serves one table)."""
+    from dataclasses import replace
+
+    i = adapter.task_index(task)
+    table = adapter.tensors["prompt.table"]
+    return replace(adapter, tensors={**adapter.tensors, "prompt.table": table[i:i + 1]},
+                   tasks=adapter.tasks[i:i + 1])
 
 
 def add_generate_command(sub) -> None:
@@ -118,5 +150,6 @@ def add_generate_command(sub) -> None:
     gen.add_argument("--adapter", default=None, metavar="DIR", help="an adapter of meshlm tune (or a PEFT "
                      "directory) tuned on --checkpoint")
     gen.add_argument("--task", default=None, help="with a several-task prompt adapter: the task's prompt")
+    add_dtype_flag(gen)
     add_quantize_flags(gen)
     gen.set_defaults(func=_generate)

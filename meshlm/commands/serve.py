@@ -82,7 +82,7 @@ def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
                "max_thinking_tokens": args.max_thinking_tokens}
     return serve(args.checkpoint, args.host, args.port, args.max_seqs, args.max_len, args.max_queue, args.api_key,
                  args.served_model_name, tp, args.adapter, args.log_level, args.drain_timeout, args.max_body_bytes,
-                 options, args.allow_runtime_lora, quantize=quantize, replies=replies, pp=pp)
+                 options, args.allow_runtime_lora, quantize=quantize, replies=replies, pp=pp, dtype=args.dtype)
 
 
 def add_serve_command(sub) -> None:
@@ -131,8 +131,16 @@ def add_serve_command(sub) -> None:
     g.add_argument("--num-draft-tokens", type=int, default=4, help="tokens proposed per step (default 4)")
     g.add_argument("--compile", action="store_true", help="run each step's dense part through torch.compile, "
                    "compiled at start (tens of seconds; measured no faster on a 2-core CPU, docs/serving.md)")
+    add_dtype_flag(p)
     add_quantize_flags(p)
     p.set_defaults(func=_serve)
+
+
+def add_dtype_flag(p) -> None:
+    """`--dtype fp32|bf16|fp16` (serve, generate): the weights, activations and KV cache in that precision."""
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="the weights, activations "
+                   "and KV cache in this precision (default fp32; bf16 halves the weights and the cache and is "
+                   "faster where the CPU computes it natively, AVX512-BF16 or AMX; docs/serving.md)")
 
 
 def add_quantize_flags(p) -> None:

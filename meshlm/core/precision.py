@@ -95,6 +95,31 @@ def resolve_precision(precision: str, device: torch.device, hidden_size: int | N
     return name, why
 
 
+def serving_dtype_note(name: str, device: torch.device) -> str | None:
+    """A note for `--dtype NAME` of the serving commands where `device` does not compute it natively (it still
+    runs, converting per operation, and slower than fp32), else None."""
+    if name == "fp32" or device.type != "cpu":
+        return None
+    if name == "bf16" and cpu_bf16_support() is None:
+        return ("--dtype bf16: this CPU has no native bf16 instructions (AVX512-BF16 or AMX-BF16); it runs, slower "
+                "than fp32")
+    if name == "fp16" and not {"avx512_fp16", "amx_fp16"} & cpu_flags():
+        return "--dtype fp16: this CPU has no native fp16 matrix instructions (AMX-FP16); it runs, slower than fp32"
+    return None
+
+
+@torch.no_grad()
+def cast_parameters(model: torch.nn.Module, name: str | torch.dtype) -> torch.nn.Module:
+    """`model`'s floating-point parameters in DTYPES[`name`] (or the dtype `name`), in place, for inference: the weights and, through
+    them, the activations and the KV cache (which takes the parameters' dtype). Buffers stay as they are: the
+    RoPE tables stay fp32 (`apply_rope` returns its input's dtype), a router's bias too."""
+    dtype = DTYPES[name] if isinstance(name, str) else name
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    return model
+
+
 def resume_precision(saved_config: dict | None) -> str | None:
     """The resolved precision a checkpoint's config recorded (None: not a known one)."""
     name = ((saved_config or {}).get("train") or {}).get("precision")

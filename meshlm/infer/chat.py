@@ -2,8 +2,9 @@
 
 Each turn renders the whole conversation (an optional system message, the kept turns, the new user message)
 with the checkpoint's own chat template (`data.chat.template_for`) and the generation prompt, tokenizes it as
-`meshlm generate` tokenizes a prompt, and samples the reply with the KV-cached steps of `models.generate`
-(`stream`), so a greedy reply is exactly what `meshlm generate --temperature 0` gives for the rendered text.
+`meshlm generate` tokenizes a prompt, and samples the reply through the serving engine in this process
+(`infer/local.py`: its paged KV cache, with prefix caching, so each turn reuses the blocks of the conversation
+so far), so a greedy reply is exactly what `meshlm generate --temperature 0` gives for the rendered text.
 The reply is printed token by token (`ReplyStream`: bytes of a character split across tokens wait for the
 rest; text that may begin a stop string waits until it cannot). It ends at any of the model's declared
 end-of-sequence ids (the tokenizer's `stop_ids`), at the template's end-of-turn text (`data.chat.stop_strings`),
@@ -171,20 +172,41 @@ class Conversation:
 
 
 # ---- the loop ------------------------------------------------------------------------------------------------
-def reply(model, prompt: list[int], settings: ChatSettings, stream_out: ReplyStream, write: Callable[[str], None],
-          stop_ids: Iterable[int], seed: int | None) -> bool:
+class Decoder:
+    """The model and its in-process engine of one sequence of `context` positions (`infer/local.py`), built on
+    first use and again after a Ctrl-C (an interrupted step leaves it unfit)."""
+
+    def __init__(self, model, tokenizer, context: int):
+        self.model, self.tokenizer, self.context = model, tokenizer, context
+        self.engine = None
+
+    def stream(self, prompt: list[int], params) -> Iterable[int]:
+        from meshlm.infer.local import local_engine, stream
+
+        if self.engine is None:
+            self.engine = local_engine(self.model, self.tokenizer, self.context, prefix_caching=True)
+        return stream(self.engine, prompt, params)
+
+
+def reply(decoder: Decoder, prompt: list[int], settings: ChatSettings, stream_out: ReplyStream,
+          write: Callable[[str], None], stop_ids: Iterable[int], seed: int | None) -> bool:
     """Sample and write one reply to `prompt`, ending at any of `stop_ids`; True when Ctrl-C stopped it (what
     was written stays)."""
-    from meshlm.models.generate import stream
+    from meshlm.infer.sampling import SamplingParams
 
     room = min(settings.max_new_tokens, settings.context - len(prompt))
+    stops = set(stop_ids)
+    params = SamplingParams(max_tokens=room, temperature=settings.temperature, top_k=settings.top_k,
+                            top_p=settings.top_p, seed=seed, stop_token_ids=tuple(sorted(stops)))
     try:
-        for token in stream(model, prompt, room, temperature=settings.temperature, top_k=settings.top_k,
-                            top_p=settings.top_p, seed=seed, stop_ids=stop_ids):
+        for token in decoder.stream(prompt, params) if room > 0 else ():
+            if token in stops:
+                break
             write(stream_out.push(token))
             if stream_out.stopped:
                 break
     except KeyboardInterrupt:
+        decoder.engine = None
         write(stream_out.finish())
         return True
     write(stream_out.finish())
@@ -232,6 +254,7 @@ def run_chat(model, tokenizer, template, settings: ChatSettings, term: Terminal)
         return tokenizer.encode(render(template, messages, add_generation_prompt=True))
 
     conversation = Conversation(encode, settings)
+    decoder = Decoder(model, tokenizer, settings.context)
     stops, turn = stop_strings(template), 0
     if term.interactive:
         term.note(f"context {settings.context} tokens; " + "; ".join(f"{k}: {v}" for k, v in COMMANDS.items()))
@@ -259,7 +282,7 @@ def run_chat(model, tokenizer, template, settings: ChatSettings, term: Terminal)
             continue
         out = ReplyStream(tokenizer.decode, stops)
         seed = None if settings.seed is None else settings.seed + turn  # a seeded session replays exactly
-        interrupted = reply(model, prompt, settings, out, term.write, tokenizer.stop_ids, seed)
+        interrupted = reply(decoder, prompt, settings, out, term.write, tokenizer.stop_ids, seed)
         term.write("\n")
         if interrupted:
             term.note("(reply stopped)")

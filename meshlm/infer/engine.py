@@ -173,6 +173,7 @@ class Engine:
         self.thread: threading.Thread | None = None
         self.stopping = False
         self.dead: str | None = None  # the error that stopped the loop
+        self.print_errors = True  # a failed request's traceback on stderr (the server's log; not in-process use)
         # mixed_steps: steps whose rows used more than one model (the base, adapters)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0, "steps": 0,
                       "mixed_steps": 0, "requests_failed": 0, "preemptions": 0, "prefix_queried_tokens": 0,
@@ -379,7 +380,8 @@ class Engine:
 
     def _fail(self, reqs: list[Request], err: BaseException) -> None:
         """Fail `reqs` (not the engine): each answers with `err`; their rows are freed before the next step."""
-        traceback.print_exception(err)  # the server's log
+        if self.print_errors:
+            traceback.print_exception(err)  # the server's log
         for req in reqs:
             if not req.finished:
                 req.error = f"{type(err).__name__}: {err}"

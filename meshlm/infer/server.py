@@ -237,14 +237,17 @@ def _read_adapters(checkpoint, adapters: list[str], name: str, tp: int) -> list:
     return [(n, read_adapter(d, cfg, checkpoint)) for n, d in named]
 
 
-def _tensor_parallel_model(checkpoint, tp: int, timeout_s: float = 300, pp: int = 1, pipeline: bool = False):
+def _tensor_parallel_model(checkpoint, tp: int, timeout_s: float = 300, pp: int = 1, pipeline: bool = False,
+                           dtype: str = "fp32"):
     """(this rank's part of the model in eval mode, tokenizer, config, ParallelDims) under torchrun with `tp`
     × `pp` ranks (the world is tp × pp), from the opened `checkpoint` of any layout; with `pipeline`, the
-    `Parallelized` whole (its `pipeline`: this rank's stage) in place of the model."""
+    `Parallelized` whole (its `pipeline`: this rank's stage) in place of the model; its parameters in `dtype`
+    (`core.precision.cast_parameters`)."""
     import torch
 
     from meshlm.checkpoint.load import load_parallel
     from meshlm.core.config import config_from_dict
+    from meshlm.core.precision import cast_parameters
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.families.registry import get_spec
     from meshlm.parallel import init_distributed
@@ -266,17 +269,18 @@ def _tensor_parallel_model(checkpoint, tp: int, timeout_s: float = 300, pp: int 
                           f"{dims.world_size} (torchrun --nproc-per-node {tp * pp})")
     torch.manual_seed(0)
     par = load_parallel(checkpoint, spec, cfg, dims, rng=TPRNGTracker(0, dims.tp_rank))
+    cast_parameters(par.model, dtype)
     return par if pipeline else par.model, get_tokenizer(cfg.data.tokenizer), cfg, dims
 
 
 def _tensor_parallel_server(checkpoint, max_seqs: int, max_len: int | None, max_queue: int,
-                            api_key: str | None, name: str, tp: int, options) -> Server | None:
+                            api_key: str | None, name: str, tp: int, options, dtype: str = "fp32") -> Server | None:
     """Rank 0's server over this rank's part of the model; the other ranks run the worker loop (replaying
     rank 0's engine steps) and return None when it stops."""
     from meshlm.core.kv_cache import kv_groups
     from meshlm.infer.engine import DistributedRunner, Engine, Runner, worker_loop
 
-    model, tokenizer, cfg, dims = _tensor_parallel_model(checkpoint, tp)
+    model, tokenizer, cfg, dims = _tensor_parallel_model(checkpoint, tp, dtype=dtype)
     length = max_len or cfg.model.seq_len
     runner_cls = Runner if dims.tp_rank != 0 else DistributedRunner
     window = kv_groups(cfg.model)[1]  # local layers mixed with global ones: their own pool, on every rank alike
@@ -292,7 +296,7 @@ def _tensor_parallel_server(checkpoint, max_seqs: int, max_len: int | None, max_
 
 
 def _pipeline_server(checkpoint, max_seqs: int, max_len: int | None, max_queue: int, api_key: str | None,
-                     name: str, tp: int, pp: int, options) -> Server | None:
+                     name: str, tp: int, pp: int, options, dtype: str = "fp32") -> Server | None:
     """Pipeline parallelism (× tensor parallelism): each rank holds its stage's layers and their KV cache
     (`infer/pipeline_runner.py`); rank 0 (the first stage) runs the engine and gets the server, the other
     ranks run each step's part of their stage and return None when rank 0 stops."""
@@ -300,7 +304,7 @@ def _pipeline_server(checkpoint, max_seqs: int, max_len: int | None, max_queue: 
     from meshlm.infer.pipeline_runner import PipelineRunner
     from meshlm.infer.runner import worker_loop
 
-    par, tokenizer, cfg, dims = _tensor_parallel_model(checkpoint, tp, pp=pp, pipeline=True)
+    par, tokenizer, cfg, dims = _tensor_parallel_model(checkpoint, tp, pp=pp, pipeline=True, dtype=dtype)
     length = max_len or cfg.model.seq_len
     runner = PipelineRunner(par.model, par.pipeline, options.blocks_for(max_seqs, length), options.block_size,
                             cfg.model.vocab_size, tp_group=dims.tp_group if tp > 1 else None)
@@ -322,16 +326,18 @@ def check_pipeline_serving(pp: int, adapters, runtime_lora: bool, quantize, opti
             raise ConfigError(f"{flag} serves without pipeline parallelism; drop --parallel.pp={pp} or {flag}")
 
 
-def _embedding_server(checkpoint, spec, device: str, max_seqs: int, api_key: str | None, name: str) -> Server:
+def _embedding_server(checkpoint, spec, device: str, max_seqs: int, api_key: str | None, name: str,
+                      dtype: str = "fp32") -> Server:
     """The server of an encoder checkpoint (opened): /v1/embeddings, and /v1/score and /rerank for a
     cross-encoder (`infer/score.py`)."""
     from meshlm.checkpoint.load import load_model
+    from meshlm.core.precision import cast_parameters
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.infer.engine import EmbeddingEngine
     from meshlm.infer.score import Scorer, is_cross_encoder
 
     cfg = checkpoint.config
-    model = load_model(checkpoint, spec, device)
+    model = cast_parameters(load_model(checkpoint, spec, device), dtype)
     tokenizer = get_tokenizer(cfg.data.tokenizer)
     server = Server(None, EmbeddingEngine(model, tokenizer, max_seqs), tokenizer, name, cfg.model.seq_len, api_key)
     if is_cross_encoder(cfg.model):  # a one-label classify head: /v1/score and /rerank too
@@ -342,7 +348,7 @@ def _embedding_server(checkpoint, spec, device: str, max_seqs: int, api_key: str
 def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None, max_queue: int = 256,
                  api_key: str | None = None, model_name: str | None = None, tp: int = 1,
                  adapters: list[str] | str | None = None, options=None, runtime_lora: bool = False,
-                 quantize=None, pp: int = 1) -> Server | None:
+                 quantize=None, pp: int = 1, dtype: str = "fp32") -> Server | None:
     """The server state for a checkpoint (opened once here: `interop.checkpoints.open_checkpoint`, so a
     `.gguf` file serves too); under torchrun with tp > 1 only rank 0 gets one (the other ranks
     replay rank 0's engine steps here and return None when it stops). `adapters`: `--adapter` values
@@ -350,12 +356,14 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
     name next to the base (`infer/adapters.py`: LoRA unmerged per row, virtual tokens at prefill).
     `runtime_lora`: LoRA adapters may also be loaded and unloaded while it serves (`infer/ops_routes.py`).
     `quantize`: `infer.quantize.QuantizeOptions`, the blocks' linears packed to int8/int4 after loading.
-    `pp` > 1: pipeline parallelism under torchrun (`infer/pipeline_runner.py`), rank 0 serving."""
+    `pp` > 1: pipeline parallelism under torchrun (`infer/pipeline_runner.py`), rank 0 serving. `dtype`: the
+    weights, activations and KV cache in "fp32", "bf16" or "fp16" (`core.precision.cast_parameters`)."""
     import torch
 
     from meshlm.checkpoint.load import load_model
     from meshlm.core.fit import check_fits
     from meshlm.core.kv_cache import cache_bytes_per_token, kv_groups
+    from meshlm.core.precision import DTYPES, cast_parameters, serving_dtype_note
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.families.registry import get_spec
     from meshlm.infer.engine import CacheOptions, Engine
@@ -376,32 +384,40 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
                           + (" or --parallel.tp" if tp > 1 else f" ({checkpoint.given} is a BERT checkpoint)"))
     if quantize is not None:
         quantize.check_serving(checkpoint.given, spec.decoder, tp, runtime_lora)
+    if runtime_lora and dtype != "fp32":
+        raise ConfigError(f"--allow-runtime-lora loads adapters in fp32 while serving; with --dtype {dtype} give the "
+                          "adapters at start (--adapter) instead, or serve --dtype fp32")
     if spec.decoder:
         check_pool(options, max_len or cfg.model.seq_len, kv_groups(cfg.model)[0])
     if pp > 1:
-        return _pipeline_server(checkpoint, max_seqs, max_len, max_queue, api_key, name, tp, pp, options)
+        return _pipeline_server(checkpoint, max_seqs, max_len, max_queue, api_key, name, tp, pp, options, dtype)
     if tp > 1:
-        return _tensor_parallel_server(checkpoint, max_seqs, max_len, max_queue, api_key, name, tp, options)
+        return _tensor_parallel_server(checkpoint, max_seqs, max_len, max_queue, api_key, name, tp, options, dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if note := serving_dtype_note(dtype, torch.device(device)):
+        print(f"meshlm serve: note: {note}", file=sys.stderr, flush=True)
     if not spec.decoder:
-        return _embedding_server(checkpoint, spec, device, max_seqs, api_key, name)
+        return _embedding_server(checkpoint, spec, device, max_seqs, api_key, name, dtype)
     length = max_len or cfg.model.seq_len
     if cfg.model.position == "learned" and length > cfg.model.seq_len:
         raise ConfigError(f"--max-len {length} is more than the model's model.seq_len={cfg.model.seq_len} (learned "
                           "positions); lower it")
     blocks = options.blocks_for(max_seqs, length)
-    needed = {"weights": weights_bytes(cfg.model),  # the pool at fp32: the engine's formula (core/kv_cache.py)
-              "KV cache": cache_bytes_per_token(cfg.model, 4) * blocks * options.block_size}
+    element = DTYPES[dtype].itemsize  # the pool takes the weights' dtype: the engine's formula (core/kv_cache.py)
+    needed = {"weights": weights_bytes(cfg.model),
+              "KV cache": cache_bytes_per_token(cfg.model, element) * blocks * options.block_size}
     if tuned:
         needed["adapters"] = sum(t.numel() * 4 for _, a in tuned for t in a.tensors.values())
     check_fits(needed, f"serving {max_seqs} sequences of {length} tokens ({blocks} KV blocks of "
                f"{options.block_size})", "lower --max-seqs, --max-len or --num-blocks", device)
-    model, tokenizer = load_model(checkpoint, spec, device), get_tokenizer(cfg.data.tokenizer)
+    model, tokenizer = cast_parameters(load_model(checkpoint, spec, device), dtype), get_tokenizer(cfg.data.tokenizer)
     served = None
     if tuned or runtime_lora:
         from meshlm.infer.adapters import AdapterSet
 
         served = AdapterSet(model, cfg, tuned, runtime_lora)  # one copy of the base; each row runs its own adapter
+        for lora in (lora for a in served.served for lora in a.loras):
+            cast_parameters(lora, dtype)  # detached from the model: in the base's dtype too
     if quantize is not None:  # after the adapters: their hooks move onto the quantized linears
         print(f"meshlm serve: {quantize.apply(model).line()}", file=sys.stderr, flush=True)
     engine = Engine(model, tokenizer, max_seqs, length, max_queue, adapters=served, options=options,
@@ -443,6 +459,7 @@ def make_speculator(options, model, tokenizer, max_seqs: int, max_len: int):
                               "> 0), whole on one process; use --speculative ngram or draft")
         return Speculator("mtp", MTPDraft(model, model.cfg.vocab_size))
     from meshlm.checkpoint.load import load_model
+    from meshlm.core.precision import cast_parameters
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.families.registry import get_spec
     from meshlm.interop.checkpoints import open_checkpoint
@@ -450,6 +467,7 @@ def make_speculator(options, model, tokenizer, max_seqs: int, max_len: int):
     drafted = open_checkpoint(options.draft_checkpoint)
     device = next(model.parameters()).device
     draft = load_model(drafted, get_spec(drafted.config.model.family), device)
+    cast_parameters(draft, next(model.parameters()).dtype)  # the served model's precision (--dtype)
     draft_tokenizer = get_tokenizer(drafted.config.data.tokenizer)
     mine, theirs = getattr(tokenizer, "identity", None), getattr(draft_tokenizer, "identity", None)
     if draft.cfg.vocab_size != model.cfg.vocab_size or (mine and theirs and mine["sha256"] != theirs["sha256"]):
@@ -484,7 +502,7 @@ def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, max_seqs: 
           max_queue: int = 256, api_key: str | None = None, model_name: str | None = None, tp: int = 1,
           adapters: list[str] | None = None, log_level: str = "warning", drain_timeout: float = 60.0,
           max_body_bytes: int = MAX_BODY_BYTES, options=None, runtime_lora: bool = False, quantize=None,
-          replies: dict | None = None, pp: int = 1) -> int:
+          replies: dict | None = None, pp: int = 1, dtype: str = "fp32") -> int:
     """Serve `checkpoint` on http://host:port until SIGTERM/SIGINT (which drains the open requests for up to
     `drain_timeout` seconds); under torchrun with tp or pp > 1 the ranks other than 0 are the workers. A request
     body over `max_body_bytes` is a 413. `replies`: how chat replies are read (`tool_parser`,
@@ -497,7 +515,7 @@ def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, max_seqs: 
     server = None
     try:
         server = build_server(checkpoint, max_seqs, max_len, max_queue, api_key, model_name, tp, adapters, options,
-                              runtime_lora, quantize, pp=pp)
+                              runtime_lora, quantize, pp=pp, dtype=dtype)
         if server is not None:
             server.max_body_bytes = max_body_bytes
             for key, value in (replies or {}).items():

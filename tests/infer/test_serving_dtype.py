@@ -1,0 +1,127 @@
+"""`--dtype bf16|fp16` for serving and generating (core.precision.cast_parameters), and `meshlm generate` /
+`meshlm chat` on the serving engine's paged path (infer/local.py).
+
+bf16 cannot equal fp32 token for token, so the bf16 engine is checked against a bf16 reference of its own, the
+plain model recomputing the whole sequence at every step (no cache): the engine's greedy choice is the
+reference's argmax or within bf16's rounding of it (a near tie), and its log-probabilities match the
+reference's within a stated tolerance: ten times bf16's arithmetic on this tiny model (measured: at most
+0.002), far below what a wrong cache (a missing position, a key in the wrong slot, an fp32 pool read
+as bf16) does to a log-probability (of order 1)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from meshlm.cli import main
+from meshlm.core.config import ModelConfig
+from meshlm.core.precision import cast_parameters
+from meshlm.infer.engine import Engine, SamplingParams
+from meshlm.infer.local import local_engine, stream
+from meshlm.models.gpt import GPT
+from tests.infer.server_helpers import save_gpt_checkpoint
+
+LLAMA = ModelConfig(n_layers=2, hidden_size=64, n_heads=4, n_kv_heads=2, seq_len=64, vocab_size=97,
+                    position="rope", norm="rmsnorm", activation="swiglu", bias=False, tie_embeddings=False)
+LOGPROB_TOL = 0.02  # bf16 engine against bf16 full recompute (module docstring)
+TIE_TOL = 0.02  # a greedy choice that is not the reference's argmax must be this close to it (a near tie)
+
+
+class CharTokenizer:
+    eod_id = 0
+
+    def decode(self, ids):
+        return "".join(chr(0x41 + i) for i in ids)
+
+    def encode(self, text):
+        return [ord(c) - 0x41 for c in text]
+
+
+def models():
+    torch.manual_seed(0)
+    fp32 = GPT(LLAMA).eval()
+    return fp32, cast_parameters(copy.deepcopy(fp32), "bf16")
+
+
+def test_cast_parameters_keeps_the_rope_tables_in_fp32():
+    fp32, bf16 = models()
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    assert bf16.rope_cos.dtype == torch.float32 and bf16.rope_sin.dtype == torch.float32
+    assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(fp32.parameters(), bf16.parameters()))
+
+
+@torch.no_grad()
+def test_bf16_engine_decodes_as_the_bf16_model_recomputing_everything():
+    fp32, bf16 = models()
+    engine = Engine(bf16, CharTokenizer(), max_seqs=3, max_len=64)
+    assert engine.runner.cache_bytes_per_token() * 2 == Engine(fp32, CharTokenizer(), 1, 64).runner.cache_bytes_per_token()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (5, 17, 9)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    worst = 0.0
+    for prompt, req in zip(prompts, engine.generate(prompts, params)):  # three rows decoded together
+        assert len(req.output_ids) == 12
+        seq = list(prompt)
+        for info in req.output:
+            ref = torch.log_softmax(bf16(torch.tensor([seq]))[0, -1].float(), -1)
+            assert float(ref.max() - ref[info.id]) <= TIE_TOL, (seq, info.id, int(ref.argmax()))
+            worst = max(worst, abs(info.logprob - float(ref[info.id])))
+            seq.append(info.id)
+    assert worst <= LOGPROB_TOL, worst
+    # and bf16 is bf16 of this model, not another one: its first choice's log-probability is near fp32's
+    first = torch.log_softmax(fp32(torch.tensor([prompts[0]]))[0, -1], -1)
+    reqs = engine.generate([prompts[0]], params)
+    assert abs(reqs[0].output[0].logprob - float(first[reqs[0].output[0].id])) <= 0.1
+
+
+@torch.no_grad()
+def test_local_engine_stream_equals_the_engine_and_yields_the_stop_id():
+    fp32, _ = models()
+    prompt = [5, 9, 14, 3]
+    reference = Engine(fp32, CharTokenizer(), 2, 64).generate([prompt], SamplingParams(
+        max_tokens=10, temperature=0, ignore_eos=True))[0].output_ids
+    engine = local_engine(fp32, CharTokenizer(), 64)
+    got = list(stream(engine, prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)))
+    assert got == reference
+    stop = reference[3]  # a stop id: the stream ends on it, the id included (the caller cuts)
+    again = list(stream(engine, prompt, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=(stop,))))
+    assert again == reference[:reference.index(stop) + 1]
+    # leaving early frees the row: the one-row engine takes the next request
+    for _ in zip(range(2), stream(engine, prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))):
+        pass
+    assert engine.running == 0
+    assert list(stream(engine, prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))) == reference
+
+
+def test_generate_command_bf16_and_bad_dtype(tmp_path, capsys):
+    ckpt = save_gpt_checkpoint(tmp_path / "tiny-gpt")
+    outs = {}
+    for dtype in ("fp32", "bf16"):
+        code = main(["generate", "--checkpoint", str(ckpt), "--prompt", "Hello", "--max-new-tokens", "6",
+                     "--temperature", "0", "--ignore-eos", "--dtype", dtype])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        outs[dtype] = captured.out
+    assert outs["bf16"].startswith("Hello") and len(outs["bf16"]) > len("Hello\n")
+    # --no-cache recomputes every step (no engine) and gives the engine's greedy text
+    assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "Hello", "--max-new-tokens", "6",
+                 "--temperature", "0", "--ignore-eos", "--no-cache"]) == 0
+    assert capsys.readouterr().out == outs["fp32"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--checkpoint", str(ckpt), "--dtype", "fp8"])
+    assert exit_info.value.code == 2 and "--dtype" in capsys.readouterr().err
+
+
+def test_serve_with_runtime_lora_in_bf16_is_refused_before_loading(tmp_path):
+    from meshlm.core.config import ConfigError
+    from meshlm.infer.server import build_server
+
+    ckpt = save_gpt_checkpoint(tmp_path / "tiny-gpt")
+    with pytest.raises(ConfigError, match="--allow-runtime-lora .* --dtype bf16"):
+        build_server(str(ckpt), runtime_lora=True, dtype="bf16")
+    server = build_server(str(ckpt), max_seqs=2, dtype="bf16")
+    assert {p.dtype for p in server.engine.model.parameters()} == {torch.bfloat16}
+    fp32 = build_server(str(ckpt), max_seqs=2)
+    assert server.engine.runner.cache_bytes_per_token() * 2 == fp32.engine.runner.cache_bytes_per_token()
