@@ -41,9 +41,16 @@ def moe_active_mlp_weights(m: ModelConfig) -> int:
 def mtp_flops_per_token(m: ModelConfig) -> float:
     """Forward+backward matmul FLOPs per token of the `model.mtp_depth` multi-token prediction modules
     (models/mtp.py): each its block's (the last layer's kind, `layer_flops_per_token`), the 2h → h merge's
-    6·2h·h and the shared head's 6·h·V once more; their attention scores are a layer's (`attention_score_flops`)."""
+    6·2h·h and the shared head's 6·h·V once more; their attention scores are the last layer's (`mtp_score_flops`)."""
     h = m.hidden_size
     return m.mtp_depth * (layer_flops_per_token(m, m.n_layers - 1) + 6.0 * 2 * h * h + 6.0 * h * m.vocab_size)
+
+
+def mtp_score_flops(m: ModelConfig, batch: int, seq_len: int | None = None) -> float:
+    """Forward+backward FLOPs of the MTP modules' attention scores on `batch` sequences: each module's block is of
+    the last layer's kind, so it counts the last layer's pairs (its window's band when that layer is local)."""
+    pairs = causal_pairs(seq_len or m.seq_len, m.layer_window(m.n_layers - 1))
+    return m.mtp_depth * 12.0 * batch * pairs * score_width(m)
 
 
 def causal_pairs(s: int, window: int = 0) -> float:
@@ -68,12 +75,13 @@ def attention_score_flops(m: ModelConfig, batch: int, seq_len: int | None = None
 
 def model_flops(m: ModelConfig, batch: int, seq_len: int | None = None) -> float:
     """Model FLOPs of one training step on `batch` full-length sequences (forward + backward); with
-    `model.mtp_depth`, its modules' (`mtp_flops_per_token`, and each module's attention scores as a layer's)."""
+    `model.mtp_depth`, its modules' (`mtp_flops_per_token`, and each module's attention scores as the last layer's,
+    `mtp_score_flops`)."""
     s = seq_len or m.seq_len
     tokens = batch * s
     dense = tokens * (m.n_layers * layer_flops_per_token(m) + 6.0 * m.hidden_size * m.vocab_size)
     scores = attention_score_flops(m, batch, s)
-    mtp = tokens * mtp_flops_per_token(m) + m.mtp_depth * scores / m.n_layers if m.mtp_depth else 0.0
+    mtp = tokens * mtp_flops_per_token(m) + mtp_score_flops(m, batch, s) if m.mtp_depth else 0.0
     return dense + scores + mtp
 
 
@@ -114,7 +122,7 @@ def stage_costs(m: ModelConfig) -> tuple[float, float]:
     stage beside the head they share: each a layer, its merge and the head once more (`mtp_flops_per_token`).
     """
     layer = layer_flops_per_token(m) + attention_score_flops(m, 1) / (m.n_layers * m.seq_len)
-    mtp = mtp_flops_per_token(m) + m.mtp_depth * attention_score_flops(m, 1) / (m.n_layers * m.seq_len)
+    mtp = mtp_flops_per_token(m) + mtp_score_flops(m, 1) / m.seq_len
     return 0.0, (6.0 * m.hidden_size * m.vocab_size + mtp) / layer
 
 

@@ -296,18 +296,20 @@ def _mlp_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes) -> dict[str
 
 def _moe_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes) -> dict[str, float]:
     """A mixture-of-experts MLP (`models/moe.py`), counted at A = n·k assignments (exact dropless, whatever
-    the balance; an upper bound with capacity). The router in fp32: its probabilities (softmax output or
-    sigmoid scores), the renormalised top-k weights and their sum, the z-loss's logits and logsumexp and the
-    aux loss's expert shares when they are on; per assignment the gathered input row, the expert's
-    [gate; up], SiLU(gate), the proj input, the expert output and its weighted copy (the scatter-add keeps
-    it), the sorted weight and the int64 indices (top-k, sort order, sorted token ids); the shared expert as
-    a dense SwiGLU (and its gate)."""
+    the balance; an upper bound with capacity). The router in fp32 (autocast off): its input (the norm's output,
+    fp32 at least), its probabilities (softmax output or sigmoid scores), the renormalised top-k weights and
+    their sum, the z-loss's logits and logsumexp and the aux loss's expert shares when they are on; per
+    assignment the gathered input row, the expert's activation (SwiGLU: [gate; up], SiLU(gate), the proj input;
+    gpt-oss's clamped SwiGLU three more: `_expert_activation`), the expert output (the weighting's input; the
+    weighted sum saves only its index, `moe.add_rows`), the sorted weight and the int64 indices (top-k, sort order,
+    sorted token ids); the shared expert as a dense SwiGLU (and its gate), each 16-bit linear casting its own copy
+    of the fp32 input under autocast."""
     n, c, E, k, F, h = sh.tokens, dt.compute, m.moe_experts, m.moe_top_k, m.expert_size, sh.h
     A = n * k
-    terms = {"router probabilities (fp32)": n * E * 4, "expert input rows (gathered)": A * h * c,
-             "expert fc output [gate; up], SiLU(gate), proj input": A * 4 * F * c,
-             "expert output, weighted output": 2 * A * h * c, "sorted weights (fp32)": A * 4,
-             "indices (int64): top-k, sort order, sorted tokens": (n * k + 2 * A) * 8}
+    terms = {"router input (fp32)": sh.tokens_residual * h * max(dt.residual, 4),
+             "router probabilities (fp32)": n * E * 4, "expert input rows (gathered)": A * h * c,
+             **_expert_activation(m, A, c), "expert output (weighting input)": A * h * c,
+             "sorted weights (fp32)": A * 4, "indices (int64): top-k, sort order, sorted tokens": (n * k + 2 * A) * 8}
     if m.moe_norm_topk:
         terms["top-k weights, their sum (fp32)"] = (A + n) * 4
     if m.moe_aux_loss > 0:  # (the sigmoid router's selection, group limits included, saves nothing: no grad)
@@ -316,13 +318,25 @@ def _moe_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes) -> dict[str
     if m.moe_z_loss > 0:
         terms["z-loss logits, logsumexp (fp32)"] = n * (E + 1) * 4
     if m.moe_capacity_factor > 0:
-        terms["kept assignments (int64)"] = A * 8
+        terms["kept assignments (bool mask)"] = A
     S = m.moe_shared_experts * F
+    cast = sh.tokens_residual * h * c if c < max(dt.residual, 4) else 0  # a 16-bit linear's own copy of its input
     if S:
-        terms["shared expert [gate; up], SiLU, proj input"] = n * 4 * S * c
+        terms["shared expert input (16-bit copy), [gate; up], SiLU, proj input"] = cast + n * 4 * S * c
         if m.moe_shared_gate:
-            terms["shared gate: sigmoid, shared output"] = n * (1 + h) * c
+            terms["shared gate input (16-bit copy), sigmoid, shared output"] = cast + n * (1 + h) * c
     return terms
+
+
+def _expert_activation(m: ModelConfig, A: float, c: int) -> dict[str, float]:
+    """What a routed expert's activation saves for A assignments of width F: SwiGLU's [gate; up] (2F; SiLU saves
+    the gate, a view), SiLU(gate) and the product (the proj input); gpt-oss's clamped SwiGLU (gate ≤ limit,
+    up in ±limit, (up + 1)·gate·σ(α·gate)) keeps [gate; up] (the clamps' inputs), the clamped gate, up + 1,
+    σ(α·gate), (up + 1)·gate and the proj input: 7F against 4F. Biases save nothing."""
+    F = m.expert_size
+    if m.moe_activation == "swiglu_clamped":
+        return {"expert fc output [gate; up], clamped gate, up + 1, sigmoid, (up + 1)·gate, proj input": A * 7 * F * c}
+    return {"expert fc output [gate; up], SiLU(gate), proj input": A * 4 * F * c}
 
 
 def activation_terms(m: ModelConfig, micro_batch: int, tp: int = 1, sp: bool = False, recompute: str = "none",
@@ -362,8 +376,11 @@ def activation_terms(m: ModelConfig, micro_batch: int, tp: int = 1, sp: bool = F
     if dropout:
         terms["attention residual dropout mask"] = _mask(residual, proj_out, dt)
     terms.update(_norm_terms(m, sh, dt, "norm2"))
-    terms["fc input"] = linear_in
-    terms.update(_moe_terms(m, sh, dt) if moe else _mlp_terms(m, sh, dt))
+    if moe:  # the router's fp32 input in place of a 16-bit linear's
+        terms.update(_moe_terms(m, sh, dt))
+    else:
+        terms["fc input"] = linear_in
+        terms.update(_mlp_terms(m, sh, dt))
     if dropout and not moe:
         terms["MLP residual dropout mask"] = _mask(residual, proj_out, dt)
     return terms
@@ -388,6 +405,50 @@ def layer_activation_bytes(cfg: Config, micro_batch: int | None = None, n_layers
         for i in chunk[1:]:
             out[i] = 0.0
     return out
+
+
+def mtp_activation_terms(m: ModelConfig, micro_batch: int, depth: int = 1, tp: int = 1, sp: bool = False,
+                         recompute: str = "none", dtypes: ActivationDtypes | None = None, backend: str | None = None,
+                         seq_len: int | None = None, cp: int = 1, head_keeps_h: bool = False) -> dict[str, float]:
+    """Bytes saved for backward by multi-token prediction module `depth` (1..D; models/mtp.py) on one tp rank: its
+    forward, as `meshlm bench memory`'s "mtp k" row counts it (the embedding lookup of its tokens, its output norm
+    and the shared head run outside it, like the main model's final norm and head).
+
+    * enorm over the embeddings e (fp32, the table's dtype): as a layer's norm, its input included;
+    * hnorm over h, the previous depth's stream: its input is first kept here only at depth 1, and only when the
+      head did not keep the main model's normed output itself (`head_keeps_h`: the unfused head under tp > 1 in
+      fp32; the fused head keeps its finished gradients, a 16-bit linear its own copy); at depth ≥ 2 h is the
+      previous module's block output, which that module's output norm keeps;
+    * the merge's input, the two normed halves side by side: `2·n·h·c`;
+    * the block, of the last layer's kind (MoE, window; `activation_terms`); its stream is the main model's dtype
+      (the merge output cast back), so it saves what the last layer saves. `recompute`: the block's mode (`full`:
+      it is its own checkpoint region, its input alone saved)."""
+    dt = dtypes or activation_dtypes("fp32", "cpu")
+    sh = LayerShape.of(m, micro_batch, tp, sp, seq_len, cp)
+    last = m.n_layers - 1
+    enorm, hnorm = _norm_terms(m, sh, dt, "enorm"), _norm_terms(m, sh, dt, "hnorm")
+    if depth > 1 or head_keeps_h:
+        del hnorm["hnorm input"]
+    terms = {**enorm, **hnorm, "merge input [enorm(e); hnorm(h)]": sh.tokens_residual * 2 * sh.h * dt.compute}
+    block = activation_terms(m, micro_batch, tp, sp, recompute, dt, backend, seq_len, cp, moe=m.is_moe_layer(last),
+                             local=m.layer_window(last) > 0)
+    terms.update({f"block: {name}": value for name, value in block.items()})
+    return terms
+
+
+def mtp_activation_bytes(cfg: Config, micro_batch: int | None = None, dtypes: ActivationDtypes | None = None,
+                         backend: str | None = None, device_type: str = "cpu") -> list[float]:
+    """Bytes saved for backward by each of the `model.mtp_depth` modules under `cfg` (`mtp_activation_terms`): the
+    block recomputed as `parallel.recompute` does it (selective: its attention core; full: its own region when
+    every layer is, `recompute_num_layers` 0, else stored); the model computes its own loss (trainer.py), fused at
+    tp = 1, so the head keeps the main output h only under tp > 1 and in fp32."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    dt = dtypes or activation_dtypes(t.precision, device_type, m.hidden_size)
+    mode = t.recompute if t.recompute != "full" or not t.recompute_num_layers else "none"
+    head_keeps_h = p.tp > 1 and dt.compute >= dt.residual
+    return [sum(mtp_activation_terms(m, micro_batch or t.micro_batch_size, k, p.tp, p.sp, mode, dt,
+                                     backend or attention_backend(device_type, m.dropout), cp=p.cp,
+                                     head_keeps_h=head_keeps_h).values()) for k in range(1, m.mtp_depth + 1)]
 
 
 def pipeline_activation_factor(pp: int, micro_batches: int, vpp: int = 1) -> float:

@@ -70,15 +70,21 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
     return str(t.device), t.untyped_storage().data_ptr()
 
 
+_VIEWS = ("TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0", "ExpandBackward0")
+_PARTS = ("SelectBackward0", "SliceBackward0")  # one slice of a stacked parameter: an expert's `experts.fc[e]`
+
+
 def _is_param_copy(t: torch.Tensor, params: set[int]) -> bool:
-    """A `.to(dtype)` of a parameter (what autocast saves for a linear's weight), seen through views."""
+    """A `.to(dtype)` of a parameter or of a slice of one (what autocast saves for a linear's weight: a layer's,
+    or one expert's of the stacked experts, `models/moe.py`), seen through views."""
     fn = t.grad_fn
-    while fn is not None and type(fn).__name__ in ("TBackward0", "ViewBackward0", "TransposeBackward0",
-                                                    "PermuteBackward0", "ExpandBackward0"):
+    while fn is not None and type(fn).__name__ in _VIEWS:
         fn = fn.next_functions[0][0]
     if fn is None or type(fn).__name__ != "ToCopyBackward0":
         return False
     leaf = fn.next_functions[0][0]
+    while leaf is not None and type(leaf).__name__ in _VIEWS + _PARTS:
+        leaf = leaf.next_functions[0][0]
     return leaf is not None and id(getattr(leaf, "variable", None)) in params
 
 

@@ -88,7 +88,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = torch.promote_types(x.dtype, torch.float32)  # at least fp32 (float64 runs stay float64)
         bias = self.bias.to(dtype) if self.bias is not None else None
-        return F.linear(x.to(dtype), self.weight.to(dtype), bias)  # routing in fp32 under autocast too
+        with torch.autocast(x.device.type, enabled=False):  # routing in fp32 under autocast too (autocast would
+            return F.linear(x.to(dtype), self.weight.to(dtype), bias)  # cast the linear's operands to 16 bits)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -144,7 +145,28 @@ class LocalDispatch:
         counts = torch.bincount(experts, minlength=module.n_experts)
         rows = tokens[order]
         out = module.run(x.index_select(0, rows), counts)
-        return torch.zeros_like(x).index_add_(0, rows, (out * weights[order, None]).to(x.dtype))
+        return add_rows(x, rows, (out * weights[order, None]).to(x.dtype))
+
+
+class _AddRows(torch.autograd.Function):
+    """`zeros_like(like).index_add_(0, index, src)` whose backward keeps only `index`: index_add_'s own keeps
+    `src` alive for its shape alone (the weighted expert outputs, A·h elements per MoE layer, fp32 under autocast)."""
+
+    @staticmethod
+    def forward(ctx, like: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        return torch.zeros_like(like, dtype=src.dtype).index_add_(0, index, src)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return None, None, grad.index_select(0, index)
+
+
+def add_rows(like: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """The experts' weighted rows `src` (A, H) summed per token into a tensor of `like`'s shape (N, H): row a goes
+    to token `index[a]`, the tokens no row reaches stay 0 (the dispatches' last step)."""
+    return _AddRows.apply(like, index, src)
 
 
 @dataclasses.dataclass

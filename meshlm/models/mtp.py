@@ -50,8 +50,10 @@ class MTPModule(nn.Module):
 
     def forward(self, h: torch.Tensor, e: torch.Tensor, rope=None, cache=None, start=0) -> torch.Tensor:
         """h: the previous depth's stream (B, T, h), e: the embeddings of the tokens one further ahead (B, T, h)
-        → this depth's stream (B, T, h), before `norm`."""
-        return self.block(self.merge(torch.cat((self.enorm(e), self.hnorm(h)), dim=-1)), rope, cache, start)
+        → this depth's stream (B, T, h), before `norm`. The block's stream is in h's dtype, as the main model's is
+        (fp32 under autocast, where the merge's output is 16-bit), so the block computes and saves what a layer does."""
+        merged = self.merge(torch.cat((self.enorm(e), self.hnorm(h)), dim=-1))
+        return self.block(merged.to(h.dtype), rope, cache, start)
 
 
 def shifted(targets: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

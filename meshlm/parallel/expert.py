@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.core.config import Config
-from meshlm.models.moe import Experts, moe_layers
+from meshlm.models.moe import Experts, add_rows, moe_layers
 from meshlm.parallel.data import GradSync, MakeOptimizer, Owned, ParamGroups
 from meshlm.parallel.grads import local_square_sum, sum_over_group
 from meshlm.parallel.mesh import ParallelDims
@@ -99,8 +99,7 @@ class AllToAllDispatch:
             out = out + got.sum() * 0
         back = out.index_select(0, torch.argsort(perm))  # source-rank order again
         ret = _AllToAll.apply(back, send_splits, recv_splits, self.group)
-        y = torch.zeros_like(x)
-        return y.index_add_(0, tokens[order], (ret * weights[order, None]).to(x.dtype))
+        return add_rows(x, tokens[order], (ret * weights[order, None]).to(x.dtype))  # (saves the index only)
 
 
 def apply_expert_parallel(model: nn.Module, dims: ParallelDims, cfg: Config) -> None:

@@ -25,6 +25,8 @@ from meshlm.core.memory import (
     attention_backend,
     korthikanti_bytes,
     model_state_bytes,
+    mtp_activation_bytes,
+    mtp_activation_terms,
     ring_send_bytes,
 )
 from meshlm.core.precision import Precision, resolve_precision
@@ -48,15 +50,20 @@ def bench_memory(cfg: Config) -> str:
     par = build_model(cfg, dims, rng=rng, spec=spec)  # meta-built: this rank allocates only its shards
     model, loss_fn = par.model, par.loss_fn
     precision = Precision(resolve_precision(t.precision, dims.device, m.hidden_size)[0], dims.device)
+    # multi-token prediction (models/mtp.py): its modules measured as rows of their own, after the layers, and the
+    # model's own loss, which runs them, as the trainer computes it
+    mtp = list(getattr(model, "mtp", None) or ())
     report = measure_model_activations(model, loss_fn, t.micro_batch_size, m.seq_len, m.vocab_size,
-                                       precision.autocast(), rng, fused_loss=use_fused_loss(cfg, dims.device)
-                                       and p.tp == 1 and spec.fused_loss, example=spec.example_batch)
+                                       precision.autocast(), rng, fused_loss=bool(mtp) or (use_fused_loss(cfg, dims.device)
+                                       and p.tp == 1 and spec.fused_loss), example=spec.example_batch,
+                                       layers=[*getattr(model, spec.pipeline.layers), *mtp])
     cp_layers = _gather_cp_layers(report.layers_total, dims) if p.cp > 1 else []
     if not dims.is_main:
         return ""
     device_type = dims.device.type
     dtypes, backend = activation_dtypes(precision.name, device_type), attention_backend(device_type, m.dropout)
     formula = spec.activation_bytes(cfg, dtypes=dtypes, backend=backend)
+    formula += mtp_activation_bytes(cfg, dtypes=dtypes, backend=backend) if mtp else []
     mode = t.recompute + (f" ({t.recompute_method}, recompute_num_layers={t.recompute_num_layers})"
                           if t.recompute == "full" else "")
     title = (f"activation memory, one micro-batch: b={t.micro_batch_size} s={m.seq_len} h={m.hidden_size} "
@@ -65,7 +72,8 @@ def bench_memory(cfg: Config) -> str:
              f"({'ring attention' if p.cp > 1 else f'SDPA {backend} backend'}); rank 0 of {dims.world_size}")
     lines = [title, "", "| layer | measured bytes | formula bytes | measured / formula |", "|---|---|---|---|"]
     for i, (got, want) in enumerate(zip(report.per_layer, formula)):
-        lines.append(f"| {i} | {got:,} | {want:,.0f} | {got / want if want else float('nan'):.3f} |")
+        label = i if i < m.n_layers else f"mtp {i - m.n_layers + 1}"  # mtp_activation_bytes: norms, merge, block
+        lines.append(f"| {label} | {got:,} | {want:,.0f} | {got / want if want else float('nan'):.3f} |")
     outside = (f"outside the layers (embedding, final norm, head, loss): {report.outside_bytes:,} bytes; "
                f"autocast copies of weights: {report.param_copy_bytes:,} bytes")
     total = f"| all | {report.layers_total:,} | {sum(formula):,.0f} | {report.layers_total / sum(formula):.3f} |"
@@ -78,6 +86,12 @@ def bench_memory(cfg: Config) -> str:
     terms = activation_terms(m, t.micro_batch_size, p.tp, p.sp, "none" if t.recompute == "full" else t.recompute,
                              dtypes, backend, cp=p.cp, moe=moe, local=local)
     lines += [f"  {name}: {value:,.0f}" for name, value in terms.items()]
+    if mtp:  # the first module's (a later one keeps no hnorm input: the previous module's output norm keeps it)
+        lines.append("formula terms of multi-token prediction module 1 (bytes):")
+        mode = t.recompute if t.recompute != "full" or not t.recompute_num_layers else "none"
+        lines += [f"  {name}: {value:,.0f}" for name, value in mtp_activation_terms(
+            m, t.micro_batch_size, 1, p.tp, p.sp, mode, dtypes, backend, cp=p.cp,
+            head_keeps_h=p.tp > 1 and dtypes.compute >= dtypes.residual).items()]
     paper = korthikanti_bytes(m.seq_len, t.micro_batch_size, m.hidden_size, m.n_heads, p.tp, p.sp,
                               t.recompute if t.recompute != "full" else "full")
     lines.append(f"Korthikanti et al. 2022 Table 2 for this shape (16-bit, dropout, GeLU, MHA): {paper:,.0f} "
