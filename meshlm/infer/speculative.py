@@ -7,13 +7,16 @@ its own, so that each target forward yields 1..k + 1 tokens (docs/serving.md, "S
 - `verify(target, draft_tokens, draft, generator)`: rejection sampling (Leviathan et al. 2023, Chen et al.
   2023). The tokens it returns are distributed exactly as tokens drawn one at a time from `target`.
 - Proposers: `ngram_propose` (prompt lookup: the continuation of the suffix's latest earlier occurrence; no
-  model) and `DraftModel` (a smaller meshlm GPT with the same tokenizer and its own per-row KV cache).
+  model) and `DraftModel` (a smaller meshlm GPT with the same tokenizer and its own paged KV cache, through
+  the engine's `Runner`).
 
-Plain torch and numpy, nothing of the engine: the engine owns the target's cache, penalties, stop rules.
+Nothing of the engine's queue or acceptance: the engine owns the target's cache, penalties, stop rules (a draft model
+runs on a `Runner` of its own).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -21,9 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from meshlm.models.cache import AttentionCache
 from meshlm.models.generate import scaled_logits
-from meshlm.models.layers import attend_rows
 
 
 # ---- the target's distribution -----------------------------------------------------------------------------
@@ -204,48 +205,39 @@ def ngram_propose(tokens: Sequence[int], k: int, n_max: int = 4, n_min: int = 1)
 
 
 # ---- draft-model proposer ------------------------------------------------------------------------------------
-class _Rows(AttentionCache):
-    """Rows of the draft's buffers as the cache of one layer's forward (models/cache.py): per-row positions,
-    `start` a (B,) tensor."""
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor):
-        self.k, self.v = k, v
-
-    def update_and_attend(self, q, k, v, start: torch.Tensor, core, mask=None) -> torch.Tensor:
-        return attend_rows(self.k, self.v, q, k, v, start, core)
-
-
 class DraftModel:
-    """A smaller meshlm GPT (same tokenizer) proposing k tokens for many rows at once, with its own KV cache:
-    per layer a (max_seqs, n_kv_heads, max_len, head_dim) buffer, one row per key (a request id).
+    """A smaller meshlm GPT (same tokenizer) proposing k tokens for many rows at once, with its own paged KV
+    cache: a `Runner` (the serving engine's: `models/paged.py`'s pool and attention over block tables) of
+    `max_seqs` × ⌈`max_len` / `block_size`⌉ blocks, and per key (a request id) a block table that grows as the
+    key's sequence does; one key's blocks are never another's.
 
     `propose(batch, k)` catches each row up on the tokens it has not cached yet (the tokens accepted since
-    last time; a new key: its whole prompt), then runs k batched decode steps, drawing each draft token from
-    the draft's own `target_probs` with the row's parameters (greedy: the argmax). The row remembers the
-    tokens it holds and compares them with the next call's `tokens`, so rejected draft tokens are never
-    reused; `rollback(key, length)` drops them at once, `release(key)` frees the row."""
+    last time; a new key: its whole prompt) in one forward over every row, then runs k batched decode steps,
+    drawing each draft token from the draft's own `target_probs` with the row's parameters (greedy: the
+    argmax). The key remembers the tokens its blocks hold and compares them with the next call's `tokens`, so
+    rejected draft tokens are never reused (their positions are written again); `rollback(key, length)` drops
+    them at once, `release(key)` gives its blocks back."""
 
-    def __init__(self, model, max_seqs: int, max_len: int, vocab_size: int | None = None):
+    def __init__(self, model, max_seqs: int, max_len: int, vocab_size: int | None = None, block_size: int = 16):
+        from meshlm.infer.runner import Runner
+
         cfg = model.cfg
         if cfg.position == "learned" and max_len > cfg.seq_len:
             raise ValueError(f"max_len {max_len} is more than the draft model's learned positions "
                              f"(model.seq_len={cfg.seq_len})")
         self.model = model.eval()
-        self.max_seqs, self.max_len = max_seqs, max_len
+        self.max_seqs, self.max_len, self.block_size = max_seqs, max_len, block_size
         self.vocab_size = vocab_size or cfg.vocab_size
-        p = next(model.parameters())
-        self.device = p.device
-        self.buffers = []
-        for layer in model.layers:
-            shape = (max_seqs, layer.attn.n_kv_heads, max_len, layer.attn.head_dim)
-            self.buffers.append((torch.zeros(shape, dtype=p.dtype, device=p.device),
-                                 torch.zeros(shape, dtype=p.dtype, device=p.device)))
-        self.rows: dict[Hashable, int] = {}
-        self.cached: dict[Hashable, list[int]] = {}  # per key: the tokens whose keys/values its row holds
+        self.device = next(model.parameters()).device
+        blocks = max_seqs * -(-max_len // block_size)
+        self.runner = Runner(self.model, blocks, block_size, cfg.vocab_size)
+        self.free = list(range(blocks))
+        self.tables: dict[Hashable, list[int]] = {}  # per key: its blocks, in position order
+        self.cached: dict[Hashable, list[int]] = {}  # per key: the tokens whose keys/values its blocks hold
         self.generators: dict[Hashable, torch.Generator | None] = {}
 
     def cache_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.buffers)
+        return self.runner.cache_bytes()
 
     def length(self, key: Hashable) -> int:
         """Positions of `key`'s row holding tokens (0 for an unknown key)."""
@@ -257,8 +249,8 @@ class DraftModel:
             del self.cached[key][max(0, length):]
 
     def release(self, key: Hashable) -> None:
-        """Free `key`'s row (a finished request)."""
-        self.rows.pop(key, None)
+        """Give `key`'s blocks back (a finished request)."""
+        self.free.extend(self.tables.pop(key, ()))
         self.cached.pop(key, None)
         self.generators.pop(key, None)
 
@@ -285,14 +277,14 @@ class DraftModel:
         order = sorted((i for i in range(len(batch)) if wants[i] > 0), key=lambda i: -wants[i])
         if not order:
             return out
-        self._place([keys[i] for i in order])
         rows = [batch[i] for i in order]
+        for key, item, n in zip((keys[i] for i in order), rows, (wants[i] for i in order)):
+            self._hold(key, len(item[1]) + n - 1)  # the catch-up and every draft token fed but the last
         gens = [self._generator(item) for item in rows]
         logits = self._catch_up([keys[i] for i in order], [item[1] for item in rows])
-        drafts, probs = self._draft_steps(rows, [wants[i] for i in order], gens, logits)
+        drafts, probs = self._draft_steps([keys[i] for i in order], rows, [wants[i] for i in order], gens, logits)
         for j, i in enumerate(order):
-            tokens = list(batch[i][1])
-            self.cached[keys[i]] = tokens + drafts[j][:-1]  # the last draft token is not fed
+            self.cached[keys[i]] = list(batch[i][1]) + drafts[j][:-1]  # the last draft token is not fed
             out[i] = (drafts[j], torch.stack(probs[j]))
         return out
 
@@ -308,58 +300,36 @@ class DraftModel:
             self.generators[key] = gen
         return self.generators[key]
 
-    def _place(self, keys: list[Hashable]) -> None:
-        """Rows 0..n-1 for `keys` in this order (other keys' rows after them), moving rows as needed."""
-        wanted = set(keys)
-        free = sorted(set(range(self.max_seqs)) - set(self.rows.values()))
-        for key in keys:
-            if key not in self.rows:
-                if not free:
-                    raise ValueError(f"the draft model's {self.max_seqs} rows are all in use (release finished "
-                                     "keys, or raise max_seqs)")
-                self.rows[key] = free.pop(0)
-                self.cached[key] = []
-        others = sorted((row, i) for i, (key, row) in enumerate(self.rows.items()) if key not in wanted)
-        every = list(self.rows)
-        order = keys + [every[i] for _, i in others]
-        src = [self.rows[key] for key in order]
-        moved = [i for i, s in enumerate(src) if s != i]
-        length = max((len(self.cached[order[i]]) for i in moved), default=0)
-        if moved and length:
-            dst = torch.tensor(moved, device=self.device)
-            from_rows = torch.tensor([src[i] for i in moved], device=self.device)
-            for kb, vb in self.buffers:
-                kb[dst, :, :length] = kb[from_rows, :, :length]  # the right side is a copy: any permutation
-                vb[dst, :, :length] = vb[from_rows, :, :length]
-        self.rows = {key: i for i, key in enumerate(order)}
+    def _hold(self, key: Hashable, positions: int) -> None:
+        """`key`'s table long enough for `positions` positions (a new key: a fresh table), blocks from the free
+        list; ValueError when `max_seqs` keys already hold blocks."""
+        if key not in self.tables:
+            if len(self.tables) >= self.max_seqs:
+                raise ValueError(f"the draft model's {self.max_seqs} rows are all in use (release finished keys, "
+                                 "or raise max_seqs)")
+            self.tables[key], self.cached[key] = [], []
+        table = self.tables[key]
+        while len(table) * self.block_size < positions:
+            table.append(self.free.pop())
 
-    def _forward(self, first_row: int, ids: list[list[int]], starts: list[int]) -> torch.Tensor:
-        """Rows first_row.. take ids[b] at positions starts[b]..; (B, T, V) fp32 logits."""
-        n = len(ids)
-        caches = [_Rows(k[first_row:first_row + n], v[first_row:first_row + n]) for k, v in self.buffers]
-        x = torch.tensor(ids, dtype=torch.long, device=self.device)
-        start = torch.tensor(starts, dtype=torch.long, device=self.device)
-        logits = self.model(x, caches=caches, start=start)[..., :self.vocab_size].float()
+    def _forward(self, keys: list[Hashable], ids: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Row b feeds ids[b] at positions starts[b].. into key b's blocks; (B, V) fp32 logits of each row's
+        last token."""
+        from meshlm.infer.scheduler import ForwardPlan
+
+        rows = tuple((range(s, s + len(t)), tuple(self.tables[key])) for key, t, s in zip(keys, ids, starts))
+        ends = list(itertools.accumulate(len(t) for t in ids))
+        plan = ForwardPlan(ids=tuple(t for row in ids for t in row), rows=rows, select=tuple(e - 1 for e in ends))
+        logits = self.runner.forward(plan)
         if logits.shape[-1] < self.vocab_size:  # a draft vocabulary smaller than the target's
             logits = F.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
-        return logits
+        return logits[:, :self.vocab_size]
 
     def _catch_up(self, keys: list[Hashable], sequences: list[Sequence[int]]) -> torch.Tensor:
-        """Feed rows 0..n-1 what they have not cached of `sequences` (at least the last token); (n, V) logits
-        of each row's next token. A row far behind (a new prompt) is prefilled alone first; the others share
-        one forward, a shorter row starting earlier (rewriting tokens it holds) so every row feeds T tokens."""
-        cached = [min(self._common(self.cached[key], seq), len(seq) - 1)
-                  for key, seq in zip(keys, sequences)]
-        for row, seq in enumerate(sequences):
-            if len(seq) - cached[row] > 2:  # all but the last token, alone
-                self._forward(row, [list(seq[cached[row]:len(seq) - 1])], [cached[row]])
-                cached[row] = len(seq) - 1
-        T = max(len(seq) - c for seq, c in zip(sequences, cached))
-        starts = [max(0, len(seq) - T) for seq in sequences]
-        ids = [list(seq[s:s + T]) + [0] * (T - len(seq[s:s + T])) for seq, s in zip(sequences, starts)]
-        logits = self._forward(0, ids, starts)
-        last = torch.tensor([len(seq) - 1 - s for seq, s in zip(sequences, starts)], device=logits.device)
-        return logits[torch.arange(len(sequences), device=logits.device), last]
+        """Feed each key what it has not cached of its sequence (at least the last token), all rows in one
+        forward (a long run, a new prompt, attends alone in it); (n, V) logits of each row's next token."""
+        cached = [min(self._common(self.cached[key], seq), len(seq) - 1) for key, seq in zip(keys, sequences)]
+        return self._forward(keys, [list(seq[c:]) for seq, c in zip(sequences, cached)], cached)
 
     @staticmethod
     def _common(cached: list[int], tokens: Sequence[int]) -> int:
@@ -369,7 +339,8 @@ class DraftModel:
             return n
         return next(i for i in range(n) if cached[i] != tokens[i])
 
-    def _draft_steps(self, rows: list[tuple], wants: list[int], gens: list, logits: torch.Tensor):
+    def _draft_steps(self, keys: list[Hashable], rows: list[tuple], wants: list[int], gens: list,
+                     logits: torch.Tensor):
         """Draw each row's draft tokens: the first from the catch-up's logits, then one batched decode step
         per further token, for the rows (a prefix: sorted by `wants`) still wanting one."""
         drafts: list[list[int]] = [[] for _ in rows]
@@ -377,9 +348,8 @@ class DraftModel:
         for j in range(max(wants)):
             if j:
                 n = sum(w > j for w in wants)
-                ids = [[drafts[r][-1]] for r in range(n)]
                 starts = [len(rows[r][1]) + j - 1 for r in range(n)]
-                logits = self._forward(0, ids, starts)[:, -1]
+                logits = self._forward(keys[:n], [[drafts[r][-1]] for r in range(n)], starts)
             q = torch.stack([target_probs(logits[r], rows[r][2]) for r in range(len(logits))])
             picked = draw(q, gens[:len(q)]).tolist()  # greedy rows: a one-hot q, its argmax without a draw
             for r, token in enumerate(picked):

@@ -1,13 +1,14 @@
 """The one interface between attention and a KV cache: `update_and_attend`.
 
 `Attention.forward` (models/layers.py) computes the step's queries, keys and values and hands all three to its
-cache, which stores the new keys and values and returns the attention output over everything it holds. Three
+cache, which stores the new keys and values and returns the attention output over everything it holds. Two
 caches implement it, each with its own layout:
-- `KVCache` (models/layers.py): (B, n_kv_heads, max_len, hs) rows for `meshlm generate` and evaluation, every
-  row at the same position (an int `start`), or each at its own (a (B,) tensor `start`);
-- the draft model's per-row cache (infer/speculative.py): rows of a larger buffer, per-row positions;
+- `KVCache` (models/layers.py): (B, n_kv_heads, max_len, hs) rows for `models.generate` (evaluation, the
+  sample a training run prints), every row at the same position (an int `start`), or each at its own (a (B,)
+  tensor `start`);
 - `PagedCache` (models/paged.py): the serving engine's pool of blocks, read through block tables, with its own
-  per-token layout (`start` is then the step's positions, already in the cache's `Batch`).
+  per-token layout (`start` is then the step's positions, already in the cache's `Batch`): `meshlm serve`,
+  `meshlm generate` and `meshlm chat` (infer/local.py), and the draft model (infer/speculative.py).
 So a new attention path (attention over the pool in place, a compiled kernel) is one more implementation here,
 not one more branch in Attention.
 """
