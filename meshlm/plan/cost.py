@@ -33,6 +33,7 @@ from meshlm.core.memory import (
     attention_backend,
     model_state_bytes_per_param,
     moe_mlp_parameters,
+    mtp_activation_terms,
     pipeline_activation_factor,
     ring_buffer_bytes,
     ring_send_bytes,
@@ -388,6 +389,23 @@ def _layer_bytes(m: ModelConfig, b: int, tp: int, sp: bool, recompute: str, opts
     return total / m.n_layers
 
 
+def _mtp_bytes_fix(m: ModelConfig, b: int, tp: int, sp: bool, cand: Candidate, opts: Options, seq_len: int, cp: int,
+                   stored: float, full_bytes: float) -> float:
+    """What the last stage's MTP modules save (`mtp_activation_terms`: their norms, the merge's input, a block of
+    the last layer's kind) less what `_with_mtp` counted for them (one mean layer each: `stored`, or a checkpoint
+    region's input `full_bytes` when their blocks are recomputed whole)."""
+    if not m.mtp_depth:
+        return 0.0
+    dtypes = opts.dtypes or activation_dtypes(opts.precision, opts.device_type)
+    backend = opts.backend or attention_backend(opts.device_type, m.dropout)
+    whole = cand.recompute == "full" and not cand.recompute_num_layers  # `_with_mtp`: recomputed as regions
+    mode = "full" if whole else ("none" if cand.recompute == "full" else cand.recompute)
+    own = sum(sum(mtp_activation_terms(m, b, k, tp, sp, mode, dtypes, backend, seq_len, cp,
+                                       head_keeps_h=tp > 1 and dtypes.compute >= dtypes.residual).values())
+              for k in range(1, m.mtp_depth + 1))
+    return own - m.mtp_depth * (full_bytes if whole else stored)
+
+
 @lru_cache(maxsize=64)
 def layer_kinds(m: ModelConfig) -> dict[tuple[bool, bool], int]:
     """{(MoE layer, sliding-window layer): how many layers} of the model."""
@@ -646,8 +664,9 @@ class _Stages:
 
 def _with_mtp(st: _Stages, m: ModelConfig, cand: Candidate) -> _Stages:
     """The stages with the `model.mtp_depth` MTP modules (models/mtp.py) on the last pipeline rank, beside the head
-    they share: each counted as one more of the model's mean layers (its block: weights, activations, time,
-    recomputed as the stage's layers are when every layer is), its merge and norms added by `_estimate`."""
+    they share: each counted as one more of the model's mean layers (its block: weights, time, recomputed as the
+    stage's layers are when every layer is), its merge and norms' weights added by `_estimate`, its activations
+    replaced by the modules' own in `_memory` (`_mtp_bytes_fix`)."""
     if not m.mtp_depth:
         return st
     d, every = m.mtp_depth, cand.recompute == "selective" or (cand.recompute == "full" and not cand.recompute_num_layers)
@@ -832,6 +851,7 @@ def _memory(r: _Run, stored: float, st: _Stages, params: list[float], experts: l
     whole = model_state_bytes_per_param(opts.states, 1, muon_share=muon_share(r.cfg))
     a2a = 4 * dispatch_bytes(m, b, s // (tp if r.sp else 1), r.c_bytes) if r.ep > 1 else 0.0
     full_bytes = _layer_bytes(m, b, tp, r.sp, "full", opts, r.seq, r.cp)
+    mtp_fix = _mtp_bytes_fix(m, b, tp, r.sp, cand, opts, r.seq, r.cp, stored, full_bytes)  # the last stage's
     ring = _ring_buffers(r)
     factor = pipeline_activation_factor(pp, mb, v) if pp > 1 else 1.0
 
@@ -845,6 +865,8 @@ def _memory(r: _Run, stored: float, st: _Stages, params: list[float], experts: l
             layer_acts = (st.layers[k] - st.recomputed[k]) * stored + st.regions[k] * full_bytes
         else:
             layer_acts = st.layers[k] * stored
+        if k == pp - 1 or (opts.dualpipe and k == 0):  # the MTP modules' own bytes, not mean layers'
+            layer_acts += mtp_fix
         # rank k of 1F1B holds min(p − k, m) micro-batches; the first rank the most
         held = factor if k == 0 else (min(pp - k, mb) * (1 + (pp - 1) / (pp * v)) if v > 1 else min(pp - k, mb))
         if opts.dualpipe:  # p + 1 micro-batches of one stage in flight (the report's Table 2); its two stages' layers

@@ -14,7 +14,7 @@ import os
 
 from meshlm.core.config import Config, ModelConfig
 from meshlm.core.fit import check_fits, device_type_of
-from meshlm.core.memory import model_state_bytes_per_param, pipeline_activation_factor
+from meshlm.core.memory import model_state_bytes_per_param, mtp_activation_bytes, pipeline_activation_factor
 from meshlm.families.registry import get_spec, muon_share
 
 
@@ -49,14 +49,15 @@ def family_parameter_count(m: ModelConfig) -> int:
 def _all_layers_activation_bytes(cfg: Config, device_type: str) -> float:
     """The family's `activation_bytes` summed (0 for a family without a formula: still a lower bound),
     without a list of n_layers entries for absurd n_layers (then a lower bound: every layer saves at least
-    what the first layer of a recomputed region does)."""
+    what the first layer of a recomputed region does), and the multi-token prediction modules'."""
     layer_activation_bytes = get_spec(cfg.model.family).activation_bytes
     if layer_activation_bytes is None:
         return 0.0
     n = cfg.model.n_layers
+    mtp = sum(mtp_activation_bytes(cfg, device_type=device_type)) if cfg.model.mtp_depth else 0.0
     if n <= 100_000:
-        return sum(layer_activation_bytes(cfg, device_type=device_type))
-    return min(layer_activation_bytes(cfg, n_layers=1, device_type=device_type)) * n
+        return sum(layer_activation_bytes(cfg, device_type=device_type)) + mtp
+    return min(layer_activation_bytes(cfg, n_layers=1, device_type=device_type)) * n + mtp
 
 
 

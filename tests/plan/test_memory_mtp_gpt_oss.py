@@ -36,6 +36,9 @@ from meshlm.core.mla import score_width
 from meshlm.models.gpt import GPT
 from meshlm.models.moe import MoE
 from meshlm.plan.bench import bench_memory
+from meshlm.plan.catalog import get_gpu
+from meshlm.plan.cost import Candidate, Cluster, Options
+from meshlm.plan.search import evaluate
 
 TINY = ["--model.n_layers=2", "--model.hidden_size=32", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.seq_len=32", "--model.vocab_size=512", "--train.micro_batch_size=2", "--train.global_batch_size=2",
@@ -149,3 +152,33 @@ def test_the_moe_router_runs_in_fp32_under_autocast():
     x = torch.randn(5, cfg.hidden_size)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert moe.router(x).dtype == torch.float32
+
+
+@pytest.mark.parametrize("recompute, num_layers", [("none", 0), ("selective", 0), ("full", 0), ("full", 1)])
+@pytest.mark.parametrize("config, overrides", [("llama-tiny", [*TINY, "--model.mtp_depth=2"]),
+                                               ("deepseek-v3", [*DEEPSEEK, "--model.mtp_depth=1"])],
+                         ids=["dense-depth2", "deepseek"])
+def test_the_planner_stores_the_mtp_modules_as_bench_memory_counts_them(config, overrides, recompute, num_layers):
+    """One stage, one micro-batch in flight: the modules add their own bytes (`mtp_activation_bytes`, which bench
+    memory holds to the measured bytes), not one mean layer each; recomputed whole when every layer is."""
+    def estimate(*more):
+        cfg = load_config(config, [*overrides, *more, "--train.global_batch_size=8", "--train.micro_batch_size=1",
+                                   f"--train.recompute={recompute}", f"--train.recompute_num_layers={num_layers}",
+                                   *(["--train.recompute_method=block"] if num_layers else [])])  # the planner's N
+        cand = Candidate(1, 1, 8, zero=1, recompute=recompute, recompute_num_layers=num_layers)
+        return evaluate(cfg, cand, Cluster(get_gpu("h100-80gb"), 8, 8), 8, Options()).memory["activations"], cfg
+
+    (got, cfg), (without, _) = estimate(), estimate("--model.mtp_depth=0")
+    modules = mtp_activation_bytes(cfg, dtypes=activation_dtypes("bf16", "cuda"), backend="flash")
+    assert got - without == pytest.approx(sum(modules), rel=1e-12)
+    if config == "llama-tiny":  # every layer alike: the planner's mean layer is each layer
+        layers = layer_activation_bytes(cfg, dtypes=activation_dtypes("bf16", "cuda"), backend="flash")
+        assert got == pytest.approx(sum(layers) + sum(modules), rel=1e-12)
+
+
+def test_the_fit_check_counts_the_mtp_modules():
+    from meshlm.train.fit import training_bytes
+
+    cfg = load_config("llama-tiny", [*TINY, "--model.mtp_depth=2"])
+    want = sum(layer_activation_bytes(cfg)) + sum(mtp_activation_bytes(cfg))
+    assert training_bytes(cfg, world_size=1)["activations"] == pytest.approx(want, rel=1e-12)
