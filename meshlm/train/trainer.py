@@ -35,6 +35,7 @@ from meshlm.core.config import Config, ConfigError
 from meshlm.core.errors import TrainingError
 from meshlm.core.flops import finetune_flops
 from meshlm.core.layout import recomputed_layers
+from meshlm.core.memory import mtp_activation_bytes
 from meshlm.core.precision import Precision
 from meshlm.core.rng import deterministic_algorithms, seed_everything
 from meshlm.data.dataset import BatchLoader
@@ -473,14 +474,26 @@ class Trainer(CheckpointState):
         # At the rows the run trains on: a fine-tuning set's `--max-length` rows, not a released model's whole
         # context (SmolLM2's 8,192 positions would cost a forward of 9 GiB of activations here).
         rows = m.seq_len if self.spec.example_batch is not None else min(self.row_tokens, m.seq_len)
+        modules = getattr(self.model, "mtp", None)  # multi-token prediction: its modules as rows after the layers
+        mtp = list(modules or ())
+        # the measurement's routing statistics (metrics, the sigmoid router's bias) and MTP losses are not the run's
+        moe = [(layer, layer.stats, layer.step_counts) for _, layer in moe_layers(self.model)]
+        recorded = modules.recorded if modules is not None else 0
         acts = measure_model_activations(self.model, self.loss_fn, t.micro_batch_size, rows, m.vocab_size,
                                          self.precision.autocast(), self.tp_rng, self.fused_loss,
-                                         layers=list(getattr(self.model, self.spec.pipeline.layers)),
+                                         layers=[*getattr(self.model, self.spec.pipeline.layers), *mtp],
                                          example=self.spec.example_batch)
         self._take_parts()  # the measurement's loss parts are not the run's
+        for layer, stats, counts in moe:
+            layer.stats, layer.step_counts = stats, counts
+        if modules is not None:
+            modules.drop(recorded, modules.recorded - recorded)
         formula = self.spec.activation_bytes
         at_rows = replace(cfg, model=replace(m, seq_len=rows)) if rows != m.seq_len else cfg
-        self.log(acts.summary(formula(at_rows, device_type=self.device.type) if formula else None))
+        predicted = formula(at_rows, device_type=self.device.type) if formula else None
+        if predicted is not None and mtp:
+            predicted = [*predicted, *mtp_activation_bytes(at_rows, device_type=self.device.type)]
+        self.log(acts.summary(predicted))
 
     def _run(self) -> dict:
         t = self.cfg.train

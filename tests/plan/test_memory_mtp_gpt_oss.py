@@ -34,7 +34,7 @@ from meshlm.core.memory import (
 )
 from meshlm.core.mla import score_width
 from meshlm.models.gpt import GPT
-from meshlm.models.moe import MoE
+from meshlm.models.moe import MoE, moe_layers
 from meshlm.plan.bench import bench_memory
 from meshlm.plan.catalog import get_gpu
 from meshlm.plan.cost import Candidate, Cluster, Options
@@ -182,3 +182,19 @@ def test_the_fit_check_counts_the_mtp_modules():
     cfg = load_config("llama-tiny", [*TINY, "--model.mtp_depth=2"])
     want = sum(layer_activation_bytes(cfg)) + sum(mtp_activation_bytes(cfg))
     assert training_bytes(cfg, world_size=1)["activations"] == pytest.approx(want, rel=1e-12)
+
+
+def test_the_training_log_measures_the_mtp_modules_and_leaves_no_statistics(tmp_path, capsys):
+    """The line the trainer logs at the start counts the modules as rows beside their formula, and the measurement's
+    forward leaves no routing statistics (metrics, the sigmoid router's bias update) and no MTP losses behind."""
+    from meshlm.train.trainer import Trainer
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tmp_path, model={"mtp_depth": 2, "moe_experts": 4, "moe_expert_hidden": 16,
+                                       "moe_router": "sigmoid", "moe_aux_loss": 0.0}, train={"precision": "bf16"})
+    trainer = Trainer(cfg)
+    trainer._log_activations()
+    line = [x for x in capsys.readouterr().out.splitlines() if "activations saved for backward" in x]
+    assert len(line) == 1 and line[0].endswith("measured/formula 1.000"), line
+    assert trainer.model.mtp.recorded == 0
+    assert all(layer.stats is None and layer.step_counts is None for _, layer in moe_layers(trainer.model))
