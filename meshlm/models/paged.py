@@ -244,7 +244,10 @@ class PagedCache(AttentionCache):
             n = g.rows * g.T
             qg = q[g.start:g.start + n, :, 0].view(g.rows, g.T, nh, hd).transpose(1, 2)  # (R, nh, T, hd)
             keys, values = self.gather(g.blocks, g.keys)  # (R, nkv, L, hd)
-            y = core(qg, keys.to(q.dtype), values.to(q.dtype), g.causal, g.mask)
+            if g.mask is not None and q.dtype != torch.float32 and not _banded(core):
+                y = masked_attention(qg, keys.to(q.dtype), values.to(q.dtype), g.mask, _scale(core, hd))
+            else:
+                y = core(qg, keys.to(q.dtype), values.to(q.dtype), g.causal, g.mask)
             out[g.start:g.start + n, :, 0] = y.transpose(1, 2).reshape(n, nh, self.value_dim)
         return out
 
@@ -271,6 +274,22 @@ class PagedCache(AttentionCache):
         m = torch.maximum(m1, m2)
         a, b = (m1 - m).exp(), (m2 - m).exp()
         return ((o1 * a + o2 * b) / (l1 * a + l2 * b)).reshape(R, nh, 1, self.value_dim)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """softmax(q kᵀ · scale, masked) v for q (R, nh, T, d), k (R, nkv, L, d), v (R, nkv, L, dv), mask (R, 1, T, L)
+    (True: attend) → (R, nh, T, dv): the query heads of a KV head in one matrix product (GQA), the softmax in
+    fp32 (or wider). The 16-bit decode path: PyTorch's CPU scaled_dot_product_attention takes 8-12× longer than this for
+    bf16 decoding rows (16 rows of 96-512 keys, SmolLM2's 9 heads over 3; measured in benchmarks/RESULTS.md,
+    "bf16 serving"), while in fp32 the two are alike and the kernel stays."""
+    R, nh, T, d = q.shape
+    nkv = k.shape[1]
+    qh = q.reshape(R, nkv, nh // nkv, T, d)
+    wide = torch.promote_types(q.dtype, torch.float32)  # the softmax's dtype: fp32 at least
+    scores = torch.matmul(qh, k.unsqueeze(2).transpose(-1, -2)).to(wide) * scale  # (R, nkv, group, T, L)
+    probs = scores.masked_fill(~mask.unsqueeze(2), float("-inf")).softmax(-1)
+    return torch.matmul(probs.to(v.dtype), v.unsqueeze(2)).reshape(R, nh, T, v.shape[-1])
 
 
 def _scale(core, head_dim: int) -> float:

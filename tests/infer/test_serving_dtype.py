@@ -25,6 +25,9 @@ from tests.infer.server_helpers import save_gpt_checkpoint
 
 LLAMA = ModelConfig(n_layers=2, hidden_size=64, n_heads=4, n_kv_heads=2, seq_len=64, vocab_size=97,
                     position="rope", norm="rmsnorm", activation="swiglu", bias=False, tie_embeddings=False)
+MLA = ModelConfig(n_layers=2, hidden_size=64, n_heads=4, seq_len=64, vocab_size=97, position="rope", norm="rmsnorm",
+                  activation="swiglu", bias=False, tie_embeddings=False, attention="mla", q_lora_rank=24,
+                  kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
 LOGPROB_TOL = 0.02  # bf16 engine against bf16 full recompute (module docstring)
 TIE_TOL = 0.02  # a greedy choice that is not the reference's argmax must be this close to it (a near tie)
 
@@ -39,9 +42,9 @@ class CharTokenizer:
         return [ord(c) - 0x41 for c in text]
 
 
-def models():
+def models(cfg=LLAMA):
     torch.manual_seed(0)
-    fp32 = GPT(LLAMA).eval()
+    fp32 = GPT(cfg).eval()
     return fp32, cast_parameters(copy.deepcopy(fp32), "bf16")
 
 
@@ -52,9 +55,11 @@ def test_cast_parameters_keeps_the_rope_tables_in_fp32():
     assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(fp32.parameters(), bf16.parameters()))
 
 
+@pytest.mark.parametrize("cfg", [LLAMA, MLA], ids=["gqa", "mla"])
 @torch.no_grad()
-def test_bf16_engine_decodes_as_the_bf16_model_recomputing_everything():
-    fp32, bf16 = models()
+def test_bf16_engine_decodes_as_the_bf16_model_recomputing_everything(cfg):
+    """The 16-bit decoding rows take `masked_attention` (not the layer's kernel); an MLA model its latent cache."""
+    fp32, bf16 = models(cfg)
     engine = Engine(bf16, CharTokenizer(), max_seqs=3, max_len=64)
     assert engine.runner.cache_bytes_per_token() * 2 == Engine(fp32, CharTokenizer(), 1, 64).runner.cache_bytes_per_token()
     g = torch.Generator().manual_seed(1)
@@ -74,6 +79,22 @@ def test_bf16_engine_decodes_as_the_bf16_model_recomputing_everything():
     first = torch.log_softmax(fp32(torch.tensor([prompts[0]]))[0, -1], -1)
     reqs = engine.generate([prompts[0]], params)
     assert abs(reqs[0].output[0].logprob - float(first[reqs[0].output[0].id])) <= 0.1
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_masked_attention_equals_the_kernel_in_float64(T):
+    """`models.paged.masked_attention` (the bf16 decode path) is softmax attention: equal to PyTorch's kernel in
+    float64 with GQA (6 query heads over 2), per-row masks, several queries per row, a value width of its own."""
+    from meshlm.models.paged import masked_attention
+
+    g = torch.Generator().manual_seed(0)
+    R, L = 3, 20
+    q, k = torch.randn(R, 6, T, 8, generator=g, dtype=torch.float64), torch.randn(R, 2, L, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(R, 2, L, 5, generator=g, dtype=torch.float64)
+    ends = torch.tensor([7, 20, 13])
+    mask = (torch.arange(L)[None, None, :] < (ends[:, None] - T + 1 + torch.arange(T)[None, :])[:, :, None])[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=0.3)
+    assert torch.allclose(masked_attention(q, k, v, mask, 0.3), ref, atol=1e-12, rtol=0)
 
 
 @torch.no_grad()
