@@ -101,7 +101,7 @@ class ModelConfig:
     dropout: float = 0.0
     position: str = "learned"  # learned | rope
     norm: str = "layernorm"  # layernorm | rmsnorm
-    activation: str = "gelu"  # gelu (tanh approximation, GPT-2) | gelu_exact (erf, BERT) | swiglu
+    activation: str = "gelu"  # gelu (tanh approximation, GPT-2) | gelu_exact (erf, BERT) | swiglu | geglu (Gemma)
     bias: bool = True
     # Qwen3: an RMSNorm over each head's queries and another over its keys (head_dim wide, weights shared by the
     # heads, eps norm_eps), after the projection and before RoPE (models/layers.py `Attention`). rmsnorm models only.
@@ -138,6 +138,17 @@ class ModelConfig:
     # gradient (λ = mtp_loss_weight; the logged loss stays the main one, `mtp_loss` is logged apart). 0: none.
     mtp_depth: int = 0
     mtp_loss_weight: float = 0.3
+    # Gemma 3's layer (GPT family; models/layers.py, docs/architecture.md): norm_unit_offset makes every RMSNorm scale
+    # by (1 + w) (weights start at 0), computed in fp32 and cast back; sandwich_norm adds a norm on the attention's
+    # and the MLP's outputs before each residual add (post_attn_norm, post_mlp_norm); embed_scale multiplies the
+    # token embeddings by √hidden_size (rounded to their dtype); attn_scale_dim d makes the softmax scale 1/√d
+    # (Gemma's query_pre_attn_scalar; 0: 1/√head_dim); rope_local_theta > 0 is the RoPE base of the local
+    # (sliding-window) layers, which then rotate without rope_scaling (0: every layer rope_theta and its scaling).
+    norm_unit_offset: bool = False
+    sandwich_norm: bool = False
+    embed_scale: bool = False
+    attn_scale_dim: float = 0.0
+    rope_local_theta: float = 0.0
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
@@ -146,7 +157,7 @@ class ModelConfig:
     # original_max_position_embeddings); Llama 3 blends by wavelength between the low/high frequency factors,
     # YaRN ramps between beta_fast and beta_slow rotations and scales cos/sin by `rope_attention_factor`
     # (0: YaRN's 0.1 ln(s) + 1).
-    rope_scaling: str = "none"
+    rope_scaling: str = "none"  # none | linear (positions / rope_factor; Gemma 3's global layers) | llama3 | yarn
     rope_factor: float = 1.0
     rope_original_len: int = 0
     rope_low_freq_factor: float = 1.0
@@ -204,10 +215,15 @@ class ModelConfig:
         return self.head_size or self.hidden_size // self.n_heads
 
     @property
+    def gated(self) -> bool:
+        """The MLP is gated, fc = [W_gate; W_up]: SwiGLU (silu(gate)·up) or GeGLU (gelu_tanh(gate)·up)."""
+        return self.activation in ("swiglu", "geglu")
+
+    @property
     def ffn_size(self) -> int:
         if self.ffn_hidden_size:
             return self.ffn_hidden_size
-        if self.activation == "swiglu":
+        if self.gated:
             return 64 * ((8 * self.hidden_size // 3 + 63) // 64)
         return 4 * self.hidden_size
 
@@ -228,7 +244,7 @@ class ModelConfig:
         _check(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)")
         _choices("model.position", self.position, ("learned", "rope"))
         _choices("model.norm", self.norm, ("layernorm", "rmsnorm"))
-        _choices("model.activation", self.activation, ("gelu", "gelu_exact", "swiglu"))
+        _choices("model.activation", self.activation, ("gelu", "gelu_exact", "swiglu", "geglu"))
         _positive("model", self, "type_vocab_size", "num_labels")
         _choices("model.bert_head", self.bert_head, ("pretrain", "mlm", "classify", "span", "tokens", "encoder"))
         _choices("model.pooling", self.pooling, ("cls", "mean"))
@@ -238,6 +254,7 @@ class ModelConfig:
         self._validate_qk_norm()
         self._validate_window()
         self._validate_rope_scaling()
+        self._validate_gemma()
         self._validate_moe()
         _non_negative("model", self, "mtp_depth", zero="0 turns multi-token prediction off")
         _check(self.mtp_loss_weight >= 0, f"model.mtp_loss_weight={self.mtp_loss_weight} must be at least 0 "
@@ -277,6 +294,21 @@ class ModelConfig:
         if self.sliding_window or self.attention_sinks:  # (BERT refuses them when built, models/bert.py)
             _check(self.attention == "mha", "model.sliding_window and model.attention_sinks are for Attention, but "
                    f"model.attention={self.attention!r}; set model.sliding_window=0, model.attention_sinks=false")
+
+    def _validate_gemma(self) -> None:
+        _non_negative("model", self, "attn_scale_dim", zero="0 gives 1/√head_dim")
+        _non_negative("model", self, "rope_local_theta", zero="0 gives every layer model.rope_theta")
+        _check(not self.norm_unit_offset or self.norm == "rmsnorm", "model.norm_unit_offset=true scales RMSNorm "
+               f"by (1 + w) (Gemma), but model.norm={self.norm!r}; set model.norm='rmsnorm' or model.norm_unit_offset=false")
+        if self.attention == "mla":
+            _check(not self.norm_unit_offset and not self.attn_scale_dim, "model.norm_unit_offset and "
+                   "model.attn_scale_dim are for Attention (Gemma), but model.attention='mla' has its own norms and "
+                   "scale; set model.norm_unit_offset=false, model.attn_scale_dim=0")
+        if self.rope_local_theta:
+            _check(self.position == "rope" and self.sliding_window > 0, f"model.rope_local_theta="
+                   f"{self.rope_local_theta} is the RoPE base of the local layers, but model.position="
+                   f"{self.position!r}, model.sliding_window={self.sliding_window}; set model.position='rope' and "
+                   "model.sliding_window, or model.rope_local_theta=0")
 
     def layer_window(self, i: int) -> int:
         """The sliding window of layer i (from 0): `sliding_window` for a local layer, 0 for a global one."""
@@ -341,7 +373,7 @@ class ModelConfig:
                f"model.moe_top_k={self.moe_top_k} experts; raise it")
 
     def _validate_rope_scaling(self) -> None:
-        _choices("model.rope_scaling", self.rope_scaling, ("none", "llama3", "yarn"))
+        _choices("model.rope_scaling", self.rope_scaling, ("none", "linear", "llama3", "yarn"))
         _check(self.rope_factor >= 1, f"model.rope_factor={self.rope_factor} must be at least 1 (the context "
                "extension factor, e.g. 8 for Llama 3.1)")
         _check(self.rope_original_len >= 0, f"model.rope_original_len={self.rope_original_len} must be the "
@@ -356,8 +388,8 @@ class ModelConfig:
         name = f"model.rope_scaling={self.rope_scaling!r}"
         _check(self.position == "rope", f"{name} scales rotary positions; set model.position='rope' or "
                "model.rope_scaling='none'")
-        _check(self.rope_original_len > 0, f"{name} needs model.rope_original_len, the context length the model "
-               "was pretrained with (e.g. 8192 for Llama 3)")
+        _check(self.rope_original_len > 0 or self.rope_scaling == "linear", f"{name} needs model.rope_original_len, "
+               "the context length the model was pretrained with (e.g. 8192 for Llama 3)")
         if self.rope_scaling == "llama3":
             _check(self.rope_low_freq_factor < self.rope_high_freq_factor,
                    f"model.rope_low_freq_factor={self.rope_low_freq_factor} and model.rope_high_freq_factor="

@@ -1,7 +1,7 @@
 """FLOPs of a decoder transformer (Megatron's formula), free of torch: the planner and the trainer share it.
 
 Model FLOPs per step (causal attention counted once; mixture-of-experts layers count their active weights,
-`moe_active_mlp_weights`, in place of e·h·f; e = 3 with SwiGLU else 2; k head dim, a query heads,
+`moe_active_mlp_weights`, in place of e·h·f; e = 3 with SwiGLU or GeGLU else 2; k head dim, a query heads,
 g KV heads, f MLP width, T tokens, S2 = Σ s_i² = B·s²):
     F = 6·T·[L·(e·h·f + h·(k·a + 2·k·g) + k·a·h) + h·V] + 6·S2·L·k·a
 A sliding-window layer (window W, `model.sliding_window`) counts the query-key pairs its band holds, s·w − w²/2
@@ -24,7 +24,7 @@ def layer_flops_per_token(m: ModelConfig, layer: int | None = None) -> float:
     the router (E·h), top_k experts and the shared expert (`moe_active_mlp_weights`)."""
     if layer is None:
         return sum(layer_flops_per_token(m, i) for i in range(m.n_layers)) / m.n_layers
-    e = 3 if m.activation == "swiglu" else 2
+    e = 3 if m.gated else 2  # SwiGLU, GeGLU: [gate; up] and proj
     h, f, k, a, g = m.hidden_size, m.ffn_size, m.head_dim, m.n_heads, m.kv_heads
     mlp = moe_active_mlp_weights(m) if m.is_moe_layer(layer) else e * h * f
     attention = mla_attention_weights(m) if m.attention == "mla" else h * (k * a + 2 * k * g) + k * a * h

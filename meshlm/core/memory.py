@@ -32,9 +32,10 @@ def parameter_count(m: ModelConfig) -> int:
     norm = (2 * h if m.bias else h) if m.norm == "layernorm" else h
     qkv = h * k * (m.n_heads + 2 * m.kv_heads) + (k * (m.n_heads + 2 * m.kv_heads) if m.bias else 0)
     proj = k * m.n_heads * h + (h if m.bias else 0)
-    fc_out = 2 * f if m.activation == "swiglu" else f
+    fc_out = 2 * f if m.gated else f
     mlp = h * fc_out + (fc_out if m.bias else 0) + f * h + (h if m.bias else 0)
     layer = 2 * norm + qkv + proj + mlp + (2 * k if m.qk_norm else 0)  # Qwen3's q and k norms: head_dim each
+    layer += 2 * norm if m.sandwich_norm else 0  # Gemma's norms on the attention's and the MLP's outputs
     layer += m.n_heads if m.attention_sinks else 0  # gpt-oss's sink logits: one per head
     if m.attention == "mla":  # DeepSeek's latent attention in place of qkv and proj (core/mla.py)
         layer += mla_attention_parameters(m) - qkv - proj
@@ -213,14 +214,23 @@ class LayerShape:
         return self.s * self.b
 
 
-def _norm_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes, which: str) -> dict[str, float]:
+def _norm_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes, which: str,
+                in_bytes: int | None = None) -> dict[str, float]:
+    """A norm over the residual stream's tokens (`in_bytes`: the bytes of its input's elements, when not the fp32
+    stream's: the sandwich norms on the attention's and the MLP's outputs). RMSNorm keeps its input in fp32 (the
+    stream itself, or the fp32 copy of a 16-bit input); LayerNorm's kernel keeps the input as given (measured on
+    CPU's autocast)."""
     r = sh.tokens_residual
-    terms = {f"{which} input": r * sh.h * dt.residual}
     if m.norm == "layernorm":  # fused kernel: input, mean and rstd
-        terms[f"{which} mean, rstd"] = 2 * r * dt.stats
-    else:  # RMSNorm in plain ops: x·rsqrt(...) then w·(...) keep rsqrt and the normalised x too
+        return {f"{which} input": r * sh.h * (in_bytes or dt.residual), f"{which} mean, rstd": 2 * r * dt.stats}
+    terms = {f"{which} input": r * sh.h * dt.residual}
+    if m.norm_unit_offset:  # Gemma's: the fp32 normalised x times the new (1 + w), cast back after
         terms[f"{which} rsqrt"] = r * dt.stats
-        terms[f"{which} normalised x"] = r * sh.h * dt.residual
+        terms[f"{which} normalised x (fp32)"] = r * sh.h * dt.residual
+        terms[f"{which} (1 + w)"] = sh.h * dt.stats
+    else:  # RMSNorm in plain ops: x·rsqrt(...) then w·(...) keep rsqrt and the normalised x (in x's dtype) too
+        terms[f"{which} rsqrt"] = r * dt.stats
+        terms[f"{which} normalised x"] = r * sh.h * (in_bytes or dt.residual)
     return terms
 
 
@@ -236,7 +246,11 @@ def _attention_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes, backe
     if m.qk_norm:  # Qwen3's RMSNorm over each q and k head, in fp32 (as the layer norms): its rsqrt, the normalised
         heads = sh.a_t + sh.g_t  # q and k in the compute dtype, and with 16-bit compute the input's fp32 copy;
         terms["q, k norms: rsqrt"] = n * heads * dt.stats  # RoPE after them saves only its cos/sin tables
-        terms["q, k norms: normalised q, k"] = n * k * heads * c
+        if m.norm_unit_offset:  # Gemma's: normalised in fp32, times the new (1 + w) of each norm
+            terms["q, k norms: normalised q, k (fp32)"] = n * k * heads * dt.residual
+            terms["q, k norms: (1 + w)"] = 2 * k * dt.stats
+        else:
+            terms["q, k norms: normalised q, k"] = n * k * heads * c
         if c < 4:
             terms["q, k norms: fp32 copy of q, k"] = n * k * heads * 4
     if m.attention_sinks and not selective and sh.cp == 1:  # gpt-oss's explicit softmax (`Attention.sink_attention`)
@@ -257,6 +271,8 @@ def _attention_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes, backe
             terms["qkv output (v view, math SDPA)"] = n * k * qkv_heads * c
         else:
             terms["v copy (math SDPA)"] = n * k * sh.a_t * dt.math
+            if m.qk_norm and c >= 4:  # the q/k norms keep their input, views of the fp32 qkv output
+                terms["qkv output (q, k views, the q/k norms' input)"] = n * k * qkv_heads * c
         terms["softmax output"] = scores * dt.math
         if dropout:
             terms["attention dropout mask"] = _mask(scores, dt.math, dt)
@@ -288,9 +304,10 @@ def _sink_terms(sh: LayerShape, dt: ActivationDtypes, dropout: bool) -> dict[str
 
 def _mlp_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes) -> dict[str, float]:
     n, f, c = sh.tokens, sh.f_t, dt.compute
-    if m.activation == "swiglu":  # SiLU saves the gate, a view of the whole [gate; up] fc output
-        return {"fc output [gate; up]": n * 2 * f * c, "SiLU(gate)": n * f * c,
-                "SiLU(gate)·up (proj input)": n * f * c}
+    if m.gated:  # SiLU (GeGLU: GeLU) saves the gate, a view of the whole [gate; up] fc output
+        act = "SiLU" if m.activation == "swiglu" else "GeLU"
+        return {"fc output [gate; up]": n * 2 * f * c, f"{act}(gate)": n * f * c,
+                f"{act}(gate)·up (proj input)": n * f * c}
     return {"fc output (GeLU input)": n * f * c, "GeLU output (proj input)": n * f * c}
 
 
@@ -375,6 +392,8 @@ def activation_terms(m: ModelConfig, micro_batch: int, tp: int = 1, sp: bool = F
         terms.update(_attention_terms(m, sh, dt, backend, recompute == "selective", dropout, local))
     if dropout:
         terms["attention residual dropout mask"] = _mask(residual, proj_out, dt)
+    if m.sandwich_norm:
+        terms.update(_norm_terms(m, sh, dt, "post-attention norm", proj_out))
     terms.update(_norm_terms(m, sh, dt, "norm2"))
     if moe:  # the router's fp32 input in place of a 16-bit linear's
         terms.update(_moe_terms(m, sh, dt))
@@ -383,6 +402,8 @@ def activation_terms(m: ModelConfig, micro_batch: int, tp: int = 1, sp: bool = F
         terms.update(_mlp_terms(m, sh, dt))
     if dropout and not moe:
         terms["MLP residual dropout mask"] = _mask(residual, proj_out, dt)
+    if m.sandwich_norm:
+        terms.update(_norm_terms(m, sh, dt, "post-MLP norm", proj_out))
     return terms
 
 

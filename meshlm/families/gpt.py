@@ -17,6 +17,7 @@ from meshlm.families.common import (
     recompute_extra_flops,
 )
 from meshlm.families.hf_deepseek import deepseek_table
+from meshlm.families.hf_gemma3 import gemma3_table, is_gemma3
 from meshlm.families.hf_gpt_oss import gpt_oss_table, is_gpt_oss
 from meshlm.families.hf_moe import moe_architecture, moe_table
 from meshlm.families.spec import ModelSpec, PipelinePlan
@@ -44,10 +45,11 @@ def tp_plan(cfg: ModelConfig) -> dict:
         "pos_emb": SequenceShardedPositions(),
         "drop": SequenceDropout(),
         "layers.*.norm[12]": SequenceParallel(),
+        "layers.*.post_*_norm": SequenceParallel(),  # Gemma's sandwich norms (absent slots match nothing)
         "layers.*.attn": HeadParallelLatentAttention() if cfg.attention == "mla" else
         HeadParallelAttention(qkv="qkv", proj="proj", core="core"),
         "layers.*.attn.resid_dropout": SequenceDropout(),
-        "layers.*.mlp.fc": ColumnParallel(blocks=(ffn, ffn) if cfg.activation == "swiglu" else None),
+        "layers.*.mlp.fc": ColumnParallel(blocks=(ffn, ffn) if cfg.gated else None),
         "layers.*.mlp.proj": RowParallel(),
         "layers.*.mlp.dropout": SequenceDropout(),
         "norm": SequenceParallel(),
@@ -63,12 +65,12 @@ def tp_plan(cfg: ModelConfig) -> dict:
 
 def logical_blocks(name: str, cfg: ModelConfig) -> list[tuple[str, int]]:
     """Layout-free checkpoint tensors stacked along dim 0 of parameter `name`, with their row counts:
-    `attn.qkv` → q, k, v; SwiGLU's `mlp.fc` → gate, up; others whole (embedding/head: the vocabulary)."""
+    `attn.qkv` → q, k, v; SwiGLU's (GeGLU's) `mlp.fc` → gate, up; others whole (embedding/head: the vocabulary)."""
     qkv = qkv_blocks(name, cfg)
     if qkv is not None:
         return qkv
     prefix, attr = name.rsplit(".", 1)
-    if prefix.endswith("mlp.fc") and cfg.activation == "swiglu":
+    if prefix.endswith("mlp.fc") and cfg.gated:
         base = prefix[:-len("fc")]
         return [(f"{base}gate.{attr}", cfg.ffn_size), (f"{base}up.{attr}", cfg.ffn_size)]
     return [(name, -1)]  # whole: the rows of the plain parameter
@@ -78,7 +80,9 @@ def hf_architecture(cfg: ModelConfig) -> str:
     """The Hugging Face architecture of this GPT: 'qwen3' with per-head q/k norms, 'llama' with RoPE, else
     'gpt2' (learned positions); `interop.hf_config.check_representable` checks the other switches. A MoE GPT:
     'mixtral', 'qwen2_moe', 'qwen3_moe' or 'gpt_oss' (`families/hf_moe.py`); latent attention: 'deepseek_v3'
-    (`families/hf_deepseek.py`)."""
+    (`families/hf_deepseek.py`); Gemma's layer parts: 'gemma3_text' (`families/hf_gemma3.py`)."""
+    if is_gemma3(cfg):  # before the others, whose checks would drop Gemma's parts (interop/hf_gemma3.py refuses)
+        return "gemma3_text"
     if cfg.attention == "mla":
         return "deepseek_v3"
     if cfg.moe_experts:
@@ -127,6 +131,8 @@ def llama_table(cfg: ModelConfig) -> list[Entry]:
 
 def hf_table(cfg: ModelConfig) -> list[Entry]:
     """The Hugging Face name table of this GPT's architecture (`hf_architecture`)."""
+    if hf_architecture(cfg) == "gemma3_text":
+        return gemma3_table(cfg)
     if cfg.attention == "mla":
         return deepseek_table(cfg)
     if cfg.moe_experts:

@@ -82,9 +82,12 @@ def check_gguf_model(cfg: ModelConfig) -> None:
     """ConfigError naming each switch of `cfg` that a llama.cpp `llama` GGUF cannot hold."""
     need = {"family": "gpt", "position": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False,
             "moe_experts": 0, "qk_norm": False, "head_size": 0, "attention": "mha", "sliding_window": 0,
-            "attention_sinks": False}  # not written: Qwen3's q/k norms and wide heads, DeepSeek's latent
-    # attention, sliding windows and sinks
+            "attention_sinks": False, "norm_unit_offset": False, "sandwich_norm": False, "embed_scale": False,
+            "attn_scale_dim": 0.0, "rope_local_theta": 0.0}  # not written: Qwen3's q/k norms and wide heads,
+    # DeepSeek's latent attention, sliding windows and sinks, Gemma's layer parts
     problems = [f"model.{k}={getattr(cfg, k)!r}" for k, v in need.items() if getattr(cfg, k) != v]
+    if cfg.rope_scaling == "linear":  # (written: llama3 as rope_freqs, yarn as its keys)
+        problems.append("model.rope_scaling='linear'")
     if problems:
         raise ConfigError(f"--to-gguf writes Llama-style models (position='rope', norm='rmsnorm', "
                           f"activation='swiglu', bias=false, dense); this checkpoint has {', '.join(problems)}; "

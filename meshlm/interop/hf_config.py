@@ -1,6 +1,6 @@
 """Hugging Face config.json <-> `ModelConfig` for GPT-2, Llama, BERT, Mixtral and Qwen2-MoE (the MoE map:
 `hf_moe.py`'s doc), Qwen3 and Qwen3-MoE (`hf_qwen3.py`), Mistral (`hf_mistral.py`), DeepSeek-V3
-(`hf_deepseek.py`), gpt-oss (`hf_gpt_oss.py`); the Llama reader, which the others build on, is
+(`hf_deepseek.py`), gpt-oss (`hf_gpt_oss.py`), Gemma 3 (`hf_gemma3.py`); the Llama reader, which the others build on, is
 `hf_llama_config.py`.
 
 `model_config_from_hf` reads a `transformers` config object or a plain config.json dict (missing keys take
@@ -22,6 +22,13 @@ from meshlm.interop.hf_deepseek import (
     deepseek_v3_config_dict,
     model_config_from_deepseek_v3,
 )
+from meshlm.interop.hf_gemma3 import (
+    GEMMA3_ARCHITECTURES,
+    check_gemma3_representable,
+    gemma3_config_dict,
+    model_config_from_gemma3,
+    refuse_gemma_parts,
+)
 from meshlm.interop.hf_gpt_oss import (
     GPT_OSS_ARCHITECTURES,
     check_gpt_oss_representable,
@@ -39,7 +46,6 @@ from meshlm.interop.hf_llama_config import (
 )
 from meshlm.interop.hf_mistral import (
     MISTRAL_ARCHITECTURES,
-    NOT_YET,
     check_mistral_representable,
     mistral_config_dict,
     model_config_from_mistral,
@@ -79,8 +85,8 @@ _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 
 
 def model_config_from_hf(hf_config: Any, expect: str | None = None) -> ModelConfig:
-    """A `ModelConfig` from an HF GPT-2, Llama, Mistral, BERT, Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V3 or
-    gpt-oss config (object or
+    """A `ModelConfig` from an HF GPT-2, Llama, Mistral, BERT, Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V3,
+    gpt-oss or Gemma 3 text config (object or
     config.json dict); ValueError if the HF model uses something meshlm lacks (exact GeLU in GPT-2, a sliding
     window, ...). `expect` ('gpt2' or 'llama') is assumed when the dict has no model_type and enforced when it
     has one."""
@@ -98,13 +104,15 @@ def model_config_from_hf(hf_config: Any, expect: str | None = None) -> ModelConf
                "qwen3": (model_config_from_qwen3, QWEN3_ARCHITECTURES),
                "qwen3_moe": (model_config_from_qwen3_moe, QWEN3_MOE_ARCHITECTURES),
                "deepseek_v3": (model_config_from_deepseek_v3, DEEPSEEK_V3_ARCHITECTURES),
-               "gpt_oss": (model_config_from_gpt_oss, GPT_OSS_ARCHITECTURES)}
-    if kind in NOT_YET:
-        raise ConfigError(NOT_YET[kind])
+               "gpt_oss": (model_config_from_gpt_oss, GPT_OSS_ARCHITECTURES),
+               "gemma3_text": (model_config_from_gemma3, GEMMA3_ARCHITECTURES)}
+    if kind == "gemma3":  # the multimodal config: its text model is a `text_config` inside
+        raise ConfigError("Hugging Face model_type='gemma3' is Gemma 3's image-and-text model; meshlm converts its "
+                          "text model, model_type 'gemma3_text' (Gemma3ForCausalLM): save that one")
     if kind not in readers:
         raise ConfigError(f"Hugging Face model_type={kind!r} is not supported; meshlm converts 'gpt2', 'llama', "
-                          "'bert', 'mistral', 'mixtral', 'qwen2_moe', 'qwen3', 'qwen3_moe', 'deepseek_v3' and "
-                          "'gpt_oss'")
+                          "'bert', 'mistral', 'mixtral', 'qwen2_moe', 'qwen3', 'qwen3_moe', 'deepseek_v3', "
+                          "'gpt_oss' and 'gemma3_text'")
     read, known = readers[kind]
     architecture = hf_architecture_name(d)
     if architecture is not None and known and architecture not in known:
@@ -125,7 +133,7 @@ _INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                "moe_intermediate_size", "shared_expert_intermediate_size", "decoder_sparse_step", "head_dim")
 _FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta", "initializer_range",
                  "resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob",
-                 "swiglu_limit", "swiglu_alpha")
+                 "swiglu_limit", "swiglu_alpha", "query_pre_attn_scalar", "rope_local_base_freq")
 
 
 def _check_field_types(d: dict[str, Any]) -> None:
@@ -225,8 +233,11 @@ def check_representable(cfg: ModelConfig, arch: str) -> None:
                           f"use {hf_architecture(cfg)!r}")
     if arch == "bert":
         return _check_bert(cfg)
+    refuse_gemma_parts(cfg, arch)
     if arch == "mistral":
         return check_mistral_representable(cfg)
+    if arch == "gemma3_text":
+        return check_gemma3_representable(cfg)
     if arch == "gpt_oss":
         return check_gpt_oss_representable(cfg)
     refuse_window(cfg, arch)
@@ -319,6 +330,8 @@ def hf_config_dict(cfg: ModelConfig, arch: str | None = None) -> dict[str, Any]:
         return deepseek_v3_config_dict(cfg, common)
     if arch == "gpt_oss":
         return gpt_oss_config_dict(cfg, common)
+    if arch == "gemma3_text":
+        return gemma3_config_dict(cfg, common)
     if arch == "gpt2":
         return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **common, "n_positions": cfg.seq_len,
                 "n_embd": cfg.hidden_size, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,

@@ -62,9 +62,11 @@ def _rope_scaling_from_hf(rope: dict[str, Any], rope_type: str, max_positions: i
     """ModelConfig's rope_* fields from Hugging Face's rope_parameters (or 4.x rope_scaling)."""
     if rope_type == "default":
         return {}
+    if rope_type == "linear":  # positions / factor (Gemma 3's global layers)
+        return {"rope_scaling": "linear", "rope_factor": float(rope.get("factor") or 1.0)}
     if rope_type not in ("llama3", "yarn"):
-        problems.append(f"rope_parameters.rope_type={rope_type!r}: meshlm implements 'default', 'llama3' and "
-                        "'yarn' RoPE")
+        problems.append(f"rope_parameters.rope_type={rope_type!r}: meshlm implements 'default', 'linear', 'llama3' "
+                        "and 'yarn' RoPE")
         return {}
     original = rope.get("original_max_position_embeddings") or max_positions
     factor = rope.get("factor") or max_positions / original
@@ -83,9 +85,11 @@ def _rope_scaling_from_hf(rope: dict[str, Any], rope_type: str, max_positions: i
 
 
 def rope_parameters_for_hf(cfg: ModelConfig) -> dict[str, Any]:
-    """Hugging Face's rope_parameters for `cfg` (rope_type default, llama3 or yarn)."""
+    """Hugging Face's rope_parameters for `cfg` (rope_type default, linear, llama3 or yarn)."""
     if cfg.rope_scaling == "none":
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling == "linear":
+        return {"rope_type": "linear", "rope_theta": cfg.rope_theta, "factor": cfg.rope_factor}
     out = {"rope_type": cfg.rope_scaling, "rope_theta": cfg.rope_theta, "factor": cfg.rope_factor,
            "original_max_position_embeddings": cfg.rope_original_len}
     if cfg.rope_scaling == "llama3":

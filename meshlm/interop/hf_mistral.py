@@ -72,21 +72,12 @@ def mistral_config_dict(cfg: ModelConfig, common: dict[str, Any]) -> dict[str, A
     return d
 
 
-# Models whose attention meshlm now has (sliding windows, sinks) but whose other parts it lacks: refused by name
-NOT_YET = {
-    "gemma3_text": "Hugging Face gemma3_text (Gemma3ForCausalLM) is not converted yet: meshlm has its local/global "
-                   "attention (model.sliding_window, model.window_pattern=6) but not its scaled embeddings, sandwich "
-                   "norms, RMSNorms with Gemma's (1 + w) weights, query_pre_attn_scalar, GeGLU MLP and separate local "
-                   "RoPE base",
-}
-NOT_YET["gemma3"] = NOT_YET["gemma3_text"]
-
-
 def refuse_window(cfg: ModelConfig, arch: str) -> None:
     """ConfigError when `cfg` has a sliding window or sinks and `arch` (not 'mistral') cannot hold them."""
     if cfg.sliding_window or cfg.attention_sinks:
         fix = "export it as 'mistral'" if not (cfg.window_pattern or cfg.attention_sinks) else \
-            "alternating windows and sinks export with gpt-oss's experts as 'gpt_oss' (families/hf_gpt_oss.py)"
+            "alternating windows export with Gemma's layer parts as 'gemma3_text', or with sinks and gpt-oss's " \
+            "experts as 'gpt_oss' (families/hf_gemma3.py, families/hf_gpt_oss.py)"
         raise ConfigError(f"model.sliding_window={cfg.sliding_window}, model.window_pattern={cfg.window_pattern}, "
                           f"model.attention_sinks={cfg.attention_sinks} cannot be written as Hugging Face {arch} "
                           f"(full attention, no sinks); {fix}")

@@ -88,6 +88,11 @@ class BERT(nn.Module):
         if cfg.attention != "mha":  # DeepSeek's latent attention is a decoder's; BERT's layers have their own
             raise ConfigError(f"model.attention={cfg.attention!r} is a decoder's (DeepSeek) attention, but "
                               "model.family='bert'; set model.attention='mha'")
+        gemma = {k: getattr(cfg, k) for k in ("norm_unit_offset", "sandwich_norm", "embed_scale", "rope_local_theta")
+                 if getattr(cfg, k)}
+        if gemma or cfg.activation == "geglu":  # Gemma's decoder parts: BERT's layers are post-norm, GeLU
+            named = ", ".join(f"model.{k}={v}" for k, v in gemma.items()) or f"model.activation={cfg.activation!r}"
+            raise ConfigError(f"{named}: Gemma's layer parts are for the GPT family only; leave them unset for BERT")
         if cfg.mtp_depth:  # multi-token prediction is a decoder's (DeepSeek-V3's) objective
             raise ConfigError(f"model.mtp_depth={cfg.mtp_depth} is for decoders (model.family='gpt'), not "
                               "model.family='bert'; set model.mtp_depth=0")

@@ -85,6 +85,10 @@ class GPT(nn.Module):
         cos, sin = rope_tables(self.cfg.rope_dim, length, self.cfg.rope_theta, device, scaling=self.cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        if self.cfg.rope_local_theta:  # Gemma 3: the local layers' own base, without the global layers' scaling
+            cos, sin = rope_tables(self.cfg.rope_dim, length, self.cfg.rope_local_theta, device)
+            self.register_buffer("rope_local_cos", cos, persistent=False)
+            self.register_buffer("rope_local_sin", sin, persistent=False)
         self.rope_len = length
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
@@ -101,6 +105,8 @@ class GPT(nn.Module):
         x = self.tok_emb(idx)  # (B, T, h), or (B, T/t, h) under sequence parallelism
         if self.prompt is not None:  # virtual tokens in place of their placeholders' embeddings
             x = self.prompt(idx, x, start)
+        if self.cfg.embed_scale:  # Gemma: × √hidden_size, the factor rounded to the embeddings' dtype first
+            x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype, device=x.device)
         if self.pos_emb is not None:
             if positions is None:
                 positions = positions_of(start, idx.shape[1], idx.device)  # start: int, or (B,) per row
@@ -108,10 +114,14 @@ class GPT(nn.Module):
         return self.drop(x)
 
     def rope(self, needed: int):
+        """The RoPE tables the layers take, (cos, sin), with the local layers' (cos, sin) after them when
+        `model.rope_local_theta` sets their own base (`Attention.local_rope`); None without RoPE."""
         if self.cfg.position != "rope":
             return None
         if needed > self.rope_len:
             self._build_rope(needed, self.rope_cos.device)
+        if self.cfg.rope_local_theta:
+            return self.rope_cos, self.rope_sin, self.rope_local_cos, self.rope_local_sin
         return self.rope_cos, self.rope_sin
 
     def run_layers(self, x: torch.Tensor, layer_ids=None, caches: list[KVCache] | None = None, start: int = 0,
@@ -178,9 +188,11 @@ class GPT(nn.Module):
 
 def init_rule(name: str, shape: tuple, cfg: ModelConfig) -> InitRule:
     """GPT-2/Megatron init: N(0, std) everywhere, output projections N(0, std/√(2L)) (the experts' `proj` too),
-    biases 0 (the experts' stacked `fc_bias`/`proj_bias` too), norms 1; MoE routers N(0, std)."""
+    biases 0 (the experts' stacked `fc_bias`/`proj_bias` too), norms 1 (0 with `model.norm_unit_offset`: Gemma's
+    norms scale by 1 + w); MoE routers N(0, std)."""
     if len(shape) == 1 or name.endswith("_bias"):
-        return InitRule("ones") if "norm" in name and name.endswith("weight") else InitRule("zeros")
+        unit = "norm" in name and name.endswith("weight") and not cfg.norm_unit_offset
+        return InitRule("ones") if unit else InitRule("zeros")
     if name.endswith(("proj.weight", "experts.proj")):
         return InitRule("normal", cfg.init_std / math.sqrt(2 * cfg.n_layers))
     return InitRule("normal", cfg.init_std)

@@ -19,23 +19,28 @@ from meshlm.models.cache import AttentionCache
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x²) + eps) · w (Zhang & Sennrich 2019), computed in fp32 as Llama does."""
+    """y = x / sqrt(mean(x²) + eps) · w (Zhang & Sennrich 2019), computed in fp32 as Llama does: the normalised x
+    cast back to x's dtype, then times w. `unit_offset` (Gemma, `model.norm_unit_offset`): times (1 + w), w starting
+    at 0, in fp32, and only the product cast back."""
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.to(torch.promote_types(dtype, torch.float32))
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x * (1.0 + self.weight.to(x.dtype))).to(dtype)
         return self.weight * x.to(dtype)
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        return RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_unit_offset)
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
 
 
@@ -43,7 +48,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling: ModelConfig | None = 
                      device=None) -> tuple[torch.Tensor, float]:
     """The rotary inverse frequencies (head_dim / 2 of them) and the factor applied to cos and sin.
 
-    `scaling` (a ModelConfig) selects a long-context rule by `rope_scaling`: `llama3` (Llama 3.1: wavelengths
+    `scaling` (a ModelConfig) selects a long-context rule by `rope_scaling`: `linear` (every frequency divided by
+    the factor: positions interpolated; Gemma 3's global layers), `llama3` (Llama 3.1: wavelengths
     longer than original_len / low_freq_factor are divided by the factor, shorter than original_len /
     high_freq_factor are kept, blended linearly between) or `yarn` (Peng et al. 2023, "NTK-by-parts": dimensions
     that turn fewer than beta_slow times over the original context are interpolated, more than beta_fast times
@@ -52,6 +58,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling: ModelConfig | None = 
     rule = scaling.rope_scaling if scaling is not None else "none"
     if rule == "none":
         return base, 1.0
+    if rule == "linear":
+        return base / scaling.rope_factor, 1.0
     if rule == "llama3":
         return _llama3_frequencies(base, scaling), 1.0
     return _yarn_frequencies(base, head_dim, theta, scaling), yarn_attention_factor(scaling)
@@ -231,6 +239,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.window = cfg.layer_window(layer)  # 0: global; W: the last W keys
+        # the softmax scale when not 1/√head_dim (Gemma's query_pre_attn_scalar); the paged and ring cores read it too
+        self.scale = cfg.attn_scale_dim ** -0.5 if cfg.attn_scale_dim else None
+        # a local layer of a model with its own local RoPE base (Gemma 3) rotates by the model's second tables
+        self.local_rope = bool(self.window) and cfg.rope_local_theta > 0
         # gpt-oss's sink logits, one per head (under tp each rank holds its heads' entries, parallel/styles.py)
         self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention_sinks else None
         self.head_offset = 0  # under tp: the first head this rank computes (the sinks it reads)
@@ -240,12 +252,13 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
         # Qwen3's per-head norms over head_dim (weights shared by all heads; under tp each rank holds them whole)
-        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
              mask: torch.Tensor | None = None) -> torch.Tensor:
-        """softmax(QKᵀ/√d)·V: the memory-heavy, cheap part that selective recomputation redoes. `mask`
+        """softmax(QKᵀ·scale)·V (scale 1/√d unless `self.scale`): the memory-heavy, cheap part that selective
+        recomputation redoes. `mask`
         (bool, True = attend, broadcast to (B, nh, T, T)) is an encoder's padding mask (`causal` False). A local
         layer (`window`) narrows the causal mask to its band (`visible_keys`); with sinks the softmax is explicit."""
         p = self.dropout if self.training else 0.0
@@ -255,7 +268,7 @@ class Attention(nn.Module):
                 return self.sink_attention(q, k, v, mask, p)
             causal = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal,
-                                              enable_gqa=self.n_kv_heads != self.n_heads)
+                                              enable_gqa=self.n_kv_heads != self.n_heads, scale=self.scale)
 
     def sink_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                        p: float) -> torch.Tensor:
@@ -265,7 +278,7 @@ class Attention(nn.Module):
         group = self.n_heads // self.n_kv_heads
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, nh, T, K)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (self.scale or q.shape[-1] ** -0.5)  # (B, nh, T, K)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         sink = self.sinks[self.head_offset:self.head_offset + self.n_heads].to(scores.dtype)
@@ -296,6 +309,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         per_row = isinstance(start, torch.Tensor)  # per-row positions (batched serving): (B,) tensor
         if rope is not None:
+            rope = rope[2:] if self.local_rope else rope[:2]  # (cos, sin[, local cos, local sin]): `GPT.rope`
             if positions is not None:
                 cos, sin = rope_at(rope, positions)
             elif per_row:
@@ -319,11 +333,12 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """GeLU: proj(gelu(fc x)) (tanh approximation, or exact with `gelu_exact`); SwiGLU:
-    proj(silu(x W_gate) ⊙ x W_up) with fc = [W_gate; W_up]."""
+    proj(silu(x W_gate) ⊙ x W_up) with fc = [W_gate; W_up]; GeGLU (Gemma) the same with gelu (tanh) for silu."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.swiglu = cfg.activation == "swiglu"
+        self.swiglu = cfg.gated  # fc = [W_gate; W_up] (SwiGLU, or GeGLU with `geglu`)
+        self.geglu = cfg.activation == "geglu"
         self.approximate = "none" if cfg.activation == "gelu_exact" else "tanh"
         ffn = cfg.ffn_size
         self.fc = nn.Linear(cfg.hidden_size, 2 * ffn if self.swiglu else ffn, bias=cfg.bias)
@@ -334,7 +349,7 @@ class MLP(nn.Module):
         h = self.fc(x)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = (F.gelu(gate, approximate="tanh") if self.geglu else F.silu(gate)) * up
         else:
             h = F.gelu(h, approximate=self.approximate)
         return self.dropout(self.proj(h))
@@ -343,21 +358,26 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)). `mlp`: another module in the
     MLP's place (a mixture of experts, `models/moe.py`); None: the dense `MLP`. `attn`: another attention in
-    `Attention`'s place (DeepSeek's latent attention, `models/mla.py`, which the model chooses); None: `Attention`."""
+    `Attention`'s place (DeepSeek's latent attention, `models/mla.py`, which the model chooses); None: `Attention`.
+    `model.sandwich_norm` (Gemma 2/3): x + post_attn_norm(attn(norm1(x))), then x + post_mlp_norm(mlp(norm2(x)))."""
 
     def __init__(self, cfg: ModelConfig, mlp: nn.Module | None = None, layer: int = 0, attn: nn.Module | None = None):
         super().__init__()
         self.norm1 = make_norm(cfg)
         self.attn = attn if attn is not None else Attention(cfg, layer)
+        self.post_attn_norm = make_norm(cfg) if cfg.sandwich_norm else None
         self.norm2 = make_norm(cfg)
         self.mlp = mlp if mlp is not None else MLP(cfg)
+        self.post_mlp_norm = make_norm(cfg) if cfg.sandwich_norm else None
 
     def forward(self, x: torch.Tensor, rope=None, cache: AttentionCache | None = None, start: int = 0, *,
                 positions: torch.Tensor | None = None, segments: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """Packed documents: `positions`, `segments` and the precomputed `mask` as in `Attention.forward`."""
-        x = x + self.attn(self.norm1(x), rope, cache, start, mask, positions=positions, segments=segments)
-        return x + self.mlp(self.norm2(x))
+        y = self.attn(self.norm1(x), rope, cache, start, mask, positions=positions, segments=segments)
+        x = x + (y if self.post_attn_norm is None else self.post_attn_norm(y))
+        y = self.mlp(self.norm2(x))
+        return x + (y if self.post_mlp_norm is None else self.post_mlp_norm(y))
 
 
 def lora_targets(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, int] | None]]:
@@ -368,7 +388,7 @@ def lora_targets(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, int] | Non
     out = {"q": ("layers.*.attn.qkv", (0, q)), "k": ("layers.*.attn.qkv", (q, q + kv)),
            "v": ("layers.*.attn.qkv", (q + kv, q + 2 * kv)), "qkv": ("layers.*.attn.qkv", None),
            "o": ("layers.*.attn.proj", None), "fc": ("layers.*.mlp.fc", None), "down": ("layers.*.mlp.proj", None)}
-    if cfg.activation == "swiglu":
+    if cfg.gated:
         out.update(gate=("layers.*.mlp.fc", (0, ffn)), up=("layers.*.mlp.fc", (ffn, 2 * ffn)))
     else:
         out["up"] = ("layers.*.mlp.fc", None)

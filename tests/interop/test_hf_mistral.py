@@ -117,17 +117,6 @@ def test_what_mistral_cannot_hold_is_refused(tmp_path):
     assert none.sliding_window == 0
 
 
-def test_gemma3_is_refused_by_name(tmp_path):
-    """Its attention is here, the rest of its layers not yet: `convert --from-hf` says so in one line (gpt-oss:
-    test_hf_gpt_oss.py)."""
-    for model_type, arch, words in (("gemma3_text", "Gemma3ForCausalLM", "sandwich norms"),):
-        path = tmp_path / model_type
-        path.mkdir()
-        (path / "config.json").write_text(f'{{"model_type": "{model_type}", "architectures": ["{arch}"]}}')
-        one_error_line(["convert", "--from-hf", str(path), "--out", str(tmp_path / f"{model_type}_run")], arch, words)
-        assert not (tmp_path / f"{model_type}_run").exists()
-
-
 def _reference_mask(T: int, window: int) -> torch.Tensor:
     """Additive (T, T) mask, by hand: causal, and key j visible to query i only when i - j < window."""
     i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]

@@ -240,7 +240,7 @@ def test_unsupported_gpt2_config_is_rejected(field, value, message):
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}, r"rope_type='linear'"),
+    ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}, r"rope_type='dynamic'"),
     ("hidden_act", "gelu", r"hidden_act='gelu'"),
     ("attention_bias", True, r"attention_bias=True, mlp_bias=False"),
 ])

@@ -90,7 +90,7 @@ def test_scaling_changes_long_positions_and_yarn_scales_cos_sin():
 @pytest.mark.parametrize("changes,message", [
     ({"rope_scaling": "yarn", "rope_original_len": 16, "position": "learned"}, r"set model\.position='rope'"),
     ({"rope_scaling": "llama3"}, r"needs model\.rope_original_len"),
-    ({"rope_scaling": "linear"}, r"model\.rope_scaling='linear' is not one of"),
+    ({"rope_scaling": "dynamic"}, r"model\.rope_scaling='dynamic' is not one of"),
     ({"rope_scaling": "llama3", "rope_original_len": 16, "rope_factor": 0.5}, r"rope_factor=0\.5 must be at least 1"),
     ({"rope_scaling": "llama3", "rope_original_len": 16, "rope_low_freq_factor": 4.0}, r"0 < low < high"),
     ({"rope_scaling": "yarn", "rope_original_len": 16, "rope_beta_slow": 40.0}, r"0 < beta_slow < beta_fast"),
