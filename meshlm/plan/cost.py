@@ -874,7 +874,14 @@ def _memory(r: _Run, stored: float, st: _Stages, params: list[float], experts: l
         mem["activations"] = layer_acts * held
         if ring:
             mem["CP ring buffers (transient)"] = ring
-        logits = 0.0 if (tp == 1 and opts.fused_loss) else 4.0 * b * s * m.vocab_size / tp
+        # the head's saved tensors, once per call: the main loss and each MTP module's (they share the head). The
+        # fused head + loss keeps its finished gradients, the weight's V·h and the stream's b·s·h in fp32
+        # (models/loss.py); the unfused one the fp32 logits
+        calls = 1 + m.mtp_depth
+        if tp == 1 and opts.fused_loss:
+            logits = calls * 4.0 * m.hidden_size * (m.vocab_size + b * s)
+        else:
+            logits = calls * 4.0 * b * s * m.vocab_size / tp
         mem["logits (last stage)"] = logits if k == pp - 1 or (opts.dualpipe and k == 0) else 0.0
         mem["gradients"] = gradient_bytes(per_param["grads"] * dense, cand.zero, dp, mb, opts.states,
                                           mem["activations"] + mem["logits (last stage)"]) + whole["grads"] * ex

@@ -166,11 +166,16 @@ def test_the_planner_stores_the_mtp_modules_as_bench_memory_counts_them(config, 
                                    f"--train.recompute={recompute}", f"--train.recompute_num_layers={num_layers}",
                                    *(["--train.recompute_method=block"] if num_layers else [])])  # the planner's N
         cand = Candidate(1, 1, 8, zero=1, recompute=recompute, recompute_num_layers=num_layers)
-        return evaluate(cfg, cand, Cluster(get_gpu("h100-80gb"), 8, 8), 8, Options()).memory["activations"], cfg
+        return evaluate(cfg, cand, Cluster(get_gpu("h100-80gb"), 8, 8), 8, Options()).memory, cfg
 
-    (got, cfg), (without, _) = estimate(), estimate("--model.mtp_depth=0")
+    (memory, cfg), (plain, _) = estimate(), estimate("--model.mtp_depth=0")
+    got, without = memory["activations"], plain["activations"]
     modules = mtp_activation_bytes(cfg, dtypes=activation_dtypes("bf16", "cuda"), backend="flash")
     assert got - without == pytest.approx(sum(modules), rel=1e-12)
+    # each module runs the shared head once more; the fused head + loss keeps its finished gradients per call
+    m = cfg.model
+    head = 4.0 * m.hidden_size * (m.vocab_size + m.seq_len)
+    assert (plain["logits (last stage)"], memory["logits (last stage)"]) == (head, (1 + m.mtp_depth) * head)
     if config == "llama-tiny":  # every layer alike: the planner's mean layer is each layer
         layers = layer_activation_bytes(cfg, dtypes=activation_dtypes("bf16", "cuda"), backend="flash")
         assert got == pytest.approx(sum(layers) + sum(modules), rel=1e-12)
