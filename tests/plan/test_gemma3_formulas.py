@@ -19,7 +19,7 @@ from meshlm.families.registry import spec_of
 from meshlm.models.activations import measure_saved_activations
 from meshlm.models.gpt import GPT
 from meshlm.parallel.recompute import apply_recompute
-from tests.conftest import run_cli
+from tests.interop.interop_helpers import run_main
 
 GEMMA = {"n_kv_heads": 2, "head_size": 8, "position": "rope", "norm": "rmsnorm", "activation": "geglu", "bias": False,
          "qk_norm": True, "sliding_window": 5, "window_pattern": 2, "norm_unit_offset": True, "sandwich_norm": True,
@@ -78,11 +78,12 @@ def test_measured_saved_bytes_equal_our_formula(changes, b, precision, recompute
 
 
 def test_bench_memory_measures_the_formula_for_gemma3():
+    """`meshlm bench memory` (in this process: a subprocess would spend most of the test importing torch)."""
     keys = [f"--model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in GEMMA.items()]
-    proc = run_cli("bench", "memory", "--config", "llama-tiny", *keys, "--model.n_layers=2", "--model.seq_len=32",
-                   "--train.micro_batch_size=2", "--train.global_batch_size=2", "--train.precision=bf16",
-                   "--train.device=cpu")
-    assert proc.returncode == 0, proc.stderr
-    rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| ")]
+    code, out, err = run_main(["bench", "memory", "--config", "llama-tiny", *keys, "--model.n_layers=2",
+                               "--model.seq_len=32", "--train.micro_batch_size=2", "--train.global_batch_size=2",
+                               "--train.precision=bf16", "--train.device=cpu"])
+    assert code == 0, err
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| ")]
     ratios = [float(row[4]) for row in rows if row[1].strip() in ("0", "1", "all")]
-    assert len(ratios) == 3 and all(r == 1.0 for r in ratios), proc.stdout  # layers 0 (local), 1 (global) and all
+    assert len(ratios) == 3 and all(r == 1.0 for r in ratios), out  # layers 0 (local), 1 (global) and all
