@@ -321,9 +321,10 @@ def _moe_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes) -> dict[str
     weighted sum saves only its index, `moe.add_rows`), the sorted weight and the int64 indices (top-k, sort order,
     sorted token ids); the shared expert as a dense SwiGLU (and its gate), each 16-bit linear casting its own copy
     of the fp32 input under autocast."""
-    n, c, E, k, F, h = sh.tokens, dt.compute, m.moe_experts, m.moe_top_k, m.expert_size, sh.h
+    # the layer's tokens are the residual stream's: under sequence parallelism the MoE routes its shard (parallel/expert.py)
+    n, c, E, k, F, h = sh.tokens_residual, dt.compute, m.moe_experts, m.moe_top_k, m.expert_size, sh.h
     A = n * k
-    terms = {"router input (fp32)": sh.tokens_residual * h * max(dt.residual, 4),
+    terms = {"router input (fp32)": n * h * max(dt.residual, 4),
              "router probabilities (fp32)": n * E * 4, "expert input rows (gathered)": A * h * c,
              **_expert_activation(m, A, c), "expert output (weighting input)": A * h * c,
              "sorted weights (fp32)": A * 4, "indices (int64): top-k, sort order, sorted tokens": (n * k + 2 * A) * 8}
@@ -337,7 +338,7 @@ def _moe_terms(m: ModelConfig, sh: LayerShape, dt: ActivationDtypes) -> dict[str
     if m.moe_capacity_factor > 0:
         terms["kept assignments (bool mask)"] = A
     S = m.moe_shared_experts * F
-    cast = sh.tokens_residual * h * c if c < max(dt.residual, 4) else 0  # a 16-bit linear's own copy of its input
+    cast = n * h * c if c < max(dt.residual, 4) else 0  # a 16-bit linear's own copy of its input
     if S:
         terms["shared expert input (16-bit copy), [gate; up], SiLU, proj input"] = cast + n * 4 * S * c
         if m.moe_shared_gate:

@@ -203,3 +203,26 @@ def test_the_training_log_measures_the_mtp_modules_and_leaves_no_statistics(tmp_
     assert len(line) == 1 and line[0].endswith("measured/formula 1.000"), line
     assert trainer.model.mtp.recorded == 0
     assert all(layer.stats is None and layer.step_counts is None for _, layer in moe_layers(trainer.model))
+
+
+TP_CASES = {"gpt-oss-sp-mtp-bf16": ("gpt-moe-tiny", [*GPT_OSS, "--train.precision=bf16", "--parallel.sp=true",
+                                                      "--model.mtp_depth=1"]),
+            "dense-mtp-fp32": ("llama-tiny", [*TINY, "--train.precision=fp32", "--model.mtp_depth=2"])}
+
+
+def _tp_world(rank: int, world: int, out_dir: str) -> dict[str, str]:
+    return {name: bench_memory(load_config(config, [*overrides, "--parallel.tp=2"]))
+            for name, (config, overrides) in TP_CASES.items()}
+
+
+def test_tensor_and_sequence_parallel_ranks_measure_their_formula(tmp_path):
+    """tp = 2: the MoE layer routes the rank's sequence shard under SP (its terms count the stream's tokens), and the
+    unfused vocab-parallel head keeps the main output itself in fp32 (the first MTP module does not keep it again)."""
+    from tests.parallel.parallel_world import run_world
+
+    reports = run_world(_tp_world, 2, tmp_path)[0]
+    for name, (_, overrides) in TP_CASES.items():
+        rows = [line.split("|") for line in reports[name].splitlines() if line.startswith("| ") and "measured" not in line]
+        ratios = {row[1].strip(): float(row[4]) for row in rows}
+        depth = int(overrides[-1].split("=")[1])
+        _assert_exact(ratios, 2 + depth)
