@@ -119,7 +119,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class KVCache(nn.Module, AttentionCache):
-    """Pre-allocated keys/values for incremental decoding: (B, n_kv_heads, max_len, hs) (`meshlm generate`)."""
+    """Pre-allocated keys/values for incremental decoding: (B, n_kv_heads, max_len, hs) (`models.generate`)."""
 
     def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, dtype, device):
         super().__init__()
