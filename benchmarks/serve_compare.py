@@ -18,7 +18,8 @@ trained); llama.cpp gets meshlm's GGUF exports of it (f32, bf16, q8_0, q4_0).
 
 Precisions (`--precisions`): fp32 everywhere; bf16 where this CPU computes it natively (avx512_bf16 or
 amx_bf16 in /proc/cpuinfo; the run says which it found); int8: meshlm `serve --quantize int8`, llama.cpp
-Q8_0; int4: meshlm `serve --quantize int4`, llama.cpp Q4_1 (smollm2) or Q4_0 (demo). vLLM's CPU build has no
+Q8_0; int4: meshlm `serve --quantize int4`, llama.cpp Q4_1 (smollm2) or Q4_0 (demo); meshlm's int8 and int4
+add `--dtype bf16` where bf16 is native (`meshlm_flags`). vLLM's CPU build has no
 weight-only int8/int4 for an unquantized checkpoint, so it runs fp32 and bf16 only. A row that cannot run
 (a flag meshlm lacks, a peer not installed) is skipped with a printed note, repeated under the table.
 
@@ -221,11 +222,19 @@ def gguf_file(prep: Prepared, precision: str) -> tuple[Path, str]:
 
 
 # ---- the servers --------------------------------------------------------------------------------------------------
+def meshlm_flags(precision: str, args) -> list[str]:
+    """`meshlm serve`'s flags for `precision`: int8/int4 also `--dtype bf16` where bf16 is native (the packed
+    kernels take bf16 activations either way; the rest of the model, attention and the KV cache then run in
+    bf16 too, as llama.cpp keeps its cache in 16 bits)."""
+    extra = ["--dtype", "bf16"] if precision in ("int8", "int4") and args.bf16_native else []
+    return [*MESHLM_FLAGS[precision], *extra]
+
+
 def meshlm_server(prep: Prepared, precision: str, args, log: Path) -> ServerProcess:
     port = free_port()
     cmd = [sys.executable, "-m", "meshlm", "serve", "--checkpoint", str(prep.checkpoint), "--port", str(port),
            "--served-model-name", MODEL_NAME, "--max-seqs", str(max(args.clients)), "--max-queue", "4096",
-           "--max-len", str(prep.model.context), *MESHLM_FLAGS[precision], *shlex.split(args.meshlm_args)]
+           "--max-len", str(prep.model.context), *meshlm_flags(precision, args), *shlex.split(args.meshlm_args)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     return ServerProcess("meshlm", cmd, env, port, log, args.startup_timeout)
 
@@ -300,7 +309,7 @@ def run_engine(engine: str, prep: Prepared, precision: str, args, rows: list[dic
     log = prep.work / f"{prep.name}-{engine}-{precision}.log"
     try:
         if engine == "meshlm":
-            weights = " ".join(MESHLM_FLAGS[precision]) or "fp32"
+            weights = " ".join(meshlm_flags(precision, args)) or "fp32"
             measure(meshlm_server(prep, precision, args, log), prep, {**label, "weights": weights}, args.clients,
                     args, rows, notes)
         elif engine == "vllm":
