@@ -22,6 +22,7 @@ from meshlm.infer.engine import Engine, SamplingParams
 from meshlm.infer.local import local_engine, stream
 from meshlm.models.gpt import GPT
 from tests.infer.server_helpers import save_gpt_checkpoint
+from tests.infer.test_engine import CharTokenizer
 
 LLAMA = ModelConfig(n_layers=2, hidden_size=64, n_heads=4, n_kv_heads=2, seq_len=64, vocab_size=97,
                     position="rope", norm="rmsnorm", activation="swiglu", bias=False, tie_embeddings=False)
@@ -30,16 +31,6 @@ MLA = ModelConfig(n_layers=2, hidden_size=64, n_heads=4, seq_len=64, vocab_size=
                   kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
 LOGPROB_TOL = 0.02  # bf16 engine against bf16 full recompute (module docstring)
 TIE_TOL = 0.02  # a greedy choice that is not the reference's argmax must be this close to it (a near tie)
-
-
-class CharTokenizer:
-    eod_id = 0
-
-    def decode(self, ids):
-        return "".join(chr(0x41 + i) for i in ids)
-
-    def encode(self, text):
-        return [ord(c) - 0x41 for c in text]
 
 
 def models(cfg=LLAMA):
