@@ -22,7 +22,7 @@ from torch import nn
 from meshlm.core.config import ModelConfig
 from meshlm.models.init import InitRule, draw_base_seed, init_parameters
 from meshlm.models.layers import Block, KVCache, document_causal_mask, make_norm, positions_of, rope_tables
-from meshlm.models.loss import linear_cross_entropy
+from meshlm.models.loss import linear_cross_entropy, linear_cross_entropy_sum
 from meshlm.models.mla import MultiHeadLatentAttention
 from meshlm.models.moe import MoE
 from meshlm.models.mtp import MultiTokenPrediction
@@ -148,10 +148,18 @@ class GPT(nn.Module):
         parallelism, with `logits_loss` set, on the split logits). In training with multi-token prediction its
         gradient also carries λ/D Σ CE_k (value: the main loss; `models/mtp.py`)."""
         h = self.norm(x)
-        loss = self.normed_loss(h, targets)
         if self.mtp is None or not self.training:
-            return loss
-        losses = self.mtp.losses(h, targets, self.tok_emb, self.normed_loss, self.rope(self.rope_len))
+            return self.normed_loss(h, targets)
+        rope = self.rope(self.rope_len)
+        if type(self.lm_head) is nn.Linear:  # the whole head: the main loss and every depth's in one fused call, which
+            states, goals = self.mtp.states(h, targets, self.tok_emb, rope)  # keeps one weight gradient, not 1 + D
+            D = len(self.mtp)
+            total, values = linear_cross_entropy_sum([h, *states], self.lm_head.weight, [targets, *goals],
+                                                     [1.0] + [self.mtp.loss_weight / D] * D, self.loss_on_target_rows)
+            self.mtp.record(list(values[1:]))
+            return (total - total.detach()) + values[0]  # the gradient of main + λ/D Σ CE_k, the value of main
+        loss = self.normed_loss(h, targets)
+        losses = self.mtp.losses(h, targets, self.tok_emb, self.normed_loss, rope)
         self.mtp.record(losses)
         return self.mtp.objective(loss, losses)
 

@@ -166,7 +166,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         h2, t1 = h2.index_select(0, rows), t1.index_select(0, rows)
     chunk = chunk or chunk_rows(weight.shape[0], weight.shape[1], hidden.device, _compute_dtype(hidden))
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(h2, weight, t1, chunk)
+        return _LinearCrossEntropy.apply(h2, weight, t1, chunk, None)[0]
     dtype = _compute_dtype(hidden)
     acc = accumulation_dtype(dtype)
     with torch.autocast(hidden.device.type, enabled=False):
@@ -175,6 +175,29 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
             z = torch.log_softmax((h2[s:s + chunk].to(dtype) @ w.t()).to(acc), dim=-1)
             total -= _picked(z, t1[s:s + chunk]).sum()
         return total / (t1 != IGNORE_INDEX).sum()
+
+
+def linear_cross_entropy_sum(hiddens: list[torch.Tensor], weight: torch.Tensor, targets: list[torch.Tensor],
+                             scales: list[float], target_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ_k scales[k]·CE_k, CE_k the mean cross-entropy of `hiddens[k] @ weight.T` against `targets[k]`, in one fused
+    call: one weight gradient (V, h) is finished and kept for backward, not one per term (multi-token prediction's
+    main loss and module losses share the head: `models/gpt.py`). Returns (the weighted sum, differentiable; the CE_k
+    (K,), detached, in the accumulation dtype). Each row's gradient carries its term's scale / n_k; `target_rows` as
+    in `linear_cross_entropy`."""
+    h2 = torch.cat([h.reshape(-1, h.shape[-1]) for h in hiddens])
+    t1 = torch.cat([t.reshape(-1) for t in targets])
+    counts = torch.stack([(t != IGNORE_INDEX).sum() for t in targets])  # n_k, on the device (no host sync)
+    term = torch.repeat_interleave(torch.arange(len(targets), device=t1.device),
+                                   torch.tensor([t.numel() for t in targets], device=t1.device))
+    omega = (torch.tensor(scales, dtype=torch.float64, device=t1.device) / counts.clamp_min(1)).to(
+        accumulation_dtype(_compute_dtype(h2)))  # each row's weight: its term's scale / n_k
+    if target_rows:
+        rows = (t1 != IGNORE_INDEX).nonzero().squeeze(1)
+        h2, t1, term = h2.index_select(0, rows), t1.index_select(0, rows), term.index_select(0, rows)
+    chunk = chunk_rows(weight.shape[0], weight.shape[1], h2.device, _compute_dtype(h2))
+    total, row_ce = _LinearCrossEntropy.apply(h2, weight, t1, chunk, omega[term] * (t1 != IGNORE_INDEX))
+    ce = torch.zeros(len(targets), dtype=row_ce.dtype, device=row_ce.device).index_add_(0, term, row_ce)
+    return total, ce / counts
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -189,13 +212,18 @@ def _picked(logp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
+    """(loss, per-row losses): the mean over the rows with a target, or with `row_weights` (N,) the weighted sum
+    Σ_i ω_i·ce_i and beside it each row's ce_i (N,), not differentiable (else an empty tensor)."""
+
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int):
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                row_weights: torch.Tensor | None):
         dtype = _compute_dtype(hidden)
         acc = accumulation_dtype(dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
-            n = (targets != IGNORE_INDEX).sum()
+            n = (targets != IGNORE_INDEX).sum() if row_weights is None else torch.ones((), device=hidden.device)
+            row_ce = torch.empty(0 if row_weights is None else len(targets), dtype=acc, device=hidden.device)
             loss = torch.zeros((), dtype=acc, device=hidden.device)
             need_h, need_w = hidden.requires_grad, weight.requires_grad
             grad_h = torch.empty(hidden.shape if need_h else (0,), dtype=acc, device=hidden.device)
@@ -206,9 +234,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 keep = (t != IGNORE_INDEX).unsqueeze(1)
                 h = hidden[s:s + chunk].to(dtype) * keep  # an ignored token's row adds nothing to ∂W
                 z = torch.log_softmax((h @ w.t()).to(acc), dim=-1)  # (c, V): log p
-                loss -= _picked(z, t).sum()
+                picked = _picked(z, t)
                 z.exp_()  # p
                 z[rows[:len(t)], t.clamp_min(0)] -= 1.0  # p − onehot: ∂loss_i/∂z_i
+                if row_weights is None:
+                    loss -= picked.sum()
+                else:  # ∂(Σ ω_i·ce_i)/∂z_i = ω_i·(p − onehot)
+                    omega = row_weights[s:s + chunk]
+                    row_ce[s:s + chunk] = -picked
+                    loss -= (picked * omega).sum()
+                    z *= omega.unsqueeze(1)
                 dz = z.to(dtype)
                 if need_h:
                     grad_h[s:s + chunk] = (dz @ w).to(acc) * keep
@@ -221,12 +256,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(grad_h, grad_w, n)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         ctx.need = (need_h, need_w)
-        return loss / n
+        ctx.mark_non_differentiable(row_ce)
+        return loss / n, row_ce
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
+    def backward(ctx, grad_loss: torch.Tensor, _grad_rows: torch.Tensor | None = None):
         grad_h, grad_w, n = ctx.saved_tensors
         scale = grad_loss / n
         (need_h, need_w), (dtype_h, dtype_w) = ctx.need, ctx.dtypes
         return ((grad_h * scale).to(dtype_h) if need_h else None, (grad_w * scale).to(dtype_w) if need_w else None,
-                None, None)
+                None, None, None)

@@ -75,16 +75,21 @@ class MultiTokenPrediction(nn.ModuleList):
         self.loss_weight = cfg.mtp_loss_weight
         self._records: list[torch.Tensor] = []  # (D,) CE_k per call since the last `take_stats`
 
-    def losses(self, h0: torch.Tensor, targets: torch.Tensor, embed, head_ce, rope) -> list[torch.Tensor]:
-        """CE_k for k = 1..D: `h0` the main model's normed output (B, T, h) (under sequence parallelism this
-        rank's tokens), `embed(ids)` the shared embedding, `head_ce(x, targets)` the shared head's mean
-        cross-entropy on normed states."""
-        out, h = [], h0
+    def states(self, h0: torch.Tensor, targets: torch.Tensor, embed, rope) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each depth's normed output (what the shared head reads) and its targets, k = 1..D: `h0` the main model's
+        normed output (B, T, h) (under sequence parallelism this rank's tokens), `embed(ids)` the shared embedding."""
+        out, goals, h = [], [], h0
         for k, module in enumerate(self, start=1):
             tokens, goal = shifted(targets, k)
             h = module(h, embed(tokens), rope)
-            out.append(head_ce(module.norm(h), goal))
-        return out
+            out.append(module.norm(h))
+            goals.append(goal)
+        return out, goals
+
+    def losses(self, h0: torch.Tensor, targets: torch.Tensor, embed, head_ce, rope) -> list[torch.Tensor]:
+        """CE_k for k = 1..D (`states`), `head_ce(x, targets)` the shared head's mean cross-entropy on normed states
+        (the vocab-parallel head's; a whole head runs every depth in one fused call instead: `models/gpt.py`)."""
+        return [head_ce(x, goal) for x, goal in zip(*self.states(h0, targets, embed, rope))]
 
     def record(self, losses: list[torch.Tensor]) -> None:
         self._records.append(torch.stack([x.detach().float() for x in losses]))

@@ -874,12 +874,12 @@ def _memory(r: _Run, stored: float, st: _Stages, params: list[float], experts: l
         mem["activations"] = layer_acts * held
         if ring:
             mem["CP ring buffers (transient)"] = ring
-        # the head's saved tensors, once per call: the main loss and each MTP module's (they share the head). The
-        # fused head + loss keeps its finished gradients, the weight's V·h and the stream's b·s·h in fp32
-        # (models/loss.py); the unfused one the fp32 logits
+        # the head's saved tensors for the main loss and each MTP module's (they share the head): the fused head +
+        # loss keeps its finished gradients in fp32, the weight's V·h once (one call for every depth) and the
+        # stream's b·s·h per depth (models/loss.py); the unfused one the fp32 logits per depth
         calls = 1 + m.mtp_depth
         if tp == 1 and opts.fused_loss:
-            logits = calls * 4.0 * m.hidden_size * (m.vocab_size + b * s)
+            logits = 4.0 * m.hidden_size * (m.vocab_size + calls * b * s)
         else:
             logits = calls * 4.0 * b * s * m.vocab_size / tp
         mem["logits (last stage)"] = logits if k == pp - 1 or (opts.dualpipe and k == 0) else 0.0

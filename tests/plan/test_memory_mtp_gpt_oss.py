@@ -172,10 +172,13 @@ def test_the_planner_stores_the_mtp_modules_as_bench_memory_counts_them(config, 
     got, without = memory["activations"], plain["activations"]
     modules = mtp_activation_bytes(cfg, dtypes=activation_dtypes("bf16", "cuda"), backend="flash")
     assert got - without == pytest.approx(sum(modules), rel=1e-12)
-    # each module runs the shared head once more; the fused head + loss keeps its finished gradients per call
+    # the fused head + loss keeps its finished gradients: the weight's once (one call for every depth, models/gpt.py),
+    # the stream's for each depth
     m = cfg.model
-    head = 4.0 * m.hidden_size * (m.vocab_size + m.seq_len)
-    assert (plain["logits (last stage)"], memory["logits (last stage)"]) == (head, (1 + m.mtp_depth) * head)
+    head = 4.0 * m.hidden_size * m.vocab_size
+    stream = 4.0 * m.hidden_size * m.seq_len
+    assert (plain["logits (last stage)"], memory["logits (last stage)"]) == (head + stream,
+                                                                              head + (1 + m.mtp_depth) * stream)
     if config == "llama-tiny":  # every layer alike: the planner's mean layer is each layer
         layers = layer_activation_bytes(cfg, dtypes=activation_dtypes("bf16", "cuda"), backend="flash")
         assert got == pytest.approx(sum(layers) + sum(modules), rel=1e-12)
@@ -226,3 +229,37 @@ def test_tensor_and_sequence_parallel_ranks_measure_their_formula(tmp_path):
         ratios = {row[1].strip(): float(row[4]) for row in rows}
         depth = int(overrides[-1].split("=")[1])
         _assert_exact(ratios, 2 + depth)
+
+
+@pytest.mark.parametrize("target_rows", [False, True])
+def test_one_fused_head_call_for_every_depth_keeps_one_weight_gradient(target_rows):
+    """`linear_cross_entropy_sum` (the MTP model's head, models/gpt.py) equals the weighted sum of separate fused calls,
+    value and gradients, and keeps one (V, h) weight gradient for backward where the separate calls kept one each."""
+    from meshlm.models.loss import IGNORE_INDEX, linear_cross_entropy, linear_cross_entropy_sum
+
+    gen = torch.Generator().manual_seed(0)
+    V, H, scales = 40, 8, [1.0, 0.15, 0.15]
+    hs = [torch.randn(2, 6, H, generator=gen, dtype=torch.float64, requires_grad=True) for _ in scales]
+    w = torch.randn(V, H, generator=gen, dtype=torch.float64, requires_grad=True)
+    ts = [torch.randint(0, V, (2, 6), generator=gen) for _ in scales]
+    for k, t in enumerate(ts):
+        t[:, 6 - k:] = IGNORE_INDEX  # depth k's tail has no target
+    saved = []
+
+    def pack(x):
+        saved.append(tuple(x.shape))
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        total, values = linear_cross_entropy_sum(hs, w, ts, scales, target_rows=target_rows)
+    assert saved.count((V, H)) == 1
+    total.backward()
+    got = [h.grad.clone() for h in hs] + [w.grad.clone()]
+    for x in (*hs, w):
+        x.grad = None
+    separate = [linear_cross_entropy(h, w, t, target_rows=target_rows) for h, t in zip(hs, ts)]
+    sum(s * x for s, x in zip(scales, separate)).backward()
+    torch.testing.assert_close(values, torch.stack(separate).detach(), rtol=1e-12, atol=0)
+    assert total.item() == pytest.approx(sum(s * x.item() for s, x in zip(scales, separate)), rel=1e-12)
+    for a, b in zip(got, [h.grad for h in hs] + [w.grad]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
