@@ -187,8 +187,7 @@ def linear_cross_entropy_sum(hiddens: list[torch.Tensor], weight: torch.Tensor, 
     h2 = torch.cat([h.reshape(-1, h.shape[-1]) for h in hiddens])
     t1 = torch.cat([t.reshape(-1) for t in targets])
     counts = torch.stack([(t != IGNORE_INDEX).sum() for t in targets])  # n_k, on the device (no host sync)
-    term = torch.repeat_interleave(torch.arange(len(targets), device=t1.device),
-                                   torch.tensor([t.numel() for t in targets], device=t1.device))
+    term = torch.cat([torch.full((t.numel(),), k, device=t1.device) for k, t in enumerate(targets)])  # each row's k
     omega = (torch.tensor(scales, dtype=torch.float64, device=t1.device) / counts.clamp_min(1)).to(
         accumulation_dtype(_compute_dtype(h2)))  # each row's weight: its term's scale / n_k
     if target_rows:
