@@ -207,13 +207,15 @@ def full_recompute_chunks(n_layers: int, method: str, num_layers: int) -> list[l
 
 def recomputed_layers(cfg: Config) -> int:
     """How many of the model's layers redo (part of) their forward in backward (for hardware FLOPs):
-    every layer, except under `full` with `block`, which recomputes the first N of each (virtual) stage."""
+    every layer, except under `full` with `block`, which recomputes the first N of each (virtual) stage; the
+    multi-token prediction modules' blocks too when every layer is (selective, or full with
+    `recompute_num_layers` 0: `parallel/recompute.py`), each counted as a layer."""
     t, p, n = cfg.train, cfg.parallel, cfg.model.n_layers
     if t.recompute == "none":
         return 0
     if t.recompute == "full" and t.recompute_method == "block" and t.recompute_num_layers:
         return min(n, t.recompute_num_layers * p.pp * p.vpp)
-    return n
+    return n + (cfg.model.mtp_depth if t.recompute == "selective" or not t.recompute_num_layers else 0)
 
 
 def check_compiled_recompute(cfg: Config, tp_dropout_stream: bool) -> None:

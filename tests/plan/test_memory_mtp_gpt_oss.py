@@ -263,3 +263,16 @@ def test_one_fused_head_call_for_every_depth_keeps_one_weight_gradient(target_ro
     assert total.item() == pytest.approx(sum(s * x.item() for s, x in zip(scales, separate)), rel=1e-12)
     for a, b in zip(got, [h.grad for h in hs] + [w.grad]):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("recompute, method, num_layers, recomputed", [
+    ("selective", "uniform", 0, 2 + 2), ("full", "uniform", 0, 2 + 2), ("full", "uniform", 1, 2),
+    ("full", "block", 1, 1), ("none", "uniform", 0, 0)])
+def test_hardware_flops_count_the_recomputed_mtp_blocks(recompute, method, num_layers, recomputed):
+    """`parallel.recompute` recomputes the modules' blocks when every layer is recomputed (selective, or full with
+    recompute_num_layers 0): HFU counts them as layers."""
+    from meshlm.core.layout import recomputed_layers
+
+    cfg = load_config("llama-tiny", [*TINY, "--model.mtp_depth=2", f"--train.recompute={recompute}",
+                                     f"--train.recompute_method={method}", f"--train.recompute_num_layers={num_layers}"])
+    assert recomputed_layers(cfg) == recomputed
