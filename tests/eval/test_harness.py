@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from meshlm.cli import main
-from tests.conftest import meshlm_command
 from tests.eval.eval_helpers import PROMPTS, write_jsonl
 
 TASKS = {
@@ -52,6 +51,57 @@ def results(out: Path) -> tuple[dict, dict]:
     return json.loads(path.read_text())["results"], gens
 
 
+# lm_eval's command line with its Hugging Face backend, then `meshlm harness` (meshlm.cli.main, what the console
+# script calls), in one fresh interpreter: torch, transformers and lm_eval are imported once, not twice. Each run
+# builds lm_eval's TaskManager, which parses every bundled task YAML (~14,700 tasks: 7 s of CPU) into an index;
+# the two runs read the same folders, so the index is built once and each run gets its own dict of its entries
+# (lm_eval only reads them: a task's config is re-read from its YAML file, or deep-copied, when it is built).
+_BOTH = """
+import json, sys, traceback
+from lm_eval.tasks import _index
+
+built, build = {}, _index.TaskIndex.build
+
+
+def index_once(paths, **kwargs):
+    paths = list(paths)
+    key = (tuple(map(str, paths)), tuple(sorted(kwargs.items())))
+    if key not in built:
+        built[key] = build(paths, **kwargs)
+    return dict(built[key])
+
+
+_index.TaskIndex.build = staticmethod(index_once)
+
+
+def run(call):
+    try:
+        code = call()
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    return code or 0
+
+
+def lm_eval_cli(argv):
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv = ["lm_eval", *argv]
+    return cli_evaluate()
+
+
+theirs, ours, out = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+codes = {"theirs": run(lambda: lm_eval_cli(theirs))}
+print("=== meshlm harness", file=sys.stderr, flush=True)
+from meshlm.cli import main
+
+codes["ours"] = run(lambda: main(ours))
+open(out, "w").write(json.dumps(codes))
+"""
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_gpt, task_files, tmp_path_factory):
     root = tmp_path_factory.mktemp("harness")
@@ -63,13 +113,17 @@ def runs(tiny_gpt, task_files, tmp_path_factory):
         assert main(["convert", "--checkpoint", str(tiny_gpt), "--to-hf", str(hf)]) == 0
     env = {**os.environ, **OFFLINE}
     common = ["--tasks", ",".join(TASKS), "--include_path", str(folder), "--log_samples", "--batch_size", "3"]
-    ours = subprocess.run([*meshlm_command(), "harness", "--model", "meshlm", "--model_args",
-                           f"checkpoint={tiny_gpt}", *common, "--output_path", str(root / "ours")],
-                          capture_output=True, text=True, timeout=300, env=env, check=False)
-    theirs = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-                             f"pretrained={hf},dtype=float32", "--device", "cpu", *common, "--output_path",
-                             str(root / "hf_out")], capture_output=True, text=True, timeout=300, env=env, check=False)
-    return ours, theirs, root
+    ours = ["harness", "--model", "meshlm", "--model_args", f"checkpoint={tiny_gpt}", *common, "--output_path",
+            str(root / "ours")]
+    theirs = ["--model", "hf", "--model_args", f"pretrained={hf},dtype=float32", "--device", "cpu", *common,
+              "--output_path", str(root / "hf_out")]
+    codes = root / "codes.json"
+    proc = subprocess.run([sys.executable, "-c", _BOTH, json.dumps(theirs), json.dumps(ours), str(codes)],
+                          capture_output=True, text=True, timeout=480, env=env, check=False)
+    code = json.loads(codes.read_text()) if codes.exists() else {"ours": proc.returncode or 1,
+                                                                   "theirs": proc.returncode or 1}
+    return (subprocess.CompletedProcess(["meshlm", *ours], code["ours"], proc.stdout, proc.stderr),
+            subprocess.CompletedProcess(["lm_eval", *theirs], code["theirs"], proc.stdout, proc.stderr), root)
 
 
 def test_meshlm_harness_equals_the_hf_backend(runs):
