@@ -6,20 +6,16 @@ memory` measures 1.000 of the formula."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pytest
-import torch
 
 from meshlm.core.config import build
 from meshlm.core.flops import model_flops
-from meshlm.core.memory import layer_activation_bytes, parameter_count
-from meshlm.families.registry import spec_of
-from meshlm.models.activations import measure_saved_activations
+from meshlm.core.memory import parameter_count
 from meshlm.models.gpt import GPT
-from meshlm.parallel.recompute import apply_recompute
 from tests.interop.interop_helpers import run_main
+from tests.plan.test_memory import assert_saved_bytes_equal_formula
 
 GEMMA = {"n_kv_heads": 2, "head_size": 8, "position": "rope", "norm": "rmsnorm", "activation": "geglu", "bias": False,
          "qk_norm": True, "sliding_window": 5, "window_pattern": 2, "norm_unit_offset": True, "sandwich_norm": True,
@@ -60,21 +56,7 @@ SHAPES = [  # (model changes, micro-batch, precision, recompute)
 
 @pytest.mark.parametrize("changes,b,precision,recompute", SHAPES)
 def test_measured_saved_bytes_equal_our_formula(changes, b, precision, recompute):
-    model = {"vocab_size": 101, "n_layers": 2, "hidden_size": 64, "n_heads": 4, "seq_len": 24, **changes}
-    cfg = build({"model": model, "train": {"precision": precision, "recompute": recompute, "micro_batch_size": b,
-                                           "global_batch_size": b}})
-    torch.manual_seed(0)
-    gpt = GPT(cfg.model)
-    apply_recompute(gpt, cfg, spec=spec_of(gpt))
-    ids = torch.randint(0, 101, (b, 24), generator=torch.Generator().manual_seed(0))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
-
-    def run():
-        with autocast:
-            return gpt(ids).float().sum()
-
-    report = measure_saved_activations(gpt, run)
-    assert report.per_layer == layer_activation_bytes(cfg)
+    assert_saved_bytes_equal_formula(changes, b, precision, recompute)
 
 
 def test_bench_memory_measures_the_formula_for_gemma3():

@@ -102,8 +102,9 @@ SHAPES = [  # (model changes, micro-batch, precision, recompute)
 ]
 
 
-@pytest.mark.parametrize("changes,b,precision,recompute", SHAPES)
-def test_measured_saved_bytes_equal_our_formula(changes, b, precision, recompute):
+def assert_saved_bytes_equal_formula(changes: dict, b: int, precision: str, recompute: str):
+    """A 2-layer model of `changes` (sequences of 24) under `precision` and `recompute`: the bytes each layer saves
+    for backward, measured by the pack hook, equal `layer_activation_bytes`; returns the measurement."""
     model = {"vocab_size": 101, "n_layers": 2, "hidden_size": 64, "n_heads": 4, "seq_len": 24, **changes}
     cfg = build({"model": model, "train": {"precision": precision, "recompute": recompute, "micro_batch_size": b,
                                                    "global_batch_size": b}})
@@ -119,6 +120,12 @@ def test_measured_saved_bytes_equal_our_formula(changes, b, precision, recompute
 
     report = measure_saved_activations(gpt, run)
     assert report.per_layer == layer_activation_bytes(cfg)
+    return report
+
+
+@pytest.mark.parametrize("changes,b,precision,recompute", SHAPES)
+def test_measured_saved_bytes_equal_our_formula(changes, b, precision, recompute):
+    report = assert_saved_bytes_equal_formula(changes, b, precision, recompute)
     assert (report.param_copy_bytes > 0) == (precision == "bf16")
 
 
