@@ -31,6 +31,11 @@ import torch
 
 from meshlm.models.cache import AttentionCache
 
+# 16-bit masked groups of at least this many rows take `masked_attention`, fewer the kernel on fp32 copies: the
+# crossing point measured with benchmarks/attention_kernels.py (SmolLM2's heads, bf16: 1-4 rows favour the
+# kernel in fp32, 16 and more `masked_attention`, by 1.6× and more)
+MASKED_ROWS = 8
+
 
 class PagedKV:
     """The pool's tensors: per layer, keys and values of shape (n_kv_heads, num_blocks × block_size, head_dim).
@@ -244,12 +249,21 @@ class PagedCache(AttentionCache):
             n = g.rows * g.T
             qg = q[g.start:g.start + n, :, 0].view(g.rows, g.T, nh, hd).transpose(1, 2)  # (R, nh, T, hd)
             keys, values = self.gather(g.blocks, g.keys)  # (R, nkv, L, hd)
-            if g.mask is not None and q.dtype != torch.float32 and not _banded(core):
-                y = masked_attention(qg, keys.to(q.dtype), values.to(q.dtype), g.mask, _scale(core, hd))
+            if g.mask is not None and q.dtype.itemsize < 4:  # 16-bit rows: not PyTorch's 16-bit CPU kernel
+                y = self.attend_16bit(qg, keys, values, g, core)
             else:
                 y = core(qg, keys.to(q.dtype), values.to(q.dtype), g.causal, g.mask)
             out[g.start:g.start + n, :, 0] = y.transpose(1, 2).reshape(n, nh, self.value_dim)
         return out
+
+    def attend_16bit(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, g: Group, core) -> torch.Tensor:
+        """Masked rows of a 16-bit model (decoding rows, a token and its drafts): PyTorch's CPU attention kernel
+        is 3-12× slower in bf16 than in fp32 at these shapes (benchmarks/attention_kernels.py), so at least
+        `MASKED_ROWS` rows of a plain core take `masked_attention` (16-bit products, fp32 softmax), fewer rows
+        (or a window, sinks) the layer's own core on fp32 copies, the result cast back."""
+        if g.rows >= MASKED_ROWS and not _banded(core):
+            return masked_attention(q, keys.to(q.dtype), values.to(q.dtype), g.mask, _scale(core, q.shape[-1]))
+        return core(q.float(), keys.float(), values.float(), g.causal, g.mask).to(q.dtype)
 
     def cascade(self, q: torch.Tensor, g: Group, scale: float) -> torch.Tensor:
         """Decoding rows q (R, nh, 1, hd) over their shared first blocks and then their own: softmax attention
@@ -279,17 +293,15 @@ class PagedCache(AttentionCache):
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """softmax(q kᵀ · scale, masked) v for q (R, nh, T, d), k (R, nkv, L, d), v (R, nkv, L, dv), mask (R, 1, T, L)
-    (True: attend) → (R, nh, T, dv): the query heads of a KV head in one matrix product (GQA), the softmax in
-    fp32 (or wider). The 16-bit decode path: PyTorch's CPU scaled_dot_product_attention takes 8-12× longer than this for
-    bf16 decoding rows (16 rows of 96-512 keys, SmolLM2's 9 heads over 3; measured in benchmarks/RESULTS.md,
-    "bf16 serving"), while in fp32 the two are alike and the kernel stays."""
+    (True: attend) → (R, nh, T, dv): a KV head's query heads and queries as the rows of one matrix product (GQA
+    without repeating keys), the softmax in fp32 (or wider). The path of 16-bit decoding rows (`attend_16bit`)."""
     R, nh, T, d = q.shape
-    nkv = k.shape[1]
-    qh = q.reshape(R, nkv, nh // nkv, T, d)
+    nkv, L = k.shape[1], k.shape[2]
+    group = nh // nkv
     wide = torch.promote_types(q.dtype, torch.float32)  # the softmax's dtype: fp32 at least
-    scores = torch.matmul(qh, k.unsqueeze(2).transpose(-1, -2)).to(wide) * scale  # (R, nkv, group, T, L)
-    probs = scores.masked_fill(~mask.unsqueeze(2), float("-inf")).softmax(-1)
-    return torch.matmul(probs.to(v.dtype), v.unsqueeze(2)).reshape(R, nh, T, v.shape[-1])
+    scores = torch.matmul(q.reshape(R, nkv, group * T, d), k.transpose(-1, -2)).to(wide) * scale
+    probs = scores.view(R, nkv, group, T, L).masked_fill(~mask.unsqueeze(2), float("-inf")).softmax(-1)
+    return torch.matmul(probs.to(v.dtype).view(R, nkv, group * T, L), v).reshape(R, nh, T, v.shape[-1])
 
 
 def _scale(core, head_dim: int) -> float:

@@ -21,6 +21,7 @@ from meshlm.core.precision import cast_parameters
 from meshlm.infer.engine import Engine, SamplingParams
 from meshlm.infer.local import local_engine, stream
 from meshlm.models.gpt import GPT
+from meshlm.models.paged import MASKED_ROWS, masked_attention
 from tests.infer.server_helpers import save_gpt_checkpoint
 from tests.infer.test_engine import CharTokenizer
 
@@ -46,18 +47,24 @@ def test_cast_parameters_keeps_the_rope_tables_in_fp32():
     assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(fp32.parameters(), bf16.parameters()))
 
 
+@pytest.mark.parametrize("rows", [3, MASKED_ROWS])
 @pytest.mark.parametrize("cfg", [LLAMA, MLA], ids=["gqa", "mla"])
 @torch.no_grad()
-def test_bf16_engine_decodes_as_the_bf16_model_recomputing_everything(cfg):
-    """The 16-bit decoding rows take `masked_attention` (not the layer's kernel); an MLA model its latent cache."""
+def test_bf16_engine_decodes_as_the_bf16_model_recomputing_everything(cfg, rows, monkeypatch):
+    """16-bit decoding rows attend through the kernel on fp32 copies (3 rows) or `masked_attention` (MASKED_ROWS
+    rows and more: models/paged.py); an MLA model reads its latent cache."""
+    from meshlm.models import paged
+
+    calls = []
+    monkeypatch.setattr(paged, "masked_attention", lambda *a: calls.append(1) or masked_attention(*a))
     fp32, bf16 = models(cfg)
-    engine = Engine(bf16, CharTokenizer(), max_seqs=3, max_len=64)
+    engine = Engine(bf16, CharTokenizer(), max_seqs=rows, max_len=64)
     assert engine.runner.cache_bytes_per_token() * 2 == Engine(fp32, CharTokenizer(), 1, 64).runner.cache_bytes_per_token()
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (5, 17, 9)]
+    prompts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (5, 17, 9, 12, 6, 20, 8, 11)[:rows]]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
     worst = 0.0
-    for prompt, req in zip(prompts, engine.generate(prompts, params)):  # three rows decoded together
+    for prompt, req in zip(prompts, engine.generate(prompts, params)):  # the rows decoded together
         assert len(req.output_ids) == 12
         seq = list(prompt)
         for info in req.output:
@@ -66,6 +73,7 @@ def test_bf16_engine_decodes_as_the_bf16_model_recomputing_everything(cfg):
             worst = max(worst, abs(info.logprob - float(ref[info.id])))
             seq.append(info.id)
     assert worst <= LOGPROB_TOL, worst
+    assert bool(calls) == (rows >= MASKED_ROWS)
     # and bf16 is bf16 of this model, not another one: its first choice's log-probability is near fp32's
     first = torch.log_softmax(fp32(torch.tensor([prompts[0]]))[0, -1], -1)
     reqs = engine.generate([prompts[0]], params)
@@ -76,8 +84,6 @@ def test_bf16_engine_decodes_as_the_bf16_model_recomputing_everything(cfg):
 def test_masked_attention_equals_the_kernel_in_float64(T):
     """`models.paged.masked_attention` (the bf16 decode path) is softmax attention: equal to PyTorch's kernel in
     float64 with GQA (6 query heads over 2), per-row masks, several queries per row, a value width of its own."""
-    from meshlm.models.paged import masked_attention
-
     g = torch.Generator().manual_seed(0)
     R, L = 3, 20
     q, k = torch.randn(R, 6, T, 8, generator=g, dtype=torch.float64), torch.randn(R, 2, L, 8, generator=g, dtype=torch.float64)
