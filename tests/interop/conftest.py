@@ -8,17 +8,13 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def smollm2_transformers():
+def smollm2_transformers(tmp_path_factory):
     """(model, tokenizer) that transformers builds from SmolLM2-135M-Instruct.Q4_1.gguf: it dequantizes the
-    file itself (fp32, eval mode) and builds the tokenizer from the file's metadata. Read-only: tests must not
-    change either."""
-    import torch
+    file itself (fp32, eval mode) and builds the tokenizer from the file's metadata, once per test run
+    (tests/smollm2_reference.py: kept in the run's cache for tests/test_released_model.py and other workers).
+    Read-only: tests must not change either."""
+    from tests.conftest import session_cache_dir
+    from tests.smollm2_reference import transformers_smollm2
 
-    from meshlm.data.assets import smollm2_gguf
-
-    transformers = pytest.importorskip("transformers")
-    path = smollm2_gguf()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                              dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return model, tokenizer
+    pytest.importorskip("transformers")
+    return transformers_smollm2(session_cache_dir(tmp_path_factory))

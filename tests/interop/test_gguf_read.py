@@ -6,6 +6,7 @@ SmolLM2 also goes back out through `--to-gguf` here (the round trip shares this 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -42,7 +43,7 @@ def reference(smollm2, smollm2_transformers):
     from tokenizers import pre_tokenizers
 
     model, tok = smollm2_transformers
-    split = transformers.AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
+    split = copy.deepcopy(tok)  # the same tokenizer, without parsing the file again; only its split changes
     split.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
     return model, tok, split
