@@ -13,10 +13,12 @@ import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,7 @@ from meshlm.cli import main
 from meshlm.data.assets import smollm2_gguf
 from tests.conftest import ROOT, session_cache_dir
 from tests.infer.server_helpers import ServeProcess, free_port, python_prefix
+from tests.smollm2_reference import transformers_smollm2
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -52,15 +55,10 @@ def smol(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(smol):
-    """transformers' own reading of the same GGUF file (model, tokenizer), fp32."""
-    path = smollm2_gguf()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                  dtype=torch.float32).eval()
-    return model, tokenizer
+def reference(smol, tmp_path_factory):
+    """transformers' own reading of the same GGUF file (model, tokenizer), fp32: read once per test run
+    (tests/smollm2_reference.py; tests/interop/test_gguf_read.py's reference is the same reading)."""
+    return transformers_smollm2(session_cache_dir(tmp_path_factory))
 
 
 def quiet_main(*argv: str) -> tuple[int, str, str]:
@@ -78,10 +76,25 @@ def held_out_text(n_bytes: int = 1200) -> str:
 
 
 def chat_reply(url: str, messages: list[dict], max_tokens: int = 64):
-    """The official `openai` client's greedy chat completion."""
+    """The official `openai` client's greedy chat completion. The client is closed after it: a connection it
+    kept open would hold the server's graceful shutdown (uvicorn waits for open connections) for seconds."""
     openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=300)
-    return client.chat.completions.create(model="smollm2", messages=messages, max_tokens=max_tokens, temperature=0)
+    with openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=300) as client:
+        return client.chat.completions.create(model="smollm2", messages=messages, max_tokens=max_tokens,
+                                              temperature=0)
+
+
+def stop_all(servers, timeout: float = 60) -> None:
+    """SIGTERM to every server first, then wait for each: their shutdowns overlap instead of adding up."""
+    running = [s for s in servers if isinstance(s, ServeProcess) and s.proc.poll() is None]
+    for server in running:
+        server.proc.send_signal(signal.SIGTERM)
+    for server in running:
+        try:
+            server.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            raise
 
 
 def start_servers(gguf: str) -> dict:
@@ -120,17 +133,19 @@ def test_serve_greedy_chat_equals_transformers_tp3_and_pp2(smol, reference):
         assert out.shape[1] - ids.shape[1] == 64  # no end of turn within the 64 tokens: the whole length compared
         for t in servers.pop("threads"):
             t.join(330)
-        for name in ("tp1", "tp3", "pp2"):
+        names = ("tp1", "tp3", "pp2")
+        for name in names:
             if isinstance(servers.get(name), BaseException):
                 raise servers[name]
-            reply = chat_reply(servers[name].url, POEM)
+        # The three requests at once: tp3's ranks wait on each other's all-reduces while the others compute.
+        with ThreadPoolExecutor(len(names)) as pool:
+            replies = dict(zip(names, pool.map(lambda name: chat_reply(servers[name].url, POEM), names)))
+        for name, reply in replies.items():
             assert reply.usage.prompt_tokens == ids.shape[1] and reply.usage.completion_tokens == 64, name
             assert reply.choices[0].finish_reason == "length", name
             assert reply.choices[0].message.content == expected, name
     finally:
-        for server in servers.values():
-            if isinstance(server, ServeProcess):
-                server.stop(timeout=60)
+        stop_all(servers.values())
 
 
 def test_eval_pipeline_parallel_equals_one_process(smol):
