@@ -46,6 +46,9 @@ ATTENTION = ("scaled_dot_product", "flash_attention", "aten::index_select", "ate
              "aten::index_copy_", "aten::_softmax", "aten::gather")
 
 
+CPU_TIME = False  # --cpu-time: the step's time is this thread's CPU time (one torch thread), not the wall's
+
+
 def part_of(name: str) -> str:
     if name in MATMUL:
         return "matmul"
@@ -60,10 +63,11 @@ def profile_steps(engine, steps: int) -> tuple[float, dict[str, float]]:
     count as Python), then the parts over `steps` more under it."""
     from torch.profiler import ProfilerActivity, profile
 
-    start = time.perf_counter()
+    clock = time.thread_time if CPU_TIME else time.perf_counter
+    start = clock()
     for _ in range(steps):
         engine.step()
-    wall = (time.perf_counter() - start) / steps
+    wall = (clock() - start) / steps
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine.step()
@@ -97,8 +101,14 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     parser.add_argument("--steps", type=int, default=16, help="profiled decode steps (default 16)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--cpu-time", action="store_true", help="time each step in this thread's CPU time (with "
+                        "--threads 1 the time the step would take alone, on a machine busy with other work)")
     add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.cpu_time and args.threads != 1:
+        parser.error("--cpu-time measures one thread: give --threads 1")
+    global CPU_TIME
+    CPU_TIME = args.cpu_time
     import torch
 
     torch.set_num_threads(args.threads)
@@ -110,7 +120,8 @@ def main() -> None:
             args.forms, args.rows, args.steps, args.prompt_tokens = "fp32,bf16", 2, 2, 8
         rows = run(args)
     print(f"checkpoint {args.checkpoint or 'SmolLM2-135M-Instruct.Q4_1.gguf'}; prompts of {args.prompt_tokens} "
-          f"tokens; {args.steps} profiled decode steps; {args.threads} thread(s); load average "
+          f"tokens; {args.steps} profiled decode steps; {args.threads} thread(s); "
+          f"{'thread CPU time' if args.cpu_time else 'wall time'}; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print("| form | rows | ms / step | output tokens/s | matrix products | attention | other operators | "
           "Python and dispatch |")
