@@ -4,7 +4,7 @@ on the bundled corpus with a narrow model and 2 steps appended.
 
 Checked against the single-process Trainer with the same config: per-step losses and the evaluation loss
 within 1e-5 relative, final weights within 1e-5 (read back whole from the stage files); rank 0 alone logs;
-`meshlm generate` reads the checkpoint's pieces as one model; a run stopped after one step and resumed
+`meshlm generate` reads the checkpoint's pieces as one model; the run's checkpoint after step 1, resumed,
 equals the straight run bit for bit, and resumes under another layout too (here one process).
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -70,13 +71,15 @@ def _val_loss(out: Path) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """Every documented command, each into its own run directory (generate reads the first)."""
+    """Every documented command, each into its own run directory (generate reads the first). The first also
+    keeps a checkpoint after step 1, which the resume test below continues from."""
     root = tmp_path_factory.mktemp("pp_docs")
     results = {}
     for i, argv in enumerate(documented_commands()):
         if argv[0] == "torchrun":
             out = root / f"runs/cmd{i}"
-            proc = _run(argv, root, [*TINY, f"--train.max_steps={STEPS}", f"--train.out_dir={out}"])
+            every = ["--train.save_every=1"] if i == 0 else []
+            proc = _run(argv, root, [*TINY, f"--train.max_steps={STEPS}", f"--train.out_dir={out}", *every])
             results[i] = {"argv": argv, "proc": proc, "out": out}
         else:
             first = root / "runs/cmd0"
@@ -140,15 +143,21 @@ def test_pipeline_training_matches_single_process(runs, references, tmp_path_fac
 
 
 def test_pipeline_checkpoint_resumes_exactly_and_under_another_layout(runs, tmp_path):
+    """The straight run's checkpoint after step 1, alone in a new run directory, resumed by the same command to
+    step 2: the same step-2 loss and weights, bit for bit. (One launch instead of a 1-step run and its resume:
+    a run stopped at train.max_steps and resumed is checked the same way under tp=2 in test_torchrun.py.)"""
     straight = runs[0]
     split = tmp_path / "split"
-    for steps in (1, STEPS):
-        proc = _run(straight["argv"], tmp_path, [*TINY, f"--train.max_steps={steps}", f"--train.out_dir={split}"])
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from" in proc.stdout
+    (split / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight["out"] / "checkpoints" / "step_0000001", split / "checkpoints" / "step_0000001")
+    (split / "checkpoints" / "latest").write_text("step_0000001\n")
+    proc = _run(straight["argv"], tmp_path, [*TINY, f"--train.max_steps={STEPS}", f"--train.out_dir={split}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {split / 'checkpoints' / 'step_0000001'} at step 1" in proc.stdout
     files = sorted(p.name for p in resolve_checkpoint(split).iterdir())
     assert files == ["config.json", "index.json", "manifest.json", "shards", "state.pt"]
-    assert _losses(split) == _losses(straight["out"])
+    assert len(_losses(straight["out"])) == STEPS
+    assert _losses(split) == _losses(straight["out"])[1:]
     a = load_model_state(resolve_checkpoint(straight["out"]), spec=GPT_SPEC)
     b = load_model_state(resolve_checkpoint(split), spec=GPT_SPEC)
     assert all(torch.equal(a[k], b[k]) for k in a)
