@@ -25,6 +25,7 @@ from meshlm.core.config import config_from_dict, load_config
 from meshlm.families.registry import get_spec
 from meshlm.models.gpt import GPT
 from meshlm.train.trainer import Trainer
+from tests.cli_batch import run_meshlm_batch
 from tests.conftest import ROOT
 
 GPT_SPEC = get_spec("gpt")  # every run here is of the gpt family (its pieces need the spec)
@@ -72,11 +73,19 @@ def _reference(root: Path, argv: list[str], steps: int) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
+    """Each launch as typed; the `meshlm` commands after them (convert, then generate) in one interpreter
+    (tests/cli_batch.py: meshlm.cli.main, what the console script calls, one start-up instead of two)."""
     root = tmp_path_factory.mktemp("dp_docs")
     results = []
-    for argv in documented_commands():
+    commands = documented_commands()
+    launches = [argv for argv in commands if argv[0] == "torchrun"]
+    assert commands[:len(launches)] == launches, "the meshlm commands come after the launches"
+    for argv in launches:
         proc = subprocess.run(_argv(argv), cwd=root, check=False, capture_output=True, text=True, timeout=TIMEOUT_S)
         results.append({"argv": argv, "proc": proc})
+    rest = commands[len(launches):]
+    procs = run_meshlm_batch([_argv(argv)[1:] for argv in rest], cwd=root, timeout=TIMEOUT_S)
+    results += [{"argv": argv, "proc": proc} for argv, proc in zip(rest, procs)]
     return {"root": root, "results": results}
 
 
