@@ -159,7 +159,7 @@ class Engine:
                             adapters=adapters, compile=o.compile, local_blocks=local)
         self.runner, self.block_size = runner, runner.block_size
         self.pool = BlockPool(runner.num_blocks, runner.block_size, o.prefix_caching)
-        local_blocks = getattr(runner, "local_blocks", 0)  # a given runner says (pipeline serving's: one group)
+        local_blocks = getattr(runner, "local_blocks", 0)  # a given runner says (tp's and pp's hold it too)
         self.local_pool = BlockPool(local_blocks, runner.block_size, o.prefix_caching) if local_blocks else None
         self.speculator = speculator
         self.eod_id = getattr(tokenizer, "eod_id", None)

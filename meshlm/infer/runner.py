@@ -79,14 +79,19 @@ class Runner:
         x = m.run_layers(m.embed(ids, start), None, caches, start, rope)
         return m.head(x.index_select(0, select))[:, 0]
 
+    def layouts(self, plan: ForwardPlan) -> tuple[Batch, Batch | None]:
+        """The step's layout (`Batch`) and, when the local layers hold a pool of their own, theirs: the same
+        positions through their own block tables (`plan.local_tables`), read within their window."""
+        batch = Batch(plan.rows, self.block_size, self.device, window=self.windows[0])
+        if not plan.local_tables:
+            return batch, None
+        rows = [(pos, table) for (pos, _), table in zip(plan.rows, plan.local_tables)]
+        return batch, Batch(rows, self.block_size, self.device, window=self.windows[1])
+
     @torch.no_grad()
     def forward(self, plan: ForwardPlan) -> torch.Tensor:
         """(len(plan.select), V) fp32 logits of the selected tokens, after writing every token's keys and values."""
-        batch = Batch(plan.rows, self.block_size, self.device, window=self.windows[0])
-        local = None
-        if plan.local_tables:  # the local layers' own block tables: same positions, their own slots
-            rows = [(pos, table) for (pos, _), table in zip(plan.rows, plan.local_tables)]
-            local = Batch(rows, self.block_size, self.device, window=self.windows[1])
+        batch, local = self.layouts(plan)
         ids = torch.tensor(plan.ids, dtype=torch.long, device=self.device)[:, None]  # (N, 1): a row per token
         start = batch.positions
         select = torch.tensor(plan.select, dtype=torch.long, device=self.device)

@@ -300,14 +300,17 @@ def _pipeline_server(checkpoint, max_seqs: int, max_len: int | None, max_queue: 
     """Pipeline parallelism (× tensor parallelism): each rank holds its stage's layers and their KV cache
     (`infer/pipeline_runner.py`); rank 0 (the first stage) runs the engine and gets the server, the other
     ranks run each step's part of their stage and return None when rank 0 stops."""
+    from meshlm.core.kv_cache import kv_groups
     from meshlm.infer.engine import Engine
     from meshlm.infer.pipeline_runner import PipelineRunner
     from meshlm.infer.runner import worker_loop
 
     par, tokenizer, cfg, dims = _tensor_parallel_model(checkpoint, tp, pp=pp, pipeline=True, dtype=dtype)
     length = max_len or cfg.model.seq_len
+    window = kv_groups(cfg.model)[1]  # local layers mixed with global ones: their own pool, on every stage
     runner = PipelineRunner(par.model, par.pipeline, options.blocks_for(max_seqs, length), options.block_size,
-                            cfg.model.vocab_size, tp_group=dims.tp_group if tp > 1 else None)
+                            cfg.model.vocab_size, tp_group=dims.tp_group if tp > 1 else None,
+                            local_blocks=options.local_blocks_for(max_seqs, length, window) if window else 0)
     if dims.rank != 0:
         worker_loop(runner)
         return None

@@ -1,8 +1,9 @@
 """`torchrun --nproc-per-node 2 -m meshlm serve --parallel.pp=2` (gloo on CPU): each rank holds one stage's layers
 and KV cache (`infer/pipeline_runner.py`); greedy completions and chat replies, streamed and not, from several
 concurrent requests (steps that batch several rows) equal one process's engine, for a GPT-2-style model (tied
-embeddings: the last stage holds the embedding too) and a Llama-style one (RoPE, GQA), also with small blocks,
-chunked prefill and n-gram drafts, and under pp=2 × tp=2. A killed rank ends the whole server, not a hang;
+embeddings: the last stage holds the embedding too) and a Llama-style one (RoPE, GQA, a sliding-window layer
+and a global one: the local layer's pool of its own), also with small blocks, chunked prefill and n-gram drafts,
+and under pp=2 × tp=2. A killed rank ends the whole server, not a hang;
 what pipeline serving does not serve is refused in one line."""
 
 import contextlib
@@ -25,6 +26,7 @@ from tests.infer.server_helpers import ServeProcess, free_port, http, save_gpt_c
 
 LLAMA = {"position": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False, "tie_embeddings": False,
          "n_kv_heads": 2}
+WINDOWS = {"sliding_window": 6, "window_pattern": 2}
 PROMPTS = ["Hello there", "ROMEO. But soft, what light", "a", "To be, or not to be: that is"]
 LENGTHS = [12, 7, 15, 9]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who are you?"}]
@@ -99,7 +101,8 @@ def rank_pid(launcher_pid: int, rank: int) -> int:
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_pp2_server_greedy_equals_one_process(tmp_path, family):
     llama = family == "llama"
-    ckpt = save_gpt_checkpoint(tmp_path / family, seed=3, **(LLAMA if llama else {}))
+    # llama: layer 0 local (a window of 6), layer 1 global: the local layer's stage holds a pool of its own
+    ckpt = save_gpt_checkpoint(tmp_path / family, seed=3, **({**LLAMA, **WINDOWS} if llama else {}))
     texts, chat = one_process(ckpt)
     # llama: small blocks, prefill chunks and n-gram drafts (a token and its drafts in one row): every step kind
     extra = ["--block-size", "4", "--max-batched-tokens", "8", "--speculative", "ngram"] if llama else []
@@ -107,6 +110,11 @@ def test_pp2_server_greedy_equals_one_process(tmp_path, family):
                           prefix=torchrun(2))
     try:
         check_server(server, texts, chat)
+        if llama:  # the local layers' own pool, smaller than the main one (blocks leave the window)
+            _, _, metrics = http("GET", server.url + "/metrics")
+            local = next(line for line in metrics.splitlines() if line.startswith("meshlm_kv_cache_local_blocks "))
+            main_pool = next(line for line in metrics.splitlines() if line.startswith("meshlm_kv_cache_blocks "))
+            assert 0 < float(local.split()[-1]) < float(main_pool.split()[-1]), (local, main_pool)
         if llama:  # a dead rank ends the server (the launcher stops the others) instead of leaving it hanging
             os.kill(rank_pid(server.proc.pid, 1), signal.SIGKILL)
             start = time.monotonic()
