@@ -263,9 +263,10 @@ def one_step(model, reference, source: RolloutSource, optimizer, rewards: list[R
     loss_metrics = optimise(model, optimizer, b.rows, b.old, ref, adv, opts)
     train_s = time.perf_counter() - start + b.seconds
     n_tokens = float(mask.sum())
-    worst, mean = mismatch(b.ro.engine_logps, b.raw, mask)
+    worst, mean, mult = mismatch(b.ro.engine_logps, b.raw, mask)
     row = {"kind": "train", "step": step, "completion_tokens": n_tokens, **loss_metrics, **adv_metrics,
            "completion_length": n_tokens / len(b.ro.ids), "logprob_mismatch_max": worst, "logprob_mismatch_mean": mean,
+           "token_mult_prob_error": mult,
            "reward_failures": len(b.failures), "generation_s": b.ro.seconds, "training_s": train_s,
            "rollout_tokens_per_s": n_tokens / max(b.ro.seconds, 1e-9),
            "train_tokens_per_s": float(ids.numel()) * opts.num_iterations / max(train_s, 1e-9),

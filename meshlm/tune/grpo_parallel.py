@@ -312,13 +312,15 @@ def one_step(par, reference, sample, tokenizer, optimizer, rewards, prompts, opt
     adv, adv_metrics = global_advantages(total, mask, old, ref, opts, d)
     loss_metrics = optimise(par, optimizer, batch, old, ref, adv, opts)
     train_s = time.perf_counter() - start
-    worst, mean = gr.mismatch(ro.engine_logps, raw, mask)
+    worst, mean, mult = gr.mismatch(ro.engine_logps, raw, mask)
     worst = sum_dp([worst], d, dist.ReduceOp.MAX)[0]
-    abs_sum, n_tokens, n_rows, cells = sum_dp([mean * float(mask.sum()), float(mask.sum()), float(len(ro.ids)),
-                                               float(ids.numel())], d)
+    here = float(mask.sum())
+    abs_sum, mult_sum, n_tokens, n_rows, cells = sum_dp([mean * here, mult * here, here, float(len(ro.ids)),
+                                                         float(ids.numel())], d)
     return {"kind": "train", "step": step, "completion_tokens": n_tokens, **loss_metrics, **adv_metrics,
             "completion_length": n_tokens / n_rows, "logprob_mismatch_max": worst,
             "logprob_mismatch_mean": abs_sum / n_tokens if n_tokens else 0.0,
+            "token_mult_prob_error": mult_sum / n_tokens if n_tokens else 0.0,
             "policy_lag": 0, "reward_failures": len(failures), "generation_s": ro.seconds, "training_s": train_s,
             "rollout_tokens_per_s": n_tokens / max(ro.seconds, 1e-9),
             "train_tokens_per_s": cells * opts.num_iterations / max(train_s, 1e-9),

@@ -114,13 +114,19 @@ def token_logps(model, ids, where, tokens, temperature: float = 1.0):
     return torch.log_softmax(picked / temperature, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def mismatch(engine_logps: list[list[float]], trainer: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
-    """The largest and the mean |engine − trainer| log-prob over the sampled tokens."""
-    eng = torch.zeros_like(trainer)
+def mismatch(engine_logps: list[list[float]], trainer: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
+    """Over the sampled tokens: the largest and the mean |engine − trainer| log-prob, and NeMo-RL's
+    multiplicative probability error, mean(exp(|engine − trainer|)) − 1 (its `token_mult_prob_error` less 1:
+    0 for equal log-probs), in float64 so that differences near fp32's rounding are not lost to it."""
+    eng = torch.zeros_like(trainer, dtype=torch.float64)
     for b, row in enumerate(engine_logps):
-        eng[b, :len(row)] = torch.tensor(row, dtype=trainer.dtype)
-    diff = (eng - trainer).abs() * mask
-    return (float(diff.max()), float(diff.sum() / mask.sum())) if mask.any() else (0.0, 0.0)
+        eng[b, :len(row)] = torch.tensor(row, dtype=torch.float64)
+    if not mask.any():
+        return 0.0, 0.0, 0.0
+    m = mask.to(torch.float64)
+    diff = (eng - trainer.to(torch.float64)).abs() * m
+    n = m.sum()
+    return float(diff.max()), float(diff.sum() / n), float((torch.expm1(diff) * m).sum() / n)
 
 
 # ---- a step's batch --------------------------------------------------------------------------------------------

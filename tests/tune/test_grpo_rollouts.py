@@ -126,3 +126,18 @@ def test_the_command_with_lag_and_dynamic_sampling_resumes_exactly(data, tmp_pat
     a, b = load_run(str(whole))[0], load_run(str(part))[0]
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
+
+
+def test_mismatch_reports_the_largest_the_mean_and_nemo_rls_multiplicative_error():
+    """`mismatch` over the sampled tokens only (mask): max |Δ|, mean |Δ| and mean(exp(|Δ|)) − 1, NeMo-RL's
+    `token_mult_prob_error` less 1; the padding beyond each row's completion never counts."""
+    import math
+
+    engine = [[-0.5, -1.0], [-2.0]]
+    trainer = torch.tensor([[-0.4, -1.3, 9.0], [-2.0, 7.0, 7.0]], dtype=torch.float32)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.float32)
+    worst, mean, mult = gr.mismatch(engine, trainer, mask)
+    d = [abs(-0.5 - float(torch.tensor(-0.4))), abs(-1.0 - float(torch.tensor(-1.3))), 0.0]
+    assert math.isclose(worst, max(d), rel_tol=1e-12) and math.isclose(mean, sum(d) / 3, rel_tol=1e-12)
+    assert math.isclose(mult, sum(math.expm1(x) for x in d) / 3, rel_tol=1e-12)
+    assert gr.mismatch([[]], torch.zeros(1, 2), torch.zeros(1, 2)) == (0.0, 0.0, 0.0)

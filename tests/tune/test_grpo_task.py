@@ -144,7 +144,7 @@ def test_engine_and_trainer_logprobs_agree_when_the_forward_is_fp64(tmp_path):
             batched = token_logps(model, ids, where, tokens)
             single = [token_logps(model, ids[b:b + 1, :len(p) + len(c)], where[b:b + 1], tokens[b:b + 1])
                       for b, (p, c) in enumerate(zip(prompts, ro.ids))]
-        worst, _ = mismatch(ro.engine_logps, batched, mask)
+        worst, _, _ = mismatch(ro.engine_logps, batched, mask)
         if dtype == torch.float64:
             assert worst == 0.0
         else:
