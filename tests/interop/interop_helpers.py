@@ -91,7 +91,7 @@ def load_whole(model_class, path):
 
 def assert_generate_and_serve_equal_hf(hf, tmp_path, eod: int = 50256, new: int = 8,
                                        prompts: tuple[str, ...] = ("ROMEO. But soft, what light", "Hello")) -> None:
-    """`meshlm generate` (one sequence, KV cache) and `meshlm serve` (the paged engine, the prompts batched) give the
+    """`meshlm generate` (one sequence, the paged engine in process) and `meshlm serve` (the prompts batched) give the
     transformers model `hf`'s greedy tokens (gpt2 tokenizer; `eod` must be its end-of-sequence id, never reached)."""
     import json
 

@@ -19,6 +19,7 @@ from meshlm.data.tokenizers import get_tokenizer
 from meshlm.interop.hf_files import bpe_merges
 from meshlm.models.bert import pack_inputs
 from tests.checkpoint_helpers import load_run
+from tests.interop.interop_helpers import load_whole
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-5
@@ -40,12 +41,6 @@ def _import(hf_dir, run):
 def _export(run, out):
     ok(["convert", "--checkpoint", str(run), "--to-hf", str(out)])
     return out
-
-
-def _loaded(cls, path):
-    model, info = cls.from_pretrained(str(path), output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    return model.eval()
 
 
 # ---- GPT-2 and Llama ----------------------------------------------------------------------------------------
@@ -73,7 +68,7 @@ def test_causal_lm_converts_both_ways(make, cls, tmp_path):
     with torch.no_grad():
         want = hf(ids).logits
         assert float((model(ids) - want).abs().max()) <= TOL
-        back = _loaded(getattr(transformers, cls), _export(tmp_path / "run", tmp_path / "out"))
+        back = load_whole(getattr(transformers, cls), _export(tmp_path / "run", tmp_path / "out"))
         assert_same_state(back.state_dict(), hf.state_dict())
         assert torch.equal(back(ids).logits, want)
 
@@ -164,7 +159,7 @@ def test_bert_converts_both_ways(cls, tmp_path):
         want = _hf_outputs(hf, batch)
         assert _max_diff(_ours(model, batch), want, batch["attention_mask"]) <= TOL
         out = _export(tmp_path / "run", tmp_path / "out")
-        back = _loaded(getattr(transformers, cls), out)
+        back = load_whole(getattr(transformers, cls), out)
         assert_same_state(back.state_dict(), hf.state_dict())
         assert all(torch.equal(x, y) for x, y in zip(_hf_outputs(back, batch), want))
         auto = transformers.AutoConfig.from_pretrained(str(out))
@@ -179,7 +174,7 @@ def test_untied_mlm_head_converts_both_ways(tmp_path):
     batch = _batch()
     with torch.no_grad():
         assert _max_diff(_ours(model, batch), _hf_outputs(hf, batch), batch["attention_mask"]) <= TOL
-        back = _loaded(transformers.BertForMaskedLM, _export(tmp_path / "run", tmp_path / "out"))
+        back = load_whole(transformers.BertForMaskedLM, _export(tmp_path / "run", tmp_path / "out"))
         assert torch.equal(_hf_outputs(back, batch)[0], _hf_outputs(hf, batch)[0])
     # Untied, HF's decoder adds its own `decoder.bias`; `cls.predictions.bias` is then unused, and written equal.
     live = "cls.predictions.decoder.bias"

@@ -27,6 +27,7 @@ from meshlm.models.generate import generate
 from meshlm.models.gpt import GPT
 from tests.checkpoint_helpers import load_run
 from tests.conftest import tiny_config
+from tests.interop.interop_helpers import IdTokenizer, load_whole
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-5
@@ -55,21 +56,6 @@ def _ids(seed: int = 1, n: int = SEQ) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(seed))
 
 
-class _IdTokenizer:
-    """Token ids as text: all the engine needs of a tokenizer here."""
-
-    eod_id = None
-
-    def decode(self, ids):
-        return " ".join(map(str, ids))
-
-
-def _loaded(path):
-    model, info = transformers.DeepseekV3ForCausalLM.from_pretrained(str(path), output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    return model.eval()
-
-
 @pytest.mark.parametrize("q_lora_rank, n_group, topk_group", [(24, 1, 1), (None, 4, 2)])
 def test_deepseek_v3_converts_both_ways(q_lora_rank, n_group, topk_group, tmp_path):
     """V3's shape (q compression) without groups; V2-Lite's plain q_proj with group-limited routing (8 experts in 4
@@ -95,7 +81,7 @@ def test_deepseek_v3_converts_both_ways(q_lora_rank, n_group, topk_group, tmp_pa
                 layer.mlp.cfg = ungrouped
             assert float((model(ids) - want).abs().max()) > 1e-3
         ok(["convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "out")])
-        back = _loaded(tmp_path / "out")
+        back = load_whole(transformers.DeepseekV3ForCausalLM, tmp_path / "out")
         assert_same_state(back.state_dict(), hf.state_dict())
         assert torch.equal(back(ids).logits, want)
 
@@ -112,7 +98,7 @@ def test_greedy_generation_equals_transformers_and_the_engine(tmp_path):
     ours = generate(model, prompt, 10, temperature=0)
     assert torch.equal(ours, theirs)
     assert len(set(ours[:, 5:].flatten().tolist())) > 4  # a continuation, not one token repeated
-    engine = Engine(model, _IdTokenizer(), max_seqs=2)
+    engine = Engine(model, IdTokenizer(), max_seqs=2)
     reqs = engine.generate([row.tolist() for row in prompt], SamplingParams(max_tokens=10, temperature=0,
                                                                             ignore_eos=True))
     assert [r.output_ids for r in reqs] == theirs[:, 5:].tolist()

@@ -27,6 +27,7 @@ from meshlm.models.gpt import GPT
 from meshlm.models.layers import Attention
 from tests.checkpoint_helpers import load_run
 from tests.conftest import tiny_config
+from tests.interop.interop_helpers import IdTokenizer
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-5
@@ -46,15 +47,6 @@ def mistral(**overrides):
 
 def _ids(seed: int = 1, n: int = SEQ) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(seed))
-
-
-class _IdTokenizer:
-    """Token ids as text: all the engine needs of a tokenizer here."""
-
-    eod_id = None
-
-    def decode(self, ids):
-        return " ".join(map(str, ids))
 
 
 def test_mistral_converts_both_ways(tmp_path):
@@ -94,7 +86,7 @@ def test_greedy_generation_equals_transformers_and_the_engine(tmp_path):
     assert len(set(ours[:, 10:].flatten().tolist())) > 4  # a continuation, not one token repeated
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     for options in (CacheOptions(), CacheOptions(block_size=4, max_batched_tokens=3)):
-        engine = Engine(model, _IdTokenizer(), max_seqs=2, options=options)
+        engine = Engine(model, IdTokenizer(), max_seqs=2, options=options)
         assert engine.generate([prompt[0].tolist()], sp)[0].output_ids == theirs[0, 10:].tolist()
         reqs = engine.generate([row.tolist() for row in prompt], sp)  # now sharing the cached prompt blocks
         assert [r.output_ids for r in reqs] == theirs[:, 10:].tolist()

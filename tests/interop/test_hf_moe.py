@@ -25,6 +25,7 @@ from meshlm.interop.hf import from_hf_moe
 from meshlm.interop.hf_config import model_config_from_hf
 from tests.checkpoint_helpers import load_run
 from tests.conftest import ROOT, tiny_config
+from tests.interop.interop_helpers import load_whole
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-5
@@ -56,12 +57,6 @@ def _ids(seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def _loaded(cls, path):
-    model, info = cls.from_pretrained(str(path), output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    return model.eval()
-
-
 @pytest.mark.parametrize("make, cls", [(mixtral, "MixtralForCausalLM"), (qwen2_moe, "Qwen2MoeForCausalLM")])
 def test_moe_converts_both_ways(make, cls, tmp_path):
     hf = make()
@@ -79,7 +74,7 @@ def test_moe_converts_both_ways(make, cls, tmp_path):
         want = hf(ids).logits
         assert float((model(ids) - want).abs().max()) <= TOL
         ok(["convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "out")])
-        back = _loaded(getattr(transformers, cls), tmp_path / "out")
+        back = load_whole(getattr(transformers, cls), tmp_path / "out")
         assert_same_state(back.state_dict(), hf.state_dict())
         assert torch.equal(back(ids).logits, want)
 
@@ -96,7 +91,7 @@ def test_fused_in_memory_state_dict_converts(make):
 
 
 def _same_logits(hf_dir, checkpoint) -> float:
-    hf = _loaded(transformers.AutoModelForCausalLM, hf_dir)
+    hf = load_whole(transformers.AutoModelForCausalLM, hf_dir)
     ours = load_run(checkpoint)[0]
     ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():

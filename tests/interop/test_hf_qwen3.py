@@ -24,6 +24,7 @@ from meshlm.models.generate import generate
 from meshlm.models.gpt import GPT
 from tests.checkpoint_helpers import load_run
 from tests.conftest import tiny_config
+from tests.interop.interop_helpers import load_whole
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-5
@@ -54,12 +55,6 @@ def _ids(seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def _loaded(cls, path):
-    model, info = cls.from_pretrained(str(path), output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    return model.eval()
-
-
 @pytest.mark.parametrize("make, cls", [(qwen3, "Qwen3ForCausalLM"), (qwen3_moe, "Qwen3MoeForCausalLM")])
 def test_qwen3_converts_both_ways(make, cls, tmp_path):
     hf = make()
@@ -80,7 +75,7 @@ def test_qwen3_converts_both_ways(make, cls, tmp_path):
         want = hf(ids).logits
         assert float((model(ids) - want).abs().max()) <= TOL
         ok(["convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "out")])
-        back = _loaded(getattr(transformers, cls), tmp_path / "out")
+        back = load_whole(getattr(transformers, cls), tmp_path / "out")
         assert_same_state(back.state_dict(), hf.state_dict())
         assert torch.equal(back(ids).logits, want)
 
@@ -123,7 +118,7 @@ def test_llama_with_wide_heads_converts(tmp_path):
     with torch.no_grad():
         assert float((model(_ids()) - hf(_ids()).logits).abs().max()) <= TOL
         ok(["convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "out")])
-        assert_same_state(_loaded(transformers.LlamaForCausalLM, tmp_path / "out").state_dict(), hf.state_dict())
+        assert_same_state(load_whole(transformers.LlamaForCausalLM, tmp_path / "out").state_dict(), hf.state_dict())
 
 
 LLAMA = {"position": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False, "tie_embeddings": False,
@@ -139,7 +134,7 @@ def test_meshlm_trained_qk_norm_model_loads_in_transformers(arch, tmp_path):
     build_trainer(cfg).run()
     ok(["convert", "--checkpoint", str(out), "--to-hf", str(tmp_path / "hf")])
     assert transformers.AutoConfig.from_pretrained(str(tmp_path / "hf")).model_type == arch
-    hf = _loaded(transformers.AutoModelForCausalLM, tmp_path / "hf")
+    hf = load_whole(transformers.AutoModelForCausalLM, tmp_path / "hf")
     ours = load_run(str(out))[0]
     assert float((ours.layers[0].attn.k_norm.weight.detach() - 1).abs().max()) > 0  # trained: the norms moved
     ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
