@@ -198,6 +198,16 @@ def test_every_online_flag_of_align_reaches_grpo_flags():
     assert (bare.reward, bare.reward_weights, bare.beta) == ((), None, 0.0)  # --beta's online default filled in
 
 
+def test_betas_default_is_filled_in_by_each_method_and_the_parsed_flags_stay_as_given():
+    """No --beta: DPO's options take TRL's 0.1, GRPO's flags 0.0, and neither writes into the parsed namespace."""
+    from meshlm.commands.align import align_options, grpo_flags
+
+    args = _parsed(["align", "--checkpoint", "B", "--method", "dpo", "--train", "p", "--out", "o"])
+    assert align_options(args).beta == 0.1 and args.beta is None
+    args = _parsed(["align", "--checkpoint", "B", "--method", "grpo", "--train", "p", "--out", "o"])
+    assert grpo_flags(args).beta == 0.0 and args.beta is None
+
+
 def test_every_plan_flag_reaches_plan_options():
     """Every `meshlm plan` flag, the `--gpu-NAME` overrides among them, is a field of PlanOptions."""
     from meshlm.commands.plan import plan_options

@@ -22,10 +22,7 @@ DEFAULT_BETA = {"preference": 0.1, "online": 0.0}  # TRL's DPOConfig / GRPOConfi
 def _align(args: argparse.Namespace, overrides: list[str]) -> int:
     from meshlm.core.config import ConfigError
 
-    online = args.method in ONLINE
-    if args.beta is None:
-        args.beta = DEFAULT_BETA["online" if online else "preference"]
-    if online:
+    if args.method in ONLINE:
         from meshlm.tune import grpo_parallel
         from meshlm.tune.grpo import run_grpo
 
@@ -42,11 +39,12 @@ def _align(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def align_options(args: argparse.Namespace) -> AlignOptions:
     """The typed options of `meshlm align --method dpo|ipo|simpo`'s parsed flags (what `meshlm.tune.align` takes;
-    --beta's default already filled in)."""
+    --beta's preference default filled in)."""
     from meshlm.tune.align import AlignOptions
 
+    beta = DEFAULT_BETA["preference"] if args.beta is None else args.beta
     return AlignOptions(checkpoint=args.checkpoint, method=args.method, train=args.train, valid=args.valid,
-                        out=args.out, beta=args.beta, label_smoothing=args.label_smoothing,
+                        out=args.out, beta=beta, label_smoothing=args.label_smoothing,
                         simpo_gamma=args.simpo_gamma, adapter=args.adapter, epochs=args.epochs,
                         max_length=args.max_length, chat_template=args.chat_template)
 
