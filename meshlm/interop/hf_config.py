@@ -43,6 +43,7 @@ from meshlm.interop.hf_llama_config import (
     _model_config_from_llama,
     _with_defaults,
     rope_parameters_for_hf,
+    unmet,
 )
 from meshlm.interop.hf_mistral import (
     MISTRAL_ARCHITECTURES,
@@ -258,8 +259,7 @@ def check_representable(cfg: ModelConfig, arch: str) -> None:
         return _check_moe(cfg, arch)
     need = {"gpt2": {"position": "learned", "norm": "layernorm", "activation": "gelu", "bias": True},
             "llama": {"position": "rope", "norm": "rmsnorm", "activation": "swiglu"}}[arch]
-    problems = [f"model.{k}={getattr(cfg, k)!r} (set model.{k}={v!r})" for k, v in need.items()
-                if getattr(cfg, k) != v]
+    problems = unmet(cfg, need)
     if arch == "gpt2" and cfg.kv_heads != cfg.n_heads:
         problems.append(f"model.n_kv_heads={cfg.n_kv_heads} (GPT-2 has no grouped-query attention; unset it)")
     if arch == "gpt2" and cfg.head_size:
@@ -420,8 +420,7 @@ def check_moe_representable(cfg: ModelConfig, arch: str) -> None:
         need.update(bias=False, moe_norm_topk=True, moe_every=1, moe_first_dense=0, moe_shared_experts=0)
     else:
         need.update(moe_shared_gate=True)
-    problems = [f"model.{k}={getattr(cfg, k)!r} (set model.{k}={v!r})" for k, v in need.items()
-                if getattr(cfg, k) != v]
+    problems = unmet(cfg, need)
     if problems and arch == "mixtral":
         problems.append("Mixtral routes every layer with renormalised top-k weights and no shared expert; a model "
                         "with a gated shared expert (moe_shared_experts >= 1, moe_shared_gate=true) exports as "

@@ -39,7 +39,7 @@ from dataclasses import replace
 from typing import Any
 
 from meshlm.core.config import ModelConfig
-from meshlm.interop.hf_llama_config import _default_ffn, _fail, _rope_scaling_from_hf, rope_parameters_for_hf
+from meshlm.interop.hf_llama_config import _default_ffn, _fail, _rope_scaling_from_hf, rope_parameters_for_hf, unmet
 
 DEEPSEEK_V3_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV3Model")
 # transformers' DeepseekV3Config defaults (those read here)
@@ -121,8 +121,7 @@ def check_deepseek_v3_representable(cfg: ModelConfig) -> None:
     """ConfigError naming every switch of `cfg` that Hugging Face DeepSeek-V3 cannot hold."""
     need = {"attention": "mla", "position": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False,
             "moe_router": "sigmoid", "moe_capacity_factor": 0.0, "moe_shared_gate": False, "moe_every": 1}
-    problems = [f"model.{k}={getattr(cfg, k)!r} (set model.{k}={v!r})" for k, v in need.items()
-                if getattr(cfg, k) != v]
+    problems = unmet(cfg, need)
     if not cfg.moe_experts:
         problems.append("model.moe_experts=0 (HF DeepSeek-V3 always has expert layers after first_k_dense_replace; "
                         "give the model experts, or keep it in meshlm)")

@@ -33,7 +33,7 @@ from typing import Any
 from meshlm.core.config import ConfigError, ModelConfig
 from meshlm.families.hf_gemma3 import gemma_parts
 from meshlm.interop.hf_gpt_oss import window_pattern
-from meshlm.interop.hf_llama_config import _default_ffn, _fail, _rope_scaling_from_hf, rope_parameters_for_hf
+from meshlm.interop.hf_llama_config import _default_ffn, _fail, _rope_scaling_from_hf, rope_parameters_for_hf, unmet
 
 GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3TextModel")
 # transformers' Gemma3TextConfig defaults (those read here)
@@ -115,8 +115,7 @@ def check_gemma3_representable(cfg: ModelConfig) -> None:
     need = {"position": "rope", "norm": "rmsnorm", "activation": "geglu", "bias": False, "qk_norm": True,
             "attention": "mha", "norm_unit_offset": True, "sandwich_norm": True, "embed_scale": True,
             "moe_experts": 0, "attention_sinks": False, "mtp_depth": 0}
-    problems = [f"model.{k}={getattr(cfg, k)!r} (set model.{k}={v!r})" for k, v in need.items()
-                if getattr(cfg, k) != v]
+    problems = unmet(cfg, need)
     if cfg.sliding_window and not cfg.rope_local_theta and cfg.rope_scaling != "none":
         problems.append(f"model.rope_local_theta=0 with model.rope_scaling={cfg.rope_scaling!r} (Gemma's local layers "
                         "rotate unscaled at their own base; set model.rope_local_theta, e.g. 10000)")

@@ -31,7 +31,7 @@ from dataclasses import replace
 from typing import Any
 
 from meshlm.core.config import ModelConfig
-from meshlm.interop.hf_llama_config import _default_ffn, _fail, _rope_scaling_from_hf, rope_parameters_for_hf
+from meshlm.interop.hf_llama_config import _default_ffn, _fail, _rope_scaling_from_hf, rope_parameters_for_hf, unmet
 
 GPT_OSS_ARCHITECTURES = ("GptOssForCausalLM", "GptOssModel")
 # transformers' GptOssConfig defaults (those read here)
@@ -118,8 +118,7 @@ def check_gpt_oss_representable(cfg: ModelConfig) -> None:
             "moe_every": 1, "moe_first_dense": 0, "moe_shared_experts": 0, "moe_router": "softmax",
             "moe_norm_topk": True, "moe_capacity_factor": 0.0, "moe_groups": 1, "moe_routed_scale": 1.0,
             "moe_bias": True, "moe_activation": "swiglu_clamped"}
-    problems = [f"model.{k}={getattr(cfg, k)!r} (set model.{k}={v!r})" for k, v in need.items()
-                if getattr(cfg, k) != v]
+    problems = unmet(cfg, need)
     if not cfg.moe_experts:
         problems.append("model.moe_experts=0 (gpt-oss's every layer is a mixture of experts)")
     if cfg.rope_scaling == "llama3":

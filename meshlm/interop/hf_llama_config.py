@@ -17,6 +17,12 @@ _LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size"
                    "attention_dropout": 0.0, "rope_theta": 10000.0}
 
 
+def unmet(cfg, need: dict[str, Any]) -> list[str]:
+    """"model.KEY=VALUE (set model.KEY=WANTED)" for each key of `need` whose value in `cfg` is not the one wanted:
+    what a Hugging Face architecture cannot hold, said as the fix (`_fail` joins them into one error)."""
+    return [f"model.{k}={getattr(cfg, k)!r} (set model.{k}={v!r})" for k, v in need.items() if getattr(cfg, k) != v]
+
+
 def _fail(problems: list[str], what: str) -> None:
     if problems:
         raise ConfigError(f"{what} cannot be converted: " + "; ".join(problems))

@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from meshlm.core.config import ConfigError, ModelConfig
-from meshlm.interop.hf_llama_config import _fail, _llama_part, rope_parameters_for_hf
+from meshlm.interop.hf_llama_config import _fail, _llama_part, rope_parameters_for_hf, unmet
 
 MISTRAL_ARCHITECTURES = ("MistralForCausalLM", "MistralModel")
 # transformers' defaults where they differ from Llama's (`hf_llama_config._LLAMA_DEFAULTS`)
@@ -53,8 +53,7 @@ def check_mistral_representable(cfg: ModelConfig) -> None:
     """ConfigError naming every switch of `cfg` that Hugging Face Mistral cannot hold."""
     need = {"position": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False, "qk_norm": False,
             "moe_experts": 0, "window_pattern": 0, "attention_sinks": False, "attention": "mha"}
-    problems = [f"model.{k}={getattr(cfg, k)!r} (set model.{k}={v!r})" for k, v in need.items()
-                if getattr(cfg, k) != v]
+    problems = unmet(cfg, need)
     _fail(problems, "meshlm model as Hugging Face mistral")
 
 

@@ -29,7 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 from meshlm.core.config import ConfigError, ModelConfig
-from meshlm.interop.hf_llama_config import _default_ffn, _fail, _first_dense, _llama_part, rope_parameters_for_hf
+from meshlm.interop.hf_llama_config import _default_ffn, _fail, _first_dense, _llama_part, rope_parameters_for_hf, unmet
 
 QWEN3_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3Model")
 QWEN3_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3MoeModel")
@@ -99,8 +99,7 @@ def check_qwen3_representable(cfg: ModelConfig, arch: str) -> None:
     need = {"position": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False}
     if cfg.moe_experts:
         need.update(moe_router="softmax", moe_capacity_factor=0.0, moe_shared_experts=0)
-    problems = [f"model.{k}={getattr(cfg, k)!r} (set model.{k}={v!r})" for k, v in need.items()
-                if getattr(cfg, k) != v]
+    problems = unmet(cfg, need)
     _fail(problems, f"meshlm model as Hugging Face {arch}")
 
 
