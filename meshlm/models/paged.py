@@ -249,7 +249,7 @@ class PagedCache(AttentionCache):
             n = g.rows * g.T
             qg = q[g.start:g.start + n, :, 0].view(g.rows, g.T, nh, hd).transpose(1, 2)  # (R, nh, T, hd)
             keys, values = self.gather(g.blocks, g.keys)  # (R, nkv, L, hd)
-            if g.mask is not None and q.dtype.itemsize < 4:  # 16-bit rows: not PyTorch's 16-bit CPU kernel
+            if g.mask is not None and q.dtype.itemsize < 4 and q.device.type == "cpu":  # not the 16-bit CPU kernel
                 y = self.attend_16bit(qg, keys, values, g, core)
             else:
                 y = core(qg, keys.to(q.dtype), values.to(q.dtype), g.causal, g.mask)
@@ -257,10 +257,11 @@ class PagedCache(AttentionCache):
         return out
 
     def attend_16bit(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, g: Group, core) -> torch.Tensor:
-        """Masked rows of a 16-bit model (decoding rows, a token and its drafts): PyTorch's CPU attention kernel
-        is 3-12× slower in bf16 than in fp32 at these shapes (benchmarks/attention_kernels.py), so at least
-        `MASKED_ROWS` rows of a plain core take `masked_attention` (16-bit products, fp32 softmax), fewer rows
-        (or a window, sinks) the layer's own core on fp32 copies, the result cast back."""
+        """Masked rows of a 16-bit model on a CPU (decoding rows, a token and its drafts; a GPU keeps its fused
+        kernel): PyTorch's CPU attention kernel is 3-16× slower in bf16 than in fp32 at these shapes
+        (benchmarks/attention_kernels.py), so at least `MASKED_ROWS` rows of a plain core take `masked_attention`
+        (16-bit products, fp32 softmax), fewer rows (or a window, sinks) the layer's own core on fp32 copies, the
+        result cast back."""
         if g.rows >= MASKED_ROWS and not _banded(core):
             return masked_attention(q, keys.to(q.dtype), values.to(q.dtype), g.mask, _scale(core, q.shape[-1]))
         return core(q.float(), keys.float(), values.float(), g.causal, g.mask).to(q.dtype)
