@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from interop_helpers import assert_same_state, ok, perturbed
+from interop_helpers import assert_same_state, load_whole, ok, perturbed
 from safetensors.torch import load_file
 
 from meshlm.data.tokenizers import get_tokenizer
 from meshlm.interop.hf_files import bpe_merges
 from meshlm.models.bert import pack_inputs
 from tests.checkpoint_helpers import load_run
-from tests.interop.interop_helpers import load_whole
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-5

@@ -15,7 +15,15 @@ import dataclasses
 
 import pytest
 import torch
-from interop_helpers import assert_generate_and_serve_equal_hf, assert_same_state, ok, one_error_line, perturbed
+from interop_helpers import (
+    IdTokenizer,
+    assert_generate_and_serve_equal_hf,
+    assert_same_state,
+    load_whole,
+    ok,
+    one_error_line,
+    perturbed,
+)
 
 from meshlm.checkpoint.single import save_checkpoint
 from meshlm.core.config import ConfigError
@@ -27,7 +35,6 @@ from meshlm.models.generate import generate
 from meshlm.models.gpt import GPT
 from tests.checkpoint_helpers import load_run
 from tests.conftest import tiny_config
-from tests.interop.interop_helpers import IdTokenizer, load_whole
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-5

@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 import torch
-from interop_helpers import assert_same_state, ok, one_error_line, perturbed
+from interop_helpers import IdTokenizer, assert_same_state, ok, one_error_line, perturbed
 
 from meshlm.checkpoint.single import save_checkpoint
 from meshlm.core.config import ConfigError
@@ -27,7 +27,6 @@ from meshlm.models.gpt import GPT
 from meshlm.models.layers import Attention
 from tests.checkpoint_helpers import load_run
 from tests.conftest import tiny_config
-from tests.interop.interop_helpers import IdTokenizer
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-5

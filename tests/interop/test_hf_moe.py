@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from interop_helpers import assert_same_state, ok, one_error_line, perturbed
+from interop_helpers import assert_same_state, load_whole, ok, one_error_line, perturbed
 
 from meshlm.checkpoint.single import resolve_checkpoint, save_checkpoint
 from meshlm.commands.train import build_trainer
@@ -25,7 +25,6 @@ from meshlm.interop.hf import from_hf_moe
 from meshlm.interop.hf_config import model_config_from_hf
 from tests.checkpoint_helpers import load_run
 from tests.conftest import ROOT, tiny_config
-from tests.interop.interop_helpers import load_whole
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-5

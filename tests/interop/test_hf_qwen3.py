@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from interop_helpers import assert_same_state, ok, one_error_line, perturbed
+from interop_helpers import IdTokenizer, assert_same_state, load_whole, ok, one_error_line, perturbed
 
 from meshlm.checkpoint.single import save_checkpoint
 from meshlm.commands.train import build_trainer
@@ -24,7 +24,6 @@ from meshlm.models.generate import generate
 from meshlm.models.gpt import GPT
 from tests.checkpoint_helpers import load_run
 from tests.conftest import tiny_config
-from tests.interop.interop_helpers import load_whole
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-5
@@ -82,8 +81,11 @@ def test_qwen3_converts_both_ways(make, cls, tmp_path):
 
 @pytest.mark.parametrize("make", [qwen3, qwen3_moe])
 def test_greedy_generation_equals_transformers(make, tmp_path):
-    """meshlm's generate (KV cache, one token at a time after the prompt) continues as transformers' greedy
-    generate does, token for token (untied: a tied random model mostly repeats its last token)."""
+    """meshlm's generate (KV cache, one token at a time after the prompt) and the serving engine that `meshlm
+    serve` and `meshlm generate` run (paged cache, both prompts decoding together) continue as transformers'
+    greedy generate does, token for token (untied: a tied random model mostly repeats its last token)."""
+    from meshlm.infer.engine import Engine, SamplingParams
+
     hf = make(tie_word_embeddings=False)
     hf.save_pretrained(str(tmp_path))
     model = load_hf(tmp_path)
@@ -93,6 +95,9 @@ def test_greedy_generation_equals_transformers(make, tmp_path):
     ours = generate(model.eval(), prompt, 10, temperature=0)
     assert torch.equal(ours, theirs)
     assert len(set(ours[:, 5:].flatten().tolist())) > 4  # a continuation, not one token repeated
+    reqs = Engine(model, IdTokenizer(), max_seqs=2).generate(
+        [row.tolist() for row in prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert [r.output_ids for r in reqs] == theirs[:, 5:].tolist()
 
 
 def test_fused_in_memory_state_dict_converts():
