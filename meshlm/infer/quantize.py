@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from meshlm.core.config import ConfigError
@@ -69,9 +70,18 @@ def int4_codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, tor
 
 
 # ---- the modules -------------------------------------------------------------------------------------------------
+# From this many rows on, an int8 layer dequantizes its weight (q·s, in the compute dtype) and multiplies as a
+# float matrix: `_weight_int8pack_mm`'s time grows with the rows (a loop of matrix-vector products) and passes
+# dequantize-then-multiply at about 32 rows of a 576 → 1,536 layer in bf16 on 2 threads (0.46 against 0.43 ms;
+# 512 rows: 6.7 against 2.9 ms; benchmarks/RESULTS.md, "Serving three ways"): a prefill chunk goes that way,
+# decoding rows through the kernel.
+DEQUANTIZE_ROWS = 32
+
+
 class Int8Linear(nn.Module):
     """y = x (q·s)ᵀ + b through `aten._weight_int8pack_mm`; x (any leading shape) enters the kernel in
-    `compute_dtype` and y leaves it in x's dtype."""
+    `compute_dtype` and y leaves it in x's dtype. `DEQUANTIZE_ROWS` rows and more multiply by the dequantized
+    weight instead (the same q·s, rounded once to the compute dtype)."""
 
     def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype | None = None):
         super().__init__()
@@ -84,7 +94,10 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()  # a matrix: (B·T, K)
-        y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
+        if flat.shape[0] >= DEQUANTIZE_ROWS:
+            y = F.linear(flat, self.qweight.to(self.compute_dtype) * self.scales[:, None])
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

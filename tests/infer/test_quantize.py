@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from meshlm.cli import main
-from meshlm.infer.quantize import Int4Linear, Int8Linear, quantize_model, weight_bytes
+from meshlm.infer.quantize import DEQUANTIZE_ROWS, Int4Linear, Int8Linear, quantize_model, weight_bytes
 from tests.conftest import tiny_config
 from tests.infer.server_helpers import GPT_MODEL, ServeProcess, http, save_bert_checkpoint, save_gpt_checkpoint
 
@@ -52,13 +52,16 @@ COMPUTE = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=
 
 
 @COMPUTE
-def test_int8_linear_equals_its_dequantized_weights(dtype):
+@pytest.mark.parametrize("rows", [5, DEQUANTIZE_ROWS], ids=["kernel", "dequantized"])
+def test_int8_linear_equals_its_dequantized_weights(dtype, rows):
+    """Both paths: the packed kernel (fewer than DEQUANTIZE_ROWS rows) and the dequantized weight (a prefill
+    chunk): each the same q·s within the kernel's arithmetic."""
     torch.manual_seed(0)
     linear = nn.Linear(96, 80)
-    x = torch.randn(2, 5, 96)
+    x = torch.randn(2, rows, 96)
     out = Int8Linear(linear, dtype)(x)
     ref = x.to(dtype).double() @ int8_reference(linear.weight, dtype).T + linear.bias.double()
-    assert out.shape == (2, 5, 80) and out.dtype == torch.float32 and relative_error(out, ref) < TOLERANCE[dtype]
+    assert out.shape == (2, rows, 80) and out.dtype == torch.float32 and relative_error(out, ref) < TOLERANCE[dtype]
     assert relative_error(out, linear(x).double()) > 1e-4  # the codes really are 8-bit: not the float weight
 
 
