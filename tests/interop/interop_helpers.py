@@ -89,6 +89,28 @@ def load_whole(model_class, path):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     return model.eval()
 
+def assert_generate_and_engine_equal_hf(hf, model, prompt: torch.Tensor, new: int = 12) -> None:
+    """`models.generate` (KV cache) and the paged engine (default blocks, then blocks of 4 with prefill chunks of
+    3; a prompt alone, then both rows, the second sharing its first tokens with the cached first one so decoding
+    rows share blocks) continue the (2, T) `prompt` as the transformers model `hf`'s greedy generate does."""
+    from meshlm.infer.engine import CacheOptions, Engine
+    from meshlm.infer.sampling import SamplingParams
+    from meshlm.models.generate import generate
+
+    T = prompt.shape[1]
+    with torch.no_grad():
+        theirs = hf.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    ours = generate(model, prompt, new, temperature=0)
+    assert torch.equal(ours, theirs)
+    assert len(set(ours[:, T:].flatten().tolist())) > 4  # a continuation, not one token repeated
+    sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    for options in (CacheOptions(), CacheOptions(block_size=4, max_batched_tokens=3)):
+        engine = Engine(model, IdTokenizer(), max_seqs=2, options=options)
+        assert engine.generate([prompt[0].tolist()], sp)[0].output_ids == theirs[0, T:].tolist()
+        reqs = engine.generate([row.tolist() for row in prompt], sp)  # now sharing the cached prompt blocks
+        assert [r.output_ids for r in reqs] == theirs[:, T:].tolist()
+
+
 def assert_generate_and_serve_equal_hf(hf, tmp_path, eod: int = 50256, new: int = 8,
                                        prompts: tuple[str, ...] = ("ROMEO. But soft, what light", "Hello")) -> None:
     """`meshlm generate` (one sequence, the paged engine in process) and `meshlm serve` (the prompts batched) give the

@@ -19,7 +19,7 @@ import json
 import pytest
 import torch
 from interop_helpers import (
-    IdTokenizer,
+    assert_generate_and_engine_equal_hf,
     assert_generate_and_serve_equal_hf,
     assert_same_state,
     load_whole,
@@ -31,11 +31,8 @@ from interop_helpers import (
 from meshlm.checkpoint.single import save_checkpoint
 from meshlm.core.config import ConfigError
 from meshlm.core.memory import parameter_count
-from meshlm.infer.engine import CacheOptions, Engine
-from meshlm.infer.sampling import SamplingParams
 from meshlm.interop.hf import _from_hf_state, load_hf
 from meshlm.interop.hf_config import hf_config_dict, model_config_from_hf
-from meshlm.models.generate import generate
 from meshlm.models.gpt import GPT
 from meshlm.models.layers import rope_frequencies
 from tests.checkpoint_helpers import load_run
@@ -122,20 +119,9 @@ def test_greedy_generation_equals_transformers_and_the_engine(tmp_path):
     generate does, past the window."""
     hf = gemma3()
     hf.save_pretrained(str(tmp_path))
-    model = load_hf(tmp_path).eval()
     prompt = _ids(2, 10)
     prompt[1, :8] = prompt[0, :8]
-    with torch.no_grad():
-        theirs = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    ours = generate(model, prompt, 12, temperature=0)
-    assert torch.equal(ours, theirs)
-    assert len(set(ours[:, 10:].flatten().tolist())) > 4  # a continuation, not one token repeated
-    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    for options in (CacheOptions(), CacheOptions(block_size=4, max_batched_tokens=3)):
-        engine = Engine(model, IdTokenizer(), max_seqs=2, options=options)
-        assert engine.generate([prompt[0].tolist()], sp)[0].output_ids == theirs[0, 10:].tolist()
-        reqs = engine.generate([row.tolist() for row in prompt], sp)
-        assert [r.output_ids for r in reqs] == theirs[:, 10:].tolist()
+    assert_generate_and_engine_equal_hf(hf, load_hf(tmp_path).eval(), prompt)
 
 
 def test_generate_and_serve_equal_transformers_greedy(tmp_path):
