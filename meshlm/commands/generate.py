@@ -83,8 +83,7 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
         adapter = read_adapter(args.adapter, cfg, checkpoint)
         # As the tuning data lays an example out (tune/data.py): the task's virtual-token placeholders (a
         # prompt adapter), then the prompt; nothing else.
-        task = args.task
-        head = [adapter.task_index(task)] * adapter.virtual_tokens
+        head = [adapter.task_index(args.task)] * adapter.virtual_tokens
     elif args.task is not None:
         raise ConfigError("--task chooses the virtual prompt of an --adapter; give --adapter DIR")
     max_new_tokens = _check_lengths(cfg, len(head) + len(ids), args.max_new_tokens)
@@ -95,7 +94,7 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
     elif adapter is not None:  # the task's virtual tokens placed before the prompt at prefill (infer/adapters.py)
         from meshlm.infer.adapters import AdapterSet
 
-        served, index = AdapterSet(model, cfg, [("adapter", one_task(adapter, task))]), 1
+        served, index = AdapterSet(model, cfg, [("adapter", one_task(adapter, args.task))]), 1
     if args.dtype != "fp32":
         if note := serving_dtype_note(args.dtype, torch.device(device)):
             print(f"note: {note}", file=sys.stderr)
@@ -112,7 +111,7 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
                            top_p=args.top_p, seed=args.seed, use_cache=False, stop_ids=stops)
             new = out[0, prompt.shape[1]:].tolist()
         else:  # the serving engine's paged path, in this process (infer/local.py)
-            engine = local_engine(model, tokenizer, len(head) + len(ids) + max(max_new_tokens, 1), served)
+            engine = local_engine(model, tokenizer, len(head) + len(ids) + max_new_tokens, served)
             params = SamplingParams(max_tokens=max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                     top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
             new = list(stream(engine, ids, params, adapter=index))

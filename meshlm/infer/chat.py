@@ -197,7 +197,7 @@ def reply(decoder: Decoder, prompt: list[int], settings: ChatSettings, stream_ou
     room = min(settings.max_new_tokens, settings.context - len(prompt))
     stops = set(stop_ids)
     params = SamplingParams(max_tokens=room, temperature=settings.temperature, top_k=settings.top_k,
-                            top_p=settings.top_p, seed=seed, stop_token_ids=tuple(sorted(stops)))
+                            top_p=settings.top_p, seed=seed)  # the engine stops at the tokenizer's stop ids
     try:
         for token in decoder.stream(prompt, params) if room > 0 else ():
             if token in stops:

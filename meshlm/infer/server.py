@@ -237,17 +237,14 @@ def _read_adapters(checkpoint, adapters: list[str], name: str, tp: int) -> list:
     return [(n, read_adapter(d, cfg, checkpoint)) for n, d in named]
 
 
-def _tensor_parallel_model(checkpoint, tp: int, timeout_s: float = 300, pp: int = 1, pipeline: bool = False,
-                           dtype: str = "fp32"):
+def _tensor_parallel_model(checkpoint, tp: int, timeout_s: float = 300, pp: int = 1, pipeline: bool = False):
     """(this rank's part of the model in eval mode, tokenizer, config, ParallelDims) under torchrun with `tp`
     × `pp` ranks (the world is tp × pp), from the opened `checkpoint` of any layout; with `pipeline`, the
-    `Parallelized` whole (its `pipeline`: this rank's stage) in place of the model; its parameters in `dtype`
-    (`core.precision.cast_parameters`)."""
+    `Parallelized` whole (its `pipeline`: this rank's stage) in place of the model."""
     import torch
 
     from meshlm.checkpoint.load import load_parallel
     from meshlm.core.config import config_from_dict
-    from meshlm.core.precision import cast_parameters
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.families.registry import get_spec
     from meshlm.parallel import init_distributed
@@ -269,18 +266,17 @@ def _tensor_parallel_model(checkpoint, tp: int, timeout_s: float = 300, pp: int 
                           f"{dims.world_size} (torchrun --nproc-per-node {tp * pp})")
     torch.manual_seed(0)
     par = load_parallel(checkpoint, spec, cfg, dims, rng=TPRNGTracker(0, dims.tp_rank))
-    cast_parameters(par.model, dtype)
     return par if pipeline else par.model, get_tokenizer(cfg.data.tokenizer), cfg, dims
 
 
 def _tensor_parallel_server(checkpoint, max_seqs: int, max_len: int | None, max_queue: int,
-                            api_key: str | None, name: str, tp: int, options, dtype: str = "fp32") -> Server | None:
+                            api_key: str | None, name: str, tp: int, options) -> Server | None:
     """Rank 0's server over this rank's part of the model; the other ranks run the worker loop (replaying
     rank 0's engine steps) and return None when it stops."""
     from meshlm.core.kv_cache import kv_groups
     from meshlm.infer.engine import DistributedRunner, Engine, Runner, worker_loop
 
-    model, tokenizer, cfg, dims = _tensor_parallel_model(checkpoint, tp, dtype=dtype)
+    model, tokenizer, cfg, dims = _tensor_parallel_model(checkpoint, tp)
     length = max_len or cfg.model.seq_len
     runner_cls = Runner if dims.tp_rank != 0 else DistributedRunner
     window = kv_groups(cfg.model)[1]  # local layers mixed with global ones: their own pool, on every rank alike
@@ -296,7 +292,7 @@ def _tensor_parallel_server(checkpoint, max_seqs: int, max_len: int | None, max_
 
 
 def _pipeline_server(checkpoint, max_seqs: int, max_len: int | None, max_queue: int, api_key: str | None,
-                     name: str, tp: int, pp: int, options, dtype: str = "fp32") -> Server | None:
+                     name: str, tp: int, pp: int, options) -> Server | None:
     """Pipeline parallelism (× tensor parallelism): each rank holds its stage's layers and their KV cache
     (`infer/pipeline_runner.py`); rank 0 (the first stage) runs the engine and gets the server, the other
     ranks run each step's part of their stage and return None when rank 0 stops."""
@@ -305,7 +301,7 @@ def _pipeline_server(checkpoint, max_seqs: int, max_len: int | None, max_queue: 
     from meshlm.infer.pipeline_runner import PipelineRunner
     from meshlm.infer.runner import worker_loop
 
-    par, tokenizer, cfg, dims = _tensor_parallel_model(checkpoint, tp, pp=pp, pipeline=True, dtype=dtype)
+    par, tokenizer, cfg, dims = _tensor_parallel_model(checkpoint, tp, pp=pp, pipeline=True)
     length = max_len or cfg.model.seq_len
     window = kv_groups(cfg.model)[1]  # local layers mixed with global ones: their own pool, on every stage
     runner = PipelineRunner(par.model, par.pipeline, options.blocks_for(max_seqs, length), options.block_size,
@@ -387,15 +383,13 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
                           + (" or --parallel.tp" if tp > 1 else f" ({checkpoint.given} is a BERT checkpoint)"))
     if quantize is not None:
         quantize.check_serving(checkpoint.given, spec.decoder, tp, runtime_lora)
-    if runtime_lora and dtype != "fp32":
-        raise ConfigError(f"--allow-runtime-lora loads adapters in fp32 while serving; with --dtype {dtype} give the "
-                          "adapters at start (--adapter) instead, or serve --dtype fp32")
+    check_dtype(dtype, tp, pp, runtime_lora)
     if spec.decoder:
         check_pool(options, max_len or cfg.model.seq_len, kv_groups(cfg.model)[0])
     if pp > 1:
-        return _pipeline_server(checkpoint, max_seqs, max_len, max_queue, api_key, name, tp, pp, options, dtype)
+        return _pipeline_server(checkpoint, max_seqs, max_len, max_queue, api_key, name, tp, pp, options)
     if tp > 1:
-        return _tensor_parallel_server(checkpoint, max_seqs, max_len, max_queue, api_key, name, tp, options, dtype)
+        return _tensor_parallel_server(checkpoint, max_seqs, max_len, max_queue, api_key, name, tp, options)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if note := serving_dtype_note(dtype, torch.device(device)):
         print(f"meshlm serve: note: {note}", file=sys.stderr, flush=True)
@@ -428,6 +422,17 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
     server = Server(engine, None, tokenizer, name, engine.max_len, api_key)
     server.runtime_lora, server.checkpoint = runtime_lora, checkpoint
     return server
+
+
+def check_dtype(dtype: str, tp: int, pp: int, runtime_lora: bool) -> None:
+    """ConfigError, before anything is loaded, for what a 16-bit `--dtype` does not serve yet: tensor or pipeline
+    parallelism (no test compares it across layouts) and adapters loaded at run time (they come in fp32)."""
+    if dtype != "fp32" and (tp > 1 or pp > 1):
+        raise ConfigError(f"--dtype {dtype} serves in one process for now; drop --parallel.tp / --parallel.pp, or "
+                          "serve --dtype fp32")
+    if runtime_lora and dtype != "fp32":
+        raise ConfigError(f"--allow-runtime-lora loads adapters in fp32 while serving; with --dtype {dtype} give the "
+                          "adapters at start (--adapter) instead, or serve --dtype fp32")
 
 
 def check_pool(options, max_len: int, window: int = 0) -> None:

@@ -139,6 +139,9 @@ def test_serve_with_runtime_lora_in_bf16_is_refused_before_loading(tmp_path):
     ckpt = save_gpt_checkpoint(tmp_path / "tiny-gpt")
     with pytest.raises(ConfigError, match="--allow-runtime-lora .* --dtype bf16"):
         build_server(str(ckpt), runtime_lora=True, dtype="bf16")
+    for layout in ({"tp": 2}, {"pp": 2}):  # refused before torchrun's world is looked for
+        with pytest.raises(ConfigError, match="--dtype bf16 serves in one process.*--dtype fp32"):
+            build_server(str(ckpt), dtype="bf16", **layout)
     server = build_server(str(ckpt), max_seqs=2, dtype="bf16")
     assert {p.dtype for p in server.engine.model.parameters()} == {torch.bfloat16}
     fp32 = build_server(str(ckpt), max_seqs=2)
