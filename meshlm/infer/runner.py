@@ -4,12 +4,14 @@
 over them with one paged cache view per layer (`models/paged.py`: keys and values written into the plan's block
 slots, attention read through the block tables) and returns the fp32 logits of the tokens the plan selects.
 Under tensor parallelism rank 0's runner broadcasts each plan to the other ranks first (`DistributedRunner`),
-which replay it in `worker_loop`. With `compile=True` the step's dense part (embedding, every layer's projections,
-norms and MLP, the head) runs through `torch.compile` with dynamic token counts, so one graph serves every step
-of two or more tokens (and one the single-token steps); attention (`PagedCache.update_and_attend`, whose
-per-step layout differs every step) stays eager between the compiled pieces. Both are compiled at start
-(`compile_s`). Which tokens run, and in which blocks, is the scheduler's business
-(`infer/scheduler.py`); what becomes of the logits the engine's (`infer/engine.py`).
+which replay it in `worker_loop`. With `compile=True` the whole step (embedding, every layer, the head) is one
+`torch.compile` graph with dynamic token counts, Inductor's weight freezing on (`COMPILE_CONFIG`: the weights
+become constants, so each linear layer runs on a prepacked oneDNN weight and the norms, RoPE, casts and residual
+adds around it fuse into a few loops). Each layer's paged attention, whose layout differs every step, is one
+opaque operator inside the graph (`models.paged.paged_attention`), run eagerly over the step's caches, which the
+runner hands it beside the graph (`models.paged.STEP`). The graphs (one per size class) are compiled at start
+(`compile_s`). Which tokens run, and in which blocks, is the scheduler's business (`infer/scheduler.py`); what
+becomes of the logits the engine's (`infer/engine.py`).
 """
 
 from __future__ import annotations
@@ -22,9 +24,19 @@ import torch
 
 from meshlm.core.kv_cache import kv_groups
 from meshlm.infer.scheduler import ForwardPlan
-from meshlm.models.paged import Batch, PagedKV
+from meshlm.models.paged import STEP, Batch, PagedKV
 
 log = logging.getLogger(__name__)
+
+# Inductor's settings for the compiled step, set while it compiles (at start, `Runner.warm`): `freezing` folds
+# the weights in as constants (serving never changes them; adapters, which would, are refused with compile), so
+# linear layers get prepacked weights, and `max_autotune` times Inductor's own CPU matrix-product kernels
+# against oneDNN's for each shape and keeps the faster (on a CPU Inductor's reach memory bandwidth at a few
+# rows, where oneDNN's do not); measured in docs/serving.md ("The compiled step")
+COMPILE_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+# dynamo compiles at most this many graphs per code object: a runner needs five or six, and a process may build
+# several runners (tests; an engine per run): without room the later ones would run eagerly
+RECOMPILE_LIMIT = 64
 
 
 class Runner:
@@ -45,8 +57,12 @@ class Runner:
         self.step_fn = self._dense
         self.compile_s = 0.0
         if compile and adapters is None and tp_group is None:
-            self.step_fn = torch.compile(self._dense, dynamic=True)
-            self.compile_s = self.warm()
+            from torch._dynamo import config as dynamo_config
+            from torch._inductor import config as inductor_config
+
+            self.step_fn = self._compiled(torch.compile(self._dense, dynamic=True))
+            with inductor_config.patch(COMPILE_CONFIG), dynamo_config.patch(recompile_limit=RECOMPILE_LIMIT):
+                self.compile_s = self.warm()
             log.info("compiled the serving step in %.1f s", self.compile_s)
 
     def cache_bytes(self) -> int:
@@ -79,6 +95,27 @@ class Runner:
         x = m.run_layers(m.embed(ids, start), None, caches, start, rope)
         return m.head(x.index_select(0, select))[:, 0]
 
+    def _compiled(self, graph):
+        """The step through `graph` (`_dense` compiled): its layers get the pool's `OpaqueCache`s, the same
+        every step, and the step's own caches wait in `STEP` for the attention operator. A step that selects no
+        logits (a prompt's chunk before its last) selects its last token and drops its logits: with nothing
+        depending on the layers' outputs Inductor would drop their attention calls, and with them the keys and
+        values they write (the operator's effect on the pool is invisible to the graph)."""
+        opaque = self.kv.opaque_caches()
+        owners = [layer.attn for layer in self.model.layers]
+
+        def step(ids, start, caches, rope, select):
+            none = select.numel() == 0
+            if none:
+                select = torch.full((1,), ids.shape[0] - 1, dtype=select.dtype, device=select.device)
+            STEP.caches, STEP.owners = caches, owners
+            try:
+                out = graph(ids, start, opaque, rope, select)
+            finally:
+                STEP.caches = STEP.owners = None
+            return out[:0] if none else out
+        return step
+
     def layouts(self, plan: ForwardPlan) -> tuple[Batch, Batch | None]:
         """The step's layout (`Batch`) and, when the local layers hold a pool of their own, theirs: the same
         positions through their own block tables (`plan.local_tables`), read within their window."""
@@ -101,14 +138,20 @@ class Runner:
 
     def warm(self) -> float:
         """Run the compiled step once for each graph it needs and return the seconds it took: torch.compile
-        specializes sizes 0 and 1, so a one-token step and a five-token chunk, each selecting no logits (a chunk
-        before the prompt's last), one (the last token) and all. Every table is all block 0, so it writes into
-        that block only, before any request holds a block (a request's keys are written before they are read)."""
+        specializes sizes 0 and 1, so a one-token step and a five-token chunk, each selecting one token's logits
+        (the last) and, for the chunk, all (a step that selects none selects one, `_compiled`); with int8 layers
+        a chunk of `DEQUANTIZE_ROWS` tokens too (from there they multiply by the dequantized weight: another
+        graph). Every table is all block 0, so it writes into that block only, before any request holds a block
+        (a request's keys are written before they are read)."""
+        from meshlm.infer.quantize import DEQUANTIZE_ROWS, Int8Linear
+
+        sizes = [1, 5] + [DEQUANTIZE_ROWS] * any(isinstance(m, Int8Linear) for m in self.model.modules())
         t0 = time.perf_counter()
-        for n, select in ((1, ()), (1, (0,)), (5, ()), (5, (4,)), (5, tuple(range(5)))):
-            rows = ((range(n), (0,) * n),)
-            local = ((0,) * n,) if self.local_blocks else ()
-            self.forward(ForwardPlan(ids=(0,) * n, rows=rows, select=select, local_tables=local))
+        for n in sizes:
+            for select in ((n - 1,),) + ((tuple(range(n)),) if n > 1 else ()):
+                rows = ((range(n), (0,) * n),)
+                local = ((0,) * n,) if self.local_blocks else ()
+                self.forward(ForwardPlan(ids=(0,) * n, rows=rows, select=select, local_tables=local))
         return time.perf_counter() - t0
 
     def replay(self, op: tuple) -> None:

@@ -24,6 +24,7 @@ slots it is given.
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -86,6 +87,10 @@ class PagedKV:
         """One cache view per layer for the forward of `batch` (`local`: the same tokens in the local layers' own
         block tables, when they have a pool of their own)."""
         return [PagedCache(k, v, local if is_local else batch, self, width) for k, v, width, is_local in self.layers]
+
+    def opaque_caches(self) -> list[OpaqueCache]:
+        """One `OpaqueCache` per layer: what a compiled step hands its layers (built once, for every step)."""
+        return [OpaqueCache(i, width, v is None) for i, (_, v, width, _) in enumerate(self.layers)]
 
 
 @dataclass
@@ -227,7 +232,6 @@ class PagedCache(AttentionCache):
             out.append(out[0][..., :self.value_dim])
         return out[0], out[1]
 
-    @torch.compiler.disable  # a compiled step (infer/runner.py) runs attention eagerly: its layout is per step
     def update_and_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, start, core,
                           mask: torch.Tensor | None = None) -> torch.Tensor:
         """q (N, nh, 1, hd), k and v (N, nkv, 1, hd) for the step's N tokens → (N, nh, 1, value width). `core(q, k,
@@ -303,6 +307,48 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     scores = torch.matmul(q.reshape(R, nkv, group * T, d), k.transpose(-1, -2)).to(wide) * scale
     probs = scores.view(R, nkv, group, T, L).masked_fill(~mask.unsqueeze(2), float("-inf")).softmax(-1)
     return torch.matmul(probs.to(v.dtype).view(R, nkv, group * T, L), v).reshape(R, nh, T, v.shape[-1])
+
+
+# ---- the compiled step's attention ------------------------------------------------------------------------------
+class StepCaches(threading.local):
+    """The paged caches of the step a compiled runner is running (`infer/runner.py`), and each layer's attention
+    module: what `paged_attention` reads. A compiled graph takes tensors, not a step's layout (its groups, block
+    tables and masks differ every step), so the runner sets these before it calls its graph."""
+
+    caches: list[PagedCache] | None = None
+    owners: list | None = None
+
+
+STEP = StepCaches()
+
+
+@torch.library.custom_op("meshlm::paged_attention", mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor? v, int layer, int value_dim) -> Tensor")
+def paged_attention(q, k, v, layer, value_dim):
+    """Layer `layer`'s `PagedCache.update_and_attend` for the step in `STEP`, as one operator a compiled graph
+    calls without looking inside (`OpaqueCache`): it writes the keys and values into the pool (state the graph
+    does not hold) and returns the attention output, (N, nh, 1, value_dim). Its core is the layer's own: the
+    latent core of an MLA layer's latent pool, else `core`."""
+    cache, owner = STEP.caches[layer], STEP.owners[layer]
+    return cache.update_and_attend(q, k, v, None, owner.latent_core if cache.latent else owner.core)
+
+
+@paged_attention.register_fake
+def _paged_attention_shape(q, k, v, layer, value_dim):
+    return q.new_empty(*q.shape[:-1], value_dim)
+
+
+class OpaqueCache(AttentionCache):
+    """Layer `layer`'s cache as a compiled step traces it: `update_and_attend` is the one operator
+    `paged_attention`, so the whole step (embedding, every layer, the head) is one graph with each layer's paged
+    attention run eagerly inside it. The same objects serve every step (nothing to guard on but their index)."""
+
+    def __init__(self, layer: int, value_dim: int, latent: bool):
+        self.layer, self.value_dim, self.latent = layer, value_dim, latent
+
+    def update_and_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, start, core,
+                          mask: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.meshlm.paged_attention(q, k, v, self.layer, self.value_dim)
 
 
 def _scale(core, head_dim: int) -> float:

@@ -1,5 +1,7 @@
 """The serving engine's compiled step (infer/runner.py, `CacheOptions.compile`): the same greedy tokens as the
-eager step and as one request at a time, through decoding, chunked prefill, prefix sharing and speculation."""
+eager step and as one request at a time, through decoding, chunked prefill (a chunk that selects no logits
+still writes every layer's keys), prefix sharing and speculation; the whole step one graph (attention an opaque
+operator inside it, no graph break)."""
 
 import pytest
 import torch
@@ -38,8 +40,10 @@ def test_compiled_and_eager_steps_give_the_single_request_tokens(model, compile)
     prompts = [system + torch.randint(1, 97, (n,), generator=g).tolist() for n in (3, 9, 1)]
     prompts += [torch.randint(1, 97, (n,), generator=g).tolist() for n in (30, 2)]  # 30: chunked (max 16)
     options = CacheOptions(block_size=4, max_batched_tokens=16, compile=compile)
+    breaks = sum(counters["graph_break"].values())
     engine = Engine(model, Ids(), max_seqs=4, options=options)
     assert (engine.runner.compile_s > 0) == compile  # compiled (and warmed) at start, or not at all
+    assert sum(counters["graph_break"].values()) == breaks  # one graph per step: attention inside it
     graphs = counters["stats"]["unique_graphs"]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     outs = engine.generate(prompts, params)
