@@ -42,7 +42,7 @@ RECOMPILE_LIMIT = 64
 class Runner:
     """The model and its paged KV cache (`models/paged.py`): `forward(plan)` runs one step's tokens and returns the
     fp32 logits of the tokens it selects; with `adapters` (an `AdapterSet`) each token's adapter too. 
-    `compile`: the step's dense part through torch.compile (module docstring; one process, no adapters: they swap
+    `compile`: the whole step through torch.compile (module docstring; one process, no adapters: they swap
     weights per step); `compile_s`: the seconds its warm-up took (0.0: eager)."""
 
     def __init__(self, model, num_blocks: int, block_size: int, vocab_size: int, tp_group=None, adapters=None,
