@@ -5,9 +5,9 @@ over them with one paged cache view per layer (`models/paged.py`: keys and value
 slots, attention read through the block tables) and returns the fp32 logits of the tokens the plan selects.
 Under tensor parallelism rank 0's runner broadcasts each plan to the other ranks first (`DistributedRunner`),
 which replay it in `worker_loop`. With `compile=True` the whole step (embedding, every layer, the head) is one
-`torch.compile` graph with dynamic token counts, Inductor's weight freezing on (`COMPILE_CONFIG`: the weights
-become constants, so each linear layer runs on a prepacked oneDNN weight and the norms, RoPE, casts and residual
-adds around it fuse into a few loops). Each layer's paged attention, whose layout differs every step, is one
+`torch.compile` graph with dynamic token counts (`COMPILE_CONFIG`: the weights frozen in as constants, each
+linear layer's product the faster of oneDNN's on a prepacked weight and Inductor's own C++ kernel, the norms,
+RoPE, casts and residual adds around them fused into a few loops). Each layer's paged attention, whose layout differs every step, is one
 opaque operator inside the graph (`models.paged.paged_attention`), run eagerly over the step's caches, which the
 runner hands it beside the graph (`models.paged.STEP`). The graphs (one per size class) are compiled at start
 (`compile_s`). Which tokens run, and in which blocks, is the scheduler's business (`infer/scheduler.py`); what
@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 # against oneDNN's for each shape and keeps the faster (on a CPU Inductor's reach memory bandwidth at a few
 # rows, where oneDNN's do not); measured in docs/serving.md ("The compiled step")
 COMPILE_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
-# dynamo compiles at most this many graphs per code object: a runner needs five or six, and a process may build
-# several runners (tests; an engine per run): without room the later ones would run eagerly
+# dynamo compiles at most this many graphs per code object: a runner needs three or four (`warm`), and a process
+# may build several runners (tests; an engine per run): without room the later ones would run eagerly
 RECOMPILE_LIMIT = 64
 
 
