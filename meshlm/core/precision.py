@@ -111,8 +111,8 @@ def serving_dtype_note(name: str, device: torch.device) -> str | None:
 @torch.no_grad()
 def cast_parameters(model: torch.nn.Module, name: str | torch.dtype) -> torch.nn.Module:
     """`model`'s floating-point parameters in DTYPES[`name`] (or the dtype `name`), in place, for inference: the
-    weights and, through them, the activations and the KV cache (which takes the parameters' dtype). Buffers stay as they are: the
-    RoPE tables stay fp32 (`apply_rope` returns its input's dtype), a router's bias too."""
+    weights and, through them, the activations and the KV cache (which takes the parameters' dtype). Buffers stay
+    as they are: the RoPE tables stay fp32 (`apply_rope` returns its input's dtype), a router's bias too."""
     dtype = DTYPES[name] if isinstance(name, str) else name
     for param in model.parameters():
         if param.is_floating_point() and param.dtype != dtype:

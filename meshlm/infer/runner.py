@@ -10,8 +10,8 @@ linear layer's product the faster of oneDNN's on a prepacked weight and Inductor
 RoPE, casts and residual adds around them fused into a few loops). Each layer's paged attention, whose layout
 differs every step, is one opaque operator inside the graph (`models.paged.paged_attention`), run eagerly over
 the step's caches, which the runner hands it beside the graph (`models.paged.STEP`). The graphs (one per size
-class) are compiled at start (`compile_s`). Which tokens run, and in which blocks, is the scheduler's business (`infer/scheduler.py`); what
-becomes of the logits the engine's (`infer/engine.py`).
+class) are compiled at start (`compile_s`). Which tokens run, and in which blocks, is the scheduler's business
+(`infer/scheduler.py`); what becomes of the logits the engine's (`infer/engine.py`).
 """
 
 from __future__ import annotations
