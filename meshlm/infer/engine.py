@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from meshlm.core.kv_cache import kv_groups
-from meshlm.infer import sampling
+from meshlm.infer import openmp, sampling
 from meshlm.infer.blocks import BlockPool
 from meshlm.infer.request import Request
 from meshlm.infer.runner import DistributedRunner, Runner, worker_loop  # noqa: F401 -- worker_loop: the engine's API
@@ -543,6 +543,9 @@ class Engine:
 
     # ---- the loop thread ----
     def start(self) -> None:
+        """Run the loop on a thread of its own. The calling thread (which loaded and compiled the model) first
+        hands back its OpenMP workers, so that the loop's are the process's only pool (`infer/openmp.py`)."""
+        openmp.release_pool()
         self.thread = threading.Thread(target=self._loop, name="meshlm-engine", daemon=True)
         self.thread.start()
 

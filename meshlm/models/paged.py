@@ -26,7 +26,7 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -110,6 +110,9 @@ class Group:
     causal: bool = False
     shared: torch.Tensor | None = None  # decoding rows' common first blocks (cascade attention), else None
     shared_keys: int = 0
+    # the gather indices of `blocks` and of `shared`, by pool shape: built by the first layer, read by the rest
+    index: dict = field(default_factory=dict, repr=False)
+    shared_index: dict = field(default_factory=dict, repr=False)
 
 
 class Batch:
@@ -166,6 +169,8 @@ class Batch:
         blocks = torch.tensor(table, dtype=torch.long, device=device)
         if len(rows) == 1 and rows[0][0][0] == 0:  # a prompt's first chunk: causal, no mask
             return Group(start, 1, T, blocks, None, ends[0], causal=True)
+        if len(rows) == 1 and T == 1:  # one decoding row: it sees every key up to its own, no mask
+            return Group(start, 1, 1, blocks, None, ends[0])
         common = self._common(rows) if T == 1 and len(rows) > 1 else 0
         if common:  # cascade: the shared blocks once for every row, then each row's own
             own = [(pos, b[common:]) for pos, b in rows]
@@ -214,14 +219,18 @@ class PagedCache(AttentionCache):
     def latent(self) -> bool:
         return self.v is None
 
-    def gather(self, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, blocks: torch.Tensor, length: int, memo: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values of `blocks` (B, nb) (in order) as (B, nkv, length, hd) views of the gather
         buffer: whole blocks of each head copied (`index_select` into a reused buffer). A latent layer copies
-        its keys only: its values are their first `value_dim` columns."""
+        its keys only: its values are their first `value_dim` columns. `memo`: the group's indices by pool
+        shape (every layer of a model usually has the same: the first one builds it)."""
         B, nb = blocks.shape
         nkv, slots, hd = self.k.shape
         bs = self.batch.block_size
-        index = (torch.arange(nkv, device=blocks.device)[:, None] * (slots // bs) + blocks.reshape(1, -1)).reshape(-1)
+        index = memo.get((nkv, slots))
+        if index is None:
+            heads = torch.arange(nkv, device=blocks.device)[:, None] * (slots // bs)
+            index = memo[nkv, slots] = (heads + blocks.reshape(1, -1)).reshape(-1)
         buf = self.pool.gather_buffer(nkv * B * nb * bs * hd)
         out = []
         for i, src in enumerate((self.k,) if self.v is None else (self.k, self.v)):
@@ -242,23 +251,26 @@ class PagedCache(AttentionCache):
         self.k.index_copy_(1, b.slots, k[:, :, 0].transpose(0, 1).to(self.k.dtype))
         if self.v is not None:
             self.v.index_copy_(1, b.slots, v[:, :, 0].transpose(0, 1).to(self.v.dtype))
+        if len(b.groups) == 1 and b.groups[0].T == 1:  # decoding rows only: their output is the whole output
+            return self.attend(q, b.groups[0], core)
         out = q.new_empty(q.shape[:-1] + (self.value_dim,))
-        nh, hd = q.shape[1], q.shape[3]
+        nh = q.shape[1]
         for g in b.groups:
-            if g.shared is not None and not _banded(core):
-                out[g.start:g.start + g.rows] = self.cascade(q[g.start:g.start + g.rows], g, _scale(core, hd))
-                continue
-            if g.shared is not None:  # a sliding window or sinks: the core sees the shared keys with the rest
-                g = _uncascaded(g)
             n = g.rows * g.T
-            qg = q[g.start:g.start + n, :, 0].view(g.rows, g.T, nh, hd).transpose(1, 2)  # (R, nh, T, hd)
-            keys, values = self.gather(g.blocks, g.keys)  # (R, nkv, L, hd)
-            if g.mask is not None and q.dtype.itemsize < 4 and q.device.type == "cpu":  # not the 16-bit CPU kernel
-                y = self.attend_16bit(qg, keys, values, g, core)
-            else:
-                y = core(qg, keys.to(q.dtype), values.to(q.dtype), g.causal, g.mask)
-            out[g.start:g.start + n, :, 0] = y.transpose(1, 2).reshape(n, nh, self.value_dim)
+            qg = q[g.start:g.start + n, :, 0].view(g.rows, g.T, nh, q.shape[3]).transpose(1, 2)  # (R, nh, T, hd)
+            out[g.start:g.start + n, :, 0] = self.attend(qg, g, core).transpose(1, 2).reshape(n, nh, self.value_dim)
         return out
+
+    def attend(self, q: torch.Tensor, g: Group, core) -> torch.Tensor:
+        """Group `g`'s queries q (R, nh, T, hd) over their keys → (R, nh, T, value width)."""
+        if g.shared is not None and not _banded(core):
+            return self.cascade(q, g, _scale(core, q.shape[-1]))
+        if g.shared is not None:  # a sliding window or sinks: the core sees the shared keys with the rest
+            g = _uncascaded(g)
+        keys, values = self.gather(g.blocks, g.keys, g.index)  # (R, nkv, L, hd)
+        if not g.causal and q.dtype.itemsize < 4 and q.device.type == "cpu":  # not the 16-bit CPU kernel
+            return self.attend_16bit(q, keys, values, g, core)
+        return core(q, keys.to(q.dtype), values.to(q.dtype), g.causal, g.mask)
 
     def attend_16bit(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, g: Group, core) -> torch.Tensor:
         """Masked rows of a 16-bit model on a CPU (decoding rows, a token and its drafts; a GPU keeps its fused
@@ -266,7 +278,7 @@ class PagedCache(AttentionCache):
         (benchmarks/attention_kernels.py), so at least `MASKED_ROWS` rows of a plain core take `masked_attention`
         (16-bit products, fp32 softmax), fewer rows (or a window, sinks) the layer's own core on fp32 copies, the
         result cast back."""
-        if g.rows >= MASKED_ROWS and not _banded(core):
+        if g.mask is not None and g.rows >= MASKED_ROWS and not _banded(core):
             return masked_attention(q, keys.to(q.dtype), values.to(q.dtype), g.mask, _scale(core, q.shape[-1]))
         return core(q.float(), keys.float(), values.float(), g.causal, g.mask).to(q.dtype)
 
@@ -277,14 +289,14 @@ class PagedCache(AttentionCache):
         R, nh, _, hd = q.shape
         nkv = self.k.shape[0]
         qh = q[:, :, 0].reshape(R, nkv, nh // nkv, hd)  # a KV head's query heads together (GQA)
-        keys, values = self.gather(g.shared[None], g.shared_keys)  # (1, nkv, P, hd)
+        keys, values = self.gather(g.shared[None], g.shared_keys, g.shared_index)  # (1, nkv, P, hd)
         qp = qh.transpose(0, 1).reshape(nkv, -1, hd)  # (nkv, R × group, hd)
         sp = torch.matmul(qp, keys[0].to(q.dtype).transpose(1, 2)) * scale
         mp = sp.amax(-1, keepdim=True)
         ep = (sp - mp).exp()
         shared = (mp, ep.sum(-1, keepdim=True), torch.matmul(ep, values[0].to(q.dtype)))  # before the next gather
         parts = [tuple(t.view(nkv, R, -1, t.shape[-1]).transpose(0, 1) for t in shared)]  # (R, nkv, group, ·)
-        keys, values = self.gather(g.blocks, g.keys)  # (R, nkv, S, hd): the buffer is free again
+        keys, values = self.gather(g.blocks, g.keys, g.index)  # (R, nkv, S, hd): the buffer is free again
         ss = (torch.matmul(qh, keys.to(q.dtype).transpose(-1, -2)) * scale).masked_fill(~g.mask, float("-inf"))
         ms = ss.amax(-1, keepdim=True)
         es = (ss - ms).exp()
@@ -322,8 +334,13 @@ class StepCaches(threading.local):
 STEP = StepCaches()
 
 
-@torch.library.custom_op("meshlm::paged_attention", mutates_args=(),
-                         schema="(Tensor q, Tensor k, Tensor? v, int layer, int value_dim) -> Tensor")
+# The operator is defined on a `torch.library.Library` with one kernel for every backend, not with
+# `torch.library.custom_op`: that wrapper's per-call checks (autograd, aliasing) cost 11 µs a call against 4 µs,
+# thirty times a step; serving needs no gradient through it, and its result is always a fresh tensor.
+LIBRARY = torch.library.Library("meshlm", "FRAGMENT")
+LIBRARY.define("paged_attention(Tensor q, Tensor k, Tensor? v, int layer, int value_dim) -> Tensor")
+
+
 def paged_attention(q, k, v, layer, value_dim):
     """Layer `layer`'s `PagedCache.update_and_attend` for the step in `STEP`, as one operator a compiled graph
     calls without looking inside (`OpaqueCache`): it writes the keys and values into the pool (state the graph
@@ -333,7 +350,10 @@ def paged_attention(q, k, v, layer, value_dim):
     return cache.update_and_attend(q, k, v, None, owner.latent_core if cache.latent else owner.core)
 
 
-@paged_attention.register_fake
+LIBRARY.impl("paged_attention", paged_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("meshlm::paged_attention", lib=LIBRARY)
 def _paged_attention_shape(q, k, v, layer, value_dim):
     return q.new_empty(*q.shape[:-1], value_dim)
 
