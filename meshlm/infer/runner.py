@@ -37,6 +37,12 @@ COMPILE_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_bac
 # dynamo compiles at most this many graphs per code object: a runner needs three or four (`warm`), and a process
 # may build several runners (tests; an engine per run): without room the later ones would run eagerly
 RECOMPILE_LIMIT = 64
+# the token count the several-token graph is compiled (and its products autotuned) at: Inductor times its
+# kernels at the example's sizes and keeps that choice for every count the dynamic graph runs. Measured on a
+# 2-core EPYC, SmolLM2 bf16, 16 clients' closed loop in process: tuned at 5 rows 155 output tokens/s (a
+# 16-row decode step 52.5 ms, prefill 924 tokens/s), at 16 rows 193 (45.9 ms, 1,263), at 512 rows 183 (49.6 ms,
+# 1,231); benchmarks/RESULTS.md, "One OpenMP pool"
+WARM_ROWS = 16
 
 
 class Runner:
@@ -44,6 +50,8 @@ class Runner:
     fp32 logits of the tokens it selects; with `adapters` (an `AdapterSet`) each token's adapter too. 
     `compile`: the whole step through torch.compile (module docstring; one process, no adapters: they swap
     weights per step); `compile_s`: the seconds its warm-up took (0.0: eager)."""
+
+    compiled_runners = 0  # compiled runners this process has built: their graphs share one dynamo cache
 
     def __init__(self, model, num_blocks: int, block_size: int, vocab_size: int, tp_group=None, adapters=None,
                  compile: bool = False, local_blocks: int = 0):
@@ -60,6 +68,7 @@ class Runner:
             from torch._dynamo import config as dynamo_config
             from torch._inductor import config as inductor_config
 
+            Runner.compiled_runners += 1
             self.step_fn = self._compiled(torch.compile(self._dense, dynamic=True))
             with inductor_config.patch(COMPILE_CONFIG), dynamo_config.patch(recompile_limit=RECOMPILE_LIMIT):
                 self.compile_s = self.warm()
@@ -100,7 +109,12 @@ class Runner:
         every step, and the step's own caches wait in `STEP` for the attention operator. A step that selects no
         logits (a prompt's chunk before its last) selects its last token and drops its logits: with nothing
         depending on the layers' outputs Inductor would drop their attention calls, and with them the keys and
-        values they write (the operator's effect on the pool is invisible to the graph)."""
+        values they write (the operator's effect on the pool is invisible to the graph).
+        Once warm, in a process with no other compiled runner, dynamo checks only the guards that tell its graphs
+        apart (`skip_guard_eval_unsafe`): `warm` has compiled every graph the step needs, so no call can need a
+        new one, and the skipped guards (the model's modules and weights, the opaque caches: 0.8 ms of a 14.8 ms
+        one-row SmolLM2 bf16 step) cannot fail. A second compiled runner's graphs would share the cache: then every
+        guard runs again."""
         opaque = self.kv.opaque_caches()
         owners = [layer.attn for layer in self.model.layers]
 
@@ -110,11 +124,18 @@ class Runner:
                 select = torch.full((1,), ids.shape[0] - 1, dtype=select.dtype, device=select.device)
             STEP.caches, STEP.owners = caches, owners
             try:
-                out = graph(ids, start, opaque, rope, select)
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=self.guards_skipped):
+                    out = graph(ids, start, opaque, rope, select)
             finally:
                 STEP.caches = STEP.owners = None
             return out[:0] if none else out
         return step
+
+    @property
+    def guards_skipped(self) -> bool:
+        """Whether this runner's calls check only the guards that tell its graphs apart (`_compiled`): warm,
+        and the process's only compiled runner."""
+        return self.compile_s > 0 and Runner.compiled_runners == 1
 
     def layouts(self, plan: ForwardPlan) -> tuple[Batch, Batch | None]:
         """The step's layout (`Batch`) and, when the local layers hold a pool of their own, theirs: the same
@@ -138,14 +159,14 @@ class Runner:
 
     def warm(self) -> float:
         """Run the compiled step once for each graph it needs and return the seconds it took: torch.compile
-        specializes sizes 0 and 1, so a one-token step and a five-token chunk, each selecting one token's logits
-        (the last) and, for the chunk, all (a step that selects none selects one, `_compiled`); with int8 layers
+        specializes sizes 0 and 1, so a one-token step and a `WARM_ROWS`-token chunk, each selecting one token's
+        logits (the last) and, for the chunk, all (a step that selects none selects one, `_compiled`); with int8 layers
         a chunk of `DEQUANTIZE_ROWS` tokens too (from there they multiply by the dequantized weight: another
         graph). Every table is all block 0, so it writes into that block only, before any request holds a block
         (a request's keys are written before they are read)."""
         from meshlm.infer.quantize import DEQUANTIZE_ROWS, Int8Linear
 
-        sizes = [1, 5] + [DEQUANTIZE_ROWS] * any(isinstance(m, Int8Linear) for m in self.model.modules())
+        sizes = [1, WARM_ROWS] + [DEQUANTIZE_ROWS] * any(isinstance(m, Int8Linear) for m in self.model.modules())
         t0 = time.perf_counter()
         for n in sizes:
             for select in ((n - 1,),) + ((tuple(range(n)),) if n > 1 else ()):

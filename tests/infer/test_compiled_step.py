@@ -9,6 +9,7 @@ from torch._dynamo.utils import counters
 
 from meshlm.core.config import ModelConfig
 from meshlm.infer.engine import CacheOptions, Engine, SamplingParams
+from meshlm.infer.runner import Runner
 from meshlm.models.generate import generate
 from meshlm.models.gpt import GPT
 
@@ -50,6 +51,25 @@ def test_compiled_and_eager_steps_give_the_single_request_tokens(model, compile)
     assert counters["stats"]["unique_graphs"] == graphs  # no step compiled anything after start
     for prompt, out in zip(prompts, outs):
         assert out.output_ids == alone(model, prompt, 10)
+
+
+def test_a_second_compiled_runner_keeps_each_models_tokens(model):
+    """The first compiled runner of a process checks only the guards that tell its graphs apart; a second one's
+    graphs share dynamo's cache (one code object), so from then on both check every guard, and neither may run
+    the other's graphs (frozen weights): each model's tokens stay its own."""
+    before = Runner.compiled_runners
+    options = CacheOptions(block_size=4, max_batched_tokens=16, compile=True)
+    first = Engine(model, Ids(), max_seqs=2, options=options)
+    assert first.runner.guards_skipped or before > 0  # the process's first compiled runner skips
+    torch.manual_seed(1)
+    other = GPT(CONFIG).eval()
+    second = Engine(other, Ids(), max_seqs=2, options=options)
+    assert not first.runner.guards_skipped and not second.runner.guards_skipped
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7], list(range(1, 20))]  # decoding rows and a chunked prompt
+    for engine, m in ((second, other), (first, model), (second, other)):
+        for prompt, out in zip(prompts, engine.generate(prompts, params)):
+            assert out.output_ids == alone(m, prompt, 8)
 
 
 def test_serve_compile_flag_reaches_the_cache_options():
