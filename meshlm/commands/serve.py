@@ -131,7 +131,7 @@ def add_serve_command(sub) -> None:
     g.add_argument("--num-draft-tokens", type=int, default=4, help="tokens proposed per step (default 4)")
     g.add_argument("--compile", action="store_true", help="run each step as one torch.compile graph (weights frozen, "
                    "matrix products autotuned), compiled at start (minutes on a 2-core CPU with a cold cache; decode "
-                   "steps 1.3-2.5x faster there, docs/serving.md)")
+                   "steps 1.3-3x faster there, docs/serving.md)")
     add_dtype_flag(p)
     add_quantize_flags(p)
     p.set_defaults(func=_serve)

@@ -273,12 +273,12 @@ class PagedCache(AttentionCache):
         return core(q, keys.to(q.dtype), values.to(q.dtype), g.causal, g.mask)
 
     def attend_16bit(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, g: Group, core) -> torch.Tensor:
-        """Masked rows of a 16-bit model on a CPU (decoding rows, a token and its drafts; a GPU keeps its fused
+        """Non-causal rows of a 16-bit model on a CPU (decoding rows, a token and its drafts; a GPU keeps its fused
         kernel): PyTorch's CPU attention kernel is 3-16× slower in bf16 than in fp32 at these shapes
-        (benchmarks/attention_kernels.py), so at least `MASKED_ROWS` rows of a plain core take `masked_attention`
-        (16-bit products, fp32 softmax), fewer rows (or a window, sinks) the layer's own core on fp32 copies, the
-        result cast back."""
-        if g.mask is not None and g.rows >= MASKED_ROWS and not _banded(core):
+        (benchmarks/attention_kernels.py), so at least `MASKED_ROWS` rows of a plain core (always masked) take
+        `masked_attention` (16-bit products, fp32 softmax), fewer rows (a single decoding row: no mask) or a
+        window or sinks the layer's own core on fp32 copies, the result cast back."""
+        if g.rows >= MASKED_ROWS and not _banded(core):
             return masked_attention(q, keys.to(q.dtype), values.to(q.dtype), g.mask, _scale(core, q.shape[-1]))
         return core(q.float(), keys.float(), values.float(), g.causal, g.mask).to(q.dtype)
 
