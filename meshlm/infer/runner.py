@@ -17,6 +17,7 @@ class) are compiled at start (`compile_s`). Which tokens run, and in which block
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 
@@ -114,7 +115,9 @@ class Runner:
         apart (`skip_guard_eval_unsafe`): `warm` has compiled every graph the step needs, so no call can need a
         new one, and the skipped guards (the model's modules and weights, the opaque caches: 0.8 ms of a 14.8 ms
         one-row SmolLM2 bf16 step) cannot fail. A second compiled runner's graphs would share the cache: then every
-        guard runs again."""
+        guard runs again. Under that stance dynamo refuses any frame it has not seen, and a cyclic garbage
+        collection inside the call would run finalizers there (another thread's: an asyncio task's WeakSet
+        entry, say), which would fail and leave their work undone: the collector waits until the call returns."""
         opaque = self.kv.opaque_caches()
         owners = [layer.attn for layer in self.model.layers]
 
@@ -123,11 +126,17 @@ class Runner:
             if none:
                 select = torch.full((1,), ids.shape[0] - 1, dtype=select.dtype, device=select.device)
             STEP.caches, STEP.owners = caches, owners
+            skip = self.guards_skipped
+            collecting = skip and gc.isenabled()
+            if collecting:
+                gc.disable()
             try:
-                with torch.compiler.set_stance(skip_guard_eval_unsafe=self.guards_skipped):
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=skip):
                     out = graph(ids, start, opaque, rope, select)
             finally:
                 STEP.caches = STEP.owners = None
+                if collecting:
+                    gc.enable()
             return out[:0] if none else out
         return step
 

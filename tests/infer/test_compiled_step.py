@@ -3,6 +3,11 @@ eager step and as one request at a time, through decoding, chunked prefill (a ch
 still writes every layer's keys), prefix sharing and speculation; the whole step one graph (attention an opaque
 operator inside it, no graph break)."""
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -70,6 +75,41 @@ def test_a_second_compiled_runner_keeps_each_models_tokens(model):
     for engine, m in ((second, other), (first, model), (second, other)):
         for prompt, out in zip(prompts, engine.generate(prompts, params)):
             assert out.output_ids == alone(m, prompt, 8)
+
+
+GC_SCRIPT = textwrap.dedent("""
+    import gc, sys, torch
+    from meshlm.core.config import ModelConfig
+    from meshlm.infer.engine import CacheOptions, Engine, SamplingParams
+    from meshlm.models.gpt import GPT
+    class Ids:
+        eod_id = None
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+    torch.manual_seed(0)
+    engine = Engine(GPT(ModelConfig(**CONFIG)).eval(), Ids(), max_seqs=2, options=CacheOptions(block_size=4, compile=True))
+    errors, collections = [], []
+    sys.unraisablehook = lambda u: errors.append(repr(u.exc_value)[:100])
+    gc.callbacks.append(lambda phase, info: collections.append(phase))  # a Python frame at every collection
+    gc.set_threshold(1)  # a collection at (nearly) every allocation, inside the compiled call's frame too
+    outs = engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    print(engine.runner.guards_skipped, len(collections) > 0, gc.isenabled(), [len(o.output_ids) for o in outs], errors)
+""")
+
+
+def test_no_collection_runs_inside_the_unguarded_compiled_call():
+    """Under the stance that skips guards dynamo refuses every frame it has not compiled, so a garbage collection
+    inside the compiled call would fail its finalizers (in a server: another thread's; the asyncio task set's
+    WeakSet entries). A fresh interpreter, so that this runner is the process's only compiled one; collections at
+    every allocation, each running a Python callback: none fails, and collection runs again between steps.
+    Without the collector paused around the call: one refused callback a step."""
+    root = Path(__file__).resolve().parents[2]
+    config = {k: getattr(CONFIG, k) for k in ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "seq_len",
+                                              "vocab_size", "position", "norm", "activation", "bias",
+                                              "tie_embeddings")}
+    out = subprocess.run([sys.executable, "-c", f"CONFIG = {config!r}\n" + GC_SCRIPT], capture_output=True,
+                         text=True, cwd=root, check=True, timeout=300)
+    assert out.stdout.split("\n")[-2] == "True True True [12, 12] []", out.stdout + out.stderr[-2000:]
 
 
 def test_serve_compile_flag_reaches_the_cache_options():
