@@ -277,7 +277,7 @@ def llamacpp_server(gguf: Path, prep: Prepared, clients: int, args, log: Path) -
 def n_requests(model: Model, clients: int, args) -> int:
     if args.requests:
         return max(args.requests, clients)
-    return max(model.min_requests, model.per_client * clients)
+    return max(model.min_requests, (args.waves or model.per_client) * clients)
 
 
 def measure(server: ServerProcess, prep: Prepared, label: dict, clients: list[int], args, rows: list[dict],
@@ -415,6 +415,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
     p.add_argument("--requests", type=int, default=0, help="requests per point: max(this, clients) (default: "
                    "smollm2 max(8, clients), demo max(16, 2 x clients))")
+    p.add_argument("--waves", type=int, default=0, help="requests per client at each point when --requests is not "
+                   "given (default: the model's, smollm2 1, demo 2): one wave of a closed loop is a noisy point")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="meshlm's OMP_NUM_THREADS and "
                    "llama.cpp's -t")

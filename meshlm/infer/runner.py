@@ -9,8 +9,10 @@ which replay it in `worker_loop`. With `compile=True` the whole step (embedding,
 linear layer's product the faster of oneDNN's on a prepacked weight and Inductor's own C++ kernel, the norms,
 RoPE, casts and residual adds around them fused into a few loops). Each layer's paged attention, whose layout
 differs every step, is one opaque operator inside the graph (`models.paged.paged_attention`), run eagerly over
-the step's caches, which the runner hands it beside the graph (`models.paged.STEP`). The graphs (one per size
-class) are compiled at start (`compile_s`). Which tokens run, and in which blocks, is the scheduler's business
+the step's caches, which the runner hands it beside the graph (`models.paged.STEP`); a step of one token past
+its first (one client's decoding) attends inside its own graph instead (`models.paged.RowCache`: the pool and
+the row's slot index are graph inputs, written in place and read by generated kernels, no Python between the
+layers). The graphs (one per size class) are compiled at start (`compile_s`). Which tokens run, and in which blocks, is the scheduler's business
 (`infer/scheduler.py`); what becomes of the logits the engine's (`infer/engine.py`).
 """
 
@@ -120,11 +122,18 @@ class Runner:
         entry, say), which would fail and leave their work undone: the collector waits until the call returns."""
         opaque = self.kv.opaque_caches()
         owners = [layer.attn for layer in self.model.layers]
+        rows = self.kv.rows_in_graph()
+        for k, v, _, _ in self.kv.layers:  # the pool's shape never changes: constants in the one-token graph, which
+            for t in (k, v):               # dynamo would otherwise take for sizes (and tie to a like-sized index)
+                if t is not None:
+                    torch._dynamo.mark_static(t)
 
         def step(ids, start, caches, rope, select):
             none = select.numel() == 0
             if none:
                 select = torch.full((1,), ids.shape[0] - 1, dtype=select.dtype, device=select.device)
+            one = rows and ids.shape[0] == 1 and caches[0].batch.groups[0].keys > 1  # (a first key: the opaque graph)
+            layers = self.kv.row_caches(caches[0].batch) if one else opaque
             STEP.caches, STEP.owners = caches, owners
             skip = self.guards_skipped
             collecting = skip and gc.isenabled()
@@ -132,7 +141,7 @@ class Runner:
                 gc.disable()
             try:
                 with torch.compiler.set_stance(skip_guard_eval_unsafe=skip):
-                    out = graph(ids, start, opaque, rope, select)
+                    out = graph(ids, start, layers, rope, select)
             finally:
                 STEP.caches = STEP.owners = None
                 if collecting:
@@ -168,7 +177,8 @@ class Runner:
 
     def warm(self) -> float:
         """Run the compiled step once for each graph it needs and return the seconds it took: torch.compile
-        specializes sizes 0 and 1, so a one-token step and a `WARM_ROWS`-token chunk, each selecting one token's
+        specializes sizes 0 and 1, so a one-token step (at position 0, and at 2 when one-token steps attend in their
+        graph: sizes from 2 on) and a `WARM_ROWS`-token chunk, each selecting one token's
         logits (the last) and, for the chunk, all (a step that selects none selects one, `_compiled`); with int8 layers
         a chunk of `DEQUANTIZE_ROWS` tokens too (from there they multiply by the dequantized weight: another
         graph). Every table is all block 0, so it writes into that block only, before any request holds a block
@@ -177,11 +187,14 @@ class Runner:
 
         sizes = [1, WARM_ROWS] + [DEQUANTIZE_ROWS] * any(isinstance(m, Int8Linear) for m in self.model.modules())
         t0 = time.perf_counter()
+        firsts = {1: (0, 2) if self.kv.rows_in_graph() else (0,)}  # one token at 0, and past it (`RowCache`)
         for n in sizes:
-            for select in ((n - 1,),) + ((tuple(range(n)),) if n > 1 else ()):
-                rows = ((range(n), (0,) * n),)
-                local = ((0,) * n,) if self.local_blocks else ()
-                self.forward(ForwardPlan(ids=(0,) * n, rows=rows, select=select, local_tables=local))
+            for first in firsts.get(n, (0,)):
+                for select in ((n - 1,),) + ((tuple(range(n)),) if n > 1 else ()):
+                    table = (0,) * (first + n)
+                    local = (table,) if self.local_blocks else ()
+                    self.forward(ForwardPlan(ids=(0,) * n, rows=((range(first, first + n), table),), select=select,
+                                             local_tables=local))
         return time.perf_counter() - t0
 
     def replay(self, op: tuple) -> None:

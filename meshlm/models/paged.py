@@ -66,6 +66,7 @@ class PagedKV:
             self.layers.append((torch.zeros(shape, dtype=p.dtype, device=p.device),
                                 torch.zeros(shape, dtype=p.dtype, device=p.device), layer.attn.head_dim, local))
         self.scratch = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.cores = [layer.attn.core for layer in model.layers]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for k, v, _, _ in self.layers for t in (k, v) if t is not None)
@@ -87,6 +88,21 @@ class PagedKV:
         """One cache view per layer for the forward of `batch` (`local`: the same tokens in the local layers' own
         block tables, when they have a pool of their own)."""
         return [PagedCache(k, v, local if is_local else batch, self, width) for k, v, width, is_local in self.layers]
+
+    def rows_in_graph(self) -> bool:
+        """Whether a compiled one-token step may attend inside its graph (`RowCache`): every layer keeps a key and
+        a value per KV head in the one pool (no latent layer, no local pool) and attends with a plain core (no
+        window, no sinks)."""
+        return not self.local_blocks and all(v is not None and not _banded(core) for (_, v, _, _), core in
+                                             zip(self.layers, self.cores))
+
+    def row_caches(self, batch: Batch) -> list[RowCache]:
+        """One `RowCache` per layer for a step of one token (`batch`: one row, one group): its slot, and the slots
+        of every position it sees (0 to its own) in order."""
+        g = batch.groups[0]
+        bs = self.block_size
+        index = (g.blocks[0, :, None] * bs + torch.arange(bs, device=g.blocks.device)).reshape(-1)[:g.keys]
+        return [RowCache(k, v, batch.slots, index) for k, v, _, _ in self.layers]
 
     def opaque_caches(self) -> list[OpaqueCache]:
         """One `OpaqueCache` per layer: what a compiled step hands its layers (built once, for every step)."""
@@ -369,6 +385,27 @@ class OpaqueCache(AttentionCache):
     def update_and_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, start, core,
                           mask: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.meshlm.paged_attention(q, k, v, self.layer, self.value_dim)
+
+
+class RowCache(AttentionCache):
+    """A layer's pool for a compiled step of one token (a single decoding row, or a one-token chunk), with the
+    attention inside the graph: the pool's tensors, the token's slot and the slots of the positions it sees are
+    graph inputs, so the key and value are written in place (`index_put_` on the input, which Inductor keeps in
+    place) and read through the slot index by the kernels Inductor generates, with no Python between the layers.
+    The layer's own core attends (plain: `PagedKV.rows_in_graph`), a 16-bit one on fp32 values as `attend_16bit`
+    does for one row."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, index: torch.Tensor):
+        self.k, self.v, self.slot, self.index = k, v, slot, index
+
+    def update_and_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, start, core,
+                          mask: torch.Tensor | None = None) -> torch.Tensor:
+        self.k[:, self.slot] = k[:, :, 0].transpose(0, 1).to(self.k.dtype)  # (nkv, 1, hd) into its slot
+        self.v[:, self.slot] = v[:, :, 0].transpose(0, 1).to(self.v.dtype)
+        keys, values = self.k[:, self.index][None], self.v[:, self.index][None]  # (1, nkv, L, hd)
+        if q.dtype.itemsize < 4 and q.device.type == "cpu":
+            return core(q.float(), keys.float(), values.float(), False).to(q.dtype)
+        return core(q, keys.to(q.dtype), values.to(q.dtype), False)
 
 
 def _scale(core, head_dim: int) -> float:

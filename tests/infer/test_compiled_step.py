@@ -77,6 +77,24 @@ def test_a_second_compiled_runner_keeps_each_models_tokens(model):
             assert out.output_ids == alone(m, prompt, 8)
 
 
+def test_a_single_row_attends_inside_the_graph(model, monkeypatch):
+    """A step of one token past the first attends inside the compiled graph (`RowCache`: the pool written and
+    read by the graph's own kernels): the eager attention operator runs for the prompt's chunk only, and every
+    token is still the single request's."""
+    from meshlm.models import paged
+
+    calls = []
+    inner = paged.PagedCache.update_and_attend
+    monkeypatch.setattr(paged.PagedCache, "update_and_attend", lambda self, *a, **k: calls.append(1) or inner(self, *a, **k))
+    engine = Engine(model, Ids(), max_seqs=2, options=CacheOptions(block_size=4, compile=True))
+    assert engine.runner.kv.rows_in_graph()
+    calls.clear()
+    prompt = [3, 1, 4, 1, 5, 9]
+    out = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert out.output_ids == alone(model, prompt, 12)
+    assert len(calls) == CONFIG.n_layers  # the prompt's one chunk; none of the eleven one-token steps
+
+
 GC_SCRIPT = textwrap.dedent("""
     import gc, sys, torch
     from meshlm.core.config import ModelConfig
