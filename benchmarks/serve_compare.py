@@ -26,7 +26,8 @@ weight-only int8/int4 for an unquantized checkpoint, so it runs fp32 and bf16 on
 Load (benchmarks/serve_load.py): `random` prompts and `shared-prefix` chat prompts cut from the bundled
 Shakespeare as token ids (the same ids for every engine), 1, 16 and 64 clients in a closed loop, greedy,
 `ignore_eos`, exactly `--max-tokens` (64) output tokens per request; output tokens/s, TTFT and TPOT (median,
-p99). Each server gets a warm-up first. meshlm and vLLM admit as many sequences as the most clients;
+p99). Requests per point: smollm2 max(8, clients), demo max(16, 2 × clients); `--waves K` sends K per client
+(one wave of a closed loop is a noisy point), `--requests N` max(N, clients). Each server gets a warm-up first. meshlm and vLLM admit as many sequences as the most clients;
 llama.cpp is restarted for each client count with as many slots (`-np N -c N*CTX -t THREADS`). A llama-server
 built from current sources has been seen to exit about ten seconds into a streamed load:
 `--llamacpp-nonstream` measures it with plain requests instead (TTFT and TPOT are then unknown; the request
