@@ -76,11 +76,18 @@ def int4_codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, tor
 # 512 rows: 6.7 against 2.9 ms; benchmarks/RESULTS.md, "Serving three ways"): a prefill chunk goes that way,
 # decoding rows through the kernel.
 DEQUANTIZE_ROWS = 32
+# The same crossing inside a compiled step (`meshlm serve --compile`) comes at two rows: there the kernel's 16-row
+# SmolLM2 bf16 decode step took 97-102 ms and the dequantized weight's 79-83 ms (a 16-client closed loop in
+# process 96-102 against 132-142 output tokens/s; benchmarks/RESULTS.md, "One token's attention inside its
+# graph"), while a single row stays the kernel's (3.6 ms for the 30 layers' products inside a graph). So every
+# compiled graph of several tokens takes one branch, and no graph is compiled for the crossing.
+COMPILED_DEQUANTIZE_ROWS = 2
 
 
 class Int8Linear(nn.Module):
     """y = x (q·s)ᵀ + b through `aten._weight_int8pack_mm`; x (any leading shape) enters the kernel in
-    `compute_dtype` and y leaves it in x's dtype. `DEQUANTIZE_ROWS` rows and more multiply by the dequantized
+    `compute_dtype` and y leaves it in x's dtype. `DEQUANTIZE_ROWS` rows and more (`COMPILED_DEQUANTIZE_ROWS` in a
+    compiled step) multiply by the dequantized
     weight instead (the same q·s, rounded once to the compute dtype)."""
 
     def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype | None = None):
@@ -94,7 +101,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()  # a matrix: (B·T, K)
-        if flat.shape[0] >= DEQUANTIZE_ROWS:
+        if flat.shape[0] >= (COMPILED_DEQUANTIZE_ROWS if torch.compiler.is_compiling() else DEQUANTIZE_ROWS):
             y = F.linear(flat, self.qweight.to(self.compute_dtype) * self.scales[:, None])
         else:
             y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)

@@ -179,13 +179,11 @@ class Runner:
         """Run the compiled step once for each graph it needs and return the seconds it took: torch.compile
         specializes sizes 0 and 1, so a one-token step (at position 0, and at 2 when one-token steps attend in their
         graph: sizes from 2 on) and a `WARM_ROWS`-token chunk, each selecting one token's
-        logits (the last) and, for the chunk, all (a step that selects none selects one, `_compiled`); with int8 layers
-        a chunk of `DEQUANTIZE_ROWS` tokens too (from there they multiply by the dequantized weight: another
-        graph). Every table is all block 0, so it writes into that block only, before any request holds a block
-        (a request's keys are written before they are read)."""
-        from meshlm.infer.quantize import DEQUANTIZE_ROWS, Int8Linear
-
-        sizes = [1, WARM_ROWS] + [DEQUANTIZE_ROWS] * any(isinstance(m, Int8Linear) for m in self.model.modules())
+        logits (the last) and, for the chunk, all (a step that selects none selects one, `_compiled`); int8 layers
+        need no more (a compiled step of two tokens or more multiplies by the dequantized weight:
+        `quantize.COMPILED_DEQUANTIZE_ROWS`). Every table is all block 0, so it writes into that block only,
+        before any request holds a block (a request's keys are written before they are read)."""
+        sizes = [1, WARM_ROWS]
         t0 = time.perf_counter()
         firsts = {1: (0, 2) if self.kv.rows_in_graph() else (0,)}  # one token at 0, and past it (`RowCache`)
         for n in sizes:

@@ -18,7 +18,14 @@ import torch
 from torch import nn
 
 from meshlm.cli import main
-from meshlm.infer.quantize import DEQUANTIZE_ROWS, Int4Linear, Int8Linear, quantize_model, weight_bytes
+from meshlm.infer.quantize import (
+    COMPILED_DEQUANTIZE_ROWS,
+    DEQUANTIZE_ROWS,
+    Int4Linear,
+    Int8Linear,
+    quantize_model,
+    weight_bytes,
+)
 from tests.conftest import tiny_config
 from tests.infer.server_helpers import GPT_MODEL, ServeProcess, http, save_bert_checkpoint, save_gpt_checkpoint
 
@@ -63,6 +70,26 @@ def test_int8_linear_equals_its_dequantized_weights(dtype, rows):
     ref = x.to(dtype).double() @ int8_reference(linear.weight, dtype).T + linear.bias.double()
     assert out.shape == (2, rows, 80) and out.dtype == torch.float32 and relative_error(out, ref) < TOLERANCE[dtype]
     assert relative_error(out, linear(x).double()) > 1e-4  # the codes really are 8-bit: not the float weight
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_a_compiled_step_of_two_rows_or_more_multiplies_by_the_dequantized_int8_weight(rows):
+    """Inside torch.compile (`meshlm serve --compile`) the crossing is COMPILED_DEQUANTIZE_ROWS: one row keeps the
+    packed kernel, two and more the dequantized weight, the same q·s either way."""
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 80)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x = torch.randn(rows, 96)
+    out = torch.compile(Int8Linear(linear, torch.bfloat16), backend=capture, dynamic=False)(x)
+    kernel = any("_weight_int8pack_mm" in str(node.target) for g in graphs for node in g.graph.nodes)
+    assert graphs and kernel == (rows < COMPILED_DEQUANTIZE_ROWS)
+    ref = x.to(torch.bfloat16).double() @ int8_reference(linear.weight, torch.bfloat16).T + linear.bias.double()
+    assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
 
 
 @COMPUTE
