@@ -64,6 +64,15 @@ def tiny_config(out_dir: str | Path, **sections) -> Config:
     return build(values)
 
 
+# A command run with SIGINT at its default disposition, as a terminal starts a command: prefix it with
+# `[sys.executable, "-c", SIGINT_DEFAULT]`. A process started with SIGINT ignored (anything launched with `&` from a
+# non-interactive shell, e.g. `make test &` in CI, and everything it starts) keeps ignoring it: Python installs its
+# KeyboardInterrupt handler only over SIG_DFL, so Ctrl-C would then be ignored by design, as by any Unix program.
+# exec keeps SIG_DFL.
+SIGINT_DEFAULT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                  "os.execv(sys.argv[1], sys.argv[1:])")
+
+
 def meshlm_command() -> list[str]:
     """The installed `meshlm` console script next to this interpreter (as the README runs it)."""
     script = Path(sys.executable).parent / "meshlm"

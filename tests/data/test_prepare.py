@@ -19,7 +19,7 @@ from meshlm.data.assets import shakespeare_files
 from meshlm.data.indexed import IndexedDataset, is_prefix
 from meshlm.data.prepare import DataError, prepare
 from meshlm.data.tokenizers import get_tokenizer
-from tests.conftest import ROOT, meshlm_command, run_cli
+from tests.conftest import ROOT, SIGINT_DEFAULT, meshlm_command, run_cli
 
 QUIET = {"progress": False, "log": lambda line: None}
 
@@ -310,12 +310,6 @@ def test_a_worker_killed_mid_run_is_a_clear_error_not_a_hang(tmp_path, monkeypat
     assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt", "c.txt"]
 
 
-# Run the CLI with SIGINT at its default disposition, as a terminal starts a command. A process started
-# with SIGINT ignored (anything launched with `&` from a non-interactive shell, e.g. `make test &` in CI,
-# and everything it starts) keeps ignoring it: Python installs its KeyboardInterrupt handler only over
-# SIG_DFL, so Ctrl-C would then be ignored by design, as by any Unix program. exec keeps SIG_DFL.
-_SIGINT_DEFAULT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-                   "os.execv(sys.argv[1], sys.argv[1:])")
 COPIES = 100  # of the 42 plays: 500 MB, tens of seconds of work, so no run ends before a signal sent at start
 
 
@@ -331,7 +325,7 @@ def start_cli_prepare(tmp_path, **popen):
             (corpus / f"{c}-{play.name}").symlink_to(play)
     command = [*meshlm_command(), "prepare", "--input", str(corpus), "--output", str(out / "shk"), "--workers", "2",
                "--no-progress"]
-    return subprocess.Popen([sys.executable, "-c", _SIGINT_DEFAULT, *command], cwd=ROOT, **popen), out
+    return subprocess.Popen([sys.executable, "-c", SIGINT_DEFAULT, *command], cwd=ROOT, **popen), out
 
 
 def wait_until_running(proc: subprocess.Popen, out: Path) -> None:
