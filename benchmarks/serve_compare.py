@@ -472,6 +472,8 @@ def check_args(args: argparse.Namespace) -> argparse.Namespace:
         fail(f"--clients {args.clients!r} must be comma-separated integers, e.g. 1,16,64")
     if not args.clients or min(args.clients) < 1:
         fail(f"--clients {args.clients} must be integers >= 1")
+    if args.requests < 0 or args.waves < 0:
+        fail(f"--requests {args.requests} and --waves {args.waves} must be >= 0 (0: the model's default)")
     if args.max_tokens < 2:
         fail(f"--max-tokens {args.max_tokens} must be >= 2 (TPOT needs two tokens)")
     for m in args.models:

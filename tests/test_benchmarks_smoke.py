@@ -157,3 +157,12 @@ def test_benchmark_smoke_run(name: str, smoke_runs: dict[str, Future]):
         assert _has_markdown_table(proc.stdout), (
             f"benchmarks/{name} --smoke printed no Markdown table (a `| ... |` line, then `|---|`); if its report "
             f"is another shape, add a line it prints to HEADERS in tests/test_benchmarks_smoke.py{tail}")
+
+
+def test_serve_compare_refuses_negative_waves_before_any_work():
+    """`--waves` (and `--requests`) below 0 is one error line naming both flags, exit code 2, before a server
+    or an export starts."""
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "serve_compare.py"), "--waves", "-1"], cwd=ROOT, check=False,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.strip() == "serve_compare: --requests 0 and --waves -1 must be >= 0 (0: the model's default)"

@@ -122,7 +122,7 @@ class Runner:
         entry, say), which would fail and leave their work undone: the collector waits until the call returns."""
         opaque = self.kv.opaque_caches()
         owners = [layer.attn for layer in self.model.layers]
-        rows = self.kv.rows_in_graph()
+        rows = self.kv.rows_in_graph
         for k, v, _, _ in self.kv.layers:  # the pool's shape never changes: constants in the one-token graph, which
             for t in (k, v):               # dynamo would otherwise take for sizes (and tie to a like-sized index)
                 if t is not None:
@@ -185,7 +185,7 @@ class Runner:
         before any request holds a block (a request's keys are written before they are read)."""
         sizes = [1, WARM_ROWS]
         t0 = time.perf_counter()
-        firsts = {1: (0, 2) if self.kv.rows_in_graph() else (0,)}  # one token at 0, and past it (`RowCache`)
+        firsts = {1: (0, 2) if self.kv.rows_in_graph else (0,)}  # one token at 0, and past it (`RowCache`)
         for n in sizes:
             for first in firsts.get(n, (0,)):
                 for select in ((n - 1,),) + ((tuple(range(n)),) if n > 1 else ()):

@@ -66,7 +66,11 @@ class PagedKV:
             self.layers.append((torch.zeros(shape, dtype=p.dtype, device=p.device),
                                 torch.zeros(shape, dtype=p.dtype, device=p.device), layer.attn.head_dim, local))
         self.scratch = torch.empty(0, dtype=p.dtype, device=p.device)
-        self.cores = [layer.attn.core for layer in model.layers]
+        # whether a compiled one-token step may attend inside its graph (`RowCache`): every layer keeps a key and a
+        # value per KV head in the one pool (no latent layer, no local pool) and attends with a plain core (no
+        # window, no sinks)
+        self.rows_in_graph = not local_blocks and all(
+            v is not None and not _banded(layer.attn.core) for (_, v, _, _), layer in zip(self.layers, model.layers))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for k, v, _, _ in self.layers for t in (k, v) if t is not None)
@@ -88,13 +92,6 @@ class PagedKV:
         """One cache view per layer for the forward of `batch` (`local`: the same tokens in the local layers' own
         block tables, when they have a pool of their own)."""
         return [PagedCache(k, v, local if is_local else batch, self, width) for k, v, width, is_local in self.layers]
-
-    def rows_in_graph(self) -> bool:
-        """Whether a compiled one-token step may attend inside its graph (`RowCache`): every layer keeps a key and
-        a value per KV head in the one pool (no latent layer, no local pool) and attends with a plain core (no
-        window, no sinks)."""
-        return not self.local_blocks and all(v is not None and not _banded(core) for (_, v, _, _), core in
-                                             zip(self.layers, self.cores))
 
     def row_caches(self, batch: Batch) -> list[RowCache]:
         """One `RowCache` per layer for a step of one token (`batch`: one row, one group): its slot, and the slots

@@ -87,7 +87,7 @@ def test_a_single_row_attends_inside_the_graph(model, monkeypatch):
     inner = paged.PagedCache.update_and_attend
     monkeypatch.setattr(paged.PagedCache, "update_and_attend", lambda self, *a, **k: calls.append(1) or inner(self, *a, **k))
     engine = Engine(model, Ids(), max_seqs=2, options=CacheOptions(block_size=4, compile=True))
-    assert engine.runner.kv.rows_in_graph()
+    assert engine.runner.kv.rows_in_graph
     calls.clear()
     prompt = [3, 1, 4, 1, 5, 9]
     out = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
