@@ -148,11 +148,14 @@ def _read_until(fd: int, deadline: float, want) -> bytes:
 
 
 def test_sigint_stops_the_streaming_reply_and_the_next_message_is_answered(chat_run):
-    long = 200  # tokens: long enough that the signal lands mid-reply (it is sent at the first output)
+    long = 600  # tokens: the reply must still be streaming when the signal (sent at its first output) lands, also
+    # on a loaded host (200 once finished first while the suite ran two workers on two cores)
     # SIGINT at its default disposition whatever the suite's own (conftest.SIGINT_DEFAULT)
-    proc = subprocess.Popen([sys.executable, "-c", SIGINT_DEFAULT, *meshlm_command(), "chat", "--checkpoint", str(chat_run), "--temperature", "0",
-                             "--max-new-tokens", str(long)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [*meshlm_command(), "chat", "--checkpoint", str(chat_run), "--temperature", "0", "--max-new-tokens",
+               str(long)]
+    proc = subprocess.Popen([sys.executable, "-c", SIGINT_DEFAULT, *command], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         proc.stdin.write(b"Speak on, and do not stop.\n")
         proc.stdin.flush()
