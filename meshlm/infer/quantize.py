@@ -80,7 +80,11 @@ DEQUANTIZE_ROWS = 32
 # SmolLM2 bf16 decode step took 97-102 ms and the dequantized weight's 79-83 ms (a 16-client closed loop in
 # process 96-102 against 132-142 output tokens/s; benchmarks/RESULTS.md, "One token's attention inside its
 # graph"), while a single row stays the kernel's (3.6 ms for the 30 layers' products inside a graph). So every
-# compiled graph of several tokens takes one branch, and no graph is compiled for the crossing.
+# compiled graph of several tokens takes one branch, and no graph is compiled for the crossing. Nothing else
+# PyTorch offers here is faster at 16 rows than this (1.47x a bf16 weight's time): Inductor's own weight-only
+# int8 template (1.37x: without AMX it multiplies in fp32 vectors), the kernel (2.0x), or int8 activations
+# through `torch._int_mm` (faster eagerly, but +2.3-4.0% perplexity on SmolLM2, over the 1% int8 may cost):
+# benchmarks/int8_products.py, RESULTS.md "int8 at 16 rows".
 COMPILED_DEQUANTIZE_ROWS = 2
 
 
