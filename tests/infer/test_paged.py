@@ -2,11 +2,14 @@
 outputs equal the plain model's whatever the block size, prefix caching, chunked prefill, batching and
 preemption; the pool stays bounded under a load that overflows it."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from meshlm.infer.blocks import BlockPool, block_hashes
 from meshlm.infer.engine import CacheOptions, Engine, InvalidRequest, SamplingParams
+from meshlm.models.gpt import GPT
 from meshlm.models.paged import Batch, PagedKV
 from tests.infer.test_engine import CONFIGS, CharTokenizer, alone, model_of, prompts_of
 
@@ -80,6 +83,23 @@ def run(model, kv, batch, ids):
     x = model.embed(torch.tensor(ids)[:, None], batch.positions)
     x = model.run_layers(x, None, kv.caches(batch), batch.positions, model.rope(int(batch.positions.max()) + 1))
     return model.head(x)[:, 0]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_one_token_step_through_the_slot_index_equals_the_plain_forward(name):
+    """`RowCache`, the attention of a compiled one-token step (its key and value written into the pool, the
+    positions it sees read through the slot index, the layer's core over them), run eagerly: the plain forward's
+    logits (float64, 1e-10), with grouped KV heads (llama) and the core's own scale (`attn_scale_dim`: 1/√24)."""
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(CONFIGS[name], attn_scale_dim=24)).eval().double()
+    bs, kv = 4, PagedKV(model, 16, 4)
+    seq, table = prompts_of([9], seed=5)[0], [6, 2, 9]
+    assert kv.rows_in_graph
+    run(model, kv, Batch([(list(range(8)), table)], bs, "cpu"), seq[:8])  # the prompt's keys into the pool
+    batch = Batch([([8], table)], bs, "cpu")
+    x = model.embed(torch.tensor(seq[8:])[:, None], batch.positions)
+    x = model.run_layers(x, None, kv.row_caches(batch), batch.positions, model.rope(9))
+    torch.testing.assert_close(model.head(x)[0, 0], model(torch.tensor([seq]))[0, 8], rtol=0, atol=1e-10)
 
 
 def test_the_pool_shares_prefixes_counts_references_and_evicts_oldest_first():

@@ -1,0 +1,131 @@
+"""One decoding token's attention over the paged pool inside a compiled step (issue 47, item 2: "attention over
+the pool without copying"): `models.paged.RowCache` as it is (the row's keys and values read through its slot
+index into a copy, then the layer's core, `scaled_dot_product_attention`, on fp32 copies for a 16-bit pool)
+against an in-place form, the attention written out as two reductions over the positions (scores, then the
+weighted values, the softmax between in fp32), which Inductor fuses into one kernel that loads each key and value
+through the slot index with no gathered copy.
+
+`--layers` layers of SmolLM2-135M's shape (9 query heads over 3 KV heads of 64), each with its own pool of
+`--slots` positions (the served engine's: 64 sequences of 1,024), attend for one query in one graph compiled as
+`meshlm serve --compile` compiles its step (`infer.runner.COMPILE_CONFIG`, the position count dynamic), each layer
+taking the last one's output as its query (they run one after another, as a model's do). Each row of the table
+is one length L: the row's positions are L / 16 blocks of 16 contiguous slots, scattered over the pool as a
+served row's are. Both forms write the token's key and value into its slot too, as the step does. Cells: ms for
+all the layers, the best of `--repeats` timings of `--runs` calls (the forms take turns); before timing, the two
+forms' outputs are checked against each other.
+
+    .venv/bin/python benchmarks/row_attention.py                        # fp32 and bf16, L = 128 to 1,024
+    .venv/bin/python benchmarks/row_attention.py --smoke
+Run it alone: another CPU-heavy job on the same cores changes every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from smoke import add_smoke_flag, skipped  # benchmarks/smoke.py, beside this script
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", default="128,320,600,1024", help="positions the row sees, comma-separated")
+    parser.add_argument("--dtypes", default="fp32,bf16", help="the pool's dtype: fp32, bf16 (comma-separated)")
+    parser.add_argument("--layers", type=int, default=30, help="layers (default 30, SmolLM2's)")
+    parser.add_argument("--slots", type=int, default=64 * 1024, help="positions in each layer's pool")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--runs", type=int, default=50, help="calls per timing (default 50)")
+    parser.add_argument("--repeats", type=int, default=3, help="timings per form, the best kept (default 3)")
+    add_smoke_flag(parser)
+    args = parser.parse_args()
+    lengths = [int(v) for v in args.lengths.split(",") if v.strip()]
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    compiled = True
+    if args.smoke:
+        lengths, dtypes, args.layers, args.slots, args.runs, args.repeats = [20], ["fp32"], 2, 256, 2, 1
+        compiled = False
+        skipped("compiling (the forms run eagerly) and the full-size pool")
+
+    import torch
+    from torch._inductor import config as inductor_config
+
+    from meshlm.core.config import ModelConfig
+    from meshlm.infer.runner import COMPILE_CONFIG
+    from meshlm.models.layers import Attention
+    from meshlm.models.paged import RowCache
+
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    attn = Attention(ModelConfig(hidden_size=576, n_heads=9, n_kv_heads=3, position="rope", norm="rmsnorm",
+                                 activation="swiglu", bias=False))
+    nh, nkv, hd, block = attn.n_heads, attn.n_kv_heads, attn.head_dim, 16
+
+    class InPlace(RowCache):
+        """The in-place form: two reductions over the positions, the pool read through the index inside them."""
+
+        def update_and_attend(self, q, k, v, start, core, mask=None):
+            self.k[:, self.slot] = k[:, :, 0].transpose(0, 1).to(self.k.dtype)
+            self.v[:, self.slot] = v[:, :, 0].transpose(0, 1).to(self.v.dtype)
+            qh = q[0, :, 0].float().view(nkv, 1, nh // nkv, hd)  # a KV head's query heads together
+            keys = self.k[:, self.index].float()[:, :, None]  # (nkv, L, 1, hd): loaded inside the reduction
+            probs = ((keys * qh).sum(-1) * hd ** -0.5).softmax(1)  # (nkv, L, group)
+            values = self.v[:, self.index].float()[:, :, None]
+            return (probs[..., None] * values).sum(1).reshape(1, nh, 1, hd).to(q.dtype)
+
+    forms = {"RowCache (gathered + core)": RowCache, "in place (two reductions)": InPlace}
+    rows = []
+    for name in dtypes:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+        g = torch.Generator().manual_seed(0)
+        pools = [(torch.randn(nkv, args.slots, hd, generator=g).to(dtype),
+                  torch.randn(nkv, args.slots, hd, generator=g).to(dtype)) for _ in range(args.layers)]
+        for pool in pools:
+            for t in pool:
+                torch._dynamo.mark_static(t)  # as the runner marks its pool
+        def step(kind, q, k, v, slot, index, pools=pools):
+            out = q
+            for keys, values in pools:  # the layers one after another, each attending for the last one's output
+                out = forms[kind](keys, values, slot, index).update_and_attend(out, k, v, 0, attn.core)
+            return out
+
+        fns = {kind: step for kind in forms}
+        if compiled:
+            torch._dynamo.reset()
+            with inductor_config.patch(COMPILE_CONFIG):
+                fns = {kind: torch.compile(step, dynamic=True) for kind in forms}
+        for length in lengths:
+            blocks = torch.randperm(args.slots // block, generator=g)[:(length + block - 1) // block]
+            index = (blocks[:, None] * block + torch.arange(block)).reshape(-1)[:length]
+            slot = index[-1:]
+            q, k, v = (torch.randn(1, n, 1, hd, generator=g).to(dtype) for n in (nh, nkv, nkv))
+            outs = [fns[kind](kind, q, k, v, slot, index).float() for kind in forms]
+            torch.testing.assert_close(outs[0], outs[1], rtol=2e-2 if dtype != torch.float32 else 1e-4,
+                                       atol=2e-2 if dtype != torch.float32 else 1e-4)
+            times = {kind: float("inf") for kind in forms}
+            for _ in range(args.repeats):
+                for kind in forms:
+                    fn = fns[kind]
+                    for _ in range(3):
+                        fn(kind, q, k, v, slot, index)
+                    start = time.perf_counter()
+                    for _ in range(args.runs):
+                        fn(kind, q, k, v, slot, index)
+                    times[kind] = min(times[kind], (time.perf_counter() - start) / args.runs * 1e3)
+            rows.append((name, length, *times.values()))
+            print(f"{name} L={length}: {times}", file=sys.stderr, flush=True)
+    print(f"{args.layers} layers, 9 query heads over 3 KV heads of 64, one query, pools of {args.slots} positions, "
+          f"{'compiled' if compiled else 'eager'}, {args.threads} thread(s); load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print("| pool | positions | RowCache (gathered + core), ms | in place (two reductions), ms | in place / RowCache |")
+    print("|---|---:|---:|---:|---:|")
+    for name, length, gathered, inplace in rows:
+        print(f"| {name} | {length} | {gathered:.3f} | {inplace:.3f} | {inplace / gathered:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
