@@ -54,6 +54,16 @@ def int8_rows(x, q, s):
     return (torch._int_mm(xq, q.t()).float() * xs * s.float()).to(x.dtype)
 
 
+def int8_layers(model, weight_only: tuple[str, ...], ffn: int, vocab: int) -> list:
+    """`model`'s int8 layers that take int8 activations: all but those `weight_only` names ("all"; "down": the
+    down projections, input width `ffn`; "head": the output head, `vocab` outputs)."""
+    from meshlm.infer.quantize import Int8Linear
+
+    return [m for m in model.modules() if isinstance(m, Int8Linear) and "all" not in weight_only
+            and not ("down" in weight_only and m.in_features == ffn)
+            and not ("head" in weight_only and m.out_features == vocab)]
+
+
 def stack(form: str, layers: int, hidden: int, qkv: int, mlp: int):
     import torch
     import torch.nn.functional as F
@@ -167,21 +177,18 @@ def perplexities(args) -> list[tuple[str, float]]:
     tokenizer = get_tokenizer(cfg.data.tokenizer)
     base = load_model(checkpoint, get_spec(cfg.model.family), "cpu").eval()
     text = held_out_text(tokenizer, args.tokens)
-    head = cfg.model.vocab_size
-    variants = {"fp32": None, "bf16 int8, weight-only": (), "bf16 int8, act8 everywhere": ("all",),
+    # each variant's layers left weight-only (one row or many), the rest taking int8 activations from two rows on
+    variants = {"fp32": None, "bf16 int8, weight-only": ("all",), "bf16 int8, act8 everywhere": (),
                 "bf16 int8, act8 but the down projection": ("down",),
                 "bf16 int8, act8 but the down projection and the head": ("down", "head")}
     out = []
     with torch.no_grad():
-        for name, keep in variants.items():
-            model = base if keep is None else cast_parameters(copy.deepcopy(base), "bf16")
-            if keep is not None:
+        for name, weight_only in variants.items():
+            model = base if weight_only is None else cast_parameters(copy.deepcopy(base), "bf16")
+            if weight_only is not None:
                 QuantizeOptions("int8", 32, True).apply(model)
-                for mod in model.modules():
-                    if keep and isinstance(mod, Int8Linear):
-                        down = mod.in_features == cfg.model.ffn_size
-                        if not (("down" in keep and down) or ("head" in keep and mod.out_features == head)):
-                            mod.__class__ = RowInt8Linear
+                for mod in int8_layers(model, weight_only, cfg.model.ffn_size, cfg.model.vocab_size):
+                    mod.__class__ = RowInt8Linear
             out.append((name, perplexity(model, cfg, tokenizer, text, args.window)))
             print(f"{name}: perplexity {out[-1][1]:.3f}", file=sys.stderr, flush=True)
     return out
