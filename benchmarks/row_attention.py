@@ -45,6 +45,9 @@ def main() -> None:
     args = parser.parse_args()
     lengths = [int(v) for v in args.lengths.split(",") if v.strip()]
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in ("fp32", "bf16")]
+    if bad:
+        parser.error(f"--dtypes: unknown {', '.join(bad)}; choose from fp32, bf16")
     compiled = True
     if args.smoke:
         lengths, dtypes, args.layers, args.slots, args.runs, args.repeats = [20], ["fp32"], 2, 256, 2, 1
