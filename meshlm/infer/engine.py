@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import threading
 import time
 import traceback
@@ -174,11 +175,12 @@ class Engine:
         self.stopping = False
         self.dead: str | None = None  # the error that stopped the loop
         self.print_errors = True  # a failed request's traceback on stderr (the server's log; not in-process use)
-        # mixed_steps: steps whose rows used more than one model (the base, adapters)
+        # mixed_steps: steps whose rows used more than one model (the base, adapters); split_steps: steps of
+        # several requests whose forward failed and ran again request by request (`_run`)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0, "steps": 0,
                       "mixed_steps": 0, "requests_failed": 0, "preemptions": 0, "prefix_queried_tokens": 0,
                       "prefix_hit_tokens": 0, "window_freed_blocks": 0,
-                      "batched_tokens": 0, "draft_tokens": 0, "accepted_tokens": 0}
+                      "batched_tokens": 0, "draft_tokens": 0, "accepted_tokens": 0, "split_steps": 0}
         self.ttft = Histogram()  # seconds from arrival to the first token, of finished requests
         self.tpot = Histogram()  # seconds per output token after the first
         # blocks out of a window go back to their pool as a sequence grows (infer/scheduler.py)
@@ -438,6 +440,11 @@ class Engine:
             if len(plan.seqs) == 1:
                 self._fail([plan.seqs[0].request], err)
                 return
+            self.stats["split_steps"] += 1
+            if self.stats["split_steps"] == 1 and self.print_errors:  # a step that works only request by request
+                print("meshlm engine: a step of several requests failed and runs again one request at a time "
+                      "(slow; counted in meshlm_split_steps_total); the first such error:", file=sys.stderr)
+                traceback.print_exception(err)
             for seq in plan.seqs:
                 self._run(self.scheduler.plan([(seq.request, seq.tokens)]))
             return

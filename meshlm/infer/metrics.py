@@ -57,6 +57,9 @@ def prometheus(server) -> str:
         metric("meshlm_decode_steps_total", "counter", "decode steps of the running batch", [({}, s["steps"])])
         metric("meshlm_mixed_decode_steps_total", "counter", "decode steps whose batch held rows of several "
                "models (the base and adapters)", [({}, s["mixed_steps"])])
+        metric("meshlm_split_steps_total", "counter", "steps of several requests whose forward failed and ran "
+               "again one request at a time (each failure is a bug or a bad request: see the log)",
+               [({}, s["split_steps"])])
         metric("meshlm_kv_cache_bytes", "gauge", "bytes of the pre-allocated KV cache (the block pool)",
                [({}, eng.runner.cache_bytes())])
         metric("meshlm_kv_cache_bytes_per_token", "gauge", "bytes of one position of every layer in the pool "

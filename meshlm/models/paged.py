@@ -358,9 +358,11 @@ def paged_attention(q, k, v, layer, value_dim):
     """Layer `layer`'s `PagedCache.update_and_attend` for the step in `STEP`, as one operator a compiled graph
     calls without looking inside (`OpaqueCache`): it writes the keys and values into the pool (state the graph
     does not hold) and returns the attention output, (N, nh, 1, value_dim). Its core is the layer's own: the
-    latent core of an MLA layer's latent pool, else `core`."""
+    latent core of an MLA layer's latent pool, else `core`. The result is contiguous, as the fake kernel says: a
+    compiled graph checks its strides, and a view (the cascade's, when a KV head has one query head) would fail
+    the step."""
     cache, owner = STEP.caches[layer], STEP.owners[layer]
-    return cache.update_and_attend(q, k, v, None, owner.latent_core if cache.latent else owner.core)
+    return cache.update_and_attend(q, k, v, None, owner.latent_core if cache.latent else owner.core).contiguous()
 
 
 LIBRARY.impl("paged_attention", paged_attention, "CompositeExplicitAutograd")

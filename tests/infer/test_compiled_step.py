@@ -3,6 +3,7 @@ eager step and as one request at a time, through decoding, chunked prefill (a ch
 still writes every layer's keys), prefix sharing and speculation; the whole step one graph (attention an opaque
 operator inside it, no graph break)."""
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -54,8 +55,34 @@ def test_compiled_and_eager_steps_give_the_single_request_tokens(model, compile)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     outs = engine.generate(prompts, params)
     assert counters["stats"]["unique_graphs"] == graphs  # no step compiled anything after start
+    assert engine.stats["split_steps"] == 0  # every step one forward, none run again request by request
     for prompt, out in zip(prompts, outs):
         assert out.output_ids == alone(model, prompt, 10)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_a_step_of_cascade_rows_only_runs_as_one_forward(kv_heads, monkeypatch):
+    """Decoding rows that all share a prompt's first blocks are one cascade group, and the attention operator
+    returns that group's output as the layer's: with one query head per KV head (4 of 4) the cascade's result
+    was a view, whose strides the compiled graph's check refused, so each such step failed and ran again one
+    request at a time (the same tokens, slowly; counted in `split_steps`). The operator's result is contiguous."""
+    from meshlm.models import paged
+
+    cascades = []
+    inner = paged.PagedCache.cascade
+    monkeypatch.setattr(paged.PagedCache, "cascade", lambda self, *a: cascades.append(1) or inner(self, *a))
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(CONFIG, n_kv_heads=kv_heads)).eval()
+    g = torch.Generator().manual_seed(2)
+    system = torch.randint(1, 97, (20,), generator=g).tolist()
+    prompts = [system + torch.randint(1, 97, (n,), generator=g).tolist() for n in (3, 5, 2)]
+    engine = Engine(model, Ids(), max_seqs=4, options=CacheOptions(block_size=4, compile=True))
+    engine.generate([system + [1]], SamplingParams(max_tokens=1, temperature=0))  # the prefix's blocks, cached
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert cascades  # the rows did attend as a cascade
+    assert engine.stats["split_steps"] == 0
+    for prompt, out in zip(prompts, outs):
+        assert out.output_ids == alone(model, prompt, 8)
 
 
 def test_a_second_compiled_runner_keeps_each_models_tokens(model):
