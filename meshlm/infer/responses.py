@@ -387,7 +387,7 @@ async def responses(server, request_body, http_request=None):
 
     from meshlm.infer.protocol import chat_template_of, chat_text
     from meshlm.infer.replies import ReplyReader, ToolPlan
-    from meshlm.infer.routes import chat_sampling, client_of, run, tool_family
+    from meshlm.infer.routes import chat_sampling, client_of, run, tool_family, waker
 
     f = validate(request_body, RESPONSES_SCHEMA)
     check_stateless(f)
@@ -418,8 +418,8 @@ async def responses(server, request_body, http_request=None):
 
     names = {"max_tokens": "max_output_tokens", "prompt": "input"}
     if f["stream"]:
-        loop, wake = asyncio.get_running_loop(), asyncio.Event()
-        req = server.submit_all([ids], [sp], lambda _r: loop.call_soon_threadsafe(wake.set), adapter, names,
+        wake, wake_up = asyncio.Event(), waker(asyncio.get_running_loop())
+        req = server.submit_all([ids], [sp], lambda _r: wake_up(wake), adapter, names,
                                 client_of(http_request))[0]
         return StreamingResponse(stream_events(server, reply, reader(), req, wake), media_type="text/event-stream")
     return await run(server, lambda cb: server.submit_all([ids], [sp], cb, adapter, names, client_of(http_request)),

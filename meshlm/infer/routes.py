@@ -13,8 +13,10 @@ import asyncio
 import base64
 import dataclasses
 import json
+import threading
 import time
 import uuid
+import weakref
 
 from meshlm.infer.metrics import prometheus
 from meshlm.infer.protocol import (
@@ -146,17 +148,58 @@ async def watch_disconnect(http_request, left: asyncio.Event, wake: asyncio.Even
             return
 
 
+class _Waker:
+    """Sets asyncio events of one event loop from the engine's thread, with one `call_soon_threadsafe` for all
+    the events woken before the loop runs: the engine notifies the requests of a step one after another (64 at
+    64 clients), and each such call writes to the loop's self-pipe (a system call, made holding the GIL)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = weakref.ref(loop)  # the loops' table holds wakers weakly by loop: no cycle through it
+        self.lock = threading.Lock()
+        self.pending: list[asyncio.Event] = []
+
+    def __call__(self, event: asyncio.Event) -> None:
+        with self.lock:
+            self.pending.append(event)
+            if len(self.pending) > 1:  # a flush is already on its way and will set this one too
+                return
+        loop = self.loop()
+        if loop is None:  # gone: nobody waits on its events
+            with self.lock:
+                self.pending.clear()
+            return
+        loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self.lock:
+            events, self.pending = self.pending, []
+        for event in events:
+            event.set()
+
+
+_WAKERS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Waker]" = weakref.WeakKeyDictionary()
+_WAKERS_LOCK = threading.Lock()
+
+
+def waker(loop: asyncio.AbstractEventLoop) -> _Waker:
+    """The running loop's `_Waker` (one per loop): `waker(loop)(event)` sets `event` from any thread."""
+    with _WAKERS_LOCK:
+        w = _WAKERS.get(loop)
+        if w is None:
+            w = _WAKERS[loop] = _Waker(loop)
+        return w
+
+
 async def run(server, reqs_of, stream: bool, chunks, final, usage_chunk=None, http_request=None):
     """Submit (via `reqs_of(on_update)`), then either stream `chunks(reqs, sent)` as SSE or return
     `final(reqs)`; a client that goes away cancels its requests (their rows are freed): a streamed one when
     its stream is closed, a whole one as soon as it disconnects (watched on `http_request`)."""
     from fastapi.responses import JSONResponse, StreamingResponse
 
-    loop = asyncio.get_running_loop()
-    wake = asyncio.Event()
+    wake, wake_up = asyncio.Event(), waker(asyncio.get_running_loop())
 
     def on_update(_req):
-        loop.call_soon_threadsafe(wake.set)
+        wake_up(wake)
 
     reqs = reqs_of(on_update)
     if stream:
