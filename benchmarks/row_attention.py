@@ -170,6 +170,7 @@ def main() -> None:
         return
     if args.smoke and args.step:
         args.starts, args.prompt_tokens, args.rounds, args.round_steps, args.compiled = 1, 40, 1, 4, False
+        skipped("compiling (an eager engine attends through PagedCache: both forms then run the same code)")
     if args.step:
         step_parent(args)
         return
