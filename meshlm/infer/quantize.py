@@ -84,14 +84,22 @@ DEQUANTIZE_ROWS = 32
 # PyTorch offers here is faster at 16 rows than this (1.47x a bf16 weight's time): Inductor's own weight-only
 # int8 template (1.37x: without AMX it multiplies in fp32 vectors), the kernel (2.0x), or int8 activations
 # through `torch._int_mm` (faster eagerly, but +2.3-4.0% perplexity on SmolLM2, over the 1% int8 may cost):
-# benchmarks/int8_products.py, RESULTS.md "int8 at 16 rows".
-COMPILED_DEQUANTIZE_ROWS = 2
+# benchmarks/int8_products.py, RESULTS.md "int8 at 16 rows". On a CPU with AMX the kernel inside a graph is
+# Inductor's AMX template instead, faster than the dequantized weight at every size measured (30 SmolLM2 blocks'
+# products: 16 rows 11.5 against 39.1 ms, 64 rows 20.4 against 56.0, 512 rows 85.8 against 137.8; faster than
+# the bf16 weight too; RESULTS.md "int8 on AMX"): there a compiled step never dequantizes.
+def _compiled_dequantize_rows() -> int:
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)  # what Inductor's CPU code generator asks
+    return 1 << 62 if amx is not None and amx() else 2
+
+
+COMPILED_DEQUANTIZE_ROWS = _compiled_dequantize_rows()
 
 
 class Int8Linear(nn.Module):
     """y = x (q·s)ᵀ + b through `aten._weight_int8pack_mm`; x (any leading shape) enters the kernel in
     `compute_dtype` and y leaves it in x's dtype. `DEQUANTIZE_ROWS` rows and more (`COMPILED_DEQUANTIZE_ROWS` in a
-    compiled step) multiply by the dequantized
+    compiled step: two, or never on a CPU with AMX) multiply by the dequantized
     weight instead (the same q·s, rounded once to the compute dtype)."""
 
     def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype | None = None):

@@ -180,8 +180,8 @@ class Runner:
         specializes sizes 0 and 1, so a one-token step (at position 0, and at 2 when one-token steps attend in their
         graph: sizes from 2 on) and a `WARM_ROWS`-token chunk, each selecting one token's
         logits (the last) and, for the chunk, all (a step that selects none selects one, `_compiled`); int8 layers
-        need no more (a compiled step of two tokens or more multiplies by the dequantized weight:
-        `quantize.COMPILED_DEQUANTIZE_ROWS`). Every table is all block 0, so it writes into that block only,
+        need no more (a compiled step of two tokens or more multiplies by the dequantized weight, on a CPU with
+        AMX every step by the kernel: `quantize.COMPILED_DEQUANTIZE_ROWS`). Every table is all block 0, so it writes into that block only,
         before any request holds a block (a request's keys are written before they are read)."""
         sizes = [1, WARM_ROWS]
         t0 = time.perf_counter()

@@ -75,7 +75,8 @@ def test_int8_linear_equals_its_dequantized_weights(dtype, rows):
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_a_compiled_step_of_two_rows_or_more_multiplies_by_the_dequantized_int8_weight(rows):
     """Inside torch.compile (`meshlm serve --compile`) the crossing is COMPILED_DEQUANTIZE_ROWS: one row keeps the
-    packed kernel, two and more the dequantized weight, the same q·s either way."""
+    packed kernel, two and more the dequantized weight (on a CPU with AMX every size keeps the kernel, which
+    Inductor lowers to its AMX template), the same q·s either way."""
     torch.manual_seed(0)
     linear = nn.Linear(96, 80)
     graphs = []
