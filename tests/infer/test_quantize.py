@@ -93,6 +93,25 @@ def test_a_compiled_step_of_two_rows_or_more_multiplies_by_the_dequantized_int8_
     assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
 
 
+def test_a_compiled_int8_layer_computes_its_dequantized_weights_product():
+    """Through Inductor as `meshlm serve --compile` compiles (`COMPILE_CONFIG`: autotuned products), 16 rows: the
+    host's branch (the dequantized weight, or on a CPU with AMX Inductor's own int8 template) gives x (q·s)ᵀ + b
+    within bf16's rounding."""
+    from torch._inductor import config as inductor_config
+
+    from meshlm.infer.runner import COMPILE_CONFIG
+
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 80)
+    layer = Int8Linear(linear, torch.bfloat16).eval()
+    x = torch.randn(16, 96)
+    torch._dynamo.reset()
+    with torch.no_grad(), inductor_config.patch(COMPILE_CONFIG):
+        out = torch.compile(layer, dynamic=False)(x)
+    ref = x.to(torch.bfloat16).double() @ int8_reference(linear.weight, torch.bfloat16).T + linear.bias.double()
+    assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
+
+
 @COMPUTE
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_int4_linear_equals_its_dequantized_weights(group_size, dtype):
