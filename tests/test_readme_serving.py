@@ -2,8 +2,11 @@
 tmp_path, with two adapters tuned for a few steps as runs/plays-lora and runs/plays-prompt; free ports
 instead of 8000 and 8001)."""
 
+import contextlib
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -16,8 +19,11 @@ from tests.infer.server_helpers import free_port, http, save_gpt_checkpoint
 from tests.test_readme_commands import _section_commands
 
 
-def run_script(commands: list[str], tmp_path: Path) -> str:
-    """`commands` (a server started with `&` ... `kill %1`) as one bash script on a free port; its stdout."""
+def run_script(commands: list[str], tmp_path: Path, timeout_s: float = 300) -> str:
+    """`commands` (a server started with `&` ... `kill %1`) as one bash script on a free port; its stdout. The
+    script runs in its own process group with its output in files, and the whole group is killed at the end: a
+    command that fails or hangs leaves no server behind (an orphan holding a pipe would keep the test waiting
+    forever), and the failure shows the traced commands and the server's log."""
     bin_dir = str(Path(sys.executable).parent)
     port = str(free_port())
     lines = []
@@ -25,12 +31,24 @@ def run_script(commands: list[str], tmp_path: Path) -> str:
         line = line.replace(".venv/bin/", bin_dir + "/").replace("runs/", f"{tmp_path}/runs/")
         lines.append(line.replace("8000", port))
         if line.endswith("&"):  # wait until it answers (a user would wait a moment)
-            lines.append(f"for i in $(seq 120); do curl -sf http://127.0.0.1:{port}/health >/dev/null && break; "
+            lines.append(f"for i in $(seq 240); do curl -sf http://127.0.0.1:{port}/health >/dev/null && break; "
                          "sleep 0.5; done")
-    proc = subprocess.run(["bash", "-c", "set -e\n" + "\n".join(lines) + "\nwait"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    out, err = tmp_path / f"script-{port}.out", tmp_path / f"script-{port}.err"
+    with out.open("w") as fo, err.open("w") as fe:
+        proc = subprocess.Popen(["bash", "-c", "set -ex\n" + "\n".join(lines) + "\nwait"], cwd=ROOT, stdout=fo,
+                                stderr=fe, start_new_session=True)
+        try:
+            code = proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log = err.read_text()[-4000:]
+    assert code is not None, f"the script was still running after {timeout_s} s; its trace and log:\n{log}"
+    assert code == 0, f"the script exited with {code}; its trace and log:\n{log}"
+    return out.read_text()
 
 
 def tune_adapters(tmp_path: Path) -> None:
@@ -74,13 +92,15 @@ def test_readme_serving_commands(tmp_path):
     port = str(free_port())
     line = last.replace("runs/", f"{tmp_path}/runs/").replace("8001", port)
     line = line.replace("torchrun", f"{shlex.quote(sys.executable)} -m torch.distributed.run", 1)
-    server = subprocess.Popen(["bash", "-c", f"exec {line}"], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "tp2.log"
+    with log.open("w") as fh:
+        server = subprocess.Popen(["bash", "-c", f"exec {line}"], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
+                                  text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while True:
-            assert server.poll() is None, server.stderr.read()[-3000:]
-            assert time.monotonic() < deadline, "the tp=2 server did not start"
+            assert server.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"the tp=2 server did not start:\n{log.read_text()[-3000:]}"
             try:
                 if http("GET", f"http://127.0.0.1:{port}/health", timeout=2)[0] == 200:
                     break
@@ -91,9 +111,14 @@ def test_readme_serving_commands(tmp_path):
                                {"model": "gpt-tiny", "prompt": "ROMEO.", "max_tokens": 20, "temperature": 0})
         assert status == 200, body
         assert json.loads(body)["choices"][0]["text"] == completion["choices"][0]["text"]  # tp=2 == tp=1
-    finally:
-        server.terminate()
-        server.wait(60)
+    finally:  # torchrun and both ranks (its process group)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
 
     tune_adapters(tmp_path)
     stdout = run_script(adapters, tmp_path)

@@ -27,6 +27,7 @@ from meshlm.train.extension import Extension
 from meshlm.train.trainer import Trainer
 from tests.conftest import tiny_config
 from tests.parallel.parallel_world import run_world
+from tests.reliability import forked
 from tests.reliability.test_rel_kill import records
 from tests.reliability.test_rel_save import TINY
 from tests.reliability.threads import _one_thread  # noqa: F401 (autouse: one intra-op thread)
@@ -168,27 +169,17 @@ def _train_steps_logged(out: Path) -> list[int]:
 def test_kill9_during_a_background_write_keeps_the_previous_checkpoint_and_resumes_exactly(tmp_path):
     Trainer(config(tmp_path / "ref", steps=6)).run()
     out = tmp_path / "killed"
-    marker = tmp_path / "writing"
-    pid = os.fork()
-    if pid == 0:  # the child: step 3's background write never ends; training goes on until step 4's save waits
-        try:
-            real = files._ChecksumWriter._disk_write
-
-            def write(self, view):
-                if ".tmp-step_0000003-" in self.fh.name:
-                    marker.touch()
-                    time.sleep(3600)
-                return real(self, view)
-            files._ChecksumWriter._disk_write = write
-            Trainer(config(out, steps=6, async_save=True)).run()
-        finally:
-            os._exit(0)
-    start = time.monotonic()
-    while not (marker.exists() and 4 in _train_steps_logged(out)) and time.monotonic() - start < 120:
-        assert os.waitpid(pid, os.WNOHANG) == (0, 0), "the run ended before it was killed"
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
+    # step 3's background write never ends; training goes on until step 4's save waits for it
+    run = forked.Run(config(out, steps=6, async_save=True), tmp_path / "stacks", stall_write=".tmp-step_0000003-")
+    marker = run.stalled
+    try:
+        start = time.monotonic()
+        while not (marker.exists() and 4 in _train_steps_logged(out)):
+            assert run.alive(), "the run ended before it was killed"
+            assert time.monotonic() - start < 120, f"no stalled write of step 3 and step 4 in 120 s:\n{run.stack()}"
+            time.sleep(0.01)
+    finally:
+        run.kill()
     assert marker.exists() and 4 in _train_steps_logged(out), "step 4 ran while step 3 was being written"
     assert list((out / "checkpoints").glob(".tmp-step_0000003-*")), "killed in the middle of step 3's write"
     assert latest_checkpoint(out).name == "step_0000002"

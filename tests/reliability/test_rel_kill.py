@@ -4,9 +4,7 @@ uninterrupted run's, bit for bit (issue 13)."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 import time
 
 import pytest
@@ -15,6 +13,7 @@ import torch
 from meshlm.checkpoint.single import latest_checkpoint, load_model_state, resolve_checkpoint
 from meshlm.train.trainer import Trainer
 from tests.conftest import tiny_config
+from tests.reliability import forked
 from tests.reliability.threads import _one_thread  # noqa: F401 (autouse: one intra-op thread)
 
 STEPS = 32
@@ -39,24 +38,25 @@ def _latest_step(out) -> int:
         return 0
 
 
-def run_and_kill(out, target: int, delay: float, deadline_s: float = 120, async_save: bool = False) -> None:
-    """Fork (torch and the corpus already loaded: no start-up cost), train, and SIGKILL `delay` s after the
-    run has published step `target`: kills land at chosen steps however fast the machine is, and the
-    delay puts them anywhere in the next step or save."""
-    pid = os.fork()
-    if pid == 0:  # the child: train until killed (or finished), never return into pytest
-        try:
-            Trainer(config(out, async_save)).run()
-        finally:
-            os._exit(0)
+def run_and_kill(out, target: int, delay: float, deadline_s: float = 120, async_save: bool = False) -> str | None:
+    """Train in a run of the fork server (torch and the trainer already imported there: no start-up cost), and
+    SIGKILL it `delay` s after it has published step `target`: kills land at chosen steps however fast the
+    machine is, and the delay puts them anywhere in the next step or save. Returns why the kill did not land
+    where it was aimed (the run's stacks if it never published its target in `deadline_s`), else None."""
+    run = forked.Run(config(out, async_save), out.parent / "stacks")
     start = time.monotonic()
-    while _latest_step(out) < target and time.monotonic() - start < deadline_s:
-        if os.waitpid(pid, os.WNOHANG) != (0, 0):
-            return  # finished (or died) on its own
+    while _latest_step(out) < target:
+        if not run.alive():
+            return None  # finished (or died) on its own: the checks after the kills say which
+        if time.monotonic() - start > deadline_s:
+            stacks = run.stack()
+            run.kill()
+            return (f"the run did not publish step {target} within {deadline_s} s (its newest: {_latest_step(out)}); "
+                    f"its threads then:\n{stacks}")
         time.sleep(0.005)
     time.sleep(delay)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
+    run.kill()
+    return None
 
 
 # async: the kills land in background writes too (train.async_save: steps run while a checkpoint is written)
@@ -70,7 +70,8 @@ def test_kill9_at_random_moments_resumes_bit_exactly(tmp_path, async_save):
     targets = sorted(rng.sample(range(1, STEPS - 1), kills))  # 20 distinct steps of 30, in the order a run reaches them
     reached = []
     for target in targets:
-        run_and_kill(out, target, rng.uniform(0.0, 0.3), async_save=async_save)  # a step + a save: ~0.1-0.3 s here
+        late = run_and_kill(out, target, rng.uniform(0.0, 0.3), async_save=async_save)  # a step + a save: ~0.1-0.3 s
+        assert late is None, late
         found = latest_checkpoint(out)
         reached.append(0 if found is None else int(found.name.split("_")[1]))
     print("kill after step:", targets, "newest valid checkpoint after each kill:", reached)
