@@ -83,3 +83,33 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subpro
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([*meshlm_command(), *args], check=False, cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=full_env)
+
+
+def run_shell(script: str, timeout: float, *, input: str | None = None, env: dict | None = None,
+              cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """`bash -c script` (a documented session: a server started with `&`, requests, `kill %1`) in its own
+    process group, its output in temporary files, and the whole group killed when it ends or after `timeout`
+    s. With pipes and `subprocess.run`, a command that failed under `set -e` (or hung) left the server behind
+    holding the pipe, and the test waited on it until pytest's 20 minutes. A script killed at its timeout
+    returns code -9 with a line saying so at the end of its stderr."""
+    import contextlib
+    import signal
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(["bash", "-c", script], cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=out,
+                                stderr=err, text=True, start_new_session=True)
+        try:
+            proc.communicate(input, timeout=timeout)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = -9
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        stderr = err.read() + (f"\n[still running after {timeout} s: killed with its process group]" if code == -9
+                               else "")
+        return subprocess.CompletedProcess(["bash", "-c", script], code, out.read(), stderr)

@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 from tests.cli_batch import run_meshlm_batch, shell_words
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_cli, run_shell
 
 SMALL = ["--model.n_layers=2", "--model.hidden_size=32", "--model.seq_len=32", "--train.micro_batch_size=2",
          "--train.global_batch_size=4", "--train.eval_iters=2", "--train.peak_tflops=1"]
@@ -156,8 +156,8 @@ def test_readme_tune_commands(tmp_path):
     for line, proc in zip(["(the base) train", *meshlm], batch):
         assert proc.returncode == 0, (line, proc.stderr[-2000:])
         outputs[line] = proc.stdout
-    for line in later:
-        proc = subprocess.run(["bash", "-c", line], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    for line in later:  # the serving script's server must not outlive it (`run_shell`)
+        proc = run_shell(line, 300)
         assert proc.returncode == 0, (line, proc.stderr[-2000:])
         outputs[line] = proc.stdout
     for name in ("plays-lora", "plays-prompt", "plays-ptuning", "plays-lora-tp2"):

@@ -14,16 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_shell
 from tests.infer.server_helpers import free_port, http, save_gpt_checkpoint
 from tests.test_readme_commands import _section_commands
 
 
 def run_script(commands: list[str], tmp_path: Path, timeout_s: float = 300) -> str:
-    """`commands` (a server started with `&` ... `kill %1`) as one bash script on a free port; its stdout. The
-    script runs in its own process group with its output in files, and the whole group is killed at the end: a
-    command that fails or hangs leaves no server behind (an orphan holding a pipe would keep the test waiting
-    forever), and the failure shows the traced commands and the server's log."""
+    """`commands` (a server started with `&` ... `kill %1`) as one bash script on a free port (`run_shell`: no
+    server outlives it); its stdout. A failure shows the commands traced (`set -x`) and the server's log."""
     bin_dir = str(Path(sys.executable).parent)
     port = str(free_port())
     lines = []
@@ -33,22 +31,9 @@ def run_script(commands: list[str], tmp_path: Path, timeout_s: float = 300) -> s
         if line.endswith("&"):  # wait until it answers (a user would wait a moment)
             lines.append(f"for i in $(seq 240); do curl -sf http://127.0.0.1:{port}/health >/dev/null && break; "
                          "sleep 0.5; done")
-    out, err = tmp_path / f"script-{port}.out", tmp_path / f"script-{port}.err"
-    with out.open("w") as fo, err.open("w") as fe:
-        proc = subprocess.Popen(["bash", "-c", "set -ex\n" + "\n".join(lines) + "\nwait"], cwd=ROOT, stdout=fo,
-                                stderr=fe, start_new_session=True)
-        try:
-            code = proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    log = err.read_text()[-4000:]
-    assert code is not None, f"the script was still running after {timeout_s} s; its trace and log:\n{log}"
-    assert code == 0, f"the script exited with {code}; its trace and log:\n{log}"
-    return out.read_text()
+    proc = run_shell("set -ex\n" + "\n".join(lines) + "\nwait", timeout_s)
+    assert proc.returncode == 0, f"the script exited with {proc.returncode}; its trace and log:\n{proc.stderr[-4000:]}"
+    return proc.stdout
 
 
 def tune_adapters(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ import torch
 
 from meshlm.cli import main
 from meshlm.data.assets import smollm2_gguf
-from tests.conftest import ROOT, session_cache_dir
+from tests.conftest import run_shell, session_cache_dir
 from tests.infer.server_helpers import ServeProcess, free_port, python_prefix
 from tests.smollm2_reference import transformers_smollm2
 
@@ -262,8 +262,7 @@ def readme_run(smol, tmp_path_factory):
         if line.endswith("&"):
             lines.append(wait)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MESHLM_CACHE": str(session_cache_dir(tmp_path_factory))}
-    proc = subprocess.run(["bash", "-c", "\n".join(lines)], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          check=False, input="What is the capital of France?\n", env=env)
+    proc = run_shell("\n".join(lines), 900, input="What is the capital of France?\n", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {"root": root, "stdout": proc.stdout}
 

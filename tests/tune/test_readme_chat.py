@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from tests.cli_batch import run_meshlm_batch, shell_words
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_shell
 from tests.infer.server_helpers import free_port
 from tests.test_readme_commands import _section_commands
 
@@ -40,8 +40,7 @@ def test_readme_chat_commands(tmp_path):
                                       cwd=ROOT)
     assert trained.returncode == 0, trained.stderr[-2000:]
     assert tuned.returncode == 0, (typed[1], tuned.stderr[-2000:])
-    served = subprocess.run(["bash", "-c", typed[2]], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            check=False)
+    served = run_shell(typed[2], 600)  # its server must not outlive it
     assert served.returncode == 0, (typed[2], served.stderr[-2000:])
     outputs = [data.stdout, tuned.stdout, served.stdout]
     data = tmp_path / "data" / "chat"
