@@ -38,6 +38,21 @@ from meshlm.models.cache import AttentionCache
 MASKED_ROWS = 8
 
 
+def _kernel_takes_bf16() -> bool:
+    """Whether PyTorch's CPU attention kernel is the fastest path for bf16 decoding rows as they are: on a CPU
+    with AMX it is, at every shape measured (SmolLM2's heads, 1-64 rows: 1.4-2.1× faster than
+    `masked_attention`, 2-10× faster than the kernel on fp32 copies; RESULTS.md "bf16 attention on AMX"), while
+    on a CPU with AVX512-BF16 alone (the EPYC) it is 5-15× slower than in fp32."""
+    from meshlm.core.precision import cpu_bf16_support
+
+    return cpu_bf16_support() == "AMX-BF16"
+
+
+# bf16 decoding rows of a plain core call the kernel on bf16 as they are (a CPU with AMX), instead of the
+# `MASKED_ROWS` rule below
+KERNEL_TAKES_BF16 = _kernel_takes_bf16()
+
+
 class PagedKV:
     """The pool's tensors: per layer, keys and values of shape (n_kv_heads, num_blocks × block_size, head_dim).
     Head-major, so that a gather of whole blocks lands as (heads, rows, positions, head_dim), whose every
@@ -290,7 +305,10 @@ class PagedCache(AttentionCache):
         kernel): PyTorch's CPU attention kernel is 3-16× slower in bf16 than in fp32 at these shapes
         (benchmarks/attention_kernels.py), so at least `MASKED_ROWS` rows of a plain core (always masked) take
         `masked_attention` (16-bit products, fp32 softmax), fewer rows (a single decoding row: no mask) or a
-        window or sinks the layer's own core on fp32 copies, the result cast back."""
+        window or sinks the layer's own core on fp32 copies, the result cast back. On a CPU with AMX
+        (`KERNEL_TAKES_BF16`) a plain core's bf16 rows call it as they are: there its bf16 path is the fastest."""
+        if KERNEL_TAKES_BF16 and q.dtype == torch.bfloat16 and not _banded(core):
+            return core(q, keys.to(q.dtype), values.to(q.dtype), g.causal, g.mask)
         if g.rows >= MASKED_ROWS and not _banded(core):
             return masked_attention(q, keys.to(q.dtype), values.to(q.dtype), g.mask, _scale(core, q.shape[-1]))
         return core(q.float(), keys.float(), values.float(), g.causal, g.mask).to(q.dtype)

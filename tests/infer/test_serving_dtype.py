@@ -47,16 +47,35 @@ def test_cast_parameters_keeps_the_rope_tables_in_fp32():
     assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(fp32.parameters(), bf16.parameters()))
 
 
-@pytest.mark.parametrize("rows", [3, MASKED_ROWS])
+@pytest.mark.parametrize("rows, kernel", [(3, False), (MASKED_ROWS, False), (3, True), (MASKED_ROWS, True)],
+                         ids=["3-fp32-copies", f"{MASKED_ROWS}-masked", "3-kernel", f"{MASKED_ROWS}-kernel"])
 @pytest.mark.parametrize("cfg", [LLAMA, MLA], ids=["gqa", "mla"])
 @torch.no_grad()
-def test_bf16_engine_decodes_as_the_bf16_model_recomputing_everything(cfg, rows, monkeypatch):
+def test_bf16_engine_decodes_as_the_bf16_model_recomputing_everything(cfg, rows, kernel, monkeypatch):
     """16-bit decoding rows attend through the kernel on fp32 copies (3 rows) or `masked_attention` (MASKED_ROWS
-    rows and more: models/paged.py); an MLA model reads its latent cache."""
+    rows and more: models/paged.py), or, where the CPU has AMX (`KERNEL_TAKES_BF16`, set here either way: each
+    path runs on any CPU), through the kernel on bf16 as they are; an MLA model reads its latent cache."""
     from meshlm.models import paged
 
-    calls = []
+    calls, kernel_calls = [], []
     monkeypatch.setattr(paged, "masked_attention", lambda *a: calls.append(1) or masked_attention(*a))
+    monkeypatch.setattr(paged, "KERNEL_TAKES_BF16", kernel)
+    sdpa, attend_16bit, inside = torch.nn.functional.scaled_dot_product_attention, paged.PagedCache.attend_16bit, []
+
+    def counted(q, *a, **kw):  # the kernel's input dtype, when the decoding rows' path calls it
+        if inside:
+            kernel_calls.append(q.dtype)
+        return sdpa(q, *a, **kw)
+
+    def within(self, *a):
+        inside.append(1)
+        try:
+            return attend_16bit(self, *a)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    monkeypatch.setattr(paged.PagedCache, "attend_16bit", within)
     fp32, bf16 = models(cfg)
     engine = Engine(bf16, CharTokenizer(), max_seqs=rows, max_len=64)
     assert engine.runner.cache_bytes_per_token() * 2 == Engine(fp32, CharTokenizer(), 1, 64).runner.cache_bytes_per_token()
@@ -73,7 +92,11 @@ def test_bf16_engine_decodes_as_the_bf16_model_recomputing_everything(cfg, rows,
             worst = max(worst, abs(info.logprob - float(ref[info.id])))
             seq.append(info.id)
     assert worst <= LOGPROB_TOL, worst
-    assert bool(calls) == (rows >= MASKED_ROWS)
+    assert bool(calls) == (rows >= MASKED_ROWS and not kernel)
+    if kernel:
+        assert set(kernel_calls) == {torch.bfloat16}
+    else:  # fp32 copies (a group of 8 rows may split by length into smaller ones, which take them too)
+        assert set(kernel_calls) == {torch.float32} if rows < MASKED_ROWS else torch.bfloat16 not in kernel_calls
     # and bf16 is bf16 of this model, not another one: its first choice's log-probability is near fp32's
     first = torch.log_softmax(fp32(torch.tensor([prompts[0]]))[0, -1], -1)
     reqs = engine.generate([prompts[0]], params)
