@@ -455,7 +455,10 @@ class Engine:
 
     def _after(self, plan: StepPlan, logits: torch.Tensor) -> None:
         """Advance each request of the step by its computed tokens and take its next token(s) from `logits`."""
-        argmax = logits.argmax(-1).tolist()  # every selected row's greedy choice at once
+        # every selected row's greedy choice at once: `max`'s indices are argmax's (the first of equal maxima,
+        # NaN the largest) and 2.5-4.8x faster on a CPU (64 rows of SmolLM2's 49,152 logits: 5.6 against 1.2 ms
+        # in bf16, 2.2 against 0.9 in fp32)
+        argmax = logits.max(-1).indices.tolist()
         row = 0
         for seq in plan.seqs:
             req, k = seq.request, seq.logits
