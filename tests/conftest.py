@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -92,10 +95,6 @@ def run_shell(script: str, timeout: float, *, input: str | None = None, env: dic
     s. With pipes and `subprocess.run`, a command that failed under `set -e` (or hung) left the server behind
     holding the pipe, and the test waited on it until pytest's 20 minutes. A script killed at its timeout
     returns code -9 with a line saying so at the end of its stderr."""
-    import contextlib
-    import signal
-    import tempfile
-
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(["bash", "-c", script], cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=out,
                                 stderr=err, text=True, start_new_session=True)

@@ -19,7 +19,7 @@ from tests.infer.server_helpers import free_port, http, save_gpt_checkpoint
 from tests.test_readme_commands import _section_commands
 
 
-def run_script(commands: list[str], tmp_path: Path, timeout_s: float = 300) -> str:
+def run_script(commands: list[str], tmp_path: Path) -> str:
     """`commands` (a server started with `&` ... `kill %1`) as one bash script on a free port (`run_shell`: no
     server outlives it); its stdout. A failure shows the commands traced (`set -x`) and the server's log."""
     bin_dir = str(Path(sys.executable).parent)
@@ -31,7 +31,7 @@ def run_script(commands: list[str], tmp_path: Path, timeout_s: float = 300) -> s
         if line.endswith("&"):  # wait until it answers (a user would wait a moment)
             lines.append(f"for i in $(seq 240); do curl -sf http://127.0.0.1:{port}/health >/dev/null && break; "
                          "sleep 0.5; done")
-    proc = run_shell("set -ex\n" + "\n".join(lines) + "\nwait", timeout_s)
+    proc = run_shell("set -ex\n" + "\n".join(lines) + "\nwait", 300)
     assert proc.returncode == 0, f"the script exited with {proc.returncode}; its trace and log:\n{proc.stderr[-4000:]}"
     return proc.stdout
 

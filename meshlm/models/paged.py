@@ -41,7 +41,7 @@ MASKED_ROWS = 8
 def _kernel_takes_bf16() -> bool:
     """Whether PyTorch's CPU attention kernel is the fastest path for bf16 decoding rows as they are: on a CPU
     with AMX it is, at every shape measured (SmolLM2's heads, 1-64 rows: 1.4-2.1× faster than
-    `masked_attention`, 2-10× faster than the kernel on fp32 copies; RESULTS.md "bf16 attention on AMX"), while
+    `masked_attention`, 2-10× faster than the kernel on fp32 copies; RESULTS.md "bf16 decoding rows on AMX"), while
     on a CPU with AVX512-BF16 alone (the EPYC) it is 5-15× slower than in fp32."""
     from meshlm.core.precision import cpu_bf16_support
 

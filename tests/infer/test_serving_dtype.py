@@ -96,7 +96,7 @@ def test_bf16_engine_decodes_as_the_bf16_model_recomputing_everything(cfg, rows,
     if kernel:
         assert set(kernel_calls) == {torch.bfloat16}
     else:  # fp32 copies (a group of 8 rows may split by length into smaller ones, which take them too)
-        assert set(kernel_calls) == {torch.float32} if rows < MASKED_ROWS else torch.bfloat16 not in kernel_calls
+        assert (set(kernel_calls) == {torch.float32}) if rows < MASKED_ROWS else (torch.bfloat16 not in kernel_calls)
     # and bf16 is bf16 of this model, not another one: its first choice's log-probability is near fp32's
     first = torch.log_softmax(fp32(torch.tensor([prompts[0]]))[0, -1], -1)
     reqs = engine.generate([prompts[0]], params)

@@ -64,8 +64,7 @@ class Run:
 
     def kill(self) -> None:
         """SIGKILL, then reaped."""
-        if self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.kill()
         self.proc.join()
 
     def stack(self, wait_s: float = 5.0) -> str:
