@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from meshlm.models import native
 from meshlm.models.cache import AttentionCache
+from meshlm.models.layers import Attention
 
 # 16-bit masked groups of at least this many rows take `masked_attention`, fewer the kernel on fp32 copies: the
 # crossing point measured with benchmarks/attention_kernels.py (SmolLM2's heads, bf16: 1-4 rows favour the
@@ -138,6 +140,10 @@ class Group:
     causal: bool = False
     shared: torch.Tensor | None = None  # decoding rows' common first blocks (cascade attention), else None
     shared_keys: int = 0
+    # decoding rows (T = 1, no window): the positions each row sees (its first lens[r]) and, for a cascade, each
+    # row's whole block table (else `blocks` is): what attention read in place takes (`models/native.py`)
+    lens: torch.Tensor | None = None
+    table: torch.Tensor | None = None
     # the gather indices of `blocks` and of `shared`, by pool shape: built by the first layer, read by the rest
     index: dict = field(default_factory=dict, repr=False)
     shared_index: dict = field(default_factory=dict, repr=False)
@@ -197,23 +203,24 @@ class Batch:
         blocks = torch.tensor(table, dtype=torch.long, device=device)
         if len(rows) == 1 and rows[0][0][0] == 0:  # a prompt's first chunk: causal, no mask
             return Group(start, 1, T, blocks, None, ends[0], causal=True)
+        seen = torch.tensor(ends, dtype=torch.long, device=device) if T == 1 else None
         if len(rows) == 1 and T == 1:  # one decoding row: it sees every key up to its own, no mask
-            return Group(start, 1, 1, blocks, None, ends[0])
+            return Group(start, 1, 1, blocks, None, ends[0], lens=seen)
         common = self._common(rows) if T == 1 and len(rows) > 1 else 0
         if common:  # cascade: the shared blocks once for every row, then each row's own
             own = [(pos, b[common:]) for pos, b in rows]
             shift = common * bs
             width = -(-max(ends) // bs) - common
             table = [list(b[:width]) + [0] * (width - len(b[:width])) for _, b in own]
-            lens = torch.tensor([e - shift for e in ends], dtype=torch.long, device=device)
-            mask = (torch.arange(width * bs, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            mask = (torch.arange(width * bs, device=device)[None, :] < (seen - shift)[:, None])[:, None, None, :]
             return Group(start, len(rows), 1, torch.tensor(table, dtype=torch.long, device=device), mask, width * bs,
-                         shared=torch.tensor(rows[0][1][:common], dtype=torch.long, device=device), shared_keys=shift)
+                         shared=torch.tensor(rows[0][1][:common], dtype=torch.long, device=device), shared_keys=shift,
+                         lens=seen, table=blocks)
         first = torch.tensor([pos[0] for pos, _ in rows], dtype=torch.long, device=device)
         query = first[:, None] + torch.arange(T, device=device)  # (R, T) positions
         keys = torch.arange(width * bs, device=device)
         mask = (keys[None, None, :] <= query[:, :, None])[:, None]  # (R, 1, T, width × bs)
-        return Group(start, len(rows), T, blocks, mask, width * bs)
+        return Group(start, len(rows), T, blocks, mask, width * bs, lens=seen)
 
     def _windowed(self, rows, start: int, T: int, device) -> Group:
         """A group of rows past their window: row r's table from its block `skip_r` = ⌊(first − W + 1) / bs⌋ on
@@ -290,7 +297,11 @@ class PagedCache(AttentionCache):
         return out
 
     def attend(self, q: torch.Tensor, g: Group, core) -> torch.Tensor:
-        """Group `g`'s queries q (R, nh, T, hd) over their keys → (R, nh, T, value width)."""
+        """Group `g`'s queries q (R, nh, T, hd) over their keys → (R, nh, T, value width). Decoding rows of a plain
+        core read the pool in place where meshlm's kernel runs (`models/native.py`); every other group gathers."""
+        if g.lens is not None and self.v is not None and _plain(core) and native.supports(q, self.k):
+            table = g.blocks if g.table is None else g.table
+            return native.decode(q, self.k, self.v, table, g.lens, self.batch.block_size, _scale(core, q.shape[-1]))
         if g.shared is not None and not _banded(core):
             return self.cascade(q, g, _scale(core, q.shape[-1]))
         if g.shared is not None:  # a sliding window or sinks: the core sees the shared keys with the rest
@@ -437,6 +448,14 @@ def _banded(core) -> bool:
     the cascade's plain softmax would not apply."""
     owner = getattr(inspect.unwrap(core), "__self__", None)
     return bool(getattr(owner, "window", 0)) or getattr(owner, "sinks", None) is not None
+
+
+def _plain(core) -> bool:
+    """Whether `core` is `Attention.core` of a global layer without sinks: plain softmax attention, which the
+    in-place kernel computes (`models/native.py`)."""
+    owner = getattr(inspect.unwrap(core), "__self__", None)
+    return (getattr(type(owner), "core", None) is Attention.core and not owner.window and owner.sinks is None
+            and not (owner.training and owner.dropout))
 
 
 def _uncascaded(g: Group) -> Group:

@@ -60,17 +60,25 @@ def test_compiled_and_eager_steps_give_the_single_request_tokens(model, compile)
         assert out.output_ids == alone(model, prompt, 10)
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["cascade", "in-place"])
 @pytest.mark.parametrize("kv_heads", [2, 4])
-def test_a_step_of_cascade_rows_only_runs_as_one_forward(kv_heads, monkeypatch):
+def test_a_step_of_cascade_rows_only_runs_as_one_forward(kv_heads, in_place, monkeypatch):
     """Decoding rows that all share a prompt's first blocks are one cascade group, and the attention operator
     returns that group's output as the layer's: with one query head per KV head (4 of 4) the cascade's result
     was a view, whose strides the compiled graph's check refused, so each such step failed and ran again one
-    request at a time (the same tokens, slowly; counted in `split_steps`). The operator's result is contiguous."""
-    from meshlm.models import paged
+    request at a time (the same tokens, slowly; counted in `split_steps`). The operator's result is contiguous.
+    Where the rows read the pool in place (`models/native.py`) the group's whole tables go to the kernel instead
+    of the cascade: one forward a step too, the same tokens."""
+    from meshlm.models import native, paged
 
     cascades = []
-    inner = paged.PagedCache.cascade
-    monkeypatch.setattr(paged.PagedCache, "cascade", lambda self, *a: cascades.append(1) or inner(self, *a))
+    inner = paged.PagedCache.cascade if not in_place else native.decode
+    if in_place:
+        assert native.paged_decode() is not None, native.unavailable()
+        monkeypatch.setattr(native, "decode", lambda *a: cascades.append(1) or inner(*a))
+    else:
+        monkeypatch.setattr(native, "supports", lambda q, pool: False)
+        monkeypatch.setattr(paged.PagedCache, "cascade", lambda self, *a: cascades.append(1) or inner(self, *a))
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(CONFIG, n_kv_heads=kv_heads)).eval()
     g = torch.Generator().manual_seed(2)
@@ -79,7 +87,7 @@ def test_a_step_of_cascade_rows_only_runs_as_one_forward(kv_heads, monkeypatch):
     engine = Engine(model, Ids(), max_seqs=4, options=CacheOptions(block_size=4, compile=True))
     engine.generate([system + [1]], SamplingParams(max_tokens=1, temperature=0))  # the prefix's blocks, cached
     outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    assert cascades  # the rows did attend as a cascade
+    assert cascades  # the rows did attend as a cascade (or in place)
     assert engine.stats["split_steps"] == 0
     for prompt, out in zip(prompts, outs):
         assert out.output_ids == alone(model, prompt, 8)

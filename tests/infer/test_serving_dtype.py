@@ -47,19 +47,30 @@ def test_cast_parameters_keeps_the_rope_tables_in_fp32():
     assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(fp32.parameters(), bf16.parameters()))
 
 
-@pytest.mark.parametrize("rows, kernel", [(3, False), (MASKED_ROWS, False), (3, True), (MASKED_ROWS, True)],
-                         ids=["3-fp32-copies", f"{MASKED_ROWS}-masked", "3-kernel", f"{MASKED_ROWS}-kernel"])
+@pytest.mark.parametrize("rows, kernel, in_place", [(3, False, False), (MASKED_ROWS, False, False), (3, True, False),
+                                                    (MASKED_ROWS, True, False), (3, False, True),
+                                                    (MASKED_ROWS, False, True)],
+                         ids=["3-fp32-copies", f"{MASKED_ROWS}-masked", "3-kernel", f"{MASKED_ROWS}-kernel",
+                              "3-in-place", f"{MASKED_ROWS}-in-place"])
 @pytest.mark.parametrize("cfg", [LLAMA, MLA], ids=["gqa", "mla"])
 @torch.no_grad()
-def test_bf16_engine_decodes_as_the_bf16_model_recomputing_everything(cfg, rows, kernel, monkeypatch):
-    """16-bit decoding rows attend through the kernel on fp32 copies (3 rows) or `masked_attention` (MASKED_ROWS
-    rows and more: models/paged.py), or, where the CPU has AMX (`KERNEL_TAKES_BF16`, set here either way: each
-    path runs on any CPU), through the kernel on bf16 as they are; an MLA model reads its latent cache."""
-    from meshlm.models import paged
+def test_bf16_engine_decodes_as_the_bf16_model_recomputing_everything(cfg, rows, kernel, in_place, monkeypatch):
+    """16-bit decoding rows read the pool in place (meshlm's kernel, `models/native.py`), or, with it off, attend
+    through PyTorch's kernel on fp32 copies (3 rows) or `masked_attention` (MASKED_ROWS rows and more:
+    models/paged.py), or, where the CPU has AMX (`KERNEL_TAKES_BF16`, set here either way: each path runs on any
+    CPU), through PyTorch's kernel on bf16 as they are. An MLA model reads its latent cache, which the in-place
+    kernel does not: it takes the other paths."""
+    from meshlm.models import native, paged
 
-    calls, kernel_calls = [], []
+    calls, kernel_calls, native_calls = [], [], []
     monkeypatch.setattr(paged, "masked_attention", lambda *a: calls.append(1) or masked_attention(*a))
     monkeypatch.setattr(paged, "KERNEL_TAKES_BF16", kernel)
+    if in_place:
+        assert native.paged_decode() is not None, native.unavailable()
+        decode = native.decode
+        monkeypatch.setattr(native, "decode", lambda q, *a: native_calls.append(q.dtype) or decode(q, *a))
+    else:
+        monkeypatch.setattr(native, "supports", lambda q, pool: False)
     sdpa, attend_16bit, inside = torch.nn.functional.scaled_dot_product_attention, paged.PagedCache.attend_16bit, []
 
     def counted(q, *a, **kw):  # the kernel's input dtype, when the decoding rows' path calls it
@@ -92,8 +103,12 @@ def test_bf16_engine_decodes_as_the_bf16_model_recomputing_everything(cfg, rows,
             worst = max(worst, abs(info.logprob - float(ref[info.id])))
             seq.append(info.id)
     assert worst <= LOGPROB_TOL, worst
-    assert bool(calls) == (rows >= MASKED_ROWS and not kernel)
-    if kernel:
+    reads_in_place = in_place and cfg is LLAMA
+    assert set(native_calls) == ({torch.bfloat16} if reads_in_place else set())
+    assert bool(calls) == (rows >= MASKED_ROWS and not kernel and not reads_in_place)
+    if reads_in_place:
+        assert not kernel_calls  # no decoding row went to PyTorch's kernel
+    elif kernel:
         assert set(kernel_calls) == {torch.bfloat16}
     else:  # fp32 copies (a group of 8 rows may split by length into smaller ones, which take them too)
         assert (set(kernel_calls) == {torch.float32}) if rows < MASKED_ROWS else (torch.bfloat16 not in kernel_calls)

@@ -1,0 +1,343 @@
+// Decoding attention read in place from the paged KV pool (models/native.py builds and loads this file).
+//
+// R rows of one query each; row r sees its first lens[r] positions, position p held in the pool's slot
+// table[r][p / bs] * bs + p % bs. The pool is head-major, (nkv, slots, hd), as models/paged.py keeps it. Each KV
+// head's `group` query heads read its keys and values once: a pass over the row's positions in tiles, scores
+// in fp32, an online softmax (running maximum and sum, the accumulator rescaled when the maximum grows), the
+// values summed in fp32. Work items are (row, KV head, chunk of positions): with few rows a row's positions are
+// split into chunks, each with its own maximum and sum, merged at the end as split-K decoding attention does.
+// Plain C++ (no PyTorch headers): loaded with ctypes, compiled with the same compiler and OpenMP runtime that
+// PyTorch's Inductor uses, so its parallel region runs on the process's one OpenMP pool.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int TILE = 64;      // positions scored before their values are summed
+constexpr int MAX_GROUP = 16; // query heads per KV head
+constexpr int MAX_HD = 256;   // head width
+
+inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as PyTorch's cast
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return static_cast<uint16_t>(bits >> 16);
+}
+
+// exp(x) for x <= 0 within 2 ulp of expf, written so that the compiler vectorizes it: x = n ln2 + r, |r| <= ln2/2,
+// e^r by its Taylor polynomial to degree 6, 2^n into the exponent's bits
+inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = std::nearbyint(x * 1.44269504088896341f);
+    float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    float p = 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &e, 4);
+    return p * scale;
+}
+
+template <typename P>
+inline float load(const P* p, int64_t i);
+template <>
+inline float load<float>(const float* p, int64_t i) { return p[i]; }
+template <>
+inline float load<uint16_t>(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
+
+// One work item: KV head h of row r over positions [p0, p1). q: the group's queries (group, hd), already scaled.
+// Leaves the unnormalized sum of values in acc (group, hd), the running maximum in m and the sum in l.
+template <typename P>
+void attend_chunk(const float* q, const P* kpool, const P* vpool, const int64_t* table, int64_t h,
+                  int64_t slots, int64_t hd, int64_t bs, int group, int64_t p0, int64_t p1, float* acc, float* m,
+                  float* l) {
+    float s[MAX_GROUP][TILE];
+    float row[MAX_HD];  // one key or value row in fp32
+    for (int j = 0; j < group; ++j) {
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+        for (int64_t d = 0; d < hd; ++d) acc[j * hd + d] = 0.0f;
+    }
+    const P* kh = kpool + h * slots * hd;
+    const P* vh = vpool + h * slots * hd;
+    for (int64_t t0 = p0; t0 < p1; t0 += TILE) {
+        const int n = static_cast<int>(p1 - t0 < TILE ? p1 - t0 : TILE);
+        for (int i = 0; i < n; ++i) {
+            const int64_t p = t0 + i;
+            const P* k = kh + (table[p / bs] * bs + p % bs) * hd;
+#pragma omp simd
+            for (int64_t d = 0; d < hd; ++d) row[d] = load(k, d);  // widened once for the group's heads
+            for (int j = 0; j < group; ++j) {
+                const float* qj = q + j * hd;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < hd; ++d) dot += qj[d] * row[d];
+                s[j][i] = dot;
+            }
+        }
+        for (int j = 0; j < group; ++j) {
+            float top = m[j];
+            for (int i = 0; i < n; ++i) top = s[j][i] > top ? s[j][i] : top;
+            const float shrink = m[j] == -INFINITY ? 0.0f : exp_neg(m[j] - top);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int i = 0; i < n; ++i) {
+                s[j][i] = exp_neg(s[j][i] - top);
+                sum += s[j][i];
+            }
+            l[j] = l[j] * shrink + sum;
+            m[j] = top;
+            if (shrink != 1.0f) {
+                float* a = acc + j * hd;
+#pragma omp simd
+                for (int64_t d = 0; d < hd; ++d) a[d] *= shrink;
+            }
+        }
+        for (int i = 0; i < n; ++i) {
+            const int64_t p = t0 + i;
+            const P* v = vh + (table[p / bs] * bs + p % bs) * hd;
+#pragma omp simd
+            for (int64_t d = 0; d < hd; ++d) row[d] = load(v, d);
+            for (int j = 0; j < group; ++j) {
+                const float w = s[j][i];
+                float* a = acc + j * hd;
+#pragma omp simd
+                for (int64_t d = 0; d < hd; ++d) a[d] += w * row[d];
+            }
+        }
+    }
+}
+
+#ifdef __AVX512F__
+// The same work item with AVX-512, for heads of NC × 16 values: each tile's keys and values widened to fp32 once
+// (bf16) or read where they lie (fp32); a head's scores 16 positions at a time, the 16 dot products' lanes summed
+// together (`reduce16`) rather than one by one; a head's accumulator held in registers across a tile's values.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// lane i of the result: the sum of v[i]'s 16 lanes (pairs within 128-bit lanes, then across them)
+inline __m512 reduce16(const __m512* v) {
+    __m512 x[8], y[4], z[2];
+    for (int i = 0; i < 8; ++i)
+        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)
+        y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; ++i)
+        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+
+template <int NC, typename P>
+void attend_chunk_avx512(const float* q, const P* kpool, const P* vpool, const int64_t* table, int64_t h,
+                         int64_t slots, int64_t bs, int group, int64_t p0, int64_t p1, float* acc, float* m,
+                         float* l) {
+    constexpr int HD = NC * 16;
+    alignas(64) float s[MAX_GROUP][TILE];
+    alignas(64) float wide[TILE * HD];  // a bf16 tile's rows in fp32
+    const float* rows[TILE];
+    for (int j = 0; j < group; ++j) {
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+        for (int d = 0; d < HD; ++d) acc[j * HD + d] = 0.0f;
+    }
+    const P* kh = kpool + h * slots * HD;
+    const P* vh = vpool + h * slots * HD;
+    auto widen = [&](const P* base, int64_t t0, int n) {  // the tile's rows, as fp32 pointers
+        for (int i = 0; i < n; ++i) {
+            const int64_t p = t0 + i;
+            const P* src = base + (table[p / bs] * bs + p % bs) * HD;
+            if constexpr (sizeof(P) == 4) {
+                rows[i] = reinterpret_cast<const float*>(src);
+            } else {
+                for (int c = 0; c < NC; ++c) _mm512_store_ps(wide + i * HD + c * 16, load16(src + c * 16));
+                rows[i] = wide + i * HD;
+            }
+        }
+    };
+    for (int64_t t0 = p0; t0 < p1; t0 += TILE) {
+        const int n = static_cast<int>(p1 - t0 < TILE ? p1 - t0 : TILE);
+        widen(kh, t0, n);
+        for (int j = 0; j < group; ++j) {
+            __m512 qv[NC];
+            for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q + j * HD + c * 16);
+            for (int i0 = 0; i0 < n; i0 += 16) {
+                __m512 dots[16];
+                for (int i = 0; i < 16; ++i) {
+                    __m512 a = _mm512_setzero_ps();
+                    if (i0 + i < n)
+                        for (int c = 0; c < NC; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(rows[i0 + i] + c * 16), a);
+                    dots[i] = a;
+                }
+                _mm512_store_ps(&s[j][i0], reduce16(dots));
+            }
+        }
+        for (int j = 0; j < group; ++j) {  // the online softmax, as in `attend_chunk`
+            float top = m[j];
+            for (int i = 0; i < n; ++i) top = s[j][i] > top ? s[j][i] : top;
+            const float shrink = m[j] == -INFINITY ? 0.0f : exp_neg(m[j] - top);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int i = 0; i < n; ++i) {
+                s[j][i] = exp_neg(s[j][i] - top);
+                sum += s[j][i];
+            }
+            l[j] = l[j] * shrink + sum;
+            m[j] = top;
+            float* a = acc + j * HD;
+            for (int d = 0; d < HD; ++d) a[d] *= shrink;
+        }
+        widen(vh, t0, n);
+        for (int j = 0; j < group; ++j) {
+            __m512 av[NC];
+            float* a = acc + j * HD;
+            for (int c = 0; c < NC; ++c) av[c] = _mm512_loadu_ps(a + c * 16);
+            for (int i = 0; i < n; ++i) {
+                const __m512 w = _mm512_set1_ps(s[j][i]);
+                for (int c = 0; c < NC; ++c) av[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(rows[i] + c * 16), av[c]);
+            }
+            for (int c = 0; c < NC; ++c) _mm512_storeu_ps(a + c * 16, av[c]);
+        }
+    }
+}
+#endif
+
+// The work item through the widest path this build has for heads of `hd` values.
+template <typename P>
+void attend_item(const float* q, const P* kpool, const P* vpool, const int64_t* table, int64_t h, int64_t slots,
+                 int64_t hd, int64_t bs, int group, int64_t p0, int64_t p1, float* acc, float* m, float* l) {
+#ifdef __AVX512F__
+    if (hd == 64) return attend_chunk_avx512<4>(q, kpool, vpool, table, h, slots, bs, group, p0, p1, acc, m, l);
+    if (hd == 128) return attend_chunk_avx512<8>(q, kpool, vpool, table, h, slots, bs, group, p0, p1, acc, m, l);
+    if (hd == 32) return attend_chunk_avx512<2>(q, kpool, vpool, table, h, slots, bs, group, p0, p1, acc, m, l);
+#endif
+    attend_chunk(q, kpool, vpool, table, h, slots, hd, bs, group, p0, p1, acc, m, l);
+}
+
+template <typename P, typename Q>
+void run(const Q* q, int64_t q_row, int64_t q_head, const P* kpool, const P* vpool, const int64_t* table,
+         int64_t nb, const int64_t* lens, Q* out, int64_t R, int64_t nh, int64_t nkv, int64_t hd, int64_t slots,
+         int64_t bs, float scale, int64_t chunk, int threads) {
+    const int group = static_cast<int>(nh / nkv);
+    // chunks per row: positions split so that every row's longest has at most `chunk` a piece
+    int64_t longest = 0;
+    for (int64_t r = 0; r < R; ++r) longest = lens[r] > longest ? lens[r] : longest;
+    const int64_t C = longest <= chunk ? 1 : (longest + chunk - 1) / chunk;
+    const int64_t items = R * nkv * C;
+    const int64_t part = group * (hd + 2);  // per item: acc (group, hd), then m (group), l (group)
+    std::vector<float> parts(C > 1 ? items * part : 0);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t it = 0; it < items; ++it) {
+        const int64_t c = it % C, h = (it / C) % nkv, r = it / (C * nkv);
+        const int64_t len = lens[r];
+        const int64_t p0 = c * chunk, p1 = (c + 1) * chunk < len ? (c + 1) * chunk : len;
+        float qf[MAX_GROUP * MAX_HD];
+        float local[MAX_GROUP * (MAX_HD + 2)];
+        float* acc = C > 1 ? parts.data() + it * part : local;
+        float* m = acc + group * hd;
+        float* l = m + group;
+        if (p0 >= p1) {  // a short row's empty chunk
+            for (int j = 0; j < group; ++j) {
+                m[j] = -INFINITY;
+                l[j] = 0.0f;
+            }
+            continue;
+        }
+        for (int j = 0; j < group; ++j) {
+            const Q* qj = q + r * q_row + (h * group + j) * q_head;
+            for (int64_t d = 0; d < hd; ++d) qf[j * hd + d] = load(qj, d) * scale;
+        }
+        attend_item(qf, kpool, vpool, table + r * nb, h, slots, hd, bs, group, p0, p1, acc, m, l);
+        if (C == 1) {
+            for (int j = 0; j < group; ++j) {
+                Q* o = out + (r * nh + h * group + j) * hd;
+                const float inv = 1.0f / l[j];
+                for (int64_t d = 0; d < hd; ++d) {
+                    const float y = acc[j * hd + d] * inv;
+                    if constexpr (sizeof(Q) == 2) o[d] = float_to_bf16(y); else o[d] = y;
+                }
+            }
+        }
+    }
+    if (C == 1) return;
+#pragma omp parallel for num_threads(threads)
+    for (int64_t rh = 0; rh < R * nkv; ++rh) {  // merge the chunks of (row, KV head) by their maxima and sums
+        const int64_t r = rh / nkv, h = rh % nkv;
+        const float* base = parts.data() + rh * C * part;
+        for (int j = 0; j < group; ++j) {
+            float top = -INFINITY;
+            for (int64_t c = 0; c < C; ++c) {
+                const float mc = base[c * part + group * hd + j];
+                top = mc > top ? mc : top;
+            }
+            float y[MAX_HD] = {0.0f};
+            float total = 0.0f;
+            for (int64_t c = 0; c < C; ++c) {
+                const float* pc = base + c * part;
+                const float mc = pc[group * hd + j];
+                if (mc == -INFINITY) continue;
+                const float w = exp_neg(mc - top);
+                total += w * pc[group * hd + group + j];
+                for (int64_t d = 0; d < hd; ++d) y[d] += w * pc[j * hd + d];
+            }
+            Q* o = out + (r * nh + h * group + j) * hd;
+            const float inv = 1.0f / total;
+            for (int64_t d = 0; d < hd; ++d) {
+                if constexpr (sizeof(Q) == 2) o[d] = float_to_bf16(y[d] * inv); else o[d] = y[d] * inv;
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// The limits a caller checks before calling (models/native.py).
+int meshlm_paged_decode_limits(int which) { return which == 0 ? MAX_GROUP : MAX_HD; }
+
+// q (R rows, nh heads, hd) with strides q_row, q_head (elements; each head's hd contiguous); kpool, vpool (nkv,
+// slots, hd) contiguous; table (R, nb) contiguous block ids; lens (R) positions each row sees; out (R, nh, hd)
+// contiguous. dtype: 0 fp32 (q, pool and out), 1 bf16 (all three). chunk: the most positions one work item reads.
+int meshlm_paged_decode(const void* q, int64_t q_row, int64_t q_head, const void* kpool, const void* vpool,
+                        const int64_t* table, int64_t nb, const int64_t* lens, void* out, int64_t R, int64_t nh,
+                        int64_t nkv, int64_t hd, int64_t slots, int64_t bs, float scale, int64_t chunk, int dtype,
+                        int threads) {
+    if (nkv <= 0 || nh % nkv != 0 || nh / nkv > MAX_GROUP || hd > MAX_HD || chunk <= 0) return 1;
+    if (dtype == 0)
+        run(static_cast<const float*>(q), q_row, q_head, static_cast<const float*>(kpool),
+            static_cast<const float*>(vpool), table, nb, lens, static_cast<float*>(out), R, nh, nkv, hd, slots, bs,
+            scale, chunk, threads);
+    else if (dtype == 1)
+        run(static_cast<const uint16_t*>(q), q_row, q_head, static_cast<const uint16_t*>(kpool),
+            static_cast<const uint16_t*>(vpool), table, nb, lens, static_cast<uint16_t*>(out), R, nh, nkv, hd, slots,
+            bs, scale, chunk, threads);
+    else
+        return 2;
+    return 0;
+}
+}

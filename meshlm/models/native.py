@@ -1,0 +1,149 @@
+"""meshlm's own CPU kernels: C++ sources in `models/kernels/`, compiled on first use and loaded with ctypes.
+
+Decoding rows attend over the paged pool in place (`kernels/paged_decode.cpp`): each row's keys and values are
+read through its block table where they lie, instead of being gathered into a copy first (models/paged.py). The
+source is plain C++ with no PyTorch headers, so it builds in about a second with the compiler PyTorch's Inductor
+uses (`CXX`, else `c++`/`g++`/`clang++` on the PATH), for this CPU (`-march=native`) and with OpenMP. The
+shared library goes to `$MESHLM_KERNEL_CACHE` (default `~/.cache/meshlm/kernels`), named by a digest of the
+source, the flags, the compiler and this CPU's feature flags, so another CPU or a changed source builds its own;
+it is written under a temporary name and renamed, so processes that build it at once never load half a file.
+Its OpenMP calls go to the runtime PyTorch has already loaded (`libgomp.so.1` is matched by name), so the
+kernel's parallel regions run on the engine thread's one pool (`infer/openmp.py`).
+
+Where no compiler is found or the build fails, `paged_decode()` is None, the reason is in `unavailable()`, and
+attention takes the gathering path it always had; `MESHLM_PAGED_KERNEL=0` chooses that path on purpose.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent / "kernels" / "paged_decode.cpp"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared",
+         "-fPIC"]
+# positions one work item reads before a row is split across work items (split-K: `kernels/paged_decode.cpp`);
+# 128 keeps a 1-16 row step's work spread over the threads, 64 rows x a few KV heads fill them anyway
+CHUNK = 128
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def enabled() -> bool:
+    """Whether in-place decoding attention may be used (`MESHLM_PAGED_KERNEL=0` turns it off)."""
+    return os.environ.get("MESHLM_PAGED_KERNEL", "1") != "0"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MESHLM_KERNEL_CACHE") or Path.home() / ".cache" / "meshlm" / "kernels")
+
+
+def compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build(cxx: str) -> Path:
+    version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True).stdout
+    digest = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode())
+    target = cache_dir() / f"paged_decode-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], check=False, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cxx} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load():
+    if not enabled():
+        return None, "MESHLM_PAGED_KERNEL=0"
+    cxx = compiler()
+    if cxx is None:
+        return None, "no C++ compiler on the PATH (set CXX)"
+    try:
+        lib = ctypes.CDLL(str(_build(cxx)))
+    except (OSError, RuntimeError) as err:
+        return None, str(err)
+    fn = lib.meshlm_paged_decode
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
+                   ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    limits = (lib.meshlm_paged_decode_limits(0), lib.meshlm_paged_decode_limits(1))
+    return (fn, limits), ""
+
+
+def paged_decode():
+    """(the kernel's ctypes function, (most query heads per KV head, widest head)), built and loaded once per
+    process; None where it cannot be (`unavailable()` says why)."""
+    if "kernel" not in _state:
+        with _lock:
+            if "kernel" not in _state:
+                _state["kernel"], _state["why"] = _load()
+    return _state["kernel"]
+
+
+def unavailable() -> str:
+    """Why `paged_decode()` is None ('' when it is not)."""
+    paged_decode()
+    return _state["why"]
+
+
+def supports(q: torch.Tensor, pool: torch.Tensor) -> bool:
+    """Whether the kernel takes queries `q` over pool tensor `pool` (nkv, slots, hd): on a CPU, both fp32 or both
+    bf16, each head's values contiguous, and the heads within the kernel's limits."""
+    kernel = paged_decode()
+    if kernel is None or q.device.type != "cpu" or q.dtype != pool.dtype or q.dtype not in DTYPES:
+        return False
+    nh, nkv, hd = q.shape[1], pool.shape[0], pool.shape[2]
+    max_group, max_hd = kernel[1]
+    return nh % nkv == 0 and nh // nkv <= max_group and hd <= max_hd and q.shape[-1] == hd and q.stride(-1) == 1
+
+
+def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
+           block_size: int, scale: float) -> torch.Tensor:
+    """softmax(q kᵀ · scale) v for R decoding rows read in place: q (R, nh, 1, hd), the pool's k and v (nkv, slots,
+    hd) contiguous, table (R, nb) int64 block ids, lens (R,) int64 positions row r sees (its first lens[r]) →
+    (R, nh, 1, hd) in q's dtype. Call only where `supports(q, k)`."""
+    fn = paged_decode()[0]
+    R, nh, _, hd = q.shape
+    nkv, slots, _ = k.shape
+    table, lens = table.contiguous(), lens.contiguous()
+    out = torch.empty((R, nh, 1, hd), dtype=q.dtype)
+    status = fn(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), table.data_ptr(), table.shape[1],
+                lens.data_ptr(), out.data_ptr(), R, nh, nkv, hd, slots, block_size, scale, CHUNK, DTYPES[q.dtype],
+                torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"meshlm_paged_decode refused its arguments (status {status})")
+    return out

@@ -1,0 +1,109 @@
+"""meshlm's in-place decoding attention (`models/native.py`, `models/kernels/paged_decode.cpp`) against PyTorch's
+kernel in float64 over the same keys gathered: the paged engine's decoding rows take it wherever it builds.
+
+Tolerances: fp32 within 2e-6 (fp32 sums in another order over at most 700 keys of unit-scale scores), bf16
+within one bf16 rounding of the output (2^-8 relative, the kernel computes in fp32 and rounds once at the end).
+A wrong slot, a missed position or a head read from the wrong KV head moves an output by order 0.1."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshlm.models import native
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    assert native.paged_decode() is not None, native.unavailable()
+
+
+def pool_and_rows(R, nh, nkv, hd, lens, dtype, bs=16, blocks=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(nkv, blocks * bs, hd, generator=g).to(dtype)
+    v = torch.randn(nkv, blocks * bs, hd, generator=g).to(dtype)
+    nb = -(-max(lens) // bs)
+    table = torch.randperm(blocks, generator=g)[:R * nb].view(R, nb)  # scattered, each row its own blocks
+    q = torch.randn(R, 1, nh, hd, generator=g).to(dtype).transpose(1, 2)  # (R, nh, 1, hd), strided as the model's
+    return q, k, v, table, torch.tensor(lens)
+
+
+def reference(q, k, v, table, lens, bs, scale):
+    R, nb = table.shape
+    slots = (table[:, :, None] * bs + torch.arange(bs)).reshape(R, -1)
+    keys, values = k[:, slots].transpose(0, 1).double(), v[:, slots].transpose(0, 1).double()
+    mask = (torch.arange(nb * bs)[None, :] < lens[:, None])[:, None, None, :]
+    return F.scaled_dot_product_attention(q.double(), keys, values, attn_mask=mask, enable_gqa=True, scale=scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("nh, nkv, hd", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 3, 32), (4, 2, 24)],
+                         ids=["mha-64", "gqa3-64", "gqa4-128", "gqa2-32", "odd-24"])
+@pytest.mark.parametrize("lens", [[700], [1, 16, 17, 250, 5], [130] * 3], ids=["one-long", "mixed", "split"])
+def test_decode_equals_sdpa_over_the_gathered_keys(dtype, nh, nkv, hd, lens):
+    """Every head layout the kernel has a path for (AVX-512 at head widths 32/64/128, the portable loop at 24),
+    rows of 1 to 700 positions (past `native.CHUNK`: a row split across work items and merged), in fp32 and bf16."""
+    q, k, v, table, lt = pool_and_rows(len(lens), nh, nkv, hd, lens, dtype)
+    scale = 0.7 * hd ** -0.5
+    out = native.decode(q, k, v, table, lt, 16, scale)
+    assert out.shape == (len(lens), nh, 1, hd) and out.dtype == dtype
+    ref = reference(q, k, v, table, lt, 16, scale)
+    if dtype == torch.float32:
+        assert (out.double() - ref).abs().max() <= 2e-6
+    else:
+        assert ((out.double() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-3).all()
+
+
+def test_a_row_reads_its_own_positions_only():
+    """Values beyond a row's length, and in blocks it does not hold, never reach its output: poisoned with NaN."""
+    q, k, v, table, lt = pool_and_rows(3, 4, 2, 64, [20, 33, 7], torch.float32)
+    used = torch.zeros(k.shape[1], dtype=torch.bool)
+    for r, n in enumerate(lt.tolist()):
+        for p in range(n):
+            used[table[r, p // 16] * 16 + p % 16] = True
+    k2, v2 = k.clone(), v.clone()
+    k2[:, ~used], v2[:, ~used] = float("nan"), float("nan")
+    out = native.decode(q, k2, v2, table, lt, 16, 0.125)
+    assert torch.isfinite(out).all()
+    assert (out.double() - reference(q, k, v, table, lt, 16, 0.125)).abs().max() <= 2e-6
+
+
+def test_supports_names_what_the_kernel_takes():
+    q, k, _, _, _ = pool_and_rows(2, 4, 2, 64, [3, 4], torch.float32)
+    assert native.supports(q, k)
+    assert not native.supports(q.to(torch.bfloat16), k)  # dtypes differ
+    assert not native.supports(q.half(), k.half())  # fp16: not a kernel dtype
+    assert not native.supports(q[..., :32], k)  # head widths differ
+    q17, k17, *_ = pool_and_rows(1, 17, 1, 8, [3], torch.float32)
+    assert not native.supports(q17, k17)  # 17 query heads over one KV head: past its group limit
+
+
+def test_no_compiler_leaves_the_gathering_path(tmp_path):
+    """With no compiler to build it, the kernel is None, the reason is given, and attention gathers as before
+    (a fresh interpreter: the kernel is loaded once per process)."""
+    code = ("import torch\nfrom meshlm.models import native\n"
+            "q = torch.zeros(1, 2, 1, 8); k = torch.zeros(2, 16, 8)\n"
+            "assert native.paged_decode() is None and not native.supports(q, k)\n"
+            "print(native.unavailable())\n")
+    env = {"PATH": str(tmp_path), "CXX": "", "MESHLM_KERNEL_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "no C++ compiler" in done.stdout
+    env["MESHLM_PAGED_KERNEL"] = "0"
+    done = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "MESHLM_PAGED_KERNEL=0" in done.stdout, done.stderr
+
+
+def test_the_library_is_built_once_into_its_cache(tmp_path, monkeypatch):
+    """The build goes to `MESHLM_KERNEL_CACHE` under a name made of what it was built from, and a second load
+    finds it there instead of compiling again."""
+    monkeypatch.setenv("MESHLM_KERNEL_CACHE", str(tmp_path))
+    cxx = native.compiler()
+    first = native._build(cxx)
+    assert first.parent == tmp_path and first.exists() and list(tmp_path.iterdir()) == [first]
+    stamp = first.stat().st_mtime_ns
+    assert native._build(cxx) == first and first.stat().st_mtime_ns == stamp
