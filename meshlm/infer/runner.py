@@ -27,6 +27,7 @@ import torch
 
 from meshlm.core.kv_cache import kv_groups
 from meshlm.infer.scheduler import ForwardPlan
+from meshlm.models import native
 from meshlm.models.paged import STEP, Batch, PagedKV
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class Runner:
         self.windows = kv_groups(model.cfg) if hasattr(model, "cfg") else (0, 0)
         self.device = next(model.parameters()).device
         self.kv = PagedKV(model, num_blocks, block_size, local_blocks)
+        if self.device.type == "cpu":  # the in-place decoding kernel, built (about a second, once) before any step
+            native.paged_decode()
         self.step_fn = self._dense
         self.compile_s = 0.0
         if compile and adapters is None and tp_group is None:
