@@ -6,9 +6,12 @@ model sees them as N rows of one token each, with per-row positions, so every li
 the tokens of the step. In attention each layer's `PagedCache.update_and_attend` (the one cache interface,
 `models/cache.py`):
 - writes each token's key and value into its slot (block × block_size + offset) of the pool;
-- for each group of sequences with the same number of tokens (all the decoding rows; the rows verifying k
-  drafts): gathers each row's blocks by its block table (padded to the longest) into a reused buffer, then one
-  masked attention call;
+- decoding rows (one token each) of a plain layer read the pool in place: meshlm's kernel reads each row's keys
+  and values through its block table where they lie (`models/native.py`, `kernels/paged_decode.cpp`), every
+  row's whole table, shared prefix blocks included, so no cascade is needed;
+- for any other group of sequences with the same number of tokens (the rows verifying k drafts; decoding rows
+  where the kernel cannot run: no compiler, an fp16 pool, a window, sinks, a latent cache): gathers each row's
+  blocks by its block table (padded to the longest) into a reused buffer, then one masked attention call;
 - for a longer run (a prefill chunk): gathers its sequence's keys up to its last token, causal attention from
   the run's offset.
 A layer with a sliding window or sinks gets the same masks and applies its band in its core (`visible_keys`);
@@ -88,6 +91,11 @@ class PagedKV:
         # window, no sinks)
         self.rows_in_graph = not local_blocks and all(
             v is not None and not _banded(layer.attn.core) for (_, v, _, _), layer in zip(self.layers, model.layers))
+        # each layer's softmax scale, and whether the one-token graph's rows read the pool in place too (the
+        # kernel of `models/native.py` takes every layer's pool), through the operator `row_decode`
+        self.scales = [_scale(layer.attn.core, width) for (_, _, width, _), layer in zip(self.layers, model.layers)]
+        self.rows_in_place = self.rows_in_graph and all(
+            native.takes_pool(k, layer.attn.n_heads) for (k, _, _, _), layer in zip(self.layers, model.layers))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for k, v, _, _ in self.layers for t in (k, v) if t is not None)
@@ -115,6 +123,11 @@ class PagedKV:
         of every position it sees (0 to its own) in order."""
         g = batch.groups[0]
         bs = self.block_size
+        if self.rows_in_place:  # its block table (2 entries at least: a graph's sizes are dynamic from 2) and length
+            table = g.blocks if g.blocks.shape[1] > 1 else torch.nn.functional.pad(g.blocks, (0, 1))
+            lens = torch.tensor([g.keys], dtype=torch.long, device=g.blocks.device)
+            return [RowCache(k, v, batch.slots, None, (table, lens, bs, scale))
+                    for (k, v, _, _), scale in zip(self.layers, self.scales)]
         index = (g.blocks[0, :, None] * bs + torch.arange(bs, device=g.blocks.device)).reshape(-1)[:g.keys]
         return [RowCache(k, v, batch.slots, index) for k, v, _, _ in self.layers]
 
@@ -402,6 +415,24 @@ def _paged_attention_shape(q, k, v, layer, value_dim):
     return q.new_empty(*q.shape[:-1], value_dim)
 
 
+LIBRARY.define("row_decode(Tensor q, Tensor k, Tensor v, Tensor table, Tensor lens, int block_size, float scale) "
+               "-> Tensor")
+
+
+def row_decode(q, k, v, table, lens, block_size, scale):
+    """`native.decode` as an operator of the compiled one-token graph (`RowCache`): the row's queries over the
+    pool's keys and values read in place, after the graph has written its own key and value into them."""
+    return native.decode(q, k, v, table, lens, block_size, scale)
+
+
+LIBRARY.impl("row_decode", row_decode, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("meshlm::row_decode", lib=LIBRARY)
+def _row_decode_shape(q, k, v, table, lens, block_size, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
 class OpaqueCache(AttentionCache):
     """Layer `layer`'s cache as a compiled step traces it: `update_and_attend` is the one operator
     `paged_attention`, so the whole step (embedding, every layer, the head) is one graph with each layer's paged
@@ -421,15 +452,20 @@ class RowCache(AttentionCache):
     graph inputs, so the key and value are written in place (`index_put_` on the input, which Inductor keeps in
     place) and read through the slot index by the kernels Inductor generates, with no Python between the layers.
     The layer's own core attends (plain: `PagedKV.rows_in_graph`), a 16-bit one on fp32 values as `attend_16bit`
-    does for one row."""
+    does for one row. Where meshlm's kernel takes the pool (`PagedKV.rows_in_place`), `in_place` holds the row's
+    block table, length, block size and scale instead of a slot index, and the operator `row_decode` reads the
+    pool in place."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, index: torch.Tensor):
-        self.k, self.v, self.slot, self.index = k, v, slot, index
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, index: torch.Tensor | None,
+                 in_place: tuple | None = None):
+        self.k, self.v, self.slot, self.index, self.in_place = k, v, slot, index, in_place
 
     def update_and_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, start, core,
                           mask: torch.Tensor | None = None) -> torch.Tensor:
         self.k[:, self.slot] = k[:, :, 0].transpose(0, 1).to(self.k.dtype)  # (nkv, 1, hd) into its slot
         self.v[:, self.slot] = v[:, :, 0].transpose(0, 1).to(self.v.dtype)
+        if self.in_place is not None:  # (block table, length, block size, scale): the pool read in place
+            return torch.ops.meshlm.row_decode(q, self.k, self.v, *self.in_place)
         keys, values = self.k[:, self.index][None], self.v[:, self.index][None]  # (1, nkv, L, hd)
         if q.dtype.itemsize < 4 and q.device.type == "cpu":
             return core(q.float(), keys.float(), values.float(), False).to(q.dtype)

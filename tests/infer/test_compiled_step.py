@@ -112,22 +112,29 @@ def test_a_second_compiled_runner_keeps_each_models_tokens(model):
             assert out.output_ids == alone(m, prompt, 8)
 
 
-def test_a_single_row_attends_inside_the_graph(model, monkeypatch):
-    """A step of one token past the first attends inside the compiled graph (`RowCache`: the pool written and
-    read by the graph's own kernels): the eager attention operator runs for the prompt's chunk only, and every
-    token is still the single request's."""
-    from meshlm.models import paged
+@pytest.mark.parametrize("in_place", [False, True], ids=["slot-index", "in-place"])
+def test_a_single_row_attends_inside_the_graph(model, in_place, monkeypatch):
+    """A step of one token past the first attends inside the compiled graph (`RowCache`: the pool written by the
+    graph, read by its own kernels through the slot index, or in place by meshlm's kernel as the operator
+    `row_decode`): the eager attention operator runs for the prompt's chunk only, and every token is still the
+    single request's."""
+    from meshlm.models import native, paged
 
-    calls = []
-    inner = paged.PagedCache.update_and_attend
+    calls, placed = [], []
+    inner, decode = paged.PagedCache.update_and_attend, native.decode
     monkeypatch.setattr(paged.PagedCache, "update_and_attend", lambda self, *a, **k: calls.append(1) or inner(self, *a, **k))
+    monkeypatch.setattr(native, "decode", lambda *a: placed.append(1) or decode(*a))
+    if not in_place:
+        monkeypatch.setattr(native, "takes_pool", lambda pool, n_heads: False)
     engine = Engine(model, Ids(), max_seqs=2, options=CacheOptions(block_size=4, compile=True))
-    assert engine.runner.kv.rows_in_graph
+    assert engine.runner.kv.rows_in_graph and engine.runner.kv.rows_in_place == in_place, native.unavailable()
     calls.clear()
+    placed.clear()
     prompt = [3, 1, 4, 1, 5, 9]
     out = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     assert out.output_ids == alone(model, prompt, 12)
     assert len(calls) == CONFIG.n_layers  # the prompt's one chunk; none of the eleven one-token steps
+    assert len(placed) == (11 * CONFIG.n_layers if in_place else 0)
 
 
 GC_SCRIPT = textwrap.dedent("""

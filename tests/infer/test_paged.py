@@ -85,21 +85,29 @@ def run(model, kv, batch, ids):
     return model.head(x)[:, 0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["slot-index", "in-place"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_a_one_token_step_through_the_slot_index_equals_the_plain_forward(name):
+def test_a_one_token_step_through_the_slot_index_equals_the_plain_forward(name, dtype):
     """`RowCache`, the attention of a compiled one-token step (its key and value written into the pool, the
-    positions it sees read through the slot index, the layer's core over them), run eagerly: the plain forward's
-    logits (float64, 1e-10), with grouped KV heads (llama) and the core's own scale (`attn_scale_dim`: 1/√24)."""
+    positions it sees read through the slot index, the layer's core over them; or, for an fp32 pool, read in
+    place by `row_decode`, meshlm's kernel), run eagerly: the plain forward's logits (float64 within 1e-10, fp32
+    within 1e-5), with grouped KV heads (llama) and the core's own scale (`attn_scale_dim`: 1/√24)."""
+    from meshlm.models import native
+
     torch.manual_seed(0)
-    model = GPT(dataclasses.replace(CONFIGS[name], attn_scale_dim=24)).eval().double()
+    model = GPT(dataclasses.replace(CONFIGS[name], attn_scale_dim=24)).eval().to(dtype)
     bs, kv = 4, PagedKV(model, 16, 4)
     seq, table = prompts_of([9], seed=5)[0], [6, 2, 9]
     assert kv.rows_in_graph
+    assert kv.rows_in_place == (dtype == torch.float32), native.unavailable()
     run(model, kv, Batch([(list(range(8)), table)], bs, "cpu"), seq[:8])  # the prompt's keys into the pool
     batch = Batch([([8], table)], bs, "cpu")
     x = model.embed(torch.tensor(seq[8:])[:, None], batch.positions)
-    x = model.run_layers(x, None, kv.row_caches(batch), batch.positions, model.rope(9))
-    torch.testing.assert_close(model.head(x)[0, 0], model(torch.tensor([seq]))[0, 8], rtol=0, atol=1e-10)
+    caches = kv.row_caches(batch)
+    assert all((c.in_place is not None) == kv.rows_in_place for c in caches)
+    x = model.run_layers(x, None, caches, batch.positions, model.rope(9))
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(model.head(x)[0, 0], model(torch.tensor([seq]))[0, 8], rtol=0, atol=tol)
 
 
 def test_the_pool_shares_prefixes_counts_references_and_evicts_oldest_first():
