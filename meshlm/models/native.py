@@ -97,8 +97,8 @@ def _load():
         return None, str(err)
     fn = lib.meshlm_paged_decode
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
-                   ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+                   i64, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
     limits = (lib.meshlm_paged_decode_limits(0), lib.meshlm_paged_decode_limits(1))
     return (fn, limits), ""
@@ -141,18 +141,20 @@ def takes_pool(pool: torch.Tensor, n_heads: int) -> bool:
 
 
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
-           block_size: int, scale: float) -> torch.Tensor:
+           block_size: int, scale: float, lse: bool = False):
     """softmax(q kᵀ · scale) v for R decoding rows read in place: q (R, nh, 1, hd), the pool's k and v (nkv, slots,
-    hd) contiguous, table (R, nb) int64 block ids, lens (R,) int64 positions row r sees (its first lens[r]) →
-    (R, nh, 1, hd) in q's dtype. Call only where `supports(q, k)`."""
+    hd) contiguous, table (R, nb) int64 block ids, lens (R,) int64 positions row r sees (its first lens[r], at
+    least 1) → (R, nh, 1, hd) in q's dtype; with `lse`, (that, each head's log-sum-exp of its scaled scores (R,
+    nh) in fp32), to merge with attention over other keys. Call only where `supports(q, k)`."""
     fn = paged_decode()[0]
     R, nh, _, hd = q.shape
     nkv, slots, _ = k.shape
     table, lens = table.contiguous(), lens.contiguous()
     out = torch.empty((R, nh, 1, hd), dtype=q.dtype)
+    sums = torch.empty((R, nh), dtype=torch.float32) if lse else None
     status = fn(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), table.data_ptr(), table.shape[1],
-                lens.data_ptr(), out.data_ptr(), R, nh, nkv, hd, slots, block_size, scale, CHUNK, DTYPES[q.dtype],
-                torch.get_num_threads())
+                lens.data_ptr(), out.data_ptr(), None if sums is None else sums.data_ptr(), R, nh, nkv, hd, slots,
+                block_size, scale, CHUNK, DTYPES[q.dtype], torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"meshlm_paged_decode refused its arguments (status {status})")
-    return out
+    return out if sums is None else (out, sums)

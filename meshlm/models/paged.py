@@ -157,6 +157,7 @@ class Group:
     # row's whole block table (else `blocks` is): what attention read in place takes (`models/native.py`)
     lens: torch.Tensor | None = None
     table: torch.Tensor | None = None
+    own_lens: torch.Tensor | None = None  # a cascade's: the positions of each row's own blocks (`blocks`)
     # the gather indices of `blocks` and of `shared`, by pool shape: built by the first layer, read by the rest
     index: dict = field(default_factory=dict, repr=False)
     shared_index: dict = field(default_factory=dict, repr=False)
@@ -228,7 +229,7 @@ class Batch:
             mask = (torch.arange(width * bs, device=device)[None, :] < (seen - shift)[:, None])[:, None, None, :]
             return Group(start, len(rows), 1, torch.tensor(table, dtype=torch.long, device=device), mask, width * bs,
                          shared=torch.tensor(rows[0][1][:common], dtype=torch.long, device=device), shared_keys=shift,
-                         lens=seen, table=blocks)
+                         lens=seen, table=blocks, own_lens=seen - shift)
         first = torch.tensor([pos[0] for pos, _ in rows], dtype=torch.long, device=device)
         query = first[:, None] + torch.arange(T, device=device)  # (R, T) positions
         keys = torch.arange(width * bs, device=device)
@@ -313,8 +314,9 @@ class PagedCache(AttentionCache):
         """Group `g`'s queries q (R, nh, T, hd) over their keys → (R, nh, T, value width). Decoding rows of a plain
         core read the pool in place where meshlm's kernel runs (`models/native.py`); every other group gathers."""
         if g.lens is not None and self.v is not None and _plain(core) and native.supports(q, self.k):
-            table = g.blocks if g.table is None else g.table
-            return native.decode(q, self.k, self.v, table, g.lens, self.batch.block_size, _scale(core, q.shape[-1]))
+            if g.shared is not None:  # the shared prefix by matrix products for all rows, each row's own keys in place
+                return self.cascade(q, g, _scale(core, q.shape[-1]), in_place=True)
+            return native.decode(q, self.k, self.v, g.blocks, g.lens, self.batch.block_size, _scale(core, q.shape[-1]))
         if g.shared is not None and not _banded(core):
             return self.cascade(q, g, _scale(core, q.shape[-1]))
         if g.shared is not None:  # a sliding window or sinks: the core sees the shared keys with the rest
@@ -337,10 +339,12 @@ class PagedCache(AttentionCache):
             return masked_attention(q, keys.to(q.dtype), values.to(q.dtype), g.mask, _scale(core, q.shape[-1]))
         return core(q.float(), keys.float(), values.float(), g.causal, g.mask).to(q.dtype)
 
-    def cascade(self, q: torch.Tensor, g: Group, scale: float) -> torch.Tensor:
+    def cascade(self, q: torch.Tensor, g: Group, scale: float, in_place: bool = False) -> torch.Tensor:
         """Decoding rows q (R, nh, 1, hd) over their shared first blocks and then their own: softmax attention
         (scores times `scale`) split in two parts by keys and merged by their log-sum-exps. The shared keys are
-        read once for all the rows (one matrix product), not copied once per row."""
+        read once for all the rows (one matrix product), not copied once per row; each row's own keys are
+        gathered, or with `in_place` read where they lie by meshlm's kernel (`models/native.py`), which returns
+        its part normalized with its log-sum-exp."""
         R, nh, _, hd = q.shape
         nkv = self.k.shape[0]
         qh = q[:, :, 0].reshape(R, nkv, nh // nkv, hd)  # a KV head's query heads together (GQA)
@@ -351,6 +355,14 @@ class PagedCache(AttentionCache):
         ep = (sp - mp).exp()
         shared = (mp, ep.sum(-1, keepdim=True), torch.matmul(ep, values[0].to(q.dtype)))  # before the next gather
         parts = [tuple(t.view(nkv, R, -1, t.shape[-1]).transpose(0, 1) for t in shared)]  # (R, nkv, group, ·)
+        if in_place:
+            own, lse = native.decode(q, self.k, self.v, g.blocks, g.own_lens, self.batch.block_size, scale, lse=True)
+            m1, l1, o1 = (t.float() for t in parts[0])
+            lse = lse.view(R, nkv, nh // nkv, 1)
+            m = torch.maximum(m1, lse)
+            a, b = (m1 - m).exp(), (lse - m).exp()
+            out = (o1 * a + own.view(R, nkv, nh // nkv, hd).float() * b) / (l1 * a + b)
+            return out.to(q.dtype).reshape(R, nh, 1, self.value_dim)
         keys, values = self.gather(g.blocks, g.keys, g.index)  # (R, nkv, S, hd): the buffer is free again
         ss = (torch.matmul(qh, keys.to(q.dtype).transpose(-1, -2)) * scale).masked_fill(~g.mask, float("-inf"))
         ms = ss.amax(-1, keepdim=True)

@@ -67,15 +67,15 @@ def test_a_step_of_cascade_rows_only_runs_as_one_forward(kv_heads, in_place, mon
     returns that group's output as the layer's: with one query head per KV head (4 of 4) the cascade's result
     was a view, whose strides the compiled graph's check refused, so each such step failed and ran again one
     request at a time (the same tokens, slowly; counted in `split_steps`). The operator's result is contiguous.
-    Where the rows read the pool in place (`models/native.py`) the group's whole tables go to the kernel instead
-    of the cascade: one forward a step too, the same tokens."""
+    Where the rows read the pool in place (`models/native.py`) the shared blocks are still one matrix product and
+    each row's own blocks go to the kernel: one forward a step too, the same tokens."""
     from meshlm.models import native, paged
 
     cascades = []
     inner = paged.PagedCache.cascade if not in_place else native.decode
     if in_place:
         assert native.paged_decode() is not None, native.unavailable()
-        monkeypatch.setattr(native, "decode", lambda *a: cascades.append(1) or inner(*a))
+        monkeypatch.setattr(native, "decode", lambda *a, **k: cascades.append(1) or inner(*a, **k))
     else:
         monkeypatch.setattr(native, "supports", lambda q, pool: False)
         monkeypatch.setattr(paged.PagedCache, "cascade", lambda self, *a: cascades.append(1) or inner(self, *a))
@@ -123,7 +123,7 @@ def test_a_single_row_attends_inside_the_graph(model, in_place, monkeypatch):
     calls, placed = [], []
     inner, decode = paged.PagedCache.update_and_attend, native.decode
     monkeypatch.setattr(paged.PagedCache, "update_and_attend", lambda self, *a, **k: calls.append(1) or inner(self, *a, **k))
-    monkeypatch.setattr(native, "decode", lambda *a: placed.append(1) or decode(*a))
+    monkeypatch.setattr(native, "decode", lambda *a, **k: placed.append(1) or decode(*a, **k))
     if not in_place:
         monkeypatch.setattr(native, "takes_pool", lambda pool, n_heads: False)
     engine = Engine(model, Ids(), max_seqs=2, options=CacheOptions(block_size=4, compile=True))

@@ -68,7 +68,7 @@ def test_bf16_engine_decodes_as_the_bf16_model_recomputing_everything(cfg, rows,
     if in_place:
         assert native.paged_decode() is not None, native.unavailable()
         decode = native.decode
-        monkeypatch.setattr(native, "decode", lambda q, *a: native_calls.append(q.dtype) or decode(q, *a))
+        monkeypatch.setattr(native, "decode", lambda q, *a, **k: native_calls.append(q.dtype) or decode(q, *a, **k))
     else:
         monkeypatch.setattr(native, "supports", lambda q, pool: False)
     sdpa, attend_16bit, inside = torch.nn.functional.scaled_dot_product_attention, paged.PagedCache.attend_16bit, []

@@ -58,6 +58,30 @@ def test_decode_equals_sdpa_over_the_gathered_keys(dtype, nh, nkv, hd, lens):
         assert ((out.double() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-3).all()
 
 
+@pytest.mark.parametrize("lens", [[700, 40], [40, 129]], ids=["split", "whole"])
+def test_the_log_sum_exp_merges_with_attention_over_other_keys(lens):
+    """With `lse` the kernel also returns each head's log-sum-exp of its scaled scores: the float64 one, and what
+    a cascade needs to merge this part with attention over other keys (here: two halves of one row's blocks,
+    merged, equal the whole)."""
+    q, k, v, table, lt = pool_and_rows(2, 6, 2, 64, lens, torch.float32)
+    out, lse = native.decode(q, k, v, table, lt, 16, 0.125, lse=True)
+    slots = (table[:, :, None] * 16 + torch.arange(16)).reshape(2, -1)
+    for r, n in enumerate(lens):
+        keys = k[:, slots[r, :n]].double().repeat_interleave(3, dim=0)  # (nh, n, hd)
+        scores = torch.einsum("hd,hnd->hn", q[r, :, 0].double(), keys) * 0.125
+        assert (lse[r].double() - scores.logsumexp(-1)).abs().max() <= 1e-5
+    first = torch.tensor([16 * (n // 32) for n in lens])  # each row's first half of whole blocks
+    o1, l1 = native.decode(q, k, v, table, first, 16, 0.125, lse=True)
+    rest = table.clone()
+    rest[:, :-1] = table[:, 1:]  # the rest: from block first / 16 on
+    for r, f in enumerate(first.tolist()):
+        rest[r, :table.shape[1] - f // 16] = table[r, f // 16:]
+    o2, l2 = native.decode(q, k, v, rest, lt - first, 16, 0.125, lse=True)
+    m = torch.maximum(l1, l2)
+    a, b = (l1 - m).exp()[..., None, None], (l2 - m).exp()[..., None, None]
+    assert ((o1 * a + o2 * b) / (a + b) - out).abs().max() <= 2e-6
+
+
 def test_a_row_reads_its_own_positions_only():
     """Values beyond a row's length, and in blocks it does not hold, never reach its output: poisoned with NaN."""
     q, k, v, table, lt = pool_and_rows(3, 4, 2, 64, [20, 33, 7], torch.float32)
@@ -70,6 +94,17 @@ def test_a_row_reads_its_own_positions_only():
     out = native.decode(q, k2, v2, table, lt, 16, 0.125)
     assert torch.isfinite(out).all()
     assert (out.double() - reference(q, k, v, table, lt, 16, 0.125)).abs().max() <= 2e-6
+
+
+@pytest.mark.parametrize("longest", [5, 300], ids=["whole", "split"])
+def test_a_row_of_no_positions_is_zeros(longest):
+    """A row that sees nothing (length 0) gets zeros and a log-sum-exp of -inf, whether or not the step's rows
+    are split into chunks: a merge with other keys then takes those alone."""
+    q, k, v, table, lt = pool_and_rows(2, 4, 2, 64, [longest, 1], torch.float32)
+    lt[1] = 0
+    out, lse = native.decode(q, k, v, table, lt, 16, 0.125, lse=True)
+    assert (out[1] == 0).all() and (lse[1] == float("-inf")).all()
+    assert torch.isfinite(out[0]).all() and torch.isfinite(lse[0]).all()
 
 
 def test_supports_names_what_the_kernel_takes():

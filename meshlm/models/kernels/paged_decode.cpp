@@ -240,8 +240,8 @@ void attend_item(const float* q, const P* kpool, const P* vpool, const int64_t* 
 
 template <typename P, typename Q>
 void run(const Q* q, int64_t q_row, int64_t q_head, const P* kpool, const P* vpool, const int64_t* table,
-         int64_t nb, const int64_t* lens, Q* out, int64_t R, int64_t nh, int64_t nkv, int64_t hd, int64_t slots,
-         int64_t bs, float scale, int64_t chunk, int threads) {
+         int64_t nb, const int64_t* lens, Q* out, float* lse, int64_t R, int64_t nh, int64_t nkv, int64_t hd,
+         int64_t slots, int64_t bs, float scale, int64_t chunk, int threads) {
     const int group = static_cast<int>(nh / nkv);
     // chunks per row: positions split so that every row's longest has at most `chunk` a piece
     int64_t longest = 0;
@@ -260,10 +260,14 @@ void run(const Q* q, int64_t q_row, int64_t q_head, const P* kpool, const P* vpo
         float* acc = C > 1 ? parts.data() + it * part : local;
         float* m = acc + group * hd;
         float* l = m + group;
-        if (p0 >= p1) {  // a short row's empty chunk
+        if (p0 >= p1) {  // a short row's empty chunk (or an empty row: zeros, log-sum-exp -inf)
             for (int j = 0; j < group; ++j) {
                 m[j] = -INFINITY;
                 l[j] = 0.0f;
+                if (C > 1) continue;
+                Q* o = out + (r * nh + h * group + j) * hd;
+                for (int64_t d = 0; d < hd; ++d) o[d] = 0;
+                if (lse) lse[r * nh + h * group + j] = -INFINITY;
             }
             continue;
         }
@@ -275,6 +279,7 @@ void run(const Q* q, int64_t q_row, int64_t q_head, const P* kpool, const P* vpo
         if (C == 1) {
             for (int j = 0; j < group; ++j) {
                 Q* o = out + (r * nh + h * group + j) * hd;
+                if (lse) lse[r * nh + h * group + j] = m[j] + std::log(l[j]);
                 const float inv = 1.0f / l[j];
                 for (int64_t d = 0; d < hd; ++d) {
                     const float y = acc[j * hd + d] * inv;
@@ -305,7 +310,8 @@ void run(const Q* q, int64_t q_row, int64_t q_head, const P* kpool, const P* vpo
                 for (int64_t d = 0; d < hd; ++d) y[d] += w * pc[j * hd + d];
             }
             Q* o = out + (r * nh + h * group + j) * hd;
-            const float inv = 1.0f / total;
+            if (lse) lse[r * nh + h * group + j] = total > 0.0f ? top + std::log(total) : -INFINITY;
+            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
             for (int64_t d = 0; d < hd; ++d) {
                 if constexpr (sizeof(Q) == 2) o[d] = float_to_bf16(y[d] * inv); else o[d] = y[d] * inv;
             }
@@ -322,20 +328,22 @@ int meshlm_paged_decode_limits(int which) { return which == 0 ? MAX_GROUP : MAX_
 
 // q (R rows, nh heads, hd) with strides q_row, q_head (elements; each head's hd contiguous); kpool, vpool (nkv,
 // slots, hd) contiguous; table (R, nb) contiguous block ids; lens (R) positions each row sees; out (R, nh, hd)
-// contiguous. dtype: 0 fp32 (q, pool and out), 1 bf16 (all three). chunk: the most positions one work item reads.
+// contiguous; lse, when not null, (R, nh) fp32: each head's log-sum-exp of its scaled scores (to merge the output
+// with attention over other keys). dtype: 0 fp32 (q, pool and out), 1 bf16 (all three). chunk: the most
+// positions one work item reads.
 int meshlm_paged_decode(const void* q, int64_t q_row, int64_t q_head, const void* kpool, const void* vpool,
-                        const int64_t* table, int64_t nb, const int64_t* lens, void* out, int64_t R, int64_t nh,
-                        int64_t nkv, int64_t hd, int64_t slots, int64_t bs, float scale, int64_t chunk, int dtype,
-                        int threads) {
+                        const int64_t* table, int64_t nb, const int64_t* lens, void* out, float* lse, int64_t R,
+                        int64_t nh, int64_t nkv, int64_t hd, int64_t slots, int64_t bs, float scale, int64_t chunk,
+                        int dtype, int threads) {
     if (nkv <= 0 || nh % nkv != 0 || nh / nkv > MAX_GROUP || hd > MAX_HD || chunk <= 0) return 1;
     if (dtype == 0)
         run(static_cast<const float*>(q), q_row, q_head, static_cast<const float*>(kpool),
-            static_cast<const float*>(vpool), table, nb, lens, static_cast<float*>(out), R, nh, nkv, hd, slots, bs,
-            scale, chunk, threads);
+            static_cast<const float*>(vpool), table, nb, lens, static_cast<float*>(out), lse, R, nh, nkv, hd, slots,
+            bs, scale, chunk, threads);
     else if (dtype == 1)
         run(static_cast<const uint16_t*>(q), q_row, q_head, static_cast<const uint16_t*>(kpool),
-            static_cast<const uint16_t*>(vpool), table, nb, lens, static_cast<uint16_t*>(out), R, nh, nkv, hd, slots,
-            bs, scale, chunk, threads);
+            static_cast<const uint16_t*>(vpool), table, nb, lens, static_cast<uint16_t*>(out), lse, R, nh, nkv, hd,
+            slots, bs, scale, chunk, threads);
     else
         return 2;
     return 0;
