@@ -11,8 +11,8 @@ RoPE, casts and residual adds around them fused into a few loops). Each layer's 
 differs every step, is one opaque operator inside the graph (`models.paged.paged_attention`), run eagerly over
 the step's caches, which the runner hands it beside the graph (`models.paged.STEP`); a step of one token past
 its first (one client's decoding) attends inside its own graph instead (`models.paged.RowCache`: the pool and
-the row's slot index are graph inputs, written in place and read by generated kernels, no Python between the
-layers). The graphs (one per size class) are compiled at start (`compile_s`). Which tokens run, and in which blocks, is the scheduler's business
+the row's slot index are graph inputs, written in place and read by generated kernels, or by meshlm's in-place
+kernel as the operator `row_decode`; no Python between the layers). The graphs (one per size class) are compiled at start (`compile_s`). Which tokens run, and in which blocks, is the scheduler's business
 (`infer/scheduler.py`); what becomes of the logits the engine's (`infer/engine.py`).
 """
 
