@@ -58,6 +58,30 @@ inline float exp_neg(float x) {
     return p * scale;
 }
 
+// The online softmax over one tile: each query head j's scores s[j][0..n) become weights exp(s - m[j]) against its
+// running maximum m[j] (raised to the tile's), its running sum l[j] and its accumulated values acc (group, hd)
+// rescaled to that maximum.
+inline void softmax_tile(float (*s)[TILE], int group, int n, float* m, float* l, float* acc, int64_t hd) {
+    for (int j = 0; j < group; ++j) {
+        float top = m[j];
+        for (int i = 0; i < n; ++i) top = s[j][i] > top ? s[j][i] : top;
+        const float shrink = m[j] == -INFINITY ? 0.0f : exp_neg(m[j] - top);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int i = 0; i < n; ++i) {
+            s[j][i] = exp_neg(s[j][i] - top);
+            sum += s[j][i];
+        }
+        l[j] = l[j] * shrink + sum;
+        m[j] = top;
+        if (shrink != 1.0f) {
+            float* a = acc + j * hd;
+#pragma omp simd
+            for (int64_t d = 0; d < hd; ++d) a[d] *= shrink;
+        }
+    }
+}
+
 template <typename P>
 inline float load(const P* p, int64_t i);
 template <>
@@ -95,24 +119,7 @@ void attend_chunk(const float* q, const P* kpool, const P* vpool, const int64_t*
                 s[j][i] = dot;
             }
         }
-        for (int j = 0; j < group; ++j) {
-            float top = m[j];
-            for (int i = 0; i < n; ++i) top = s[j][i] > top ? s[j][i] : top;
-            const float shrink = m[j] == -INFINITY ? 0.0f : exp_neg(m[j] - top);
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int i = 0; i < n; ++i) {
-                s[j][i] = exp_neg(s[j][i] - top);
-                sum += s[j][i];
-            }
-            l[j] = l[j] * shrink + sum;
-            m[j] = top;
-            if (shrink != 1.0f) {
-                float* a = acc + j * hd;
-#pragma omp simd
-                for (int64_t d = 0; d < hd; ++d) a[d] *= shrink;
-            }
-        }
+        softmax_tile(s, group, n, m, l, acc, hd);
         for (int i = 0; i < n; ++i) {
             const int64_t p = t0 + i;
             const P* v = vh + (table[p / bs] * bs + p % bs) * hd;
@@ -196,21 +203,7 @@ void attend_chunk_avx512(const float* q, const P* kpool, const P* vpool, const i
                 _mm512_store_ps(&s[j][i0], reduce16(dots));
             }
         }
-        for (int j = 0; j < group; ++j) {  // the online softmax, as in `attend_chunk`
-            float top = m[j];
-            for (int i = 0; i < n; ++i) top = s[j][i] > top ? s[j][i] : top;
-            const float shrink = m[j] == -INFINITY ? 0.0f : exp_neg(m[j] - top);
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int i = 0; i < n; ++i) {
-                s[j][i] = exp_neg(s[j][i] - top);
-                sum += s[j][i];
-            }
-            l[j] = l[j] * shrink + sum;
-            m[j] = top;
-            float* a = acc + j * HD;
-            for (int d = 0; d < HD; ++d) a[d] *= shrink;
-        }
+        softmax_tile(s, group, n, m, l, acc, HD);
         widen(vh, t0, n);
         for (int j = 0; j < group; ++j) {
             __m512 av[NC];
