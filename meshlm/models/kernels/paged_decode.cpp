@@ -58,6 +58,15 @@ inline float exp_neg(float x) {
     return p * scale;
 }
 
+// A work item's start: no maximum yet, an empty sum, the accumulator (group, hd) zero.
+inline void begin_item(int group, int64_t hd, float* acc, float* m, float* l) {
+    for (int j = 0; j < group; ++j) {
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+        for (int64_t d = 0; d < hd; ++d) acc[j * hd + d] = 0.0f;
+    }
+}
+
 // The online softmax over one tile: each query head j's scores s[j][0..n) become weights exp(s - m[j]) against its
 // running maximum m[j] (raised to the tile's), its running sum l[j] and its accumulated values acc (group, hd)
 // rescaled to that maximum.
@@ -97,11 +106,7 @@ void attend_chunk(const float* q, const P* kpool, const P* vpool, const int64_t*
                   float* l) {
     float s[MAX_GROUP][TILE];
     float row[MAX_HD];  // one key or value row in fp32
-    for (int j = 0; j < group; ++j) {
-        m[j] = -INFINITY;
-        l[j] = 0.0f;
-        for (int64_t d = 0; d < hd; ++d) acc[j * hd + d] = 0.0f;
-    }
+    begin_item(group, hd, acc, m, l);
     const P* kh = kpool + h * slots * hd;
     const P* vh = vpool + h * slots * hd;
     for (int64_t t0 = p0; t0 < p1; t0 += TILE) {
@@ -167,11 +172,7 @@ void attend_chunk_avx512(const float* q, const P* kpool, const P* vpool, const i
     alignas(64) float s[MAX_GROUP][TILE];
     alignas(64) float wide[TILE * HD];  // a bf16 tile's rows in fp32
     const float* rows[TILE];
-    for (int j = 0; j < group; ++j) {
-        m[j] = -INFINITY;
-        l[j] = 0.0f;
-        for (int d = 0; d < HD; ++d) acc[j * HD + d] = 0.0f;
-    }
+    begin_item(group, HD, acc, m, l);
     const P* kh = kpool + h * slots * HD;
     const P* vh = vpool + h * slots * HD;
     auto widen = [&](const P* base, int64_t t0, int n) {  // the tile's rows, as fp32 pointers
