@@ -7,8 +7,8 @@ the tokens of the step. In attention each layer's `PagedCache.update_and_attend`
 `models/cache.py`):
 - writes each token's key and value into its slot (block × block_size + offset) of the pool;
 - decoding rows (one token each) of a plain layer read the pool in place: meshlm's kernel reads each row's keys
-  and values through its block table where they lie (`models/native.py`, `kernels/paged_decode.cpp`), every
-  row's whole table, shared prefix blocks included, so no cascade is needed;
+  and values through its block table where they lie (`models/native.py`, `kernels/paged_decode.cpp`); rows that
+  share a cached prefix attend as a cascade (below), the prefix by matrix products, each row's own blocks in place;
 - for any other group of sequences with the same number of tokens (the rows verifying k drafts; decoding rows
   where the kernel cannot run: no compiler, an fp16 pool, a window, sinks, a latent cache): gathers each row's
   blocks by its block table (padded to the longest) into a reused buffer, then one masked attention call;
@@ -153,11 +153,10 @@ class Group:
     causal: bool = False
     shared: torch.Tensor | None = None  # decoding rows' common first blocks (cascade attention), else None
     shared_keys: int = 0
-    # decoding rows (T = 1, no window): the positions each row sees (its first lens[r]) and, for a cascade, each
-    # row's whole block table (else `blocks` is): what attention read in place takes (`models/native.py`)
+    # decoding rows (T = 1, no window): the positions each row sees (its first lens[r]), and in a cascade the
+    # positions of each row's own blocks (`blocks`): what attention read in place takes (`models/native.py`)
     lens: torch.Tensor | None = None
-    table: torch.Tensor | None = None
-    own_lens: torch.Tensor | None = None  # a cascade's: the positions of each row's own blocks (`blocks`)
+    own_lens: torch.Tensor | None = None
     # the gather indices of `blocks` and of `shared`, by pool shape: built by the first layer, read by the rest
     index: dict = field(default_factory=dict, repr=False)
     shared_index: dict = field(default_factory=dict, repr=False)
@@ -229,7 +228,7 @@ class Batch:
             mask = (torch.arange(width * bs, device=device)[None, :] < (seen - shift)[:, None])[:, None, None, :]
             return Group(start, len(rows), 1, torch.tensor(table, dtype=torch.long, device=device), mask, width * bs,
                          shared=torch.tensor(rows[0][1][:common], dtype=torch.long, device=device), shared_keys=shift,
-                         lens=seen, table=blocks, own_lens=seen - shift)
+                         lens=seen, own_lens=seen - shift)
         first = torch.tensor([pos[0] for pos, _ in rows], dtype=torch.long, device=device)
         query = first[:, None] + torch.arange(T, device=device)  # (R, T) positions
         keys = torch.arange(width * bs, device=device)
