@@ -66,8 +66,9 @@ class Runner:
         self.windows = kv_groups(model.cfg) if hasattr(model, "cfg") else (0, 0)
         self.device = next(model.parameters()).device
         self.kv = PagedKV(model, num_blocks, block_size, local_blocks)
-        if self.device.type == "cpu":  # the in-place decoding kernel, built (about a second, once) before any step
-            native.paged_decode()
+        if self.device.type == "cpu" and native.paged_decode() is None and native.enabled():  # built once, at start
+            log.warning("decoding rows copy their keys out of the KV cache (the in-place kernel is unavailable: %s)",
+                        native.unavailable())
         self.step_fn = self._dense
         self.compile_s = 0.0
         if compile and adapters is None and tp_group is None:

@@ -120,24 +120,21 @@ def unavailable() -> str:
     return _state["why"]
 
 
-def supports(q: torch.Tensor, pool: torch.Tensor) -> bool:
-    """Whether the kernel takes queries `q` over pool tensor `pool` (nkv, slots, hd): on a CPU, both fp32 or both
-    bf16, each head's values contiguous, and the heads within the kernel's limits."""
-    if q.device.type != "cpu" or q.dtype != pool.dtype or q.dtype not in DTYPES or (kernel := paged_decode()) is None:
-        return False
-    nh, nkv, hd = q.shape[1], pool.shape[0], pool.shape[2]
-    max_group, max_hd = kernel[1]
-    return nh % nkv == 0 and nh // nkv <= max_group and hd <= max_hd and q.shape[-1] == hd and q.stride(-1) == 1
-
-
 def takes_pool(pool: torch.Tensor, n_heads: int) -> bool:
-    """Whether the kernel takes a pool tensor `pool` (nkv, slots, hd) read by `n_heads` query heads of its dtype
-    (`supports` for the queries the model will give it)."""
+    """Whether the kernel takes a pool tensor `pool` (nkv, slots, hd) read by `n_heads` query heads of its dtype:
+    on a CPU, fp32 or bf16, and the heads within the kernel's limits."""
     if pool.device.type != "cpu" or pool.dtype not in DTYPES or (kernel := paged_decode()) is None:
         return False
     max_group, max_hd = kernel[1]
     nkv, hd = pool.shape[0], pool.shape[2]
     return n_heads % nkv == 0 and n_heads // nkv <= max_group and hd <= max_hd
+
+
+def supports(q: torch.Tensor, pool: torch.Tensor) -> bool:
+    """Whether the kernel takes queries `q` (R, nh, 1, hd) over pool tensor `pool`: the pool's dtype and head
+    width, each head's values contiguous, and `takes_pool`."""
+    return (q.dtype == pool.dtype and q.shape[-1] == pool.shape[2] and q.stride(-1) == 1
+            and takes_pool(pool, q.shape[1]))
 
 
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
