@@ -31,7 +31,10 @@ p99). Requests per point: smollm2 max(8, clients), demo max(16, 2 × clients); `
 llama.cpp is restarted for each client count with as many slots (`-np N -c N*CTX -t THREADS`). A llama-server
 built from current sources has been seen to exit about ten seconds into a streamed load:
 `--llamacpp-nonstream` measures it with plain requests instead (TTFT and TPOT are then unknown; the request
-latency is reported). The llama.cpp build that ran (`llama-server --version`) is printed and kept in --json.
+latency is reported). On a CPU with AMX, llama.cpp's AMX matrix product (an "extra buffer type" for Q8_0 and
+Q4_x weights) has been seen to crash llama-server during its warm-up at load (SIGSEGV); a llama-server that dies
+of SIGSEGV at start is started once more with `--no-repack` (its extra buffer types off: on x86 that is the
+AMX path alone for Q8_0 and Q4_1, whose weights it does not repack), the row's weights say so. The llama.cpp build that ran (`llama-server --version`) is printed and kept in --json.
 Without llama-server, `python -m llama_cpp.server` (llama-cpp-python with its server extras, at
 `--llamacpp-python`) is used: one request at a time, text prompts (it takes no token ids).
 
@@ -62,7 +65,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from serve_load import WORKLOADS, Lengths, ServerProcess, corpus_ids, free_port, make_requests, run_load, warm_up
+from serve_load import (
+    WORKLOADS,
+    ExitedAtStart,
+    Lengths,
+    ServerProcess,
+    corpus_ids,
+    free_port,
+    make_requests,
+    run_load,
+    warm_up,
+)
 from smoke import add_smoke_flag, skipped, tiny_checkpoint
 
 MODEL_NAME = "bench"
@@ -260,8 +273,10 @@ def vllm_server(prep: Prepared, precision: str, args, log: Path) -> ServerProces
     return ServerProcess("vllm", cmd, env, port, log, args.startup_timeout)
 
 
-def llamacpp_server(gguf: Path, prep: Prepared, clients: int, args, log: Path) -> ServerProcess:
-    """llama-server with one slot per client, each of the model's context; or llama-cpp-python's server."""
+def llamacpp_server(gguf: Path, prep: Prepared, clients: int, args, log: Path, extra: tuple[str, ...] = ()
+                    ) -> ServerProcess:
+    """llama-server with one slot per client, each of the model's context, and the flags `extra`; or
+    llama-cpp-python's server."""
     kind, prefix, _ = args.llamacpp
     port = free_port()
     if kind == "llama-server":
@@ -270,7 +285,7 @@ def llamacpp_server(gguf: Path, prep: Prepared, clients: int, args, log: Path) -
     else:
         cmd = [*prefix, "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--n_ctx",
                str(prep.model.context), "--n_threads", str(args.threads), "--model_alias", MODEL_NAME]
-    return ServerProcess("llamacpp", cmd + shlex.split(args.llamacpp_args), dict(os.environ), port, log,
+    return ServerProcess("llamacpp", cmd + shlex.split(args.llamacpp_args) + list(extra), dict(os.environ), port, log,
                          args.startup_timeout)
 
 
@@ -318,12 +333,33 @@ def run_engine(engine: str, prep: Prepared, precision: str, args, rows: list[dic
                     args.clients, args, rows, notes)
         else:
             gguf, kind = gguf_file(prep, precision)
+            extra: tuple[str, ...] = ()
             for c in args.clients:  # as many slots as clients: a server per client count
-                server = llamacpp_server(gguf, prep, c, args, log.with_suffix(f".{c}.log"))
-                measure(server, prep, {**label, "weights": f"GGUF {kind}"}, [c], args, rows, notes)
+                while True:
+                    suffix = ".".join((str(c), *(flag.strip("-") for flag in extra)))  # a log per start
+                    server = llamacpp_server(gguf, prep, c, args, log.with_suffix(f".{suffix}.log"), extra)
+                    weights = " ".join((f"GGUF {kind}",) + extra)
+                    try:
+                        measure(server, prep, {**label, "weights": weights}, [c], args, rows, notes)
+                        break
+                    except ExitedAtStart as err:
+                        if extra or not crashed_in_extra_buffers(err, args):
+                            raise
+                        extra = ("--no-repack",)
+                        notes.append(f"llamacpp {prep.name} {precision}: llama-server crashed at load (SIGSEGV; "
+                                     f"see {server.log}); measured with --no-repack (its extra buffer types off)")
+                        print(f"  {notes[-1]}", flush=True)
     except RuntimeError as err:  # a server that does not start: say so, go on with the others
         notes.append(f"{engine} {prep.name} {precision} failed: {str(err).splitlines()[0]}")
         print(f"  {engine} failed: {err}", file=sys.stderr, flush=True)
+
+
+def crashed_in_extra_buffers(err: ExitedAtStart, args) -> bool:
+    """Whether llama-server's exit at start is the crash --no-repack avoids (module docstring): a SIGSEGV, of a
+    llama-server whose flags do not already turn its extra buffer types off."""
+    flags = shlex.split(args.llamacpp_args)
+    return (args.llamacpp[0] == "llama-server" and err.code == -signal.SIGSEGV
+            and not {"--no-repack", "-nr"} & set(flags))
 
 
 def table(rows: list[dict]) -> str:

@@ -221,6 +221,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ExitedAtStart(RuntimeError):
+    """A server process that ended before it answered; `code` is its exit status (negative: the signal)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
 class ServerProcess:
     """A server command in its own session (process group), its output in `log`, ready once GET /v1/models
     answers 200; `stop` ends the whole group (SIGINT, then SIGTERM, then SIGKILL), so no worker it forked
@@ -241,7 +249,8 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 code = self.proc.returncode
                 self.stop()
-                raise RuntimeError(f"{self.name} exited with {code} at start; the end of {self.log}:\n{self.tail()}")
+                raise ExitedAtStart(f"{self.name} exited with {code} at start; the end of {self.log}:\n{self.tail()}",
+                                    code)
             try:
                 with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
                     if r.status == 200:

@@ -166,3 +166,37 @@ def test_serve_compare_refuses_negative_waves_before_any_work():
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.strip() == "serve_compare: --requests 0 and --waves -1 must be >= 0 (0: the model's default)"
+
+
+def test_serve_compare_restarts_a_llama_server_that_segfaults_at_load_with_no_repack(tmp_path):
+    """A server that dies of SIGSEGV before it answers raises `ExitedAtStart` carrying the signal; serve_compare
+    takes that, from llama-server without --no-repack/-nr, for the crash of llama.cpp's AMX path (restarted once
+    with --no-repack), and any other exit for a failure."""
+    script = r"""
+import argparse, signal, sys
+from pathlib import Path
+sys.path.insert(0, "benchmarks")
+from serve_compare import crashed_in_extra_buffers
+from serve_load import ExitedAtStart, ServerProcess, free_port
+
+def exit_of(command):
+    try:
+        with ServerProcess("llamacpp", ["sh", "-c", command], {}, free_port(), Path(sys.argv[1]), 30):
+            return None
+    except ExitedAtStart as err:
+        return err
+
+def args(kind, flags=""):
+    return argparse.Namespace(llamacpp=(kind, [], ""), llamacpp_args=flags)
+
+segv, plain = exit_of("kill -SEGV $$"), exit_of("exit 3")
+print(segv.code, plain.code, crashed_in_extra_buffers(segv, args("llama-server")),
+      crashed_in_extra_buffers(segv, args("llama-server", "--no-repack")),
+      crashed_in_extra_buffers(segv, args("llama-server", "-t 2 -nr")),
+      crashed_in_extra_buffers(segv, args("llama-cpp-python")), crashed_in_extra_buffers(plain, args("llama-server")))
+"""
+    log = tmp_path / "server.log"
+    run = subprocess.run([sys.executable, "-c", script, str(log)], cwd=ROOT, check=False, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["-11", "3", "True", "False", "False", "False", "False"]
