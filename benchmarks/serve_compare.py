@@ -34,7 +34,8 @@ built from current sources has been seen to exit about ten seconds into a stream
 latency is reported). On a CPU with AMX, llama.cpp's AMX matrix product (an "extra buffer type" for Q8_0 and
 Q4_x weights) has been seen to crash llama-server during its warm-up at load (SIGSEGV); a llama-server that dies
 of SIGSEGV at start is started once more with `--no-repack` (its extra buffer types off: on x86 that is the
-AMX path alone for Q8_0 and Q4_1, whose weights it does not repack), the row's weights say so. The llama.cpp build that ran (`llama-server --version`) is printed and kept in --json.
+AMX path alone for Q8_0 and Q4_1, whose weights it does not repack), and the row's weights say so. The
+llama.cpp build that ran (`llama-server --version`) is printed and kept in --json.
 Without llama-server, `python -m llama_cpp.server` (llama-cpp-python with its server extras, at
 `--llamacpp-python`) is used: one request at a time, text prompts (it takes no token ids).
 
