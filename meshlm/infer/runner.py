@@ -162,7 +162,11 @@ class Runner:
     def layouts(self, plan: ForwardPlan) -> tuple[Batch, Batch | None]:
         """The step's layout (`Batch`) and, when the local layers hold a pool of their own, theirs: the same
         positions through their own block tables (`plan.local_tables`), read within their window."""
-        batch = Batch(plan.rows, self.block_size, self.device, window=self.windows[0])
+        # where every layer reads decoding rows in place, rows sharing a prefix read it each in place too: meshlm's
+        # kernel over the whole table beats the cascade's products over the shared keys, gathered once a layer,
+        # at 16 and 64 rows (RESULTS.md, "The kernel's slot arithmetic")
+        batch = Batch(plan.rows, self.block_size, self.device, window=self.windows[0],
+                      cascade=not self.kv.rows_in_place)
         if not plan.local_tables:
             return batch, None
         rows = [(pos, table) for (pos, _), table in zip(plan.rows, plan.local_tables)]

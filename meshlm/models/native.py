@@ -101,12 +101,15 @@ def _load():
                    i64, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
     limits = (lib.meshlm_paged_decode_limits(0), lib.meshlm_paged_decode_limits(1))
-    return (fn, limits), ""
+    writer = lib.meshlm_paged_write
+    writer.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+    writer.restype = ctypes.c_int
+    return (fn, limits, writer), ""
 
 
 def paged_decode():
-    """(the kernel's ctypes function, (most query heads per KV head, widest head)), built and loaded once per
-    process; None where it cannot be (`unavailable()` says why)."""
+    """(the kernel's ctypes function, (most query heads per KV head, widest head), the slot writer's ctypes
+    function), built and loaded once per process; None where it cannot be (`unavailable()` says why)."""
     if "kernel" not in _state:
         with _lock:
             if "kernel" not in _state:
@@ -155,3 +158,27 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tenso
     if status != 0:
         raise RuntimeError(f"meshlm_paged_decode refused its arguments (status {status})")
     return out if sums is None else (out, sums)
+
+
+def writes(new: torch.Tensor, pool: torch.Tensor) -> bool:
+    """Whether `write` takes new rows `new` (N, nkv, 1, hd) into pool tensor `pool` (nkv, slots, hd): on a CPU, the
+    pool contiguous and of the rows' dtype, each row's head values contiguous, and the kernel built."""
+    return (new.device.type == "cpu" and new.dtype == pool.dtype and new.stride(-1) == 1 and pool.is_contiguous()
+            and new.shape[-1] == pool.shape[2] and new.shape[1] == pool.shape[0] and paged_decode() is not None)
+
+
+def write(k: torch.Tensor, v: torch.Tensor | None, kpool: torch.Tensor, vpool: torch.Tensor | None,
+          slots: torch.Tensor) -> None:
+    """Token t's keys k[t] (nkv, 1, hd) into slot slots[t] of every head of `kpool` (nkv, slots, hd), its values
+    likewise into `vpool` (None: a pool of keys only): `kpool.index_copy_(1, slots, k[:, :, 0].transpose(0, 1))`
+    without the strided copy's set-up. Call only where `writes(k, kpool)` (and `writes(v, vpool)`)."""
+    fn = paged_decode()[2]
+    slots = slots.contiguous()
+    nkv, total, hd = kpool.shape
+    status = fn(k.data_ptr(), k.stride(0), k.stride(1), None if v is None else v.data_ptr(),
+                0 if v is None else v.stride(0), 0 if v is None else v.stride(1), kpool.data_ptr(),
+                None if vpool is None else vpool.data_ptr(), slots.data_ptr(), slots.shape[0], nkv, hd, total,
+                kpool.element_size())
+    if status != 0:
+        raise IndexError(f"meshlm_paged_write: a slot outside the pool's {total}")
+

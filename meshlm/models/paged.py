@@ -5,10 +5,13 @@ give one token (decoding), others a run of tokens (a prefill chunk, or a token a
 model sees them as N rows of one token each, with per-row positions, so every linear layer is one GEMM over all
 the tokens of the step. In attention each layer's `PagedCache.update_and_attend` (the one cache interface,
 `models/cache.py`):
-- writes each token's key and value into its slot (block × block_size + offset) of the pool;
+- writes each token's key and value into its slot (block × block_size + offset) of the pool (meshlm's slot
+  writer on a CPU, `native.write`; `index_copy_` elsewhere);
 - decoding rows (one token each) of a plain layer read the pool in place: meshlm's kernel reads each row's keys
-  and values through its block table where they lie (`models/native.py`, `kernels/paged_decode.cpp`); rows that
-  share a cached prefix attend as a cascade (below), the prefix by matrix products, each row's own blocks in place;
+  and values through its block table where they lie (`models/native.py`, `kernels/paged_decode.cpp`). Where
+  every layer does, rows that share a cached prefix read it in place too, each through its own table (the
+  runner's `Batch(cascade=False)`); where some layer cannot, they attend as a cascade (below): the prefix by
+  matrix products once for all the rows, each row's own blocks in place or gathered;
 - for any other group of sequences with the same number of tokens (the rows verifying k drafts; decoding rows
   where the kernel cannot run: no compiler, an fp16 pool, a window, sinks, a latent cache): gathers each row's
   blocks by its block table (padded to the longest) into a reused buffer, then one masked attention call;
@@ -170,11 +173,13 @@ class Batch:
     Built from plain sequences (positions: a list or a range; block tables: lists or tuples), what a
     tensor-parallel leader broadcasts. `window` W > 0: every layer reading this layout is local (sliding window
     W), so a row reads its blocks from the first one holding position first − W + 1 on (the scheduler may have
-    freed the ones before: `infer/scheduler.py`), and attention costs the window, not the whole sequence."""
+    freed the ones before: `infer/scheduler.py`), and attention costs the window, not the whole sequence.
+    `cascade` False: decoding rows that share first blocks still read them each through its own table (what the
+    runner asks for where every layer's decoding rows are read in place: `PagedKV.rows_in_place`)."""
 
     def __init__(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]], block_size: int, device,
-                 group_max: int = 16, window: int = 0):
-        self.block_size, self.window = block_size, window
+                 group_max: int = 16, window: int = 0, cascade: bool = True):
+        self.block_size, self.window, self.cascade = block_size, window, cascade
         positions, slots = [], []
         for pos, blocks in rows:
             positions.extend(pos)
@@ -219,7 +224,7 @@ class Batch:
         seen = torch.tensor(ends, dtype=torch.long, device=device) if T == 1 else None
         if len(rows) == 1 and T == 1:  # one decoding row: it sees every key up to its own, no mask
             return Group(start, 1, 1, blocks, None, ends[0], lens=seen)
-        common = self._common(rows) if T == 1 and len(rows) > 1 else 0
+        common = self._common(rows) if self.cascade and T == 1 and len(rows) > 1 else 0
         if common:  # cascade: the shared blocks once for every row, then each row's own
             own = [(pos, b[common:]) for pos, b in rows]
             shift = common * bs
@@ -296,9 +301,12 @@ class PagedCache(AttentionCache):
         (N, 1, 1, kv_lora_rank + d_r) and `v` None. `start` (the tokens' positions) and `mask` are unused: the
         step's `Batch` holds each token's position, slot and visible keys."""
         b = self.batch
-        self.k.index_copy_(1, b.slots, k[:, :, 0].transpose(0, 1).to(self.k.dtype))
-        if self.v is not None:
-            self.v.index_copy_(1, b.slots, v[:, :, 0].transpose(0, 1).to(self.v.dtype))
+        if native.writes(k, self.k) and (self.v is None or native.writes(v, self.v)):  # meshlm's slot writer
+            native.write(k, v, self.k, self.v, b.slots)
+        else:
+            self.k.index_copy_(1, b.slots, k[:, :, 0].transpose(0, 1).to(self.k.dtype))
+            if self.v is not None:
+                self.v.index_copy_(1, b.slots, v[:, :, 0].transpose(0, 1).to(self.v.dtype))
         if len(b.groups) == 1 and b.groups[0].T == 1:  # decoding rows only: their output is the whole output
             return self.attend(q, b.groups[0], core)
         out = q.new_empty(q.shape[:-1] + (self.value_dim,))

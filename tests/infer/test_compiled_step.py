@@ -63,22 +63,26 @@ def test_compiled_and_eager_steps_give_the_single_request_tokens(model, compile)
 @pytest.mark.parametrize("in_place", [False, True], ids=["cascade", "in-place"])
 @pytest.mark.parametrize("kv_heads", [2, 4])
 def test_a_step_of_cascade_rows_only_runs_as_one_forward(kv_heads, in_place, monkeypatch):
-    """Decoding rows that all share a prompt's first blocks are one cascade group, and the attention operator
-    returns that group's output as the layer's: with one query head per KV head (4 of 4) the cascade's result
-    was a view, whose strides the compiled graph's check refused, so each such step failed and ran again one
-    request at a time (the same tokens, slowly; counted in `split_steps`). The operator's result is contiguous.
-    Where the rows read the pool in place (`models/native.py`) the shared blocks are still one matrix product and
-    each row's own blocks go to the kernel: one forward a step too, the same tokens."""
+    """Decoding rows that all share a prompt's first blocks are one cascade group where the kernel cannot read
+    them in place, and the attention operator returns that group's output as the layer's: with one query head
+    per KV head (4 of 4) the cascade's result was a view, whose strides the compiled graph's check refused, so
+    each such step failed and ran again one request at a time (the same tokens, slowly; counted in
+    `split_steps`). The operator's result is contiguous. Where every layer reads the pool in place
+    (`models/native.py`) there is no cascade: each row's whole table (the shared blocks, then its own) goes to the
+    kernel. One forward a step either way, the same tokens."""
     from meshlm.models import native, paged
 
-    cascades = []
-    inner = paged.PagedCache.cascade if not in_place else native.decode
+    calls = {"cascade": 0, "kernel": 0}
+    cascade, decode = paged.PagedCache.cascade, native.decode
+    monkeypatch.setattr(paged.PagedCache, "cascade",
+                        lambda self, *a, **k: calls.__setitem__("cascade", calls["cascade"] + 1) or cascade(self, *a, **k))
     if in_place:
         assert native.paged_decode() is not None, native.unavailable()
-        monkeypatch.setattr(native, "decode", lambda *a, **k: cascades.append(1) or inner(*a, **k))
+        monkeypatch.setattr(native, "decode",
+                            lambda *a, **k: calls.__setitem__("kernel", calls["kernel"] + 1) or decode(*a, **k))
     else:
         monkeypatch.setattr(native, "supports", lambda q, pool: False)
-        monkeypatch.setattr(paged.PagedCache, "cascade", lambda self, *a: cascades.append(1) or inner(self, *a))
+        monkeypatch.setattr(native, "takes_pool", lambda pool, n_heads: False)
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(CONFIG, n_kv_heads=kv_heads)).eval()
     g = torch.Generator().manual_seed(2)
@@ -87,7 +91,8 @@ def test_a_step_of_cascade_rows_only_runs_as_one_forward(kv_heads, in_place, mon
     engine = Engine(model, Ids(), max_seqs=4, options=CacheOptions(block_size=4, compile=True))
     engine.generate([system + [1]], SamplingParams(max_tokens=1, temperature=0))  # the prefix's blocks, cached
     outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    assert cascades  # the rows did attend as a cascade (or in place)
+    # the rows attended as a cascade, or in place and never as one
+    assert (calls["cascade"] > 0, calls["kernel"] > 0) == ((False, True) if in_place else (True, False))
     assert engine.stats["split_steps"] == 0
     for prompt, out in zip(prompts, outs):
         assert out.output_ids == alone(model, prompt, 8)

@@ -58,6 +58,52 @@ def test_decode_equals_sdpa_over_the_gathered_keys(dtype, nh, nkv, hd, lens):
         assert ((out.double() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-3).all()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_many_rows_of_long_positions_are_read_whole(threads):
+    """With at least 8 (row, KV head) pairs a thread the kernel no longer splits rows into chunks: each work item
+    reads its row's every position, past `native.CHUNK` (rows of 1 to 700 positions; the same rows split at 8
+    threads give the same output)."""
+    lens = [700, 1, 129, 128, 300, 17, 640, 256]
+    q, k, v, table, lt = pool_and_rows(len(lens), 8, 4, 64, lens, torch.float32, blocks=400)  # 32 pairs: split from 5 threads
+    ref = reference(q, k, v, table, lt, 16, 0.125)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        whole, lse = native.decode(q, k, v, table, lt, 16, 0.125, lse=True)
+        torch.set_num_threads(8)
+        split, lse_split = native.decode(q, k, v, table, lt, 16, 0.125, lse=True)
+    finally:
+        torch.set_num_threads(before)
+    assert (whole.double() - ref).abs().max() <= 2e-6 and (split.double() - ref).abs().max() <= 2e-6
+    assert (lse - lse_split).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_write_puts_each_tokens_keys_and_values_in_its_slots(dtype):
+    """`native.write` does what `index_copy_` along the pool's slot dimension does, from the strided views a
+    fused projection hands over (each head's values contiguous), for every KV head; a pool of keys only (a latent
+    layer's) takes `v` None; a slot outside the pool is refused before anything is written."""
+    g = torch.Generator().manual_seed(3)
+    nkv, hd, total = 3, 64, 160
+    kpool, vpool = torch.randn(nkv, total, hd, generator=g).to(dtype), torch.randn(nkv, total, hd, generator=g).to(dtype)
+    fused = torch.randn(5, 2 * nkv + 1, 1, hd, generator=g).to(dtype)  # (N, heads of k, v and one more, 1, hd)
+    k, v = fused[:, :nkv], fused[:, nkv:2 * nkv]
+    slots = torch.tensor([7, 0, 159, 64, 33])
+    assert native.writes(k, kpool) and native.writes(v, vpool) and not k.is_contiguous()
+    want_k, want_v = kpool.clone(), vpool.clone()
+    want_k.index_copy_(1, slots, k[:, :, 0].transpose(0, 1))
+    want_v.index_copy_(1, slots, v[:, :, 0].transpose(0, 1))
+    native.write(k, v, kpool, vpool, slots)
+    assert torch.equal(kpool, want_k) and torch.equal(vpool, want_v)
+    latent = torch.zeros(1, total, hd, dtype=dtype)
+    native.write(k[:, :1], None, latent, None, slots)
+    assert torch.equal(latent[0, slots], k[:, 0, 0]) and latent.abs().sum(-1).count_nonzero() == 5
+    with pytest.raises(IndexError, match="outside the pool"):
+        native.write(k, v, kpool, vpool, torch.tensor([1, total]))
+    assert not native.writes(k.float() if dtype != torch.float32 else k.double(), kpool)  # dtypes differ
+    assert not native.writes(k.transpose(-1, -2), kpool)  # a head's values not contiguous
+
+
 @pytest.mark.parametrize("lens", [[700, 40], [40, 129]], ids=["split", "whole"])
 def test_the_log_sum_exp_merges_with_attention_over_other_keys(lens):
     """With `lse` the kernel also returns each head's log-sum-exp of its scaled scores: the float64 one, and what

@@ -4,8 +4,11 @@
 // table[r][p / bs] * bs + p % bs. The pool is head-major, (nkv, slots, hd), as models/paged.py keeps it. Each KV
 // head's `group` query heads read its keys and values once: a pass over the row's positions in tiles, scores
 // in fp32, an online softmax (running maximum and sum, the accumulator rescaled when the maximum grows), the
-// values summed in fp32. Work items are (row, KV head, chunk of positions): with few rows a row's positions are
-// split into chunks, each with its own maximum and sum, merged at the end as split-K decoding attention does.
+// values summed in fp32. Work items are (row, KV head, chunk of positions): with fewer (row, KV head) pairs than 8
+// a thread a row's positions are split into chunks, each with its own maximum and sum, merged at the end as
+// split-K decoding attention does. A position's slot comes from its block and offset, stepped along a tile, not
+// divided out per position (a 64-bit division a position cost a third of the kernel's time). `meshlm_paged_write`
+// writes a step's new keys and values into their slots before the layer attends.
 // Plain C++ (no PyTorch headers): loaded with ctypes, compiled with the same compiler and OpenMP runtime that
 // PyTorch's Inductor uses, so its parallel region runs on the process's one OpenMP pool.
 
@@ -73,6 +76,7 @@ inline void begin_item(int group, int64_t hd, float* acc, float* m, float* l) {
 inline void softmax_tile(float (*s)[TILE], int group, int n, float* m, float* l, float* acc, int64_t hd) {
     for (int j = 0; j < group; ++j) {
         float top = m[j];
+#pragma omp simd reduction(max : top)
         for (int i = 0; i < n; ++i) top = s[j][i] > top ? s[j][i] : top;
         const float shrink = m[j] == -INFINITY ? 0.0f : exp_neg(m[j] - top);
         float sum = 0.0f;
@@ -111,9 +115,8 @@ void attend_chunk(const float* q, const P* kpool, const P* vpool, const int64_t*
     const P* vh = vpool + h * slots * hd;
     for (int64_t t0 = p0; t0 < p1; t0 += TILE) {
         const int n = static_cast<int>(p1 - t0 < TILE ? p1 - t0 : TILE);
-        for (int i = 0; i < n; ++i) {
-            const int64_t p = t0 + i;
-            const P* k = kh + (table[p / bs] * bs + p % bs) * hd;
+        for (int64_t i = 0, b = t0 / bs, off = t0 % bs; i < n; ++i, off = off + 1 == bs ? 0 : off + 1, b += off == 0) {
+            const P* k = kh + (table[b] * bs + off) * hd;
 #pragma omp simd
             for (int64_t d = 0; d < hd; ++d) row[d] = load(k, d);  // widened once for the group's heads
             for (int j = 0; j < group; ++j) {
@@ -125,9 +128,8 @@ void attend_chunk(const float* q, const P* kpool, const P* vpool, const int64_t*
             }
         }
         softmax_tile(s, group, n, m, l, acc, hd);
-        for (int i = 0; i < n; ++i) {
-            const int64_t p = t0 + i;
-            const P* v = vh + (table[p / bs] * bs + p % bs) * hd;
+        for (int64_t i = 0, b = t0 / bs, off = t0 % bs; i < n; ++i, off = off + 1 == bs ? 0 : off + 1, b += off == 0) {
+            const P* v = vh + (table[b] * bs + off) * hd;
 #pragma omp simd
             for (int64_t d = 0; d < hd; ++d) row[d] = load(v, d);
             for (int j = 0; j < group; ++j) {
@@ -176,9 +178,13 @@ void attend_chunk_avx512(const float* q, const P* kpool, const P* vpool, const i
     const P* kh = kpool + h * slots * HD;
     const P* vh = vpool + h * slots * HD;
     auto widen = [&](const P* base, int64_t t0, int n) {  // the tile's rows, as fp32 pointers
+        int64_t b = t0 / bs, off = t0 % bs;  // the tile's first block and offset: no division per position
         for (int i = 0; i < n; ++i) {
-            const int64_t p = t0 + i;
-            const P* src = base + (table[p / bs] * bs + p % bs) * HD;
+            const P* src = base + (table[b] * bs + off) * HD;
+            if (++off == bs) {
+                off = 0;
+                ++b;
+            }
             if constexpr (sizeof(P) == 4) {
                 rows[i] = reinterpret_cast<const float*>(src);
             } else {
@@ -240,18 +246,22 @@ void run(const Q* q, int64_t q_row, int64_t q_head, const P* kpool, const P* vpo
     // chunks per row: positions split so that every row's longest has at most `chunk` a piece
     int64_t longest = 0;
     for (int64_t r = 0; r < R; ++r) longest = lens[r] > longest ? lens[r] : longest;
-    const int64_t C = longest <= chunk ? 1 : (longest + chunk - 1) / chunk;
+    // enough (row, KV head) pairs to keep every thread busy: no split
+    const int64_t C = longest <= chunk || R * nkv >= 8 * threads ? 1 : (longest + chunk - 1) / chunk;
+    const int64_t span = C == 1 ? longest : chunk;  // positions a work item reads
     const int64_t items = R * nkv * C;
     const int64_t part = group * (hd + 2);  // per item: acc (group, hd), then m (group), l (group)
-    std::vector<float> parts(C > 1 ? items * part : 0);
+    static thread_local std::vector<float> scratch;  // reused: a fresh one per call costs page faults
+    if (C > 1 && scratch.size() < static_cast<size_t>(items * part)) scratch.resize(items * part);
+    float* parts = scratch.data();
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t it = 0; it < items; ++it) {
         const int64_t c = it % C, h = (it / C) % nkv, r = it / (C * nkv);
         const int64_t len = lens[r];
-        const int64_t p0 = c * chunk, p1 = (c + 1) * chunk < len ? (c + 1) * chunk : len;
+        const int64_t p0 = c * span, p1 = (c + 1) * span < len ? (c + 1) * span : len;
         float qf[MAX_GROUP * MAX_HD];
         float local[MAX_GROUP * (MAX_HD + 2)];
-        float* acc = C > 1 ? parts.data() + it * part : local;
+        float* acc = C > 1 ? parts + it * part : local;
         float* m = acc + group * hd;
         float* l = m + group;
         if (p0 >= p1) {  // a short row's empty chunk (or an empty row: zeros, log-sum-exp -inf)
@@ -286,7 +296,7 @@ void run(const Q* q, int64_t q_row, int64_t q_head, const P* kpool, const P* vpo
 #pragma omp parallel for num_threads(threads)
     for (int64_t rh = 0; rh < R * nkv; ++rh) {  // merge the chunks of (row, KV head) by their maxima and sums
         const int64_t r = rh / nkv, h = rh % nkv;
-        const float* base = parts.data() + rh * C * part;
+        const float* base = parts + rh * C * part;
         for (int j = 0; j < group; ++j) {
             float top = -INFINITY;
             for (int64_t c = 0; c < C; ++c) {
@@ -316,6 +326,28 @@ void run(const Q* q, int64_t q_row, int64_t q_head, const P* kpool, const P* vpo
 }  // namespace
 
 extern "C" {
+
+// The step's new keys and values into their slots: token t's KV head h from knew + t * k_row + h * k_head (and
+// vnew likewise; each head's hd values contiguous) to the pools' slot slots[t] of head h. vpool and vnew null: a
+// pool of keys only. elsize: bytes per value (the pools' and the new rows' dtype, the same). What
+// `index_copy_` along the pool's slot dimension does, without its strided-copy set-up (tens of microseconds a
+// layer when the new rows come as views of the layer's fused projection).
+int meshlm_paged_write(const void* knew, int64_t k_row, int64_t k_head, const void* vnew, int64_t v_row,
+                       int64_t v_head, void* kpool, void* vpool, const int64_t* slots, int64_t N, int64_t nkv,
+                       int64_t hd, int64_t total, int64_t elsize) {
+    const int64_t row = hd * elsize;
+    for (int64_t t = 0; t < N; ++t) {
+        if (slots[t] < 0 || slots[t] >= total) return 1;
+        for (int64_t h = 0; h < nkv; ++h) {
+            std::memcpy(static_cast<char*>(kpool) + (h * total + slots[t]) * row,
+                        static_cast<const char*>(knew) + (t * k_row + h * k_head) * elsize, row);
+            if (vpool)
+                std::memcpy(static_cast<char*>(vpool) + (h * total + slots[t]) * row,
+                            static_cast<const char*>(vnew) + (t * v_row + h * v_head) * elsize, row);
+        }
+    }
+    return 0;
+}
 
 // The limits a caller checks before calling (models/native.py).
 int meshlm_paged_decode_limits(int which) { return which == 0 ? MAX_GROUP : MAX_HD; }
