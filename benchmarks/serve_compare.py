@@ -67,6 +67,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from serve_load import (
+    CLIENTS,
     WORKLOADS,
     ExitedAtStart,
     Lengths,
@@ -304,12 +305,13 @@ def measure(server: ServerProcess, prep: Prepared, label: dict, clients: list[in
     as_text = prep.tokenizer.decode if (server.name == "llamacpp" and args.llamacpp[0] != "llama-server") else None
     with server:
         print(f"  {server.name} up after {server.startup_took:.0f} s", flush=True)
-        warm_up(server.url, MODEL_NAME, prep.model.lengths.longest(), stream=stream, as_text=as_text)
+        warm_up(server.url, MODEL_NAME, prep.model.lengths.longest(), stream=stream, as_text=as_text,
+                client=args.client)
         for workload in args.workloads:
             for c in clients:
                 prompts = make_requests(workload, prep.ids, n_requests(prep.model, c, args), prep.model.lengths, c)
                 r = asyncio.run(run_load(server.url, MODEL_NAME, [as_text(p) for p in prompts] if as_text
-                                         else prompts, c, args.max_tokens, stream=stream))
+                                         else prompts, c, args.max_tokens, stream=stream, client=args.client))
                 rows.append({**label, "workload": workload, **asdict(r)})
                 print(f"  {server.name:8s} {label['precision']:4s} {workload:13s} {c:3d} clients: "
                       f"{r.out_tok_per_s:7.1f} tok/s, TTFT p50 {r.ttft_p50_ms:6.0f} ms, latency p50 "
@@ -456,6 +458,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--waves", type=int, default=0, help="requests per client at each point when --requests is not "
                    "given (default: the model's, smollm2 1, demo 2): one wave of a closed loop is a noisy point")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
+    p.add_argument("--client", choices=CLIENTS, default="openai", help="the load generator's HTTP client "
+                   "(serve_load.py): the official openai one, or aiohttp (a sixth of its CPU per token)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="meshlm's OMP_NUM_THREADS and "
                    "llama.cpp's -t")
     p.add_argument("--meshlm-args", default="", help="extra `meshlm serve` flags, one string given with =: "

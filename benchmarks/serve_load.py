@@ -6,7 +6,8 @@
     python benchmarks/serve_load.py --smoke      # 4 short requests, 2 clients, to `meshlm serve` of a tiny
                                                  # random GPT started here (any --url is not used)
 
-Each request is a streamed POST /v1/completions through the official `openai` AsyncOpenAI client, with the
+Each request is a streamed POST /v1/completions through the official `openai` AsyncOpenAI client (or, with
+`--client aiohttp`, the same body through aiohttp, each event parsed by `json.loads`), with the
 prompt given as token ids (so both servers see the same tokens, whatever their tokenizers), greedy,
 `ignore_eos` (in extra_body) and a fixed `max_tokens`, so every server generates exactly the same number of
 tokens; `stream_options.include_usage` returns the count, which is checked. N clients (asyncio tasks) send the
@@ -154,16 +155,76 @@ async def one_request(client, model: str, prompt: list[int] | str, max_tokens: i
     return start, first, last, tokens or chunks
 
 
+async def one_request_aiohttp(session, url: str, model: str, prompt: list[int] | str, max_tokens: int,
+                              api_key: str, stream: bool = True) -> tuple[float, float | None, float, int]:
+    """`one_request` through aiohttp, the same request body and the same counts, each streamed event parsed
+    with `json.loads` (no client object per chunk), as vLLM's own serving benchmark reads its streams."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    start = time.perf_counter()
+    async with session.post(url.rstrip("/") + "/v1/completions", json=body,
+                            headers={"Authorization": f"Bearer {api_key}"}) as reply:
+        if reply.status != 200:
+            raise RuntimeError(f"HTTP {reply.status}: {(await reply.text())[:300]}")
+        if not stream:
+            usage = (await reply.json()).get("usage") or {}
+            return start, None, time.perf_counter(), usage.get("completion_tokens", 0)
+        first = last = None
+        tokens = chunks = 0
+        async for line in reply.content:  # one line at a time
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(f"error event: {chunk['error']}")
+            now = time.perf_counter()
+            if chunk.get("choices"):
+                first = first if first is not None else now
+                last = now
+                chunks += any(c.get("text") for c in chunk["choices"])
+            if chunk.get("usage"):
+                tokens = chunk["usage"].get("completion_tokens", 0)
+    if first is None:
+        raise RuntimeError("the stream ended without a token")
+    return start, first, last, tokens or chunks
+
+
+CLIENTS = ("openai", "aiohttp")
+
+
 async def run_load(url: str, model: str, prompts: list[list[int]] | list[str], clients: int, max_tokens: int,
-                   api_key: str = "EMPTY", timeout_s: float = 1800.0, stream: bool = True) -> Result:
+                   api_key: str = "EMPTY", timeout_s: float = 1800.0, stream: bool = True,
+                   client: str = "openai") -> Result:
     """Send `prompts` (token ids, or text for a server that takes no ids) through `clients` concurrent clients
-    (closed loop) to the server at `url`, streamed unless `stream` is False."""
+    (closed loop) to the server at `url`, streamed unless `stream` is False, with the official `openai` client
+    or with aiohttp (`client`: the load generator's own CPU per token is a sixth of the openai client's, so it
+    takes less of the cores the server runs on: RESULTS.md, "The served step's share of the CPU")."""
     import httpx
     from openai import AsyncOpenAI, OpenAIError
 
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30.0))
-    client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key, max_retries=0, http_client=http)
+    if client not in CLIENTS:
+        raise ValueError(f"client={client!r}: one of {', '.join(CLIENTS)}")
+    if client == "aiohttp":
+        import aiohttp
+
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients + 4),
+                                        timeout=aiohttp.ClientTimeout(total=timeout_s, connect=30.0))
+        failures: tuple = (aiohttp.ClientError, asyncio.TimeoutError, OSError, RuntimeError, ValueError)
+
+        def send(prompt):
+            return one_request_aiohttp(session, url, model, prompt, max_tokens, api_key, stream)
+    else:
+        limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+        http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30.0))
+        session = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key, max_retries=0, http_client=http)
+        failures = (OpenAIError, httpx.HTTPError, OSError, RuntimeError)
+
+        def send(prompt):
+            return one_request(session, model, prompt, max_tokens, stream)
     todo = list(reversed(prompts))
     done: list[tuple[float, float, float, int]] = []
     errors: list[str] = []
@@ -172,8 +233,8 @@ async def run_load(url: str, model: str, prompts: list[list[int]] | list[str], c
         while todo:
             prompt = todo.pop()
             try:
-                done.append(await one_request(client, model, prompt, max_tokens, stream))
-            except (OpenAIError, httpx.HTTPError, OSError, RuntimeError) as err:  # counted and reported
+                done.append(await send(prompt))
+            except failures as err:  # counted and reported
                 errors.append(f"{type(err).__name__}: {err}")
 
     try:
@@ -181,7 +242,7 @@ async def run_load(url: str, model: str, prompts: list[list[int]] | list[str], c
         await asyncio.gather(*(worker() for _ in range(clients)))
         wall = time.perf_counter() - start
     finally:
-        await client.close()
+        await session.close()
     return summarize(clients, done, errors, wall, max_tokens, stream)
 
 
@@ -204,14 +265,14 @@ def summarize(clients: int, done: list, errors: list[str], wall: float, max_toke
 
 
 def warm_up(url: str, model: str, longest: int = 256, max_tokens: int = 8, api_key: str = "EMPTY",
-            stream: bool = True, as_text=None) -> None:
+            stream: bool = True, as_text=None, client: str = "openai") -> None:
     """A few requests of 8 tokens up to `longest`, alone and four at a time, so lazy initialisation (and any
     compilation for new shapes) is not timed. Their prompts repeat one token, unlike any workload's
     passages, so they put no workload prefix in a prefix cache. `as_text` (ids -> str) for a text-only server."""
     sizes = sorted({8, max(8, longest // 2), max(8, longest)})
     for clients, prompts in ((1, [[11] * n for n in sizes]), (4, [[13] * n for n in sizes + sizes[:1]])):
         prompts = [as_text(p) for p in prompts] if as_text else prompts
-        asyncio.run(run_load(url, model, prompts, clients, max_tokens, api_key, stream=stream))
+        asyncio.run(run_load(url, model, prompts, clients, max_tokens, api_key, stream=stream, client=client))
 
 
 # ---- servers in their own process groups -------------------------------------------------------------------------
@@ -335,6 +396,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default="EMPTY")
+    p.add_argument("--client", choices=CLIENTS, default="openai", help="the load generator's HTTP client: the "
+                   "official openai one, or aiohttp with each event parsed by json.loads (lighter)")
     for field, default in asdict(Lengths()).items():
         p.add_argument(f"--{field.replace('_', '-')}", type=int, default=default)
     add_smoke_flag(p)
@@ -355,8 +418,9 @@ def run(args: argparse.Namespace) -> None:
     lengths = Lengths(**{f: getattr(args, f) for f in asdict(Lengths())})
     prompts = make_requests(args.workload, corpus_ids(get_tokenizer(args.tokenizer)), args.requests, lengths,
                             args.seed)
-    warm_up(args.url, args.model, lengths.longest(), api_key=args.api_key)
-    result = asyncio.run(run_load(args.url, args.model, prompts, args.clients, args.max_tokens, args.api_key))
+    warm_up(args.url, args.model, lengths.longest(), api_key=args.api_key, client=args.client)
+    result = asyncio.run(run_load(args.url, args.model, prompts, args.clients, args.max_tokens, args.api_key,
+                                  client=args.client))
     print(json.dumps(asdict(result), indent=2))
 
 

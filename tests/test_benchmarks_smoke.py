@@ -200,3 +200,34 @@ print(segv.code, plain.code, crashed_in_extra_buffers(segv, args("llama-server")
                          text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split() == ["-11", "3", "True", "False", "False", "False", "False"]
+
+
+def test_the_two_load_clients_count_the_same_tokens(tmp_path):
+    """serve_load's aiohttp client (`--client aiohttp`) sends what the openai client sends and reads the same
+    counts from `meshlm serve`: every request's max_tokens, streamed and not, with a first-token time when
+    streamed; a wrong API key is an error counted, not a crash."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import asyncio
+
+        from serve_load import run_load
+        from smoke import tiny_checkpoint
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    from tests.infer.server_helpers import ServeProcess
+
+    run = tiny_checkpoint(tmp_path / "tiny", n_layers=1, hidden_size=32, n_heads=2, seq_len=64)
+    server = ServeProcess("--checkpoint", str(run), "--served-model-name", "smoke", "--max-seqs", "4",
+                          api_key="k")
+    try:
+        prompts = [[5, 6, 7], [8] * 12, [9, 10], [11] * 20, [12]]
+        for stream in (True, False):
+            results = {c: asyncio.run(run_load(server.url, "smoke", prompts, 2, 6, "k", stream=stream, client=c))
+                       for c in ("openai", "aiohttp")}
+            for client, r in results.items():
+                assert (r.requests, r.errors, r.out_tokens) == (5, 0, 30), (client, stream, r)
+                assert (r.ttft_p50_ms > 0) if stream else r.ttft_p50_ms != r.ttft_p50_ms, (client, stream, r)
+        refused = asyncio.run(run_load(server.url, "smoke", prompts[:2], 1, 6, "wrong", client="aiohttp"))
+        assert (refused.requests, refused.errors) == (0, 2) and "HTTP 401" in refused.first_error
+    finally:
+        server.stop()
