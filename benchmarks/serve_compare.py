@@ -459,7 +459,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "given (default: the model's, smollm2 1, demo 2): one wave of a closed loop is a noisy point")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
     p.add_argument("--client", choices=CLIENTS, default="openai", help="the load generator's HTTP client "
-                   "(serve_load.py): the official openai one, or aiohttp (a sixth of its CPU per token)")
+                   "(serve_load.py): the official openai one, or aiohttp (a third of its CPU at 64 clients)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="meshlm's OMP_NUM_THREADS and "
                    "llama.cpp's -t")
     p.add_argument("--meshlm-args", default="", help="extra `meshlm serve` flags, one string given with =: "

@@ -201,8 +201,8 @@ async def run_load(url: str, model: str, prompts: list[list[int]] | list[str], c
                    client: str = "openai") -> Result:
     """Send `prompts` (token ids, or text for a server that takes no ids) through `clients` concurrent clients
     (closed loop) to the server at `url`, streamed unless `stream` is False, with the official `openai` client
-    or with aiohttp (`client`: the load generator's own CPU per token is a sixth of the openai client's, so it
-    takes less of the cores the server runs on: RESULTS.md, "The served step's share of the CPU")."""
+    or with aiohttp (`client`: the load generator then takes a third of the openai client's CPU at 64 streaming
+    clients, so less of the cores the server runs on: RESULTS.md, "The served step's share of the CPU")."""
     import httpx
     from openai import AsyncOpenAI, OpenAIError
 
