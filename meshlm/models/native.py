@@ -173,12 +173,12 @@ def write(k: torch.Tensor, v: torch.Tensor | None, kpool: torch.Tensor, vpool: t
     likewise into `vpool` (None: a pool of keys only): `kpool.index_copy_(1, slots, k[:, :, 0].transpose(0, 1))`
     without the strided copy's set-up. Call only where `writes(k, kpool)` (and `writes(v, vpool)`)."""
     fn = paged_decode()[2]
-    slots = slots.contiguous()
+    slots = slots.to(torch.long).contiguous()
     nkv, total, hd = kpool.shape
     status = fn(k.data_ptr(), k.stride(0), k.stride(1), None if v is None else v.data_ptr(),
                 0 if v is None else v.stride(0), 0 if v is None else v.stride(1), kpool.data_ptr(),
                 None if vpool is None else vpool.data_ptr(), slots.data_ptr(), slots.shape[0], nkv, hd, total,
                 kpool.element_size())
-    if status != 0:
-        raise IndexError(f"meshlm_paged_write: a slot outside the pool's {total}")
+    if status != 0:  # nothing was written
+        raise IndexError(f"meshlm_paged_write: a slot outside the pool's {total}; nothing written")
 

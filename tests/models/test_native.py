@@ -99,7 +99,8 @@ def test_write_puts_each_tokens_keys_and_values_in_its_slots(dtype):
     native.write(k[:, :1], None, latent, None, slots)
     assert torch.equal(latent[0, slots], k[:, 0, 0]) and latent.abs().sum(-1).count_nonzero() == 5
     with pytest.raises(IndexError, match="outside the pool"):
-        native.write(k, v, kpool, vpool, torch.tensor([1, total]))
+        native.write(k[:2], v[:2], kpool, vpool, torch.tensor([1, total]))
+    assert torch.equal(kpool, want_k) and torch.equal(vpool, want_v)  # slot 1, before the bad one: untouched
     assert not native.writes(k.float() if dtype != torch.float32 else k.double(), kpool)  # dtypes differ
     assert not native.writes(k.transpose(-1, -2), kpool)  # a head's values not contiguous
 

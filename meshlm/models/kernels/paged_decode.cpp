@@ -7,7 +7,8 @@
 // values summed in fp32. Work items are (row, KV head, chunk of positions): with fewer (row, KV head) pairs than 8
 // a thread a row's positions are split into chunks, each with its own maximum and sum, merged at the end as
 // split-K decoding attention does. A position's slot comes from its block and offset, stepped along a tile, not
-// divided out per position (a 64-bit division a position cost a third of the kernel's time). `meshlm_paged_write`
+// divided out per position (that 64-bit division, with the tile's scalar maximum, cost a quarter to a third of
+// the kernel's time). `meshlm_paged_write`
 // writes a step's new keys and values into their slots before the layer attends.
 // Plain C++ (no PyTorch headers): loaded with ctypes, compiled with the same compiler and OpenMP runtime that
 // PyTorch's Inductor uses, so its parallel region runs on the process's one OpenMP pool.
@@ -336,8 +337,9 @@ int meshlm_paged_write(const void* knew, int64_t k_row, int64_t k_head, const vo
                        int64_t v_head, void* kpool, void* vpool, const int64_t* slots, int64_t N, int64_t nkv,
                        int64_t hd, int64_t total, int64_t elsize) {
     const int64_t row = hd * elsize;
-    for (int64_t t = 0; t < N; ++t) {
+    for (int64_t t = 0; t < N; ++t)  // every slot checked before any is written
         if (slots[t] < 0 || slots[t] >= total) return 1;
+    for (int64_t t = 0; t < N; ++t) {
         for (int64_t h = 0; h < nkv; ++h) {
             std::memcpy(static_cast<char*>(kpool) + (h * total + slots[t]) * row,
                         static_cast<const char*>(knew) + (t * k_row + h * k_head) * elsize, row);
