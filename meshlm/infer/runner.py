@@ -42,13 +42,16 @@ COMPILE_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_bac
 # may build several runners (tests; an engine per run): without room the later ones would run eagerly
 RECOMPILE_LIMIT = 64
 # the token count the several-token graph is compiled (and its products autotuned) at: Inductor times its
-# kernels at the example's sizes and keeps that choice for every count the dynamic graph runs. Measured on a
-# 2-core EPYC, SmolLM2 bf16, 16 clients' closed loop in process: tuned at 5 rows 155 output tokens/s (a
-# 16-row decode step 52.5 ms, prefill 924 tokens/s), at 16 rows 193 (45.9 ms, 1,263), at 512 rows 183 (49.6 ms,
-# 1,231); benchmarks/RESULTS.md, "One OpenMP pool"
+# kernels at the example's sizes and keeps that choice for every count the dynamic graph runs. bf16 and quantized
+# weights: 16 (measured on a 2-core EPYC, SmolLM2 bf16, 16 clients' closed loop in process: tuned at 5 rows 155
+# output tokens/s, at 16 rows 193, at 512 rows 183; benchmarks/RESULTS.md, "One OpenMP pool"; on an AMX Xeon 16
+# beat 64 and a second graph tuned at 128). fp32 weights: 64, where Inductor's fp32 C++ kernel, chosen at 16
+# rows, ran the demo model's down projection at 92 GFLOP/s in a 170-token step against oneDNN's 300
+# (RESULTS.md, "Where the several-token graph is tuned")
 WARM_ROWS = 16
-
-
+WARM_ROWS_FP32 = 64
+# the warm-up's several-token steps are rows of at most this many positions (a model's length may be short)
+WARM_ROW_LENGTH = 16
 class Runner:
     """The model and its paged KV cache (`models/paged.py`): `forward(plan)` runs one step's tokens and returns the
     fp32 logits of the tokens it selects; with `adapters` (an `AdapterSet`) each token's adapter too. 
@@ -183,24 +186,33 @@ class Runner:
             rope = self.model.rope(int(start.max()) + 1)
             return self._logits(self.step_fn(ids, start, self.kv.caches(batch, local), rope, select))
 
+    @property
+    def warm_rows(self) -> int:
+        """The token count the several-token graph is compiled and tuned at (`WARM_ROWS`): `WARM_ROWS_FP32` where
+        the model computes in fp32."""
+        floating = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+        return WARM_ROWS_FP32 if floating == torch.float32 else WARM_ROWS
+
     def warm(self) -> float:
         """Run the compiled step once for each graph it needs and return the seconds it took: torch.compile
         specializes sizes 0 and 1, so a one-token step (at position 0, and at 2 when one-token steps attend in their
-        graph: sizes from 2 on) and a `WARM_ROWS`-token chunk, each selecting one token's
-        logits (the last) and, for the chunk, all (a step that selects none selects one, `_compiled`); int8 layers
-        need no more (a compiled step of two tokens or more multiplies by the dequantized weight, on a CPU with
-        AMX every step by the kernel: `quantize.COMPILED_DEQUANTIZE_ROWS`). Every table is all block 0, so it writes into that block only,
-        before any request holds a block (a request's keys are written before they are read)."""
-        sizes = [1, WARM_ROWS]
+        graph: sizes from 2 on) and a `warm_rows`-token step (rows of `WARM_ROW_LENGTH` positions), each selecting
+        one token's logits (the last) and, for the several, all (a step that selects none selects one,
+        `_compiled`); int8 layers need no more (a compiled step of two tokens or more multiplies by the
+        dequantized weight, on a CPU with AMX every step by the kernel: `quantize.COMPILED_DEQUANTIZE_ROWS`). Every
+        table is all block 0, so it writes into that block only, before any request holds a block (a request's
+        keys are written before they are read)."""
+        sizes = [1, self.warm_rows]
         t0 = time.perf_counter()
         firsts = {1: (0, 2) if self.kv.rows_in_graph else (0,)}  # one token at 0, and past it (`RowCache`)
         for n in sizes:
             for first in firsts.get(n, (0,)):
+                lengths = [min(WARM_ROW_LENGTH, n - i) for i in range(0, n, WARM_ROW_LENGTH)]
+                table = (0,) * (first + lengths[0])
+                rows = tuple((range(first, first + k), table) for k in lengths)
+                local = (table,) * len(rows) if self.local_blocks else ()
                 for select in ((n - 1,),) + ((tuple(range(n)),) if n > 1 else ()):
-                    table = (0,) * (first + n)
-                    local = (table,) if self.local_blocks else ()
-                    self.forward(ForwardPlan(ids=(0,) * n, rows=((range(first, first + n), table),), select=select,
-                                             local_tables=local))
+                    self.forward(ForwardPlan(ids=(0,) * n, rows=rows, select=select, local_tables=local))
         return time.perf_counter() - t0
 
     def replay(self, op: tuple) -> None:

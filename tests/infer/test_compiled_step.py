@@ -98,6 +98,25 @@ def test_a_step_of_cascade_rows_only_runs_as_one_forward(kv_heads, in_place, mon
         assert out.output_ids == alone(model, prompt, 8)
 
 
+@pytest.mark.parametrize("dtype, tokens", [(torch.float32, 64), (torch.bfloat16, 16)])
+def test_the_several_token_graph_is_tuned_at_its_dtypes_size(dtype, tokens, monkeypatch):
+    """`warm` compiles the several-token graph at `warm_rows` tokens, where Inductor times (and keeps) its matrix
+    products: 64 for fp32 weights, 16 otherwise (`WARM_ROWS`); as rows of at most 16 positions, so a model
+    shorter than the step (learned positions, 16 of them here) warms inside its length."""
+    torch.manual_seed(0)
+    short = GPT(dataclasses.replace(CONFIG, seq_len=16, position="learned")).eval().to(dtype)
+    runner = Runner(short, num_blocks=8, block_size=4, vocab_size=97)  # eager: `warm` makes the same calls
+    plans = []
+    monkeypatch.setattr(runner, "forward", plans.append)
+    runner.warm()
+    several = [plan for plan in plans if len(plan.ids) > 1]
+    assert runner.warm_rows == tokens and {len(plan.ids) for plan in several} == {tokens}
+    assert {len(plan.select) for plan in several} == {1, tokens}  # selecting the last token, and every one
+    assert all(max(positions) < 16 for plan in several for positions, _ in plan.rows)
+    restored = Runner(short, num_blocks=8, block_size=4, vocab_size=97)
+    assert restored.warm() >= 0  # the same warm-up through the model runs (learned positions in range)
+
+
 def test_a_second_compiled_runner_keeps_each_models_tokens(model):
     """The first compiled runner of a process checks only the guards that tell its graphs apart; a second one's
     graphs share dynamo's cache (one code object), so from then on both check every guard, and neither may run
