@@ -155,6 +155,20 @@ async def one_request(client, model: str, prompt: list[int] | str, max_tokens: i
     return start, first, last, tokens or chunks
 
 
+async def _post(session, url: str, body: dict, api_key: str):
+    """The request's response (headers read), sent once more on a fresh connection when the first try failed at
+    the socket (`ClientOSError`): seen as "Can not write request body" on a pooled keep-alive connection that
+    llama-server had closed in the meantime (its HTTP library closes one after a few requests). httpx, under the
+    openai client, retries such a stale connection too. A failure of the retry is the request's error."""
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {api_key}"}
+    try:
+        return await session.post(url, json=body, headers=headers)
+    except aiohttp.ClientOSError:
+        return await session.post(url, json=body, headers=headers)
+
+
 async def one_request_aiohttp(session, url: str, model: str, prompt: list[int] | str, max_tokens: int,
                               api_key: str, stream: bool = True) -> tuple[float, float | None, float, int]:
     """`one_request` through aiohttp, the same request body and the same counts, each streamed event parsed
@@ -163,8 +177,7 @@ async def one_request_aiohttp(session, url: str, model: str, prompt: list[int] |
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
     start = time.perf_counter()
-    async with session.post(url.rstrip("/") + "/v1/completions", json=body,
-                            headers={"Authorization": f"Bearer {api_key}"}) as reply:
+    async with await _post(session, url.rstrip("/") + "/v1/completions", body, api_key) as reply:
         if reply.status != 200:
             raise RuntimeError(f"HTTP {reply.status}: {(await reply.text())[:300]}")
         if not stream:

@@ -231,3 +231,36 @@ def test_the_two_load_clients_count_the_same_tokens(tmp_path):
         assert (refused.requests, refused.errors) == (0, 2) and "HTTP 401" in refused.first_error
     finally:
         server.stop()
+
+
+def test_the_aiohttp_client_sends_once_more_after_a_stale_connection():
+    """A pooled keep-alive connection the server closed meanwhile (llama-server's HTTP library closes one after
+    a few requests) fails at the socket ("Can not write request body"): serve_load's aiohttp client sends the
+    request once more, as httpx does under the openai client; a second failure is the request's error."""
+    import asyncio
+
+    import aiohttp
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from serve_load import _post
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+    class Session:
+        def __init__(self, failures):
+            self.failures, self.calls = failures, []
+
+        async def post(self, url, json, headers):
+            self.calls.append((url, json, headers))
+            if len(self.calls) <= self.failures:
+                raise aiohttp.ClientOSError(None, "Can not write request body")
+            return "reply"
+
+    once = Session(failures=1)
+    assert asyncio.run(_post(once, "http://x/v1/completions", {"prompt": [1]}, "k")) == "reply"
+    assert len(once.calls) == 2 and once.calls[0] == once.calls[1]  # the same request again
+    twice = Session(failures=2)
+    with pytest.raises(aiohttp.ClientOSError):
+        asyncio.run(_post(twice, "http://x/v1/completions", {"prompt": [1]}, "k"))
+    assert len(twice.calls) == 2
