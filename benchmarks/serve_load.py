@@ -156,10 +156,11 @@ async def one_request(client, model: str, prompt: list[int] | str, max_tokens: i
 
 
 async def _post(session, url: str, body: dict, api_key: str):
-    """The request's response (headers read), sent once more on a fresh connection when the first try failed at
-    the socket (`ClientOSError`): seen as "Can not write request body" on a pooled keep-alive connection that
-    llama-server had closed in the meantime (its HTTP library closes one after a few requests). httpx, under the
-    openai client, retries such a stale connection too. A failure of the retry is the request's error."""
+    """The request's response (headers read), sent once more when the first try failed at the socket
+    (`ClientOSError`): seen as "Can not write request body" on a pooled keep-alive connection that llama-server
+    had closed in the meantime. The pool hands the retry another connection, or a new one; httpx, under the
+    openai client, retries such a stale connection too. A failure of the retry is the request's error (under
+    load llama-server still dropped some: RESULTS.md, "Where the several-token graph is tuned")."""
     import aiohttp
 
     headers = {"Authorization": f"Bearer {api_key}"}

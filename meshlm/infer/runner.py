@@ -46,12 +46,14 @@ RECOMPILE_LIMIT = 64
 # weights: 16 (measured on a 2-core EPYC, SmolLM2 bf16, 16 clients' closed loop in process: tuned at 5 rows 155
 # output tokens/s, at 16 rows 193, at 512 rows 183; benchmarks/RESULTS.md, "One OpenMP pool"; on an AMX Xeon 16
 # beat 64 and a second graph tuned at 128). fp32 weights: 64, where Inductor's fp32 C++ kernel, chosen at 16
-# rows, ran the demo model's down projection at 92 GFLOP/s in a 170-token step against oneDNN's 300
-# (RESULTS.md, "Where the several-token graph is tuned")
+# rows, ran the demo model's down projection at 91 GFLOP/s in a 170-token step, against 280-330 for oneDNN's
+# product on the step's shapes (RESULTS.md, "Where the several-token graph is tuned")
 WARM_ROWS = 16
 WARM_ROWS_FP32 = 64
 # the warm-up's several-token steps are rows of at most this many positions (a model's length may be short)
 WARM_ROW_LENGTH = 16
+
+
 class Runner:
     """The model and its paged KV cache (`models/paged.py`): `forward(plan)` runs one step's tokens and returns the
     fp32 logits of the tokens it selects; with `adapters` (an `AdapterSet`) each token's adapter too. 

@@ -113,8 +113,8 @@ def test_the_several_token_graph_is_tuned_at_its_dtypes_size(dtype, tokens, monk
     assert runner.warm_rows == tokens and {len(plan.ids) for plan in several} == {tokens}
     assert {len(plan.select) for plan in several} == {1, tokens}  # selecting the last token, and every one
     assert all(max(positions) < 16 for plan in several for positions, _ in plan.rows)
-    restored = Runner(short, num_blocks=8, block_size=4, vocab_size=97)
-    assert restored.warm() >= 0  # the same warm-up through the model runs (learned positions in range)
+    # the same warm-up through the model: one row of 64 positions raised IndexError in the position embedding
+    Runner(short, num_blocks=8, block_size=4, vocab_size=97).warm()
 
 
 def test_a_second_compiled_runner_keeps_each_models_tokens(model):
