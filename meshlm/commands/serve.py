@@ -82,7 +82,8 @@ def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
                "max_thinking_tokens": args.max_thinking_tokens}
     return serve(args.checkpoint, args.host, args.port, args.max_seqs, args.max_len, args.max_queue, args.api_key,
                  args.served_model_name, tp, args.adapter, args.log_level, args.drain_timeout, args.max_body_bytes,
-                 options, args.allow_runtime_lora, quantize=quantize, replies=replies, pp=pp, dtype=args.dtype)
+                 options, args.allow_runtime_lora, quantize=quantize, replies=replies, pp=pp, dtype=args.dtype,
+                 engine_process=args.engine_process)
 
 
 def add_serve_command(sub) -> None:
@@ -132,6 +133,9 @@ def add_serve_command(sub) -> None:
     g.add_argument("--compile", action="store_true", help="run each step as one torch.compile graph (weights frozen, "
                    "matrix products autotuned), compiled at start (minutes on a 2-core CPU with a cold cache; decode "
                    "steps 1.3-3x faster there, docs/serving.md)")
+    g.add_argument("--engine-process", action="store_true", help="run the engine in a process of its own, as vLLM "
+                   "does: the HTTP server's Python no longer shares the engine's interpreter (faster under many "
+                   "streamed clients; one process's engine without adapters; docs/serving.md)")
     add_dtype_flag(p)
     add_quantize_flags(p)
     p.set_defaults(func=_serve)

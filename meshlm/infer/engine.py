@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from meshlm.core.kv_cache import kv_groups
+from meshlm.core.kv_cache import blocks_needed, kv_groups
 from meshlm.infer import openmp, sampling
 from meshlm.infer.blocks import BlockPool
 from meshlm.infer.request import Request
@@ -99,6 +99,79 @@ class Histogram:
     def snapshot(self) -> tuple[list[tuple[float, int]], int, float]:
         with self.lock:
             return list(zip(self.BOUNDS, self.counts)), self.count, self.total
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request is checked against before it is queued: the context, the vocabulary, the pool and the
+    queue. Plain data, so that a server whose engine runs in another process checks its requests without
+    asking it (`infer/engine_process.py`)."""
+
+    max_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    window: int  # the main group's sliding window (0: none)
+    max_batched_tokens: int | None
+    max_queue: int
+
+    def check(self, prompt_ids: list[int], params: SamplingParams, head: int = 0) -> None:
+        """InvalidRequest for a request the engine cannot run (`head`: positions its adapter puts before it)."""
+        params.validate()
+        vocab = self.vocab_size
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequest(f"prompt token ids must be in 0..{vocab - 1}", "prompt")
+        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad_stop:
+            raise InvalidRequest(f"stop_token_ids must be token ids in 0..{vocab - 1} (got {bad_stop[0]})",
+                                 "stop_token_ids")
+        room = self.max_len - head  # positions left after the adapter's virtual tokens
+        context = f"{self.max_len} tokens" + (f" ({head} of them the adapter's virtual tokens)" if head else "")
+        if len(prompt_ids) > room:
+            raise InvalidRequest(f"the prompt is {len(prompt_ids)} tokens, more than the model's context of "
+                                 f"{context}", "prompt")
+        if len(prompt_ids) + params.max_tokens > room:
+            raise InvalidRequest(f"max_tokens {params.max_tokens} with the prompt's {len(prompt_ids)} tokens is "
+                                 f"more than the model's context of {context}; at most "
+                                 f"{room - len(prompt_ids)}", "max_tokens")
+        # within the context: only a pool smaller than one sequence (under a window: its longest step) refuses it;
+        # a local layers' pool of their own holds as much as the main one needs (`CacheOptions.local_blocks_for`)
+        blocks = blocks_needed(head + len(prompt_ids) + params.max_tokens, self.block_size, self.window,
+                               self.max_batched_tokens)
+        if blocks > self.num_blocks:
+            raise InvalidRequest(f"the prompt's {len(prompt_ids)} tokens and max_tokens {params.max_tokens} need "
+                                 f"{blocks} KV cache blocks of {self.block_size} positions; the cache holds "
+                                 f"{self.num_blocks} (raise --num-blocks)", "max_tokens")
+
+    def client_share(self, client: str | None) -> int:
+        """The most waiting requests one client may hold: half the queue (at least 1), so that one client
+        sending as fast as it can leaves the other half to the others (docs/serving.md, "Fair queueing");
+        requests without a client (the engine used in-process) may fill the whole queue."""
+        return self.max_queue if client is None else max(1, self.max_queue // 2)
+
+    def check_group(self, n: int, client: str | None) -> None:
+        """InvalidRequest (param "prompt") when one request's `n` prompts and choices are more than `client` may
+        ever queue: no wait would change it."""
+        share = self.client_share(client)
+        if n > share:
+            whose = "in all" if client is None else "of one client (half of it)"
+            raise InvalidRequest(f"the request has {n} prompts and choices; the queue holds at most {share} {whose} "
+                                 f"(meshlm serve --max-queue {self.max_queue}): send at most {share} at a time or "
+                                 "raise --max-queue", "prompt")
+
+    def check_room(self, waiting: list[str | None], n: int, client: str | None) -> None:
+        """QueueFull (retry later) when the queue, whose waiting requests came from the clients `waiting`, or
+        `client`'s share of it, has no room for `n` more now."""
+        if len(waiting) + n > self.max_queue:
+            raise QueueFull(f"{len(waiting)} requests are waiting, room for {self.max_queue - len(waiting)} of "
+                            f"this request's {n}")
+        share = self.client_share(client)
+        mine = 0 if client is None else sum(c == client for c in waiting)
+        if mine + n > share:
+            raise QueueFull(f"this client has {mine} requests waiting, room for {share - mine} of this request's "
+                            f"{n} (one client may hold {share} of the {self.max_queue} places)")
 
 
 @dataclass
@@ -175,6 +248,9 @@ class Engine:
         self.stopping = False
         self.dead: str | None = None  # the error that stopped the loop
         self.print_errors = True  # a failed request's traceback on stderr (the server's log; not in-process use)
+        # called on the loop's thread after each step and after the loop failed its requests: the requests'
+        # `on_update`s of a step were all called before it (`infer/engine_process.py` sends them together)
+        self.on_step: Callable[[], None] | None = None
         # mixed_steps: steps whose rows used more than one model (the base, adapters); split_steps: steps of
         # several requests whose forward failed and ran again request by request (`_run`)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0, "steps": 0,
@@ -213,75 +289,44 @@ class Engine:
         against the context only."""
         return [0] * self.virtual_tokens(adapter)
 
+    @property
+    def limits(self) -> Limits:
+        """What a request is checked against before it is queued (`Limits`)."""
+        return Limits(self.max_len, self.model.cfg.vocab_size, self.pool.num_blocks, self.block_size,
+                      self.scheduler.groups[0].window, self.max_batched_tokens, self.max_queue)
+
     def check(self, prompt_ids: list[int], params: SamplingParams, adapter: int = 0) -> None:
         """InvalidRequest for a request the engine cannot run."""
-        params.validate()
-        head = len(self.head(adapter))
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty", "prompt")
-        if any(not 0 <= t < self.model.cfg.vocab_size for t in prompt_ids):
-            raise InvalidRequest(f"prompt token ids must be in 0..{self.model.cfg.vocab_size - 1}", "prompt")
-        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.model.cfg.vocab_size]
-        if bad_stop:
-            raise InvalidRequest(f"stop_token_ids must be token ids in 0..{self.model.cfg.vocab_size - 1} (got "
-                                 f"{bad_stop[0]})", "stop_token_ids")
-        room = self.max_len - head  # positions left after the adapter's virtual tokens
-        context = f"{self.max_len} tokens" + (f" ({head} of them the adapter's virtual tokens)" if head else "")
-        if len(prompt_ids) > room:
-            raise InvalidRequest(f"the prompt is {len(prompt_ids)} tokens, more than the model's context of "
-                                 f"{context}", "prompt")
-        if len(prompt_ids) + params.max_tokens > room:
-            raise InvalidRequest(f"max_tokens {params.max_tokens} with the prompt's {len(prompt_ids)} tokens is "
-                                 f"more than the model's context of {context}; at most "
-                                 f"{room - len(prompt_ids)}", "max_tokens")
-        # within the context: only a pool smaller than one sequence (under a window: its longest step) refuses it;
-        # a local layers' pool of their own holds as much as the main one needs (`CacheOptions.local_blocks_for`)
-        blocks = self.scheduler.blocks_needed(head + len(prompt_ids) + params.max_tokens,
-                                              self.scheduler.groups[0].window)
-        if blocks > self.pool.num_blocks:
-            raise InvalidRequest(f"the prompt's {len(prompt_ids)} tokens and max_tokens {params.max_tokens} need "
-                                 f"{blocks} KV cache blocks of {self.block_size} positions; the cache holds "
-                                 f"{self.pool.num_blocks} (raise --num-blocks)", "max_tokens")
+        self.limits.check(prompt_ids, params, len(self.head(adapter)))
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                on_update: Callable[[Request], None] | None = None, adapter: int = 0) -> Request:
         return self.submit_group([(prompt_ids, params)], on_update, adapter)[0]
 
     def client_share(self, client: str | None) -> int:
-        """The most waiting requests one client may hold: half the queue (at least 1), so that one client
-        sending as fast as it can leaves the other half to the others (docs/serving.md, "Fair queueing");
-        requests without a client (the engine used in-process) may fill the whole queue."""
-        return self.max_queue if client is None else max(1, self.max_queue // 2)
+        return self.limits.client_share(client)
 
     def submit_group(self, items: list[tuple[list[int], SamplingParams]],
                      on_update: Callable[[Request], None] | None = None, adapter: int = 0,
-                     client: str | None = None) -> list[Request]:
+                     client: str | None = None, tags: list | None = None) -> list[Request]:
         """Queue the requests `items` ([(prompt ids, params)], one HTTP request's prompts and choices) together
         or none of them: InvalidRequest (param "prompt") when there are more than `client_share(client)`, which
         no wait would change; QueueFull (retry later) when the queue, or the client's share of it, has too
-        little room now; InvalidRequest from `check` for a bad one."""
-        share = self.client_share(client)
-        if len(items) > share:
-            whose = "in all" if client is None else "of one client (half of it)"
-            raise InvalidRequest(f"the request has {len(items)} prompts and choices; the queue holds at most "
-                                 f"{share} {whose} (meshlm serve --max-queue {self.max_queue}): send at most "
-                                 f"{share} at a time or raise --max-queue", "prompt")
+        little room now; InvalidRequest from `check` for a bad one. `tags`: each request's `tag` (its caller's
+        own name for it, set before any other thread can see it)."""
+        limits = self.limits
+        limits.check_group(len(items), client)
         for ids, sp in items:
-            self.check(ids, sp, adapter)
+            limits.check(ids, sp, len(self.head(adapter)))
         reqs = [self._request(ids, sp, on_update, adapter, client) for ids, sp in items]
+        for req, tag in zip(reqs, tags or ()):
+            req.tag = tag
         with self.lock:
             if self.dead is not None:
                 raise EngineDead(self.dead)
             if self.stopping:
                 raise QueueFull("the server is shutting down")
-            if len(self.waiting) + len(reqs) > self.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests are waiting, room for "
-                                f"{self.max_queue - len(self.waiting)} of this request's {len(reqs)}")
-            mine = 0 if client is None else sum(r.client == client for r in self.waiting)
-            if mine + len(reqs) > share:
-                raise QueueFull(f"this client has {mine} requests waiting, room for {share - mine} of this "
-                                f"request's {len(reqs)} (one client may hold {share} of the {self.max_queue} "
-                                "places)")
+            limits.check_room([r.client for r in self.waiting], len(reqs), client)
             for req in reqs:
                 req.id = self.next_id
                 self.next_id += 1
@@ -576,6 +621,8 @@ class Engine:
                     self.runner.idle()
                     continue
                 self.step()
+                if self.on_step is not None:
+                    self.on_step()
         except BaseException as err:  # noqa: BLE001 -- the loop is dead: fail every request so no client waits forever
             with self.lock:  # no request joins the queue unseen from here on
                 self.dead = f"{type(err).__name__}: {err}"
@@ -586,6 +633,9 @@ class Engine:
                     req.finish_reason = "error"
                     self._notify(req)
             traceback.print_exc()  # the server's log; /health now fails
+            if self.on_step is not None:
+                with contextlib.suppress(Exception):  # what it sends may fail too: the loop has ended anyway
+                    self.on_step()
         finally:
             if isinstance(self.runner, DistributedRunner):
                 try:

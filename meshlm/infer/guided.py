@@ -101,7 +101,8 @@ def compile_format(tokenizer, vocab_size: int, response_format):
     # json_object: any JSON object (OpenAI's JSON mode); compact JSON, no free whitespace to loop in
     schema = {"type": "object"} if fmt["schema"] is None else fmt["schema"]
     return compiled(tokenizer, vocab_size, json.dumps(fmt, sort_keys=True), "response_format",
-                    lambda xgr: xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+                    lambda xgr: xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
+                    Recipe("format", (response_format,)))
 
 
 def call_schema(tools: list[dict], arguments_key: str) -> dict:
@@ -130,12 +131,13 @@ def compile_tool_call(tokenizer, vocab_size: int, tools: list[dict], prefix: str
                   *literal(suffix)]
         return xgr.Grammar.concat(*pieces) if len(pieces) > 1 else pieces[0]
 
-    return compiled(tokenizer, vocab_size, key, "tools", build)
+    return compiled(tokenizer, vocab_size, key, "tools", build,
+                    Recipe("tool_call", (tools, prefix, suffix, arguments_key)))
 
 
-def compiled(tokenizer, vocab_size: int, key_text: str, param: str, build):
+def compiled(tokenizer, vocab_size: int, key_text: str, param: str, build, recipe: Recipe):
     """The `Format` of the grammar `build(xgrammar)` (cached per tokenizer, vocab size and `key_text`);
-    InvalidRequest naming `param` when xgrammar refuses it."""
+    InvalidRequest naming `param` when xgrammar refuses it. `recipe`: how it was made (what it pickles as)."""
     xgr = require_xgrammar()
     key = (id(tokenizer), vocab_size)
     with _lock:
@@ -150,15 +152,35 @@ def compiled(tokenizer, vocab_size: int, key_text: str, param: str, build):
             what = "response_format.json_schema.schema" if param == "response_format" else "a tool's parameters"
             raise InvalidRequest(f"{what} is not a JSON Schema guided decoding can follow "
                                  f"({str(err).splitlines()[0] if str(err) else type(err).__name__})", param) from None
-        _grammars[(*key, key_text)] = Format(grammar)
+        _grammars[(*key, key_text)] = Format(grammar, recipe)
         return _grammars[(*key, key_text)]
 
 
-class Format:
-    """A compiled grammar, shared by the requests of its format; `start()` is one request's `Guide`."""
+class Recipe:
+    """How a `Format` was made (`compile_format`'s or `compile_tool_call`'s arguments after the tokenizer): what a
+    Format pickles as, since xgrammar's compiled grammars do not pickle. An engine in another process
+    (`infer/engine_process.py`) compiles it again with its own tokenizer (`compile`, cached there too)."""
 
-    def __init__(self, grammar):
-        self.grammar = grammar
+    def __init__(self, kind: str, args: tuple):
+        self.kind, self.args = kind, args
+
+    def __reduce__(self):
+        return Recipe, (self.kind, self.args)
+
+    def compile(self, tokenizer, vocab_size: int) -> Format:
+        make = compile_format if self.kind == "format" else compile_tool_call
+        return make(tokenizer, vocab_size, *self.args)
+
+
+class Format:
+    """A compiled grammar, shared by the requests of its format; `start()` is one request's `Guide`. Pickled, it
+    is its `Recipe`."""
+
+    def __init__(self, grammar, recipe: Recipe):
+        self.grammar, self.recipe = grammar, recipe
+
+    def __reduce__(self):
+        return Recipe, (self.recipe.kind, self.recipe.args)
 
     def start(self) -> Guide:
         return Guide(self.grammar)

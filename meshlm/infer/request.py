@@ -28,6 +28,7 @@ class Request:
     id: int = 0
     adapter: int = 0  # the engine's adapter index (0: the base)
     client: str | None = None  # who sent it (the server's peer address): its share of the queue is bounded
+    tag: object = None  # its submitter's own name for it (`Engine.submit_group`'s tags)
     head: list[int] = field(default_factory=list)  # ids before the prompt in the row (`Engine.head`)
     output_ids: list[int] = field(default_factory=list)
     output: list[TokenInfo] = field(default_factory=list)

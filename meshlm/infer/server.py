@@ -376,37 +376,42 @@ def _embedding_server(checkpoint, spec, device: str, max_seqs: int, api_key: str
 def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None, max_queue: int = 256,
                  api_key: str | None = None, model_name: str | None = None, tp: int = 1,
                  adapters: list[str] | str | None = None, options=None, runtime_lora: bool = False,
-                 quantize=None, pp: int = 1, dtype: str = "fp32") -> Server | None:
-    """The server state for a checkpoint (opened once here: `interop.checkpoints.open_checkpoint`, so a
-    `.gguf` file serves too); under torchrun with tp > 1 only rank 0 gets one (the other ranks
-    replay rank 0's engine steps here and return None when it stops). `adapters`: `--adapter` values
+                 quantize=None, pp: int = 1, dtype: str = "fp32", engine_process: bool = False) -> Server | None:
+    """The server state for a checkpoint (opened once here: `interop.checkpoints.open_checkpoint`, so a `.gguf`
+    file serves too; or a `Checkpoint` opened already); under torchrun with tp > 1 only rank 0 gets one (the other
+    ranks replay rank 0's engine steps here and return None when it stops). `adapters`: `--adapter` values
     (NAME=DIR or DIR), adapters of `meshlm tune` (or PEFT) tuned on the checkpoint, each served under its
     name next to the base (`infer/adapters.py`: LoRA unmerged per row, virtual tokens at prefill).
     `runtime_lora`: LoRA adapters may also be loaded and unloaded while it serves (`infer/ops_routes.py`).
     `quantize`: `infer.quantize.QuantizeOptions`, the blocks' linears packed to int8/int4 after loading.
     `pp` > 1: pipeline parallelism under torchrun (`infer/pipeline_runner.py`), rank 0 serving. `dtype`: the
-    weights, activations and KV cache in "fp32", "bf16" or "fp16" (`core.precision.cast_parameters`)."""
+    weights, activations and KV cache in "fp32", "bf16" or "fp16" (`core.precision.cast_parameters`).
+    `engine_process`: the engine runs in a process of its own (`infer/engine_process.py`)."""
     import torch
 
-    from meshlm.checkpoint.load import load_model
+    from meshlm.checkpoint.load import Checkpoint, load_model
     from meshlm.core.fit import check_fits
     from meshlm.core.kv_cache import cache_bytes_per_token, kv_groups
     from meshlm.core.precision import DTYPES, cast_parameters, serving_dtype_note
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.families.registry import get_spec
     from meshlm.infer.engine import CacheOptions, Engine
+    from meshlm.infer.engine_process import check_engine_process
     from meshlm.interop.checkpoints import open_checkpoint
     from meshlm.train.fit import weights_bytes
 
     options = options or CacheOptions()
-    name = model_name or os.path.basename(os.path.normpath(str(checkpoint)))
     adapters = [adapters] if isinstance(adapters, str) else list(adapters or [])
     if pp > 1:
         check_pipeline_serving(pp, adapters, runtime_lora, quantize, options)
-    checkpoint = open_checkpoint(checkpoint)  # resolved and verified once; the adapters and loaders take it
-    tuned = _read_adapters(checkpoint, adapters, name, tp) if adapters else []
+    # resolved and verified once; the adapters and loaders take it
+    checkpoint = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
+    name = model_name or os.path.basename(os.path.normpath(checkpoint.given))
     cfg = checkpoint.config
     spec = get_spec(cfg.model.family)
+    if engine_process:
+        check_engine_process(tp, pp, adapters, runtime_lora, spec.decoder, checkpoint.given)
+    tuned = _read_adapters(checkpoint, adapters, name, tp) if adapters else []
     if runtime_lora and (tp > 1 or not spec.decoder):
         raise ConfigError("--allow-runtime-lora serves LoRA adapters on a GPT checkpoint in one process; drop it"
                           + (" or --parallel.tp" if tp > 1 else f" ({checkpoint.given} is a BERT checkpoint)"))
@@ -415,6 +420,9 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
     check_dtype(dtype, tp, pp, runtime_lora)
     if spec.decoder:
         check_pool(options, max_len or cfg.model.seq_len, kv_groups(cfg.model)[0])
+    if engine_process:
+        return _engine_process_server(checkpoint, max_seqs, max_len, max_queue, api_key, name, options, quantize,
+                                      dtype)
     if pp > 1:
         return _pipeline_server(checkpoint, max_seqs, max_len, max_queue, api_key, name, tp, pp, options)
     if tp > 1:
@@ -437,19 +445,40 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
     check_fits(needed, f"serving {max_seqs} sequences of {length} tokens ({blocks} KV blocks of "
                f"{options.block_size})", "lower --max-seqs, --max-len or --num-blocks", device)
     model, tokenizer = cast_parameters(load_model(checkpoint, spec, device), dtype), get_tokenizer(cfg.data.tokenizer)
-    served = None
-    if tuned or runtime_lora:
-        from meshlm.infer.adapters import AdapterSet
-
-        served = AdapterSet(model, cfg, tuned, runtime_lora)  # one copy of the base; each row runs its own adapter
-        for lora in (lora for a in served.served for lora in a.loras):
-            cast_parameters(lora, dtype)  # detached from the model: in the base's dtype too
+    served = _adapter_set(model, cfg, tuned, runtime_lora, dtype) if tuned or runtime_lora else None
     if quantize is not None:  # after the adapters: their hooks move onto the quantized linears
         print(f"meshlm serve: {quantize.apply(model).line()}", file=sys.stderr, flush=True)
     engine = Engine(model, tokenizer, max_seqs, length, max_queue, adapters=served, options=options,
                     speculator=make_speculator(options, model, tokenizer, max_seqs, length))
     server = Server(engine, None, tokenizer, name, engine.max_len, api_key)
     server.runtime_lora, server.checkpoint = runtime_lora, checkpoint
+    return server
+
+
+def _adapter_set(model, cfg, tuned: list, runtime_lora: bool, dtype: str):
+    """The `AdapterSet` of the adapters given at start (and room for run-time ones) over `model`, in its dtype."""
+    from meshlm.core.precision import cast_parameters
+    from meshlm.infer.adapters import AdapterSet
+
+    served = AdapterSet(model, cfg, tuned, runtime_lora)  # one copy of the base; each row runs its own adapter
+    for lora in (lora for a in served.served for lora in a.loras):
+        cast_parameters(lora, dtype)  # detached from the model: in the base's dtype too
+    return served
+
+
+def _engine_process_server(checkpoint, max_seqs: int, max_len: int | None, max_queue: int, api_key: str | None,
+                           name: str, options, quantize, dtype: str) -> Server:
+    """The server of an engine in a child process (`infer/engine_process.py`): the child loads the opened
+    checkpoint as this function would in one process; here only its tokenizer."""
+    from meshlm.data.tokenizers import get_tokenizer
+    from meshlm.infer.engine_process import EngineClient
+
+    build = {"checkpoint": checkpoint, "max_seqs": max_seqs, "max_len": max_len, "model_name": name,
+             "options": options, "quantize": quantize, "dtype": dtype}
+    engine = EngineClient.launch(build_server, build, max_queue)
+    tokenizer = get_tokenizer(checkpoint.config.data.tokenizer)
+    server = Server(engine, None, tokenizer, name, engine.max_len, api_key)
+    server.checkpoint = checkpoint
     return server
 
 
@@ -539,11 +568,12 @@ def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, max_seqs: 
           max_queue: int = 256, api_key: str | None = None, model_name: str | None = None, tp: int = 1,
           adapters: list[str] | None = None, log_level: str = "warning", drain_timeout: float = 60.0,
           max_body_bytes: int = MAX_BODY_BYTES, options=None, runtime_lora: bool = False, quantize=None,
-          replies: dict | None = None, pp: int = 1, dtype: str = "fp32") -> int:
+          replies: dict | None = None, pp: int = 1, dtype: str = "fp32", engine_process: bool = False) -> int:
     """Serve `checkpoint` on http://host:port until SIGTERM/SIGINT (which drains the open requests for up to
     `drain_timeout` seconds); under torchrun with tp or pp > 1 the ranks other than 0 are the workers. A request
     body over `max_body_bytes` is a 413. `replies`: how chat replies are read (`tool_parser`,
-    `reasoning_parser`, `max_thinking_tokens`; `infer/routes.py`), set on the server. Returns 0."""
+    `reasoning_parser`, `max_thinking_tokens`; `infer/routes.py`), set on the server. `engine_process`: the
+    engine in a process of its own (`infer/engine_process.py`). Returns 0."""
     import uvicorn
 
     from meshlm.parallel import destroy
@@ -552,7 +582,7 @@ def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, max_seqs: 
     server = None
     try:
         server = build_server(checkpoint, max_seqs, max_len, max_queue, api_key, model_name, tp, adapters, options,
-                              runtime_lora, quantize, pp=pp, dtype=dtype)
+                              runtime_lora, quantize, pp=pp, dtype=dtype, engine_process=engine_process)
         if server is not None:
             server.max_body_bytes = max_body_bytes
             for key, value in (replies or {}).items():

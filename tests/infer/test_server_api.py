@@ -1,6 +1,7 @@
 """The OpenAI API's completeness on a real `meshlm serve` (the official openai client and raw HTTP): `n` and
 `best_of`, `logit_bias`, `response_format` (guided decoding), `seed`, `usage` (also streamed with n > 1), and
-clients that go away (their engine requests are cancelled)."""
+clients that go away (their engine requests are cancelled). Each test runs twice: the engine in the server's
+process, and in a process of its own (`--engine-process`), against the same in-process reference."""
 
 import json
 import socket
@@ -22,12 +23,12 @@ SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "b
 FORMAT = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
 
 
-@pytest.fixture(scope="module")
-def gpt(tmp_path_factory):
+@pytest.fixture(scope="module", params=[[], ["--engine-process"]], ids=["one process", "engine process"])
+def gpt(tmp_path_factory, request):
     """(server, model, tokenizer): a tiny random GPT with a context of 1024 (long enough to disconnect in the
-    middle of a request) served with 8 rows."""
+    middle of a request) served with 8 rows, its engine in the server's process or in one of its own."""
     ckpt = save_gpt_checkpoint(tmp_path_factory.mktemp("api") / "tiny-gpt", seq_len=1024)
-    server = ServeProcess("--checkpoint", str(ckpt), "--max-seqs", "8", "--max-queue", "64")
+    server = ServeProcess("--checkpoint", str(ckpt), "--max-seqs", "8", "--max-queue", "64", *request.param)
     model, tokenizer, _ = load_run(str(ckpt))
     yield server, model, tokenizer
     assert server.stop() == 0, "".join(server.stderr)[-3000:]
