@@ -133,9 +133,10 @@ def add_serve_command(sub) -> None:
     g.add_argument("--compile", action="store_true", help="run each step as one torch.compile graph (weights frozen, "
                    "matrix products autotuned), compiled at start (minutes on a 2-core CPU with a cold cache; decode "
                    "steps 1.3-3x faster there, docs/serving.md)")
-    g.add_argument("--engine-process", action="store_true", help="run the engine in a process of its own, as vLLM "
-                   "does: the HTTP server's Python no longer shares the engine's interpreter (faster under many "
-                   "streamed clients; one process's engine without adapters; docs/serving.md)")
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None, help="the engine in a "
+                   "process of its own, as vLLM runs it: the HTTP server's Python no longer shares the engine's "
+                   "interpreter (default: wherever it can, one process's decoder without adapters; "
+                   "--no-engine-process keeps one process; docs/serving.md)")
     add_dtype_flag(p)
     add_quantize_flags(p)
     p.set_defaults(func=_serve)

@@ -22,8 +22,10 @@ pipe:
   closes: a server killed outright leaves no engine behind. An engine that dies (its process killed, its
   loop failed) fails every request in flight with its reason, and `alive` turns false (/health: 503).
 
-What it does not serve yet (a ConfigError at start, `check_engine_process`): adapters (at start or at run
-time), tensor and pipeline parallelism (their rank 0 already runs the engine beside the workers), encoders.
+`meshlm serve` runs it so wherever it can (`wants_engine_process`); not yet with adapters (at start or at run
+time), tensor or pipeline parallelism (their rank 0 already runs the engine beside the workers) or an encoder,
+which serve in one process (asked for with `--engine-process`, a ConfigError at start). `build_server` keeps
+the engine in its caller's process unless asked.
 """
 
 from __future__ import annotations
@@ -51,17 +53,19 @@ from meshlm.infer.request import Request
 UNBOUNDED_QUEUE = 1 << 30  # the child's own queue bound: the server's side holds the real one
 
 
-def check_engine_process(tp: int, pp: int, adapters, runtime_lora: bool, decoder: bool, given: str) -> None:
-    """ConfigError, before anything is loaded, for what `--engine-process` does not serve."""
+def wants_engine_process(asked: bool | None, tp: int, pp: int, adapters, runtime_lora: bool, decoder: bool,
+                         given: str) -> bool:
+    """Whether the engine runs in a process of its own: `asked` True (`--engine-process`), or None (`meshlm
+    serve`'s default) wherever it can, that is one process's decoder without adapters. ConfigError, before
+    anything is loaded, when it was asked for what it does not serve."""
     refused = [(tp > 1 or pp > 1, "--parallel.tp / --parallel.pp (rank 0 runs the engine beside the workers)"),
-               (bool(adapters), "--adapter"), (runtime_lora, "--allow-runtime-lora")]
-    for given_flag, flag in refused:
-        if given_flag:
-            raise ConfigError(f"--engine-process serves one process's engine without adapters; drop "
-                              f"--engine-process or {flag}")
-    if not decoder:
-        raise ConfigError(f"--engine-process runs a decoder's engine; {given} is an encoder (BERT) checkpoint, "
-                          "served for embeddings in one process: drop --engine-process")
+               (bool(adapters), "--adapter"), (runtime_lora, "--allow-runtime-lora"),
+               (not decoder, f"an encoder (BERT) checkpoint: {given} serves embeddings in one process")]
+    why = next((flag for given_flag, flag in refused if given_flag), None)
+    if asked and why is not None:
+        raise ConfigError(f"--engine-process serves one process's decoder without adapters; drop --engine-process "
+                          f"(or use --no-engine-process) with {why}")
+    return bool(asked or asked is None) and why is None
 
 
 # ---- the server's side -------------------------------------------------------------------------------------------

@@ -376,7 +376,7 @@ def _embedding_server(checkpoint, spec, device: str, max_seqs: int, api_key: str
 def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None, max_queue: int = 256,
                  api_key: str | None = None, model_name: str | None = None, tp: int = 1,
                  adapters: list[str] | str | None = None, options=None, runtime_lora: bool = False,
-                 quantize=None, pp: int = 1, dtype: str = "fp32", engine_process: bool = False) -> Server | None:
+                 quantize=None, pp: int = 1, dtype: str = "fp32", engine_process: bool | None = False) -> Server | None:
     """The server state for a checkpoint (opened once here: `interop.checkpoints.open_checkpoint`, so a `.gguf`
     file serves too; or a `Checkpoint` opened already); under torchrun with tp > 1 only rank 0 gets one (the other
     ranks replay rank 0's engine steps here and return None when it stops). `adapters`: `--adapter` values
@@ -386,7 +386,7 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
     `quantize`: `infer.quantize.QuantizeOptions`, the blocks' linears packed to int8/int4 after loading.
     `pp` > 1: pipeline parallelism under torchrun (`infer/pipeline_runner.py`), rank 0 serving. `dtype`: the
     weights, activations and KV cache in "fp32", "bf16" or "fp16" (`core.precision.cast_parameters`).
-    `engine_process`: the engine runs in a process of its own (`infer/engine_process.py`)."""
+    `engine_process`: the engine runs in a process of its own (`infer/engine_process.py`; None: wherever it can)."""
     import torch
 
     from meshlm.checkpoint.load import Checkpoint, load_model
@@ -396,7 +396,7 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.families.registry import get_spec
     from meshlm.infer.engine import CacheOptions, Engine
-    from meshlm.infer.engine_process import check_engine_process
+    from meshlm.infer.engine_process import wants_engine_process
     from meshlm.interop.checkpoints import open_checkpoint
     from meshlm.train.fit import weights_bytes
 
@@ -409,8 +409,8 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
     name = model_name or os.path.basename(os.path.normpath(checkpoint.given))
     cfg = checkpoint.config
     spec = get_spec(cfg.model.family)
-    if engine_process:
-        check_engine_process(tp, pp, adapters, runtime_lora, spec.decoder, checkpoint.given)
+    engine_process = wants_engine_process(engine_process, tp, pp, adapters, runtime_lora, spec.decoder,
+                                          checkpoint.given)
     tuned = _read_adapters(checkpoint, adapters, name, tp) if adapters else []
     if runtime_lora and (tp > 1 or not spec.decoder):
         raise ConfigError("--allow-runtime-lora serves LoRA adapters on a GPT checkpoint in one process; drop it"
@@ -568,12 +568,12 @@ def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, max_seqs: 
           max_queue: int = 256, api_key: str | None = None, model_name: str | None = None, tp: int = 1,
           adapters: list[str] | None = None, log_level: str = "warning", drain_timeout: float = 60.0,
           max_body_bytes: int = MAX_BODY_BYTES, options=None, runtime_lora: bool = False, quantize=None,
-          replies: dict | None = None, pp: int = 1, dtype: str = "fp32", engine_process: bool = False) -> int:
+          replies: dict | None = None, pp: int = 1, dtype: str = "fp32", engine_process: bool | None = None) -> int:
     """Serve `checkpoint` on http://host:port until SIGTERM/SIGINT (which drains the open requests for up to
     `drain_timeout` seconds); under torchrun with tp or pp > 1 the ranks other than 0 are the workers. A request
     body over `max_body_bytes` is a 413. `replies`: how chat replies are read (`tool_parser`,
     `reasoning_parser`, `max_thinking_tokens`; `infer/routes.py`), set on the server. `engine_process`: the
-    engine in a process of its own (`infer/engine_process.py`). Returns 0."""
+    engine in a process of its own (`infer/engine_process.py`; None: wherever it can). Returns 0."""
     import uvicorn
 
     from meshlm.parallel import destroy

@@ -23,7 +23,7 @@ SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "b
 FORMAT = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
 
 
-@pytest.fixture(scope="module", params=[[], ["--engine-process"]], ids=["one process", "engine process"])
+@pytest.fixture(scope="module", params=[["--no-engine-process"], ["--engine-process"]], ids=["one process", "engine process"])
 def gpt(tmp_path_factory, request):
     """(server, model, tokenizer): a tiny random GPT with a context of 1024 (long enough to disconnect in the
     middle of a request) served with 8 rows, its engine in the server's process or in one of its own."""
