@@ -156,17 +156,19 @@ async def one_request(client, model: str, prompt: list[int] | str, max_tokens: i
 
 
 async def _post(session, url: str, body: dict, api_key: str):
-    """The request's response (headers read), sent once more when the first try failed at the socket
-    (`ClientOSError`): seen as "Can not write request body" on a pooled keep-alive connection that llama-server
-    had closed in the meantime. The pool hands the retry another connection, or a new one; httpx, under the
-    openai client, retries such a stale connection too. A failure of the retry is the request's error (under
-    load llama-server still dropped some: RESULTS.md, "Where the several-token graph is tuned")."""
+    """The request's response (headers read), sent once more when the first try failed before any answer: at the
+    socket (`ClientOSError`, seen as "Can not write request body" on a pooled keep-alive connection that
+    llama-server had closed in the meantime) or closed by the server before a status line
+    (`ServerDisconnectedError`, seen from vLLM's server at 64 clients). The pool hands the retry another
+    connection, or a new one; httpx, under the openai client, retries such a stale connection too. A stream cut
+    after its headers is never sent again, and a failure of the retry is the request's error (under load
+    llama-server still dropped some: RESULTS.md, "Where the several-token graph is tuned")."""
     import aiohttp
 
     headers = {"Authorization": f"Bearer {api_key}"}
     try:
         return await session.post(url, json=body, headers=headers)
-    except aiohttp.ClientOSError:
+    except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
         return await session.post(url, json=body, headers=headers)
 
 

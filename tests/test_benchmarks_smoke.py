@@ -235,8 +235,9 @@ def test_the_two_load_clients_count_the_same_tokens(tmp_path):
 
 def test_the_aiohttp_client_sends_once_more_after_a_stale_connection():
     """A pooled keep-alive connection the server closed meanwhile (llama-server's HTTP library closes one after
-    a few requests) fails at the socket ("Can not write request body"): serve_load's aiohttp client sends the
-    request once more, as httpx does under the openai client; a second failure is the request's error."""
+    a few requests) fails at the socket ("Can not write request body"), or the server closes it before a status
+    line: serve_load's aiohttp client sends the request once more, as httpx does under the openai client; a
+    second failure is the request's error."""
     import asyncio
 
     import aiohttp
@@ -248,19 +249,24 @@ def test_the_aiohttp_client_sends_once_more_after_a_stale_connection():
         sys.path.remove(str(BENCHMARKS))
 
     class Session:
-        def __init__(self, failures):
-            self.failures, self.calls = failures, []
+        def __init__(self, failures, error):
+            self.failures, self.error, self.calls = failures, error, []
 
         async def post(self, url, json, headers):
             self.calls.append((url, json, headers))
             if len(self.calls) <= self.failures:
-                raise aiohttp.ClientOSError(None, "Can not write request body")
+                raise self.error
             return "reply"
 
-    once = Session(failures=1)
-    assert asyncio.run(_post(once, "http://x/v1/completions", {"prompt": [1]}, "k")) == "reply"
-    assert len(once.calls) == 2 and once.calls[0] == once.calls[1]  # the same request again
-    twice = Session(failures=2)
-    with pytest.raises(aiohttp.ClientOSError):
-        asyncio.run(_post(twice, "http://x/v1/completions", {"prompt": [1]}, "k"))
-    assert len(twice.calls) == 2
+    for error in (aiohttp.ClientOSError(None, "Can not write request body"), aiohttp.ServerDisconnectedError()):
+        once = Session(1, error)
+        assert asyncio.run(_post(once, "http://x/v1/completions", {"prompt": [1]}, "k")) == "reply"
+        assert len(once.calls) == 2 and once.calls[0] == once.calls[1]  # the same request again
+        twice = Session(2, error)
+        with pytest.raises(type(error)):
+            asyncio.run(_post(twice, "http://x/v1/completions", {"prompt": [1]}, "k"))
+        assert len(twice.calls) == 2
+    other = Session(1, aiohttp.ClientPayloadError("cut"))  # any other failure is the request's at once
+    with pytest.raises(aiohttp.ClientPayloadError):
+        asyncio.run(_post(other, "http://x/v1/completions", {"prompt": [1]}, "k"))
+    assert len(other.calls) == 1
