@@ -182,7 +182,14 @@ class EngineClient:
                 self.requests[req.id] = self.waiting[req.id] = req
                 reqs.append(req)
         # sent outside `lock`: a full pipe never holds up the reader thread (which frees the child to read it)
-        self._send(("submit", [(r.id, r.prompt_ids, r.params) for r in reqs], adapter, client))
+        try:
+            self._send(("submit", [(r.id, r.prompt_ids, r.params) for r in reqs], adapter, client))
+        except OSError:  # the child is gone; the reader thread says why to the others
+            with self.lock:
+                for r in reqs:
+                    self.requests.pop(r.id, None)
+                    self.waiting.pop(r.id, None)
+            raise EngineDead(self.dead or "the engine process has exited") from None
         return reqs
 
     def submit(self, prompt_ids, params, on_update=None, adapter: int = 0) -> Request:
@@ -336,14 +343,15 @@ class _Child:
         with self.send_lock:
             self.conn.send_bytes(data)
 
-    def serve(self) -> None:
-        """Read the server's messages until it asks to stop (drain, then say so) or goes away (exit)."""
+    def serve(self) -> bool:
+        """Read the server's messages until it asks to stop (drain, say so, return True) or goes away (return
+        False: nobody reads what is left)."""
         eng = self.engine
         while True:
             try:
                 message = pickle.loads(self.conn.recv_bytes())
             except (EOFError, OSError):
-                return  # the server is gone: nobody reads what is left
+                return False
             if message[0] == "submit":
                 _, items, adapter, client = message
                 try:
@@ -365,7 +373,7 @@ class _Child:
             elif message[0] == "stop":
                 eng.stop()  # drained: the loop sent its last step's changes before it ended
                 self.send(("stopped",))
-                return
+                return True
 
     def _state(self) -> tuple:
         eng = self.engine
@@ -403,10 +411,10 @@ def child_main(fd: int) -> None:
     except OSError:
         return
     engine.start()
-    try:
-        child.serve()
-    finally:
-        sys.stderr.flush()
+    drained = child.serve()
+    sys.stderr.flush()
+    if not drained:  # the server went away mid-step: end now, not after the loop's next step
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,10 @@ def wait_until(cond, timeout=60.0):
 
 def ask_in_thread(url: str, body: dict, results: list, i: int) -> threading.Thread:
     def ask():
-        results[i] = http("POST", url + "/v1/completions", body, timeout=120)
+        try:
+            results[i] = http("POST", url + "/v1/completions", body, timeout=120)
+        except OSError as err:  # the server went away
+            results[i] = (None, {}, str(err))
 
     thread = threading.Thread(target=ask)
     thread.start()
@@ -74,6 +77,21 @@ def test_sigterm_drains_through_the_engine_process_and_leaves_none(ckpt):
     assert [r[0] for r in results] == [200] * 6, results
     assert {json.loads(r[2])["usage"]["completion_tokens"] for r in results} == {40}
     wait_until(lambda: not alive(child), timeout=10)
+
+
+def test_a_server_killed_outright_leaves_no_engine_behind(ckpt):
+    """SIGKILL gives the server no time to drain: its engine process sees the pipe close, mid-request, and exits."""
+    server = ServeProcess("--checkpoint", str(ckpt), "--max-seqs", "2")  # the default: an engine process
+    child = engine_pid(server)
+    results = [None]
+    thread = ask_in_thread(server.url, {"prompt": "a", "max_tokens": 900, "temperature": 0, "ignore_eos": True},
+                           results, 0)
+    wait_until(lambda: metrics(server)["meshlm_running_requests"] == 1)
+    server.proc.kill()
+    server.proc.wait(30)
+    wait_until(lambda: not alive(child), timeout=30)
+    thread.join(30)
+    assert results[0][0] is None, results[0]  # the request died with its server
 
 
 def test_the_engines_counters_and_histograms_reach_metrics(ckpt):
