@@ -1,7 +1,10 @@
-"""`meshlm serve --engine-process`: the engine in a process of its own (`infer/engine_process.py`). What it
-answers is checked against the engine in one process by tests/infer/test_server_api.py (each of its tests runs
-both ways); here, what only a second process can do: be killed, drain on SIGTERM and leave nothing behind, hold
-the queue's bounds from the server's side, refuse what it does not serve, and relay the engine's counters."""
+"""`meshlm serve --engine-process`: the engine in a process of its own (`infer/engine_process.py`), `meshlm
+serve`'s default wherever it can. What it answers is checked against the engine in one process by
+tests/infer/test_server_api.py (each of its tests runs both ways), and every other test that starts `meshlm
+serve` without adapters or parallelism runs through it (forced tool calls, whose grammars are compiled again in
+the child: tests/infer/test_server_tools.py). Here, what only a second process can do: be killed, drain on
+SIGTERM and leave nothing behind, hold the queue's bounds from the server's side, refuse what it does not
+serve, and relay the engine's counters."""
 
 import json
 import os
@@ -171,24 +174,3 @@ def test_a_checkpoint_the_engine_process_cannot_hold_is_one_error_line(ckpt):
     """The child's ConfigError (here: learned positions shorter than --max-len) reaches the command's one line."""
     one_error_line(["serve", "--checkpoint", str(ckpt), "--engine-process", "--max-len", "2048"], "--max-len 2048")
 
-
-def test_forced_tool_calls_are_compiled_again_in_the_engine_process(tmp_path):
-    """A guide's xgrammar grammar does not pickle: it travels as its recipe and the engine process compiles it
-    with its own tokenizer (a Hugging Face tokenizer.json here). Every forced call parses and validates."""
-    import openai
-
-    from tests.infer.test_server_tools import ASK, FAMILIES, TOOLS, checkpoint, valid
-
-    run = checkpoint(tmp_path, next(iter(FAMILIES)))
-    server = ServeProcess("--checkpoint", str(run), "--max-seqs", "4", "--engine-process")
-    try:
-        c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        for seed in range(4):
-            reply = c.chat.completions.create(model="run", messages=ASK, tools=TOOLS, tool_choice="required",
-                                              temperature=1.0, seed=seed, max_tokens=80)
-            choice = reply.choices[0]
-            assert choice.finish_reason == "tool_calls", choice
-            (call,) = choice.message.tool_calls
-            assert valid(call.function.name, call.function.arguments), call
-    finally:
-        assert server.stop() == 0, "".join(server.stderr)[-3000:]
