@@ -72,8 +72,8 @@ def wants_engine_process(asked: bool | None, tp: int, pp: int, adapters, runtime
 class _Histogram:
     """The child's histogram as of its last message (`engine.Histogram.snapshot`'s answer)."""
 
-    def __init__(self):
-        self.value = ([], 0, 0.0)
+    def __init__(self, value):
+        self.value = value
 
     def snapshot(self):
         return self.value
@@ -96,7 +96,7 @@ class EngineClient:
         local = info["local_blocks"]
         self.local_pool = SimpleNamespace(num_blocks=local, used=0) if local else None
         self.stats = dict(info["stats"])
-        self.ttft, self.tpot = _Histogram(), _Histogram()
+        self.ttft, self.tpot = (_Histogram(h) for h in info["histograms"])
         self.queue_length = self.running = 0
         self.lock = threading.Lock()  # the requests below
         self.send_lock = threading.Lock()  # the pipe's sending end (never taken while waiting on `lock`)
@@ -403,6 +403,7 @@ def child_main(fd: int) -> None:
     runner = engine.runner
     child = _Child(conn, engine)
     info = {"limits": engine.limits, "model_config": engine.model.cfg, "stats": dict(engine.stats),
+            "histograms": (engine.ttft.snapshot(), engine.tpot.snapshot()),
             "local_blocks": engine.local_pool.num_blocks if engine.local_pool is not None else 0,
             "runner": {"compile_s": getattr(runner, "compile_s", 0.0), "cache_bytes": runner.cache_bytes(),
                        "cache_bytes_per_token": runner.cache_bytes_per_token()}}

@@ -102,6 +102,8 @@ def test_the_engines_counters_and_histograms_reach_metrics(ckpt):
     try:
         before = metrics(server)
         assert before["meshlm_engine_alive"] == 1 and before["meshlm_generation_tokens_total"] == 0
+        assert before["meshlm_time_to_first_token_seconds_count"] == 0  # the child's empty histograms, buckets too
+        assert 'meshlm_time_to_first_token_seconds_bucket{le="+Inf"} 0' in http("GET", server.url + "/metrics")[2]
         assert before["meshlm_kv_cache_blocks"] == 4 * 1024 // 16 and before["meshlm_kv_cache_bytes"] > 0
         outs = [json.loads(http("POST", server.url + "/v1/completions",
                                 {"prompt": f"count {i}", "max_tokens": 5 + i, "temperature": 0,
