@@ -303,21 +303,18 @@ class Engine:
                on_update: Callable[[Request], None] | None = None, adapter: int = 0) -> Request:
         return self.submit_group([(prompt_ids, params)], on_update, adapter)[0]
 
-    def client_share(self, client: str | None) -> int:
-        return self.limits.client_share(client)
-
     def submit_group(self, items: list[tuple[list[int], SamplingParams]],
                      on_update: Callable[[Request], None] | None = None, adapter: int = 0,
                      client: str | None = None, tags: list | None = None) -> list[Request]:
         """Queue the requests `items` ([(prompt ids, params)], one HTTP request's prompts and choices) together
-        or none of them: InvalidRequest (param "prompt") when there are more than `client_share(client)`, which
+        or none of them: InvalidRequest (param "prompt") when there are more than `Limits.client_share`, which
         no wait would change; QueueFull (retry later) when the queue, or the client's share of it, has too
         little room now; InvalidRequest from `check` for a bad one. `tags`: each request's `tag` (its caller's
         own name for it, set before any other thread can see it)."""
-        limits = self.limits
+        limits, head = self.limits, len(self.head(adapter))
         limits.check_group(len(items), client)
         for ids, sp in items:
-            limits.check(ids, sp, len(self.head(adapter)))
+            limits.check(ids, sp, head)
         reqs = [self._request(ids, sp, on_update, adapter, client) for ids, sp in items]
         for req, tag in zip(reqs, tags or ()):
             req.tag = tag

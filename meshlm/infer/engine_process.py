@@ -63,8 +63,8 @@ def wants_engine_process(asked: bool | None, tp: int, pp: int, adapters, runtime
                (not decoder, f"an encoder (BERT) checkpoint: {given} serves embeddings in one process")]
     why = next((flag for given_flag, flag in refused if given_flag), None)
     if asked and why is not None:
-        raise ConfigError(f"--engine-process serves one process's decoder without adapters; drop --engine-process "
-                          f"(or use --no-engine-process) with {why}")
+        raise ConfigError(f"--engine-process serves one process's decoder without adapters, not {why}; drop "
+                          "--engine-process (the engine then stays in the server's process)")
     return bool(asked or asked is None) and why is None
 
 
@@ -148,27 +148,18 @@ class EngineClient:
             raise (ConfigError if kind == "ConfigError" else RuntimeError)(text)
         return cls(process, mine, message[1], max_queue)
 
-    @property
-    def exitcode(self) -> int | None:
-        return self.process.poll()
-
     # ---- what the server calls ----
     def head(self, adapter: int) -> list[int]:
         if adapter:
             raise InvalidRequest(f"adapter index {adapter} is not one of this engine's (0..0)", "model")
         return []
 
-    def check(self, prompt_ids: list[int], params, adapter: int = 0) -> None:
-        self.limits.check(prompt_ids, params, len(self.head(adapter)))
-
-    def client_share(self, client: str | None) -> int:
-        return self.limits.client_share(client)
-
     def submit_group(self, items, on_update=None, adapter: int = 0, client: str | None = None) -> list[Request]:
         """As `Engine.submit_group`, checked here; the requests are sent to the child without waiting."""
+        head = len(self.head(adapter))
         self.limits.check_group(len(items), client)
         for ids, sp in items:
-            self.check(ids, sp, adapter)
+            self.limits.check(ids, sp, head)
         with self.lock:
             if self.dead is not None:
                 raise EngineDead(self.dead)
@@ -192,9 +183,6 @@ class EngineClient:
             raise EngineDead(self.dead or "the engine process has exited") from None
         return reqs
 
-    def submit(self, prompt_ids, params, on_update=None, adapter: int = 0) -> Request:
-        return self.submit_group([(prompt_ids, params)], on_update, adapter)[0]
-
     def cancel(self, req: Request) -> None:
         req.cancelled = True
         with self.lock:
@@ -206,9 +194,6 @@ class EngineClient:
     @property
     def alive(self) -> bool:
         return self.dead is None and self.process.poll() is None
-
-    def start(self) -> None:
-        """Nothing: the child's loop runs from `launch` on."""
 
     def stop(self, timeout: float | None = None) -> None:
         """Take no new requests; let the child finish the ones it holds (their last messages are read), then
