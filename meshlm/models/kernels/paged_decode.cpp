@@ -103,6 +103,15 @@ inline float load<float>(const float* p, int64_t i) { return p[i]; }
 template <>
 inline float load<uint16_t>(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
 
+// One key or value row (hd values) asked for before it is read: a tile's values are read after its keys' softmax,
+// so they are asked for while the keys are read, and the loads of a tile overlap instead of waiting one by one on
+// the cache (the pool's blocks lie apart, so the hardware's prefetcher sees runs of at most one block).
+template <typename P>
+inline void prefetch_row(const P* p, int64_t hd) {
+    const char* c = reinterpret_cast<const char*>(p);
+    for (int64_t b = 0; b < hd * static_cast<int64_t>(sizeof(P)); b += 64) __builtin_prefetch(c + b, 0, 3);
+}
+
 // One work item: KV head h of row r over positions [p0, p1). q: the group's queries (group, hd), already scaled.
 // Leaves the unnormalized sum of values in acc (group, hd), the running maximum in m and the sum in l.
 template <typename P>
@@ -118,6 +127,7 @@ void attend_chunk(const float* q, const P* kpool, const P* vpool, const int64_t*
         const int n = static_cast<int>(p1 - t0 < TILE ? p1 - t0 : TILE);
         for (int64_t i = 0, b = t0 / bs, off = t0 % bs; i < n; ++i, off = off + 1 == bs ? 0 : off + 1, b += off == 0) {
             const P* k = kh + (table[b] * bs + off) * hd;
+            prefetch_row(vh + (table[b] * bs + off) * hd, hd);
 #pragma omp simd
             for (int64_t d = 0; d < hd; ++d) row[d] = load(k, d);  // widened once for the group's heads
             for (int j = 0; j < group; ++j) {
@@ -178,10 +188,16 @@ void attend_chunk_avx512(const float* q, const P* kpool, const P* vpool, const i
     begin_item(group, HD, acc, m, l);
     const P* kh = kpool + h * slots * HD;
     const P* vh = vpool + h * slots * HD;
-    auto widen = [&](const P* base, int64_t t0, int n) {  // the tile's rows, as fp32 pointers
+    // the tile's rows, as fp32 pointers; with the keys, the same positions' values asked for (`prefetch_row`), and
+    // fp32 keys, read where they lie, asked for before the products read them
+    auto widen = [&](const P* base, int64_t t0, int n) {
         int64_t b = t0 / bs, off = t0 % bs;  // the tile's first block and offset: no division per position
         for (int i = 0; i < n; ++i) {
             const P* src = base + (table[b] * bs + off) * HD;
+            if (base == kh) {
+                prefetch_row(vh + (table[b] * bs + off) * HD, HD);
+                if constexpr (sizeof(P) == 4) prefetch_row(src, HD);
+            }
             if (++off == bs) {
                 off = 0;
                 ++b;
