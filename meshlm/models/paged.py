@@ -175,11 +175,13 @@ class Batch:
     W), so a row reads its blocks from the first one holding position first − W + 1 on (the scheduler may have
     freed the ones before: `infer/scheduler.py`), and attention costs the window, not the whole sequence.
     `cascade` False: decoding rows that share first blocks still read them each through its own table (what the
-    runner asks for where every layer's decoding rows are read in place: `PagedKV.rows_in_place`)."""
+    runner asks for where every layer's decoding rows are read in place: `PagedKV.rows_in_place`). `in_place`
+    (the same case): decoding rows are read each to its own length, nothing padded, so lengths far apart do not
+    split them (one kernel call a layer, not one per run of similar lengths)."""
 
     def __init__(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]], block_size: int, device,
-                 group_max: int = 16, window: int = 0, cascade: bool = True):
-        self.block_size, self.window, self.cascade = block_size, window, cascade
+                 group_max: int = 16, window: int = 0, cascade: bool = True, in_place: bool = False):
+        self.block_size, self.window, self.cascade, self.in_place = block_size, window, cascade, in_place
         positions, slots = [], []
         for pos, blocks in rows:
             positions.extend(pos)
@@ -191,7 +193,8 @@ class Batch:
         while i < len(rows):
             T = len(rows[i][0])
             j = i + 1
-            while T <= group_max and j < len(rows) and len(rows[j][0]) == T and not self._longer(rows[i], rows[j]):
+            while T <= group_max and j < len(rows) and len(rows[j][0]) == T and not (
+                    (T > 1 or not in_place) and self._longer(rows[i], rows[j])):
                 j += 1
             self.groups.append(self._group(rows[i:j], start, T, device))
             start += (j - i) * T

@@ -110,6 +110,40 @@ def test_a_one_token_step_through_the_slot_index_equals_the_plain_forward(name, 
     torch.testing.assert_close(model.head(x)[0, 0], model(torch.tensor([seq]))[0, 8], rtol=0, atol=tol)
 
 
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_decoding_rows_read_in_place_attend_in_one_call_whatever_their_lengths(name):
+    """Decoding rows of lengths far apart (3, 4 and 21 positions) beside a prefill chunk: a gathered layout splits
+    them (every row of a group is padded to its longest), one read in place (`in_place`, the runner's where the
+    kernel takes the pool) keeps them one group, a kernel call a layer, and each row's logits equal the plain
+    forward's (fp32, 1e-5)."""
+    from meshlm.models import native
+
+    torch.manual_seed(0)
+    model = model_of(name).float()
+    bs, kv = 4, PagedKV(model, 32, 4)
+    assert kv.rows_in_place, native.unavailable()
+    seqs = prompts_of([4, 5, 22, 6], seed=11)
+    tables = [[1, 2], [3, 4], [5, 6, 7, 8, 9, 10], [11, 12]]
+    for seq, table in zip(seqs[:3], tables):  # each row's keys but its last token's into the pool
+        run(model, kv, Batch([(list(range(len(seq) - 1)), table)], bs, "cpu"), seq[:-1])
+    rows = [([len(seq) - 1], table) for seq, table in zip(seqs[:3], tables)]
+    rows.append((list(range(6)), tables[3]))  # a prompt's first chunk: a group of its own either way
+    assert [(g.rows, g.T) for g in Batch(rows, bs, "cpu").groups] == [(2, 1), (1, 1), (1, 6)]
+    batch = Batch(rows, bs, "cpu", cascade=False, in_place=True)
+    assert [(g.rows, g.T) for g in batch.groups] == [(3, 1), (1, 6)]
+    calls = []
+    decode = native.decode
+    try:
+        native.decode = lambda *a, **k: calls.append(a[0].shape[0]) or decode(*a, **k)
+        logits = run(model, kv, batch, [seq[-1] for seq in seqs[:3]] + seqs[3])
+    finally:
+        native.decode = decode
+    assert calls == [3] * len(model.layers)  # one call a layer, all three rows
+    for i, seq in enumerate(seqs[:3]):
+        torch.testing.assert_close(logits[i], model(torch.tensor([seq]))[0, -1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits[3:], model(torch.tensor([seqs[3]]))[0], rtol=0, atol=1e-5)
+
 def test_the_pool_shares_prefixes_counts_references_and_evicts_oldest_first():
     pool = BlockPool(4, 2)
     a = [1, 2, 3, 4, 5]
