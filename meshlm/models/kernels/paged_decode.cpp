@@ -8,7 +8,9 @@
 // a thread a row's positions are split into chunks, each with its own maximum and sum, merged at the end as
 // split-K decoding attention does. A position's slot comes from its block and offset, stepped along a tile, not
 // divided out per position (that 64-bit division, with the tile's scalar maximum, cost a quarter to a third of
-// the kernel's time). `meshlm_paged_write`
+// the kernel's time). A tile's values are asked for (prefetched) while its keys are read: the pool's blocks lie
+// apart, so the hardware prefetcher sees runs of one block at most, and without it each value row waited on the
+// cache after the softmax (a third of a bf16 call, more on the portable path). `meshlm_paged_write`
 // writes a step's new keys and values into their slots before the layer attends.
 // Plain C++ (no PyTorch headers): loaded with ctypes, compiled with the same compiler and OpenMP runtime that
 // PyTorch's Inductor uses, so its parallel region runs on the process's one OpenMP pool.
