@@ -181,7 +181,7 @@ class Batch:
 
     def __init__(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]], block_size: int, device,
                  group_max: int = 16, window: int = 0, cascade: bool = True, in_place: bool = False):
-        self.block_size, self.window, self.cascade, self.in_place = block_size, window, cascade, in_place
+        self.block_size, self.window, self.cascade = block_size, window, cascade
         positions, slots = [], []
         for pos, blocks in rows:
             positions.extend(pos)
