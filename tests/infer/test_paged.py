@@ -113,7 +113,7 @@ def test_a_one_token_step_through_the_slot_index_equals_the_plain_forward(name, 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_decoding_rows_read_in_place_attend_in_one_call_whatever_their_lengths(name):
-    """Decoding rows of lengths far apart (3, 4 and 21 positions) beside a prefill chunk: a gathered layout splits
+    """Decoding rows of lengths far apart (at positions 3, 4 and 21) beside a prefill chunk: a gathered layout splits
     them (every row of a group is padded to its longest), one read in place (`in_place`, the runner's where the
     kernel takes the pool) keeps them one group, a kernel call a layer, and each row's logits equal the plain
     forward's (fp32, 1e-5)."""
