@@ -171,7 +171,7 @@ class Runner:
         # kernel over the whole table beats the cascade's products over the shared keys, gathered once a layer,
         # at 16 and 64 rows (RESULTS.md, "The kernel's slot arithmetic")
         batch = Batch(plan.rows, self.block_size, self.device, window=self.windows[0],
-                      cascade=not self.kv.rows_in_place, in_place=self.kv.rows_in_place)
+                      in_place=self.kv.rows_in_place)
         if not plan.local_tables:
             return batch, None
         rows = [(pos, table) for (pos, _), table in zip(plan.rows, plan.local_tables)]

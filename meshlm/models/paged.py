@@ -10,7 +10,7 @@ the tokens of the step. In attention each layer's `PagedCache.update_and_attend`
 - decoding rows (one token each) of a plain layer read the pool in place: meshlm's kernel reads each row's keys
   and values through its block table where they lie (`models/native.py`, `kernels/paged_decode.cpp`). Where
   every layer does, rows that share a cached prefix read it in place too, each through its own table (the
-  runner's `Batch(cascade=False)`); where some layer cannot, they attend as a cascade (below): the prefix by
+  runner's `Batch(in_place=True)`); where some layer cannot, they attend as a cascade (below): the prefix by
   matrix products once for all the rows, each row's own blocks in place or gathered;
 - for any other group of sequences with the same number of tokens (the rows verifying k drafts; decoding rows
   where the kernel cannot run: no compiler, an fp16 pool, a window, sinks, a latent cache): gathers each row's
@@ -174,14 +174,13 @@ class Batch:
     tensor-parallel leader broadcasts. `window` W > 0: every layer reading this layout is local (sliding window
     W), so a row reads its blocks from the first one holding position first − W + 1 on (the scheduler may have
     freed the ones before: `infer/scheduler.py`), and attention costs the window, not the whole sequence.
-    `cascade` False: decoding rows that share first blocks still read them each through its own table (what the
-    runner asks for where every layer's decoding rows are read in place: `PagedKV.rows_in_place`). `in_place`
-    (the same case): decoding rows are read each to its own length, nothing padded, so lengths far apart do not
-    split them (one kernel call a layer, not one per run of similar lengths)."""
+    `in_place`: every layer reads decoding rows in place (what the runner asks for where `PagedKV.rows_in_place`),
+    so rows that share first blocks still read them each through its own table (no cascade), and, each read to its
+    own length with nothing padded, lengths far apart do not split them (one kernel call a layer)."""
 
     def __init__(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]], block_size: int, device,
-                 group_max: int = 16, window: int = 0, cascade: bool = True, in_place: bool = False):
-        self.block_size, self.window, self.cascade = block_size, window, cascade
+                 group_max: int = 16, window: int = 0, in_place: bool = False):
+        self.block_size, self.window, self.cascade = block_size, window, not in_place
         positions, slots = [], []
         for pos, blocks in rows:
             positions.extend(pos)

@@ -110,7 +110,6 @@ def test_a_one_token_step_through_the_slot_index_equals_the_plain_forward(name, 
     torch.testing.assert_close(model.head(x)[0, 0], model(torch.tensor([seq]))[0, 8], rtol=0, atol=tol)
 
 
-
 @pytest.mark.parametrize("name", CONFIGS)
 def test_decoding_rows_read_in_place_attend_in_one_call_whatever_their_lengths(name):
     """Decoding rows of lengths far apart (at positions 3, 4 and 21) beside a prefill chunk: a gathered layout splits
@@ -130,7 +129,7 @@ def test_decoding_rows_read_in_place_attend_in_one_call_whatever_their_lengths(n
     rows = [([len(seq) - 1], table) for seq, table in zip(seqs[:3], tables)]
     rows.append((list(range(6)), tables[3]))  # a prompt's first chunk: a group of its own either way
     assert [(g.rows, g.T) for g in Batch(rows, bs, "cpu").groups] == [(2, 1), (1, 1), (1, 6)]
-    batch = Batch(rows, bs, "cpu", cascade=False, in_place=True)
+    batch = Batch(rows, bs, "cpu", in_place=True)
     assert [(g.rows, g.T) for g in batch.groups] == [(3, 1), (1, 6)]
     calls = []
     decode = native.decode
@@ -143,6 +142,7 @@ def test_decoding_rows_read_in_place_attend_in_one_call_whatever_their_lengths(n
     for i, seq in enumerate(seqs[:3]):
         torch.testing.assert_close(logits[i], model(torch.tensor([seq]))[0, -1], rtol=0, atol=1e-5)
     torch.testing.assert_close(logits[3:], model(torch.tensor([seqs[3]]))[0], rtol=0, atol=1e-5)
+
 
 def test_the_pool_shares_prefixes_counts_references_and_evicts_oldest_first():
     pool = BlockPool(4, 2)
