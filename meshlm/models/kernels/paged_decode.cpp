@@ -20,7 +20,7 @@
 #include <cstring>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -155,35 +155,69 @@ void attend_chunk(const float* q, const P* kpool, const P* vpool, const int64_t*
     }
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The same work item in SIMD registers of W fp32 lanes (AVX-512: 16, AVX2 with FMA: 8), for heads of NC × W values:
+// each tile's keys and values widened to fp32 once (bf16) or read where they lie (fp32); a head's scores W positions
+// at a time, the W dot products' lanes summed together (`Vec::reduce`) rather than one by one; a head's
+// accumulator held in registers across a tile's values.
 #ifdef __AVX512F__
-// The same work item with AVX-512, for heads of NC × 16 values: each tile's keys and values widened to fp32 once
-// (bf16) or read where they lie (fp32); a head's scores 16 positions at a time, the 16 dot products' lanes summed
-// together (`reduce16`) rather than one by one; a head's accumulator held in registers across a tile's values.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-// lane i of the result: the sum of v[i]'s 16 lanes (pairs within 128-bit lanes, then across them)
-inline __m512 reduce16(const __m512* v) {
-    __m512 x[8], y[4], z[2];
-    for (int i = 0; i < 8; ++i)
-        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; ++i)
-        y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
-    for (int i = 0; i < 2; ++i)
-        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
-}
+struct Vec {
+    using T = __m512;
+    static constexpr int W = 16;
+    static T zero() { return _mm512_setzero_ps(); }
+    static T set1(float x) { return _mm512_set1_ps(x); }
+    static T load(const float* p) { return _mm512_loadu_ps(p); }
+    static T load(const uint16_t* p) {
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+    }
+    static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+    static void store_aligned(float* p, T v) { _mm512_store_ps(p, v); }
+    static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+    // lane i of the result: the sum of v[i]'s 16 lanes (pairs within 128-bit lanes, then across them)
+    static T reduce(const T* v) {
+        T x[8], y[4], z[2];
+        for (int i = 0; i < 8; ++i)
+            x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+        for (int i = 0; i < 4; ++i)
+            y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
+                                 _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+        for (int i = 0; i < 2; ++i)
+            z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
+                                 _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
+        return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+    }
+};
+#else
+struct Vec {
+    using T = __m256;
+    static constexpr int W = 8;
+    static T zero() { return _mm256_setzero_ps(); }
+    static T set1(float x) { return _mm256_set1_ps(x); }
+    static T load(const float* p) { return _mm256_loadu_ps(p); }
+    static T load(const uint16_t* p) {
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+    }
+    static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+    static void store_aligned(float* p, T v) { _mm256_store_ps(p, v); }
+    static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+    // lane i of the result: the sum of v[i]'s 8 lanes (pairwise sums twice, then the two 128-bit halves)
+    static T reduce(const T* v) {
+        const T a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+        const T b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+        return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    }
+};
+#endif
 
 template <int NC, typename P>
-void attend_chunk_avx512(const float* q, const P* kpool, const P* vpool, const int64_t* table, int64_t h,
-                         int64_t slots, int64_t bs, int group, int64_t p0, int64_t p1, float* acc, float* m,
-                         float* l) {
-    constexpr int HD = NC * 16;
+void attend_chunk_simd(const float* q, const P* kpool, const P* vpool, const int64_t* table, int64_t h,
+                       int64_t slots, int64_t bs, int group, int64_t p0, int64_t p1, float* acc, float* m,
+                       float* l) {
+    using V = typename Vec::T;
+    constexpr int W = Vec::W;
+    constexpr int HD = NC * W;
     alignas(64) float s[MAX_GROUP][TILE];
     alignas(64) float wide[TILE * HD];  // a bf16 tile's rows in fp32
     const float* rows[TILE];
@@ -207,7 +241,7 @@ void attend_chunk_avx512(const float* q, const P* kpool, const P* vpool, const i
             if constexpr (sizeof(P) == 4) {
                 rows[i] = reinterpret_cast<const float*>(src);
             } else {
-                for (int c = 0; c < NC; ++c) _mm512_store_ps(wide + i * HD + c * 16, load16(src + c * 16));
+                for (int c = 0; c < NC; ++c) Vec::store_aligned(wide + i * HD + c * W, Vec::load(src + c * W));
                 rows[i] = wide + i * HD;
             }
         }
@@ -216,30 +250,30 @@ void attend_chunk_avx512(const float* q, const P* kpool, const P* vpool, const i
         const int n = static_cast<int>(p1 - t0 < TILE ? p1 - t0 : TILE);
         widen(kh, t0, n);
         for (int j = 0; j < group; ++j) {
-            __m512 qv[NC];
-            for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q + j * HD + c * 16);
-            for (int i0 = 0; i0 < n; i0 += 16) {
-                __m512 dots[16];
-                for (int i = 0; i < 16; ++i) {
-                    __m512 a = _mm512_setzero_ps();
+            V qv[NC];
+            for (int c = 0; c < NC; ++c) qv[c] = Vec::load(q + j * HD + c * W);
+            for (int i0 = 0; i0 < n; i0 += W) {
+                V dots[W];
+                for (int i = 0; i < W; ++i) {
+                    V a = Vec::zero();
                     if (i0 + i < n)
-                        for (int c = 0; c < NC; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(rows[i0 + i] + c * 16), a);
+                        for (int c = 0; c < NC; ++c) a = Vec::fmadd(qv[c], Vec::load(rows[i0 + i] + c * W), a);
                     dots[i] = a;
                 }
-                _mm512_store_ps(&s[j][i0], reduce16(dots));
+                Vec::store_aligned(&s[j][i0], Vec::reduce(dots));
             }
         }
         softmax_tile(s, group, n, m, l, acc, HD);
         widen(vh, t0, n);
         for (int j = 0; j < group; ++j) {
-            __m512 av[NC];
+            V av[NC];
             float* a = acc + j * HD;
-            for (int c = 0; c < NC; ++c) av[c] = _mm512_loadu_ps(a + c * 16);
+            for (int c = 0; c < NC; ++c) av[c] = Vec::load(a + c * W);
             for (int i = 0; i < n; ++i) {
-                const __m512 w = _mm512_set1_ps(s[j][i]);
-                for (int c = 0; c < NC; ++c) av[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(rows[i] + c * 16), av[c]);
+                const V w = Vec::set1(s[j][i]);
+                for (int c = 0; c < NC; ++c) av[c] = Vec::fmadd(w, Vec::load(rows[i] + c * W), av[c]);
             }
-            for (int c = 0; c < NC; ++c) _mm512_storeu_ps(a + c * 16, av[c]);
+            for (int c = 0; c < NC; ++c) Vec::store(a + c * W, av[c]);
         }
     }
 }
@@ -249,10 +283,14 @@ void attend_chunk_avx512(const float* q, const P* kpool, const P* vpool, const i
 template <typename P>
 void attend_item(const float* q, const P* kpool, const P* vpool, const int64_t* table, int64_t h, int64_t slots,
                  int64_t hd, int64_t bs, int group, int64_t p0, int64_t p1, float* acc, float* m, float* l) {
-#ifdef __AVX512F__
-    if (hd == 64) return attend_chunk_avx512<4>(q, kpool, vpool, table, h, slots, bs, group, p0, p1, acc, m, l);
-    if (hd == 128) return attend_chunk_avx512<8>(q, kpool, vpool, table, h, slots, bs, group, p0, p1, acc, m, l);
-    if (hd == 32) return attend_chunk_avx512<2>(q, kpool, vpool, table, h, slots, bs, group, p0, p1, acc, m, l);
+#if defined(__AVX512F__)
+    if (hd == 64) return attend_chunk_simd<4>(q, kpool, vpool, table, h, slots, bs, group, p0, p1, acc, m, l);
+    if (hd == 128) return attend_chunk_simd<8>(q, kpool, vpool, table, h, slots, bs, group, p0, p1, acc, m, l);
+    if (hd == 32) return attend_chunk_simd<2>(q, kpool, vpool, table, h, slots, bs, group, p0, p1, acc, m, l);
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (hd == 64) return attend_chunk_simd<8>(q, kpool, vpool, table, h, slots, bs, group, p0, p1, acc, m, l);
+    if (hd == 128) return attend_chunk_simd<16>(q, kpool, vpool, table, h, slots, bs, group, p0, p1, acc, m, l);
+    if (hd == 32) return attend_chunk_simd<4>(q, kpool, vpool, table, h, slots, bs, group, p0, p1, acc, m, l);
 #endif
     attend_chunk(q, kpool, vpool, table, h, slots, hd, bs, group, p0, p1, acc, m, l);
 }
