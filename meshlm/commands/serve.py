@@ -135,7 +135,7 @@ def add_serve_command(sub) -> None:
                    "steps 1.3-3x faster there, docs/serving.md)")
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None, help="the engine in a "
                    "process of its own, as vLLM runs it: the HTTP server's Python no longer shares the engine's "
-                   "interpreter (default: wherever it can, one process's decoder without adapters; "
+                   "interpreter (default: wherever it can, one process's decoder without run-time adapters; "
                    "--no-engine-process keeps one process; docs/serving.md)")
     add_dtype_flag(p)
     add_quantize_flags(p)

@@ -22,10 +22,13 @@ pipe:
   closes: a server killed outright leaves no engine behind. An engine that dies (its process killed, its
   loop failed) fails every request in flight with its reason, and `alive` turns false (/health: 503).
 
-`meshlm serve` runs it so wherever it can (`wants_engine_process`); not yet with adapters (at start or at run
-time), tensor or pipeline parallelism (their rank 0 already runs the engine beside the workers) or an encoder,
-which serve in one process (asked for with `--engine-process`, a ConfigError at start). `build_server` keeps
-the engine in its caller's process unless asked.
+`meshlm serve` runs it so wherever it can (`wants_engine_process`). Adapters given at start (`--adapter`) are
+loaded by the child with the checkpoint; the server's side keeps their names, sources and virtual-token counts
+(`_Adapters`), which is all the routes read of them. Not yet with adapters loaded at run time
+(`--allow-runtime-lora`: its routes change the engine's adapter set under the server's lock), tensor or
+pipeline parallelism (their rank 0 already runs the engine beside the workers) or an encoder, which serve in one
+process (asked for with `--engine-process`, a ConfigError at start). `build_server` keeps the engine in its
+caller's process unless asked.
 """
 
 from __future__ import annotations
@@ -53,22 +56,31 @@ from meshlm.infer.request import Request
 UNBOUNDED_QUEUE = 1 << 30  # the child's own queue bound: the server's side holds the real one
 
 
-def wants_engine_process(asked: bool | None, tp: int, pp: int, adapters, runtime_lora: bool, decoder: bool,
+def wants_engine_process(asked: bool | None, tp: int, pp: int, runtime_lora: bool, decoder: bool,
                          given: str) -> bool:
     """Whether the engine runs in a process of its own: `asked` True (`--engine-process`), or None (`meshlm
-    serve`'s default) wherever it can, that is one process's decoder without adapters. ConfigError, before
-    anything is loaded, when it was asked for what it does not serve."""
+    serve`'s default) wherever it can, that is one process's decoder without adapters loaded at run time.
+    ConfigError, before anything is loaded, when it was asked for what it does not serve."""
     refused = [(tp > 1 or pp > 1, "--parallel.tp / --parallel.pp (rank 0 runs the engine beside the workers)"),
-               (bool(adapters), "--adapter"), (runtime_lora, "--allow-runtime-lora"),
+               (runtime_lora, "--allow-runtime-lora"),
                (not decoder, f"an encoder (BERT) checkpoint: {given} serves embeddings in one process")]
     why = next((flag for given_flag, flag in refused if given_flag), None)
     if asked and why is not None:
-        raise ConfigError(f"--engine-process serves one process's decoder without adapters, not {why}; drop "
+        raise ConfigError(f"--engine-process serves one process's decoder without run-time adapters, not {why}; drop "
                           "--engine-process (the engine then stays in the server's process)")
     return bool(asked or asked is None) and why is None
 
 
 # ---- the server's side -------------------------------------------------------------------------------------------
+class _Adapters:
+    """The child's adapters given at start, as the server reads an `AdapterSet` (`infer/adapters.py`): `served`,
+    each with its name, source, method and virtual tokens; none is ever removed (no run-time adapters here)."""
+
+    def __init__(self, described: list[tuple[str, str, str, int]]):
+        self.served = [SimpleNamespace(name=name, source=source, method=method, virtual_tokens=n, removed=False)
+                       for name, source, method, n in described]
+
+
 class _Histogram:
     """The child's histogram as of its last message (`engine.Histogram.snapshot`'s answer)."""
 
@@ -87,7 +99,7 @@ class EngineClient:
         self.limits: Limits = dataclasses.replace(info["limits"], max_queue=max_queue)
         self.max_len, self.max_queue = self.limits.max_len, max_queue
         self.model = SimpleNamespace(cfg=info["model_config"])  # routes read model.cfg (vocab_size)
-        self.adapters = None
+        self.adapters = _Adapters(info["adapters"]) if info["adapters"] else None
         runner = info["runner"]
         self.runner = SimpleNamespace(compile_s=runner["compile_s"], cache_bytes=lambda: runner["cache_bytes"],
                                       cache_bytes_per_token=lambda: runner["cache_bytes_per_token"])
@@ -111,7 +123,7 @@ class EngineClient:
     @classmethod
     def launch(cls, builder, build: dict, max_queue: int, start_timeout: float | None = None) -> EngineClient:
         """Start the child, which calls `builder(**build, max_queue=...)` (`server.build_server`, sent by
-        reference: one process, no adapters) for the server whose engine it keeps; wait until it is built (a checkpoint loaded, a step compiled: minutes at worst) and return its
+        reference, its engine in the child's own process) for the server whose engine it keeps; wait until it is built (a checkpoint loaded, a step compiled: minutes at worst) and return its
         client; ConfigError for what the child refused, RuntimeError when it died.
 
         The child is a fresh interpreter (`python -m meshlm.infer.engine_process`, the pipe's end passed as a
@@ -150,9 +162,11 @@ class EngineClient:
 
     # ---- what the server calls ----
     def head(self, adapter: int) -> list[int]:
-        if adapter:
-            raise InvalidRequest(f"adapter index {adapter} is not one of this engine's (0..0)", "model")
-        return []
+        """As `Engine.head`: a prompt adapter's virtual-token placeholders (the child lays out the same)."""
+        n = len(self.adapters.served) if self.adapters is not None else 0
+        if not 0 <= adapter <= n:
+            raise InvalidRequest(f"adapter index {adapter} is not one of this engine's (0..{n})", "model")
+        return [0] * (self.adapters.served[adapter - 1].virtual_tokens if adapter else 0)
 
     def submit_group(self, items, on_update=None, adapter: int = 0, client: str | None = None) -> list[Request]:
         """As `Engine.submit_group`, checked here; the requests are sent to the child without waiting."""
@@ -390,6 +404,7 @@ def child_main(fd: int) -> None:
     info = {"limits": engine.limits, "model_config": engine.model.cfg, "stats": dict(engine.stats),
             "histograms": (engine.ttft.snapshot(), engine.tpot.snapshot()),
             "local_blocks": engine.local_pool.num_blocks if engine.local_pool is not None else 0,
+            "adapters": [(a.name, a.source, a.method, a.virtual_tokens) for a in server.adapters],
             "runner": {"compile_s": getattr(runner, "compile_s", 0.0), "cache_bytes": runner.cache_bytes(),
                        "cache_bytes_per_token": runner.cache_bytes_per_token()}}
     try:

@@ -409,7 +409,7 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
     name = model_name or os.path.basename(os.path.normpath(checkpoint.given))
     cfg = checkpoint.config
     spec = get_spec(cfg.model.family)
-    engine_process = wants_engine_process(engine_process, tp, pp, adapters, runtime_lora, spec.decoder,
+    engine_process = wants_engine_process(engine_process, tp, pp, runtime_lora, spec.decoder,
                                           checkpoint.given)
     tuned = _read_adapters(checkpoint, adapters, name, tp) if adapters else []
     if runtime_lora and (tp > 1 or not spec.decoder):
@@ -422,7 +422,7 @@ def build_server(checkpoint: str, max_seqs: int = 32, max_len: int | None = None
         check_pool(options, max_len or cfg.model.seq_len, kv_groups(cfg.model)[0])
     if engine_process:
         return _engine_process_server(checkpoint, max_seqs, max_len, max_queue, api_key, name, options, quantize,
-                                      dtype)
+                                      dtype, adapters)
     if pp > 1:
         return _pipeline_server(checkpoint, max_seqs, max_len, max_queue, api_key, name, tp, pp, options)
     if tp > 1:
@@ -467,14 +467,15 @@ def _adapter_set(model, cfg, tuned: list, runtime_lora: bool, dtype: str):
 
 
 def _engine_process_server(checkpoint, max_seqs: int, max_len: int | None, max_queue: int, api_key: str | None,
-                           name: str, options, quantize, dtype: str) -> Server:
+                           name: str, options, quantize, dtype: str, adapters: list[str]) -> Server:
     """The server of an engine in a child process (`infer/engine_process.py`): the child loads the opened
-    checkpoint as this function would in one process; here only its tokenizer."""
+    checkpoint and the `--adapter` values as this function would in one process (they were checked here
+    first); here only its tokenizer."""
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.infer.engine_process import EngineClient
 
     build = {"checkpoint": checkpoint, "max_seqs": max_seqs, "max_len": max_len, "model_name": name,
-             "options": options, "quantize": quantize, "dtype": dtype}
+             "options": options, "quantize": quantize, "dtype": dtype, "adapters": adapters}
     engine = EngineClient.launch(build_server, build, max_queue)
     tokenizer = get_tokenizer(checkpoint.config.data.tokenizer)
     server = Server(engine, None, tokenizer, name, engine.max_len, api_key)

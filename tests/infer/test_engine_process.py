@@ -1,8 +1,9 @@
 """`meshlm serve --engine-process`: the engine in a process of its own (`infer/engine_process.py`), `meshlm
 serve`'s default wherever it can. What it answers is checked against the engine in one process by
-tests/infer/test_server_api.py (each of its tests runs both ways), and every other test that starts `meshlm
-serve` without adapters or parallelism runs through it (forced tool calls, whose grammars are compiled again in
-the child: tests/infer/test_server_tools.py). Here, what only a second process can do: be killed, drain on
+tests/infer/test_server_api.py and, with adapters given at start, by tests/infer/test_server_adapters.py (each
+of their tests runs both ways), and every other test that starts `meshlm serve` without run-time adapters or
+parallelism runs through it (forced tool calls, whose grammars are compiled again in the child:
+tests/infer/test_server_tools.py). Here, what only a second process can do: be killed, drain on
 SIGTERM and leave nothing behind, hold the queue's bounds from the server's side, refuse what it does not
 serve, and relay the engine's counters."""
 
@@ -160,11 +161,11 @@ def test_a_killed_engine_process_fails_its_requests_and_health(ckpt):
         assert server.stop() == 0, "".join(server.stderr)[-3000:]
 
 
-@pytest.mark.parametrize("extra,words", [
-    (["--adapter", "x=/nowhere"], ["--engine-process", "--adapter"]),
-    (["--allow-runtime-lora"], ["--engine-process", "--allow-runtime-lora"])])
-def test_what_the_engine_process_does_not_serve_is_one_error_line(ckpt, extra, words):
-    one_error_line(["serve", "--checkpoint", str(ckpt), "--engine-process", *extra], *words)
+def test_runtime_adapters_with_the_engine_process_are_one_error_line(ckpt):
+    """Adapters given at start are served by the engine process (tests/infer/test_server_adapters.py); adapters
+    loaded while serving are not yet."""
+    one_error_line(["serve", "--checkpoint", str(ckpt), "--engine-process", "--allow-runtime-lora"],
+                   "--engine-process", "--allow-runtime-lora")
 
 
 def test_an_encoder_with_the_engine_process_is_one_error_line(tmp_path):

@@ -2,7 +2,8 @@
 adapters (other seeds and targets) and a prompt-tuning adapter, tuned for a few steps on a tiny base. Each
 model's greedy completion equals the tuned model alone, and each LoRA adapter's equals `meshlm generate
 --adapter`'s (its row is the prompt alone, as tuning rows are); concurrent requests for
-different models share decode steps (the engine's mixed-step counter) and still equal the sequential answers."""
+different models share decode steps (the engine's mixed-step counter) and still equal the sequential answers.
+All of it with the engine in the server's process and in a process of its own (`--engine-process`)."""
 
 from __future__ import annotations
 
@@ -42,11 +43,14 @@ def tuned(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def served(tuned):
-    """base + alpha (NAME=DIR) + lora-b (a plain DIR) + soft (a prompt adapter), 8 cache rows."""
+@pytest.fixture(scope="module", params=["--no-engine-process", "--engine-process"],
+                ids=["one process", "engine process"])
+def served(tuned, request):
+    """base + alpha (NAME=DIR) + lora-b (a plain DIR) + soft (a prompt adapter), 8 cache rows; the engine in the
+    server's process, then in a process of its own (which loads the adapters itself)."""
     server = ServeProcess("--checkpoint", str(tuned["base"]), "--adapter", f"alpha={tuned['lora-a']}",
-                          "--adapter", str(tuned["lora-b"]), "--adapter", f"soft={tuned['soft']}", "--max-seqs", "8")
+                          "--adapter", str(tuned["lora-b"]), "--adapter", f"soft={tuned['soft']}", "--max-seqs", "8",
+                          request.param)
     yield server
     assert server.stop() == 0, "".join(server.stderr)[-3000:]
 
