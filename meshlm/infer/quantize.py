@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.core.config import ConfigError
+from meshlm.core.precision import cpu_bf16_support
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128)
@@ -88,9 +89,23 @@ DEQUANTIZE_ROWS = 32
 # Inductor's AMX template instead, faster than the dequantized weight at every size measured (30 SmolLM2 blocks'
 # products: 16 rows 11.5 against 39.1 ms, 64 rows 20.4 against 56.0, 512 rows 85.8 against 137.8; faster than
 # the bf16 weight too; RESULTS.md "int8 on AMX"): there a compiled step never dequantizes.
+#
+# On a CPU without native bf16 instructions (neither AVX512-BF16 nor AMX: AVX2 CPUs such as AMD's Zen 1-3)
+# PyTorch emulates a bf16 matrix product, and the dequantized weight in bf16 is the slowest form of all: 128 rows
+# of a 576 → 1,536 layer took 21.1 ms in bf16 against 3.0 ms dequantized in fp32, 3.7 ms through the kernel and 1.5
+# ms for the fp32 weight (2 threads on a 2-core AMD EPYC with AVX2 only; 16 rows: 3.0, 0.83, 0.52 and 0.38 ms). The
+# kernel itself is fine there (its bf16 path converts with AVX2), so only the dequantized branch changes: it
+# multiplies in fp32 (`Int8Linear.dequantize_dtype`), and a compiled step keeps the eager crossing, where inside a
+# graph the kernel also led at 16 rows (0.57 against 1.41 ms) and the fp32 dequantized weight from 64 (1.82
+# against 2.14): RESULTS.md, "An AVX2 host".
+NATIVE_BF16 = cpu_bf16_support() is not None
+
+
 def _compiled_dequantize_rows() -> int:
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)  # what Inductor's CPU code generator asks
-    return 1 << 62 if amx is not None and amx() else 2
+    if amx is not None and amx():
+        return 1 << 62
+    return 2 if NATIVE_BF16 else DEQUANTIZE_ROWS
 
 
 COMPILED_DEQUANTIZE_ROWS = _compiled_dequantize_rows()
@@ -99,24 +114,29 @@ COMPILED_DEQUANTIZE_ROWS = _compiled_dequantize_rows()
 class Int8Linear(nn.Module):
     """y = x (q·s)ᵀ + b through `aten._weight_int8pack_mm`; x (any leading shape) enters the kernel in
     `compute_dtype` and y leaves it in x's dtype. `DEQUANTIZE_ROWS` rows and more (`COMPILED_DEQUANTIZE_ROWS` in a
-    compiled step: two, or never on a CPU with AMX) multiply by the dequantized
-    weight instead (the same q·s, rounded once to the compute dtype)."""
+    compiled step: two, never on a CPU with AMX, `DEQUANTIZE_ROWS` on one without native bf16) multiply by the
+    dequantized weight instead: the same q·s in `dequantize_dtype`, the compute dtype, or fp32 where that is bf16
+    and the CPU does not compute bf16 natively (x then enters that product unrounded)."""
 
     def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.compute_dtype = compute_dtype or linear.weight.dtype
+        emulated = self.compute_dtype == torch.bfloat16 and not NATIVE_BF16
+        self.dequantize_dtype = torch.float32 if emulated else self.compute_dtype
         q, scales = int8_codes(linear.weight)
         self.register_buffer("qweight", q)  # (N, K) int8
         self.register_buffer("scales", scales.to(self.compute_dtype))  # (N,): the kernel takes them in x's dtype
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()  # a matrix: (B·T, K)
+        flat = x.reshape(-1, self.in_features)  # a matrix: (B·T, K)
         if flat.shape[0] >= (COMPILED_DEQUANTIZE_ROWS if torch.compiler.is_compiling() else DEQUANTIZE_ROWS):
-            y = F.linear(flat, self.qweight.to(self.compute_dtype) * self.scales[:, None])
+            d = self.dequantize_dtype
+            y = F.linear(flat.to(d), self.qweight.to(d) * self.scales.to(d)[:, None])
         else:
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
+            y = torch.ops.aten._weight_int8pack_mm(flat.to(self.compute_dtype).contiguous(), self.qweight,
+                                                   self.scales)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

@@ -21,6 +21,7 @@ from meshlm.cli import main
 from meshlm.infer.quantize import (
     COMPILED_DEQUANTIZE_ROWS,
     DEQUANTIZE_ROWS,
+    NATIVE_BF16,
     Int4Linear,
     Int8Linear,
     quantize_model,
@@ -62,21 +63,27 @@ COMPUTE = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=
 @pytest.mark.parametrize("rows", [5, DEQUANTIZE_ROWS], ids=["kernel", "dequantized"])
 def test_int8_linear_equals_its_dequantized_weights(dtype, rows):
     """Both paths: the packed kernel (fewer than DEQUANTIZE_ROWS rows) and the dequantized weight (a prefill
-    chunk): each the same q·s within the kernel's arithmetic."""
+    chunk): each the same q·s within the kernel's arithmetic. The dequantized product is in the layer's
+    `dequantize_dtype`: bf16 compute on a CPU without native bf16 dequantizes in fp32 (x unrounded)."""
     torch.manual_seed(0)
     linear = nn.Linear(96, 80)
     x = torch.randn(2, rows, 96)
-    out = Int8Linear(linear, dtype)(x)
-    ref = x.to(dtype).double() @ int8_reference(linear.weight, dtype).T + linear.bias.double()
-    assert out.shape == (2, rows, 80) and out.dtype == torch.float32 and relative_error(out, ref) < TOLERANCE[dtype]
+    layer = Int8Linear(linear, dtype)
+    out = layer(x)
+    product = dtype if rows < DEQUANTIZE_ROWS else layer.dequantize_dtype  # the dtype x and y are rounded to
+    assert layer.dequantize_dtype == (torch.float32 if dtype == torch.bfloat16 and not NATIVE_BF16 else dtype)
+    ref = x.to(product).double() @ int8_reference(linear.weight, dtype).T + linear.bias.double()
+    assert out.shape == (2, rows, 80) and out.dtype == torch.float32
+    assert relative_error(out, ref) < TOLERANCE[product]
     assert relative_error(out, linear(x).double()) > 1e-4  # the codes really are 8-bit: not the float weight
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("rows", [1, 2, 5, DEQUANTIZE_ROWS])
 def test_a_compiled_step_of_two_rows_or_more_multiplies_by_the_dequantized_int8_weight(rows):
     """Inside torch.compile (`meshlm serve --compile`) the crossing is COMPILED_DEQUANTIZE_ROWS: one row keeps the
     packed kernel, two and more the dequantized weight (on a CPU with AMX every size keeps the kernel, which
-    Inductor lowers to its AMX template), the same q·s either way."""
+    Inductor lowers to its AMX template; on one without native bf16 the crossing is the eager one,
+    DEQUANTIZE_ROWS, and the dequantized product is fp32), the same q·s either way."""
     torch.manual_seed(0)
     linear = nn.Linear(96, 80)
     graphs = []
@@ -86,16 +93,20 @@ def test_a_compiled_step_of_two_rows_or_more_multiplies_by_the_dequantized_int8_
         return gm.forward
 
     x = torch.randn(rows, 96)
-    out = torch.compile(Int8Linear(linear, torch.bfloat16), backend=capture, dynamic=False)(x)
+    layer = Int8Linear(linear, torch.bfloat16)
+    out = torch.compile(layer, backend=capture, dynamic=False)(x)
     kernel = any("_weight_int8pack_mm" in str(node.target) for g in graphs for node in g.graph.nodes)
     assert graphs and kernel == (rows < COMPILED_DEQUANTIZE_ROWS)
-    ref = x.to(torch.bfloat16).double() @ int8_reference(linear.weight, torch.bfloat16).T + linear.bias.double()
-    assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
+    assert COMPILED_DEQUANTIZE_ROWS == (2 if NATIVE_BF16 else DEQUANTIZE_ROWS) or torch.cpu._is_amx_tile_supported()
+    product = torch.bfloat16 if kernel else layer.dequantize_dtype
+    ref = x.to(product).double() @ int8_reference(linear.weight, torch.bfloat16).T + linear.bias.double()
+    assert relative_error(out, ref) < TOLERANCE[product]
 
 
 def test_a_compiled_int8_layer_computes_its_dequantized_weights_product():
     """Through Inductor as `meshlm serve --compile` compiles (`COMPILE_CONFIG`: autotuned products), 16 rows: the
-    host's branch (the dequantized weight, or on a CPU with AMX Inductor's own int8 template) gives x (q·s)ᵀ + b
+    host's branch (the dequantized weight; the kernel on a CPU without native bf16, where the
+    crossing is DEQUANTIZE_ROWS; on a CPU with AMX Inductor's own int8 template) gives x (q·s)ᵀ + b
     within bf16's rounding."""
     from torch._inductor import config as inductor_config
 
