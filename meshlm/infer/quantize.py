@@ -111,6 +111,15 @@ def _compiled_dequantize_rows() -> int:
 COMPILED_DEQUANTIZE_ROWS = _compiled_dequantize_rows()
 
 
+def compiled_crossing(model: nn.Module) -> int | None:
+    """The token count from which a compiled step of `model` takes another branch than one of fewer tokens (its int8
+    layers' `COMPILED_DEQUANTIZE_ROWS`), where that splits the several-token graph in two (above 2 and bounded:
+    on a CPU without native bf16); None where every several-token step takes the same branch."""
+    if not 2 < COMPILED_DEQUANTIZE_ROWS < 1 << 62:
+        return None
+    return COMPILED_DEQUANTIZE_ROWS if any(isinstance(m, Int8Linear) for m in model.modules()) else None
+
+
 class Int8Linear(nn.Module):
     """y = x (q·s)ᵀ + b through `aten._weight_int8pack_mm`; x (any leading shape) enters the kernel in
     `compute_dtype` and y leaves it in x's dtype. `DEQUANTIZE_ROWS` rows and more (`COMPILED_DEQUANTIZE_ROWS` in a

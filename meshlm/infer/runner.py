@@ -26,6 +26,7 @@ import time
 import torch
 
 from meshlm.core.kv_cache import kv_groups
+from meshlm.infer.quantize import compiled_crossing
 from meshlm.infer.scheduler import ForwardPlan
 from meshlm.models import native
 from meshlm.models.paged import STEP, Batch, PagedKV
@@ -200,11 +201,15 @@ class Runner:
         specializes sizes 0 and 1, so a one-token step (at position 0, and at 2 when one-token steps attend in their
         graph: sizes from 2 on) and a `warm_rows`-token step (rows of `WARM_ROW_LENGTH` positions), each selecting
         one token's logits (the last) and, for the several, all (a step that selects none selects one,
-        `_compiled`); int8 layers need no more (a compiled step of two tokens or more multiplies by the
-        dequantized weight, on a CPU with AMX every step by the kernel: `quantize.COMPILED_DEQUANTIZE_ROWS`). Every
-        table is all block 0, so it writes into that block only, before any request holds a block (a request's
-        keys are written before they are read)."""
+        `_compiled`). int8 layers mostly need no more (a compiled step of two tokens or more multiplies by the
+        dequantized weight, on a CPU with AMX every step by the kernel: `quantize.COMPILED_DEQUANTIZE_ROWS`); on a
+        CPU without native bf16 they change branch at `DEQUANTIZE_ROWS` tokens (`quantize.compiled_crossing`), so
+        the several-token graph is two, each compiled and tuned on its side: at `WARM_ROWS` below the crossing
+        and at `warm_rows` or the crossing above it. Every table is all block 0, so it writes into that block
+        only, before any request holds a block (a request's keys are written before they are read)."""
         sizes = [1, self.warm_rows]
+        if (crossing := compiled_crossing(self.model)) is not None:
+            sizes = [1, min(WARM_ROWS, crossing - 1), max(self.warm_rows, crossing)]  # crossing > 2
         t0 = time.perf_counter()
         firsts = {1: (0, 2) if self.kv.rows_in_graph else (0,)}  # one token at 0, and past it (`RowCache`)
         for n in sizes:

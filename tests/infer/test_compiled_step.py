@@ -117,6 +117,37 @@ def test_the_several_token_graph_is_tuned_at_its_dtypes_size(dtype, tokens, monk
     Runner(short, num_blocks=8, block_size=4, vocab_size=97).warm()
 
 
+def test_int8_steps_on_both_sides_of_a_compiled_crossing_compile_nothing_after_start(monkeypatch):
+    """On a CPU without native bf16 a compiled int8 step changes branch at `DEQUANTIZE_ROWS` tokens
+    (`quantize.compiled_crossing`), so `warm` compiles the several-token graph on both sides; set here to 8 on any
+    host. Steps of 3 and 12 tokens then run without compiling (a graph missing at start is an error once the
+    runner skips guards), each as the eager runner computes it (the kernel's bf16 arithmetic apart)."""
+    from meshlm.infer import quantize
+    from meshlm.infer import runner as runner_module
+    from meshlm.infer.scheduler import ForwardPlan
+
+    monkeypatch.setattr(quantize, "COMPILED_DEQUANTIZE_ROWS", 8)
+    monkeypatch.setattr(runner_module, "COMPILE_CONFIG", {"freezing": True})  # which graphs, not their tuning
+    torch.manual_seed(0)
+    m = GPT(CONFIG).eval()
+    quantize.quantize_model(m, "int8")
+    assert quantize.compiled_crossing(m) == 8 and quantize.compiled_crossing(GPT(CONFIG)) is None
+    plans = []
+    warmed = Runner(m, num_blocks=16, block_size=4, vocab_size=97)
+    monkeypatch.setattr(warmed, "forward", plans.append)
+    warmed.warm()
+    assert sorted({len(plan.ids) for plan in plans}) == [1, 7, 64]  # one token; below the crossing; above it
+    compiled = Runner(m, num_blocks=16, block_size=4, vocab_size=97, compile=True)
+    eager = Runner(m, num_blocks=16, block_size=4, vocab_size=97)
+    graphs = counters["stats"]["unique_graphs"]
+    for n in (3, 12):
+        plan = ForwardPlan(ids=tuple(range(1, n + 1)), rows=((range(n), tuple(range(1, 5))),), select=tuple(range(n)))
+        with torch.no_grad():
+            got, want = compiled.forward(plan), eager.forward(plan)
+        assert got.shape == (n, 97) and torch.allclose(got, want, atol=3e-2, rtol=0), (n, (got - want).abs().max())
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_a_second_compiled_runner_keeps_each_models_tokens(model):
     """The first compiled runner of a process checks only the guards that tell its graphs apart; a second one's
     graphs share dynamo's cache (one code object), so from then on both check every guard, and neither may run
