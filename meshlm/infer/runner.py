@@ -203,13 +203,16 @@ class Runner:
         one token's logits (the last) and, for the several, all (a step that selects none selects one,
         `_compiled`). int8 layers mostly need no more (a compiled step of two tokens or more multiplies by the
         dequantized weight, on a CPU with AMX every step by the kernel: `quantize.COMPILED_DEQUANTIZE_ROWS`); on a
-        CPU without native bf16 they change branch at `DEQUANTIZE_ROWS` tokens (`quantize.compiled_crossing`), so
-        the several-token graph is two, each compiled and tuned on its side: at `WARM_ROWS` below the crossing
-        and at `warm_rows` or the crossing above it. Every table is all block 0, so it writes into that block
-        only, before any request holds a block (a request's keys are written before they are read)."""
-        sizes = [1, self.warm_rows]
+        CPU without native bf16 they change branch at `DEQUANTIZE_ROWS` rows (`quantize.compiled_crossing`), so
+        the several-token graph is two, each compiled and tuned on its side: at `WARM_ROWS` tokens below the
+        crossing and at `warm_rows` or the crossing above it. An int8 output head multiplies the selected tokens
+        only, so the larger one also selects as many as the smaller one holds (head below, blocks above). Every
+        table is all block 0, so it writes into that block only, before any request holds a block (a request's
+        keys are written before they are read)."""
+        sizes, below = [1, self.warm_rows], None
         if (crossing := compiled_crossing(self.model)) is not None:
-            sizes = [1, min(WARM_ROWS, crossing - 1), max(self.warm_rows, crossing)]  # crossing > 2
+            below = min(WARM_ROWS, crossing - 1)  # crossing > 2
+            sizes = [1, below, max(self.warm_rows, crossing)]
         t0 = time.perf_counter()
         firsts = {1: (0, 2) if self.kv.rows_in_graph else (0,)}  # one token at 0, and past it (`RowCache`)
         for n in sizes:
@@ -218,7 +221,10 @@ class Runner:
                 table = (0,) * (first + lengths[0])
                 rows = tuple((range(first, first + k), table) for k in lengths)
                 local = (table,) * len(rows) if self.local_blocks else ()
-                for select in ((n - 1,),) + ((tuple(range(n)),) if n > 1 else ()):
+                selects = [(n - 1,)] + ([tuple(range(n))] if n > 1 else [])
+                if below is not None and n > below:
+                    selects.append(tuple(range(n - below, n)))
+                for select in selects:
                     self.forward(ForwardPlan(ids=(0,) * n, rows=rows, select=select, local_tables=local))
         return time.perf_counter() - t0
 

@@ -120,8 +120,9 @@ def test_the_several_token_graph_is_tuned_at_its_dtypes_size(dtype, tokens, monk
 def test_int8_steps_on_both_sides_of_a_compiled_crossing_compile_nothing_after_start(monkeypatch):
     """On a CPU without native bf16 a compiled int8 step changes branch at `DEQUANTIZE_ROWS` tokens
     (`quantize.compiled_crossing`), so `warm` compiles the several-token graph on both sides; set here to 8 on any
-    host. Steps of 3 and 12 tokens then run without compiling (a graph missing at start is an error once the
-    runner skips guards), each as the eager runner computes it (the kernel's bf16 arithmetic apart)."""
+    host. Steps of 3 and 12 tokens, the latter selecting 12 logits or 2 (its int8 head then below the crossing),
+    then run without compiling (a graph missing at start is an error once the runner skips guards), each as the
+    eager runner computes it (the kernel's bf16 arithmetic apart)."""
     from meshlm.infer import quantize
     from meshlm.infer import runner as runner_module
     from meshlm.infer.scheduler import ForwardPlan
@@ -137,14 +138,16 @@ def test_int8_steps_on_both_sides_of_a_compiled_crossing_compile_nothing_after_s
     monkeypatch.setattr(warmed, "forward", plans.append)
     warmed.warm()
     assert sorted({len(plan.ids) for plan in plans}) == [1, 7, 64]  # one token; below the crossing; above it
+    # 64 tokens whose int8 head multiplies 1, 7 (below the crossing) or all 64 of them
+    assert sorted(len(plan.select) for plan in plans if len(plan.ids) == 64) == [1, 7, 64]
     compiled = Runner(m, num_blocks=16, block_size=4, vocab_size=97, compile=True)
     eager = Runner(m, num_blocks=16, block_size=4, vocab_size=97)
     graphs = counters["stats"]["unique_graphs"]
-    for n in (3, 12):
-        plan = ForwardPlan(ids=tuple(range(1, n + 1)), rows=((range(n), tuple(range(1, 5))),), select=tuple(range(n)))
+    for n, select in ((3, range(3)), (12, range(12)), (12, range(10, 12))):  # blocks and head each side
+        plan = ForwardPlan(ids=tuple(range(1, n + 1)), rows=((range(n), tuple(range(1, 5))),), select=tuple(select))
         with torch.no_grad():
             got, want = compiled.forward(plan), eager.forward(plan)
-        assert got.shape == (n, 97) and torch.allclose(got, want, atol=3e-2, rtol=0), (n, (got - want).abs().max())
+        assert got.shape == (len(select), 97) and torch.allclose(got, want, atol=3e-2, rtol=0), (n, select)
     assert counters["stats"]["unique_graphs"] == graphs
 
 
