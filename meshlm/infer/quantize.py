@@ -14,6 +14,9 @@ is loaded, by modules that keep their weight packed and call PyTorch's CPU kerne
   A GGUF Q4_1 block (32 values, w = q·d + m) is exactly this form with group size 32, which is why int4 with
   the default group finds a Q4_1 file's own codes again (docs/serving.md gives the measurement).
 
+On a CPU without native bf16 the decoding rows take meshlm's own kernel instead (`own_kernel`: activations in 8-bit
+blocks, int4 codes in its own layout, an int4 prefill through the dequantized weight as int8's).
+
 The output head goes to int8 too unless `head=False` (under int4 as well, as llama.cpp's Q4 files keep their
 output matrix in Q8_0; measured in `quantize_model`'s docstring); the embedding and norms stay in the model's
 dtype. Only a plain (one-process) model on the CPU is quantized: tensor-parallel linears split
@@ -32,6 +35,7 @@ from torch import nn
 
 from meshlm.core.config import ConfigError
 from meshlm.core.precision import cpu_bf16_support
+from meshlm.models import native
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128)
@@ -111,13 +115,70 @@ def _compiled_dequantize_rows() -> int:
 COMPILED_DEQUANTIZE_ROWS = _compiled_dequantize_rows()
 
 
+# On such a CPU the decoding rows (fewer than DEQUANTIZE_ROWS) of an eager step multiply through meshlm's own kernel
+# (`models/kernels/quant_rows.cpp`): the activations rounded to 8 bits per block of 32, products of bytes summed in
+# AVX2 registers, the codes read once. One row of SmolLM2's block linears and int8 head took 17.2 ms in int8 against
+# PyTorch's kernel's 27.9 (int4 15.4 against 19.7). Inside a compiled step the two were level (a decoding row 13.6
+# against 14.7 ms in int8, 19.6 against 19.3 in int4) and the 8-bit activations cost perplexity (every scored row
+# through the kernel: int8 +0.75% against PyTorch's +0.50%, int4 +1.34% against +0.24%), so a compiled int8 step
+# keeps PyTorch's kernel; int4, whose codes are packed once in the kernel's own layout, keeps meshlm's (RESULTS.md,
+# "int8 and int4 rows of meshlm's own"). With native bf16 PyTorch's kernels stay (not measured against it there).
+# `own_kernel()` says which; MESHLM_QUANT_KERNEL=0 keeps PyTorch's anywhere.
+def own_kernel() -> bool:
+    """Whether quantized layers built now take meshlm's own few-row kernel: on a CPU without native bf16, where the
+    kernel builds (AVX2 and FMA, a compiler; `native.unavailable("quant_rows")` says why not)."""
+    return not NATIVE_BF16 and native.quant_rows() is not None
+
+
+LIBRARY = torch.library.Library("meshlm", "FRAGMENT")  # the kernels as operators a compiled step calls opaquely
+LIBRARY.define("int8_rows(Tensor x, Tensor q, Tensor s) -> Tensor")
+LIBRARY.define("int4_rows(Tensor x, Tensor packed, Tensor scales_and_zeros, int group) -> Tensor")
+LIBRARY.impl("int8_rows", native.int8_rows, "CompositeExplicitAutograd")
+LIBRARY.impl("int4_rows", native.int4_rows, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("meshlm::int8_rows", lib=LIBRARY)
+def _int8_rows_shape(x, q, s):
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+@torch.library.register_fake("meshlm::int4_rows", lib=LIBRARY)
+def _int4_rows_shape(x, packed, scales_and_zeros, group):
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Codes q (N, K) in 0..15 as `kernels/quant_rows.cpp` reads them: (N, K/2) uint8, per 32 inputs 16 bytes whose
+    low halves hold the first 16 codes and high halves the next 16."""
+    n, k = q.shape
+    runs = q.reshape(n, k // 32, 2, 16).to(torch.uint8)
+    return (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """`pack_int4`'s inverse: (N, K) uint8 codes."""
+    n, half = packed.shape
+    runs = packed.reshape(n, half // 16, 1, 16)
+    return torch.cat([runs & 15, runs >> 4], dim=2).reshape(n, 2 * half)
+
+
+def _crossings(module: nn.Module) -> tuple[float, float]:
+    """(eager, compiled) row counts from which `module` multiplies by its dequantized weight: DEQUANTIZE_ROWS and
+    COMPILED_DEQUANTIZE_ROWS (the same where meshlm's kernel is the default), except for PyTorch's int4 kernel,
+    kept at every size."""
+    if isinstance(module, Int8Linear) or module.own:
+        return DEQUANTIZE_ROWS, COMPILED_DEQUANTIZE_ROWS
+    return float("inf"), float("inf")
+
+
 def compiled_crossing(model: nn.Module) -> int | None:
-    """The token count from which a compiled step of `model` takes another branch than one of fewer tokens (its int8
-    layers' `COMPILED_DEQUANTIZE_ROWS`), where that splits the several-token graph in two (above 2 and bounded:
-    on a CPU without native bf16); None where every several-token step takes the same branch."""
-    if not 2 < COMPILED_DEQUANTIZE_ROWS < 1 << 62:
-        return None
-    return COMPILED_DEQUANTIZE_ROWS if any(isinstance(m, Int8Linear) for m in model.modules()) else None
+    """The token count from which a compiled step of `model` takes another branch than one of fewer tokens (its
+    quantized layers' compiled crossing), where that splits the several-token graph in two (above 2 and bounded: on
+    a CPU without native bf16, or with meshlm's own kernel); None where every several-token step takes the same
+    branch."""
+    found = [c for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))
+             if 2 < (c := _crossings(m)[1]) < 1 << 62]
+    return min(found) if found else None
 
 
 class Int8Linear(nn.Module):
@@ -125,14 +186,19 @@ class Int8Linear(nn.Module):
     `compute_dtype` and y leaves it in x's dtype. `DEQUANTIZE_ROWS` rows and more (`COMPILED_DEQUANTIZE_ROWS` in a
     compiled step: two, never on a CPU with AMX, `DEQUANTIZE_ROWS` on one without native bf16) multiply by the
     dequantized weight instead: the same q·s in `dequantize_dtype`, the compute dtype, or fp32 where that is bf16
-    and the CPU does not compute bf16 natively (x then enters that product unrounded)."""
+    and the CPU does not compute bf16 natively (x then enters that product unrounded). With `own` (default
+    `own_kernel()`) fewer rows than DEQUANTIZE_ROWS of an eager step go through meshlm's kernel instead (x in 8-bit
+    blocks of 32, the same codes and scales); it takes input widths that are multiples of 32."""
 
-    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype | None = None):
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype | None = None, own: bool | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.compute_dtype = compute_dtype or linear.weight.dtype
         emulated = self.compute_dtype == torch.bfloat16 and not NATIVE_BF16
         self.dequantize_dtype = torch.float32 if emulated else self.compute_dtype
+        # meshlm's kernel: scales in fp32 or bf16, inputs in blocks of 32
+        self.own = ((own_kernel() if own is None else own) and self.compute_dtype in native.DTYPES
+                    and self.in_features % 32 == 0)
         q, scales = int8_codes(linear.weight)
         self.register_buffer("qweight", q)  # (N, K) int8
         self.register_buffer("scales", scales.to(self.compute_dtype))  # (N,): the kernel takes them in x's dtype
@@ -140,9 +206,12 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)  # a matrix: (B·T, K)
-        if flat.shape[0] >= (COMPILED_DEQUANTIZE_ROWS if torch.compiler.is_compiling() else DEQUANTIZE_ROWS):
+        eager, compiled = _crossings(self)
+        if flat.shape[0] >= (compiled if torch.compiler.is_compiling() else eager):
             d = self.dequantize_dtype
             y = F.linear(flat.to(d), self.qweight.to(d) * self.scales.to(d)[:, None])
+        elif self.own and not torch.compiler.is_compiling():  # inside a graph PyTorch's kernel (`own_kernel`)
+            y = torch.ops.meshlm.int8_rows.default(flat.float().contiguous(), self.qweight, self.scales)
         else:
             y = torch.ops.aten._weight_int8pack_mm(flat.to(self.compute_dtype).contiguous(), self.qweight,
                                                    self.scales)
@@ -155,23 +224,47 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """y = x Wᵀ + b with W = (q - 8)·s + z per group, through `aten._weight_int4pack_mm_for_cpu`."""
+    """y = x Wᵀ + b with W = (q - 8)·s + z per group, through `aten._weight_int4pack_mm_for_cpu`; with `own` (default
+    `own_kernel()`) through meshlm's kernel below Int8Linear's crossing (x in 8-bit blocks for the codes' part) and
+    the dequantized weight (in `dequantize_dtype`, as Int8Linear's) from there on, the codes then packed in that
+    kernel's layout (`pack_int4`)."""
 
-    def __init__(self, linear: nn.Linear, group_size: int, compute_dtype: torch.dtype | None = None):
+    def __init__(self, linear: nn.Linear, group_size: int, compute_dtype: torch.dtype | None = None,
+                 own: bool | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.group_size, self.compute_dtype = group_size, compute_dtype or linear.weight.dtype
+        emulated = self.compute_dtype == torch.bfloat16 and not NATIVE_BF16
+        self.dequantize_dtype = torch.float32 if emulated else self.compute_dtype
+        # meshlm's kernel: scales in fp32 or bf16, inputs in blocks of 32
+        self.own = ((own_kernel() if own is None else own) and self.compute_dtype in native.DTYPES
+                    and self.in_features % 32 == 0)
         q, scales, zeros = int4_codes(linear.weight, group_size)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # (N, K/2) uint8
-        self.register_buffer("packed", packed)
-        # (K/g, N, 2): [scale, zero] of group g of output channel n, the layout the kernel reads
-        self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1)
-                             .contiguous().to(self.compute_dtype))
+        pairs = torch.stack([scales, zeros], dim=-1).to(self.compute_dtype)  # (N, K/g, 2): [scale, zero]
+        if self.own:
+            self.register_buffer("packed", pack_int4(q))  # (N, K/2) uint8
+            self.register_buffer("scales_and_zeros", pairs.contiguous())
+        else:
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+            # (K/g, N, 2): the layout PyTorch's kernel reads
+            self.register_buffer("scales_and_zeros", pairs.transpose(0, 1).contiguous())
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()  # (B·T, K)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
+        flat = x.reshape(-1, self.in_features)  # (B·T, K)
+        eager, compiled = _crossings(self)
+        if flat.shape[0] >= (compiled if torch.compiler.is_compiling() else eager):
+            d, g = self.dequantize_dtype, self.group_size
+            codes = unpack_int4(self.packed).reshape(self.out_features, -1, g).to(d)
+            pairs = self.scales_and_zeros.to(d)
+            weight = (codes - 8) * pairs[..., :1] + pairs[..., 1:]
+            y = F.linear(flat.to(d), weight.reshape(self.out_features, self.in_features))
+        elif self.own:
+            y = torch.ops.meshlm.int4_rows.default(flat.float().contiguous(), self.packed, self.scales_and_zeros,
+                                           self.group_size)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(self.compute_dtype).contiguous(), self.packed,
+                                                           self.group_size, self.scales_and_zeros)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -254,11 +347,11 @@ def kernel_dtype(model_dtype: torch.dtype) -> torch.dtype:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, mode: str, group_size: int = 32, head: bool = True,
-                   compute_dtype: torch.dtype | None = None) -> QuantizeReport:
+                   compute_dtype: torch.dtype | None = None, own: bool | None = None) -> QuantizeReport:
     """Replace the linears of `model`'s transformer blocks by packed `mode` ("int8" | "int4") modules (and
     the output head by an int8 one when `head`), in place; the embedding and norms stay as they are. Inputs
     enter the kernels in `compute_dtype` (default `kernel_dtype` of the model's), outputs come back in the
-    model's dtype.
+    model's dtype. `own`: the decoding rows through meshlm's kernel (default `own_kernel()`) or PyTorch's.
 
     The head is on by default, measured in benchmarks/quantize_quality.py on SmolLM2-135M (a 49,152-token
     vocabulary, a fifth of the weights): decoding 1.35-1.46x faster for +0.1-0.25% perplexity. With tied
@@ -287,7 +380,7 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32, head: bool
             kept += 1  # e.g. a one-output gate: the packing takes channels in tiles of 16
             continue
         int8 = mode == "int8" or path == "lm_head"  # the head in int8 under int4 too (as Q4 GGUF files keep Q8_0)
-        new = Int8Linear(linear, compute_dtype) if int8 else Int4Linear(linear, group_size, compute_dtype)
+        new = Int8Linear(linear, compute_dtype, own) if int8 else Int4Linear(linear, group_size, compute_dtype, own)
         _replace(model, path, linear, new)
         replaced += 1
     model.requires_grad_(False)

@@ -12,6 +12,10 @@ kernel's parallel regions run on the engine thread's one pool (`infer/openmp.py`
 
 Where no compiler is found or the build fails, `paged_decode()` is None, the reason is in `unavailable()`, and
 attention takes the gathering path it always had; `MESHLM_PAGED_KERNEL=0` chooses that path on purpose.
+
+Matrix products of a few rows with int8/int4 weights (`kernels/quant_rows.cpp`, for CPUs with AVX2 and FMA) are
+built the same way from their own source: `quant_rows()` gives them (None, and `unavailable("quant_rows")` the
+reason, where they cannot be built; `MESHLM_QUANT_KERNEL=0` turns them off); `infer/quantize.py` decides where.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).resolve().parent / "kernels" / "paged_decode.cpp"
+QUANT_SOURCE = SOURCE.parent / "quant_rows.cpp"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared",
          "-fPIC"]
 # positions one work item reads before a row is split across work items (split-K: `kernels/paged_decode.cpp`);
@@ -65,19 +70,20 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build(cxx: str) -> Path:
+def _build(cxx: str, source: Path | None = None) -> Path:
+    source = source or SOURCE  # read at call time: a benchmark may point SOURCE at another version
     version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True).stdout
-    digest = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode())
-    target = cache_dir() / f"paged_decode-{digest.hexdigest()[:16]}.so"
+    digest = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode())
+    target = cache_dir() / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], check=False, capture_output=True, text=True)
+        done = subprocess.run([cxx, *FLAGS, str(source), "-o", tmp], check=False, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{cxx} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{cxx} failed on {source.name}: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -117,10 +123,68 @@ def paged_decode():
     return _state["kernel"]
 
 
-def unavailable() -> str:
-    """Why `paged_decode()` is None ('' when it is not)."""
+def unavailable(kernel: str = "paged_decode") -> str:
+    """Why `paged_decode()` (or `quant_rows()`, kernel="quant_rows") is None ('' when it is not)."""
+    if kernel == "quant_rows":
+        quant_rows()
+        return _state["quant_why"]
     paged_decode()
     return _state["why"]
+
+
+def _load_quant():
+    if os.environ.get("MESHLM_QUANT_KERNEL", "1") == "0":
+        return None, "MESHLM_QUANT_KERNEL=0"
+    cxx = compiler()
+    if cxx is None:
+        return None, "no C++ compiler on the PATH (set CXX)"
+    try:
+        lib = ctypes.CDLL(str(_build(cxx, QUANT_SOURCE)))
+    except (OSError, RuntimeError) as err:
+        return None, str(err)
+    if not hasattr(lib, "meshlm_int8_rows"):
+        return None, "this CPU lacks AVX2 and FMA"
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    int8, int4 = lib.meshlm_int8_rows, lib.meshlm_int4_rows
+    int8.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, i64, i64, ctypes.c_int]
+    int4.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, i64, i64, i64, ctypes.c_int]
+    int8.restype = int4.restype = ctypes.c_int
+    return (int8, int4), ""
+
+
+def quant_rows():
+    """(meshlm_int8_rows, meshlm_int4_rows) as ctypes functions, built and loaded once per process; None where they
+    cannot be (`unavailable("quant_rows")` says why)."""
+    if "quant" not in _state:
+        with _lock:
+            if "quant" not in _state:
+                _state["quant"], _state["quant_why"] = _load_quant()
+    return _state["quant"]
+
+
+def int8_rows(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (R, K) fp32 contiguous times the int8 weight q (N, K) scaled per channel by `scales` (N,) in fp32 or bf16,
+    transposed: (R, N) fp32, x (q·s)ᵀ. Call only where `quant_rows()` is not None."""
+    R, K = x.shape
+    N = q.shape[0]
+    y = torch.empty((R, N), dtype=torch.float32)
+    if quant_rows()[0](x.data_ptr(), q.data_ptr(), scales.data_ptr(), DTYPES[scales.dtype], y.data_ptr(), R, K, N,
+                       torch.get_num_threads()) != 0:
+        raise RuntimeError(f"meshlm_int8_rows refused its arguments: x {tuple(x.shape)}, q {tuple(q.shape)}")
+    return y
+
+
+def int4_rows(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """x (R, K) fp32 contiguous times the int4 weight W = (q - 8)·s + z, transposed: (R, N) fp32, x Wᵀ. `packed` (N,
+    K/2) uint8 holds the codes q in `kernels/quant_rows.cpp`'s layout, `scales_and_zeros` (N, K/group, 2) the
+    groups' (s, z) in fp32 or bf16. Call only where `quant_rows()` is not None."""
+    R, K = x.shape
+    N = packed.shape[0]
+    y = torch.empty((R, N), dtype=torch.float32)
+    if quant_rows()[1](x.data_ptr(), packed.data_ptr(), scales_and_zeros.data_ptr(),
+                       DTYPES[scales_and_zeros.dtype], y.data_ptr(), R, K, N, group, torch.get_num_threads()) != 0:
+        raise RuntimeError(f"meshlm_int4_rows refused its arguments: x {tuple(x.shape)}, group {group}")
+    return y
 
 
 def takes_pool(pool: torch.Tensor, n_heads: int) -> bool:

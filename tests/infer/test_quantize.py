@@ -24,9 +24,13 @@ from meshlm.infer.quantize import (
     NATIVE_BF16,
     Int4Linear,
     Int8Linear,
+    own_kernel,
+    pack_int4,
     quantize_model,
+    unpack_int4,
     weight_bytes,
 )
+from meshlm.models import native
 from tests.conftest import tiny_config
 from tests.infer.server_helpers import GPT_MODEL, ServeProcess, http, save_bert_checkpoint, save_gpt_checkpoint
 
@@ -43,47 +47,76 @@ def int8_reference(w: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     return torch.round(w.detach().float() / s).clamp(-127, 127).double() * s.to(dtype).double()
 
 
-def int4_reference(w: torch.Tensor, g: int, dtype=torch.float32) -> torch.Tensor:
+def int4_reference(w: torch.Tensor, g: int, dtype=torch.float32, parts: bool = False):
     n, k = w.shape
     groups = w.detach().float().reshape(n, k // g, g)
     low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
     s = (high - low) / 15
     q = torch.round((groups - low) / s).clamp(0, 15).double()
     zero = (low + 8 * s).to(dtype).double()
-    return ((q - 8) * s.to(dtype).double() + zero).reshape(n, k)  # the kernel's (q - 8)·s + z
+    scale = s.to(dtype).double()
+    if parts:  # (q·s, z - 8s), each (N, K): the two terms meshlm's kernel sums separately
+        return (q * scale).reshape(n, k), (zero - 8 * scale).expand(n, k // g, g).reshape(n, k)
+    return ((q - 8) * scale + zero).reshape(n, k)  # the kernel's (q - 8)·s + z
+
+
+def rows8(x: torch.Tensor) -> torch.Tensor:
+    """x as meshlm's kernel multiplies it (float64): per block of 32 inputs d = max |x| / 127 and x ≈ d · round(x ·
+    (1/d)), in fp32 arithmetic as the kernel computes it."""
+    blocks = x.detach().float().reshape(*x.shape[:-1], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inverse).double() * d.double()).reshape(x.shape)
+
+
+def own_int4_reference(x: torch.Tensor, w: torch.Tensor, g: int, dtype) -> torch.Tensor:
+    """meshlm's int4 rows: the codes' part against x in 8-bit blocks, each group's offset against x itself."""
+    codes, shift = int4_reference(w, g, dtype, parts=True)
+    return rows8(x) @ codes.T + x.double() @ shift.T
 
 
 # float32: the kernel's arithmetic alone; bfloat16 (the default for a float32 model): the input rounded to
 # bfloat16 in the reference too, and the output's rounding to bfloat16 (2^-9 of each value) on top.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 4e-3}
 COMPUTE = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# Each layer's kernel: PyTorch's packed kernels, and meshlm's own (`models/kernels/quant_rows.cpp`, x in 8-bit blocks
+# (`rows8`), fp32 sums; on a CPU with AVX2 and FMA, the default where the CPU lacks native bf16).
+NO_OWN = native.quant_rows() is None
+KERNEL = pytest.mark.parametrize("own", [False, pytest.param(True, marks=pytest.mark.skipif(
+    NO_OWN, reason=f"meshlm's int8/int4 kernel: {native.unavailable('quant_rows')}"))], ids=["aten", "own"])
 
 
+@KERNEL
 @COMPUTE
 @pytest.mark.parametrize("rows", [5, DEQUANTIZE_ROWS], ids=["kernel", "dequantized"])
-def test_int8_linear_equals_its_dequantized_weights(dtype, rows):
-    """Both paths: the packed kernel (fewer than DEQUANTIZE_ROWS rows) and the dequantized weight (a prefill
-    chunk): each the same q·s within the kernel's arithmetic. The dequantized product is in the layer's
-    `dequantize_dtype`: bf16 compute on a CPU without native bf16 dequantizes in fp32 (x unrounded)."""
+def test_int8_linear_equals_its_dequantized_weights(dtype, rows, own):
+    """Both paths: the packed kernel (fewer than DEQUANTIZE_ROWS rows; PyTorch's or meshlm's) and the dequantized
+    weight (a prefill chunk): each the same q·s within the kernel's arithmetic. The dequantized product is in the
+    layer's `dequantize_dtype`: bf16 compute on a CPU without native bf16 dequantizes in fp32 (x unrounded);
+    meshlm's kernel rounds x to 8-bit blocks whatever the compute dtype and sums in fp32."""
     torch.manual_seed(0)
     linear = nn.Linear(96, 80)
     x = torch.randn(2, rows, 96)
-    layer = Int8Linear(linear, dtype)
+    layer = Int8Linear(linear, dtype, own=own)
     out = layer(x)
-    product = dtype if rows < DEQUANTIZE_ROWS else layer.dequantize_dtype  # the dtype x and y are rounded to
+    # the dtype x and y are rounded to
+    product = (torch.float32 if own else dtype) if rows < DEQUANTIZE_ROWS else layer.dequantize_dtype
     assert layer.dequantize_dtype == (torch.float32 if dtype == torch.bfloat16 and not NATIVE_BF16 else dtype)
-    ref = x.to(product).double() @ int8_reference(linear.weight, dtype).T + linear.bias.double()
+    given = rows8(x) if own and rows < DEQUANTIZE_ROWS else x.to(product).double()
+    ref = given @ int8_reference(linear.weight, dtype).T + linear.bias.double()
     assert out.shape == (2, rows, 80) and out.dtype == torch.float32
     assert relative_error(out, ref) < TOLERANCE[product]
     assert relative_error(out, linear(x).double()) > 1e-4  # the codes really are 8-bit: not the float weight
 
 
+@KERNEL
 @pytest.mark.parametrize("rows", [1, 2, 5, DEQUANTIZE_ROWS])
-def test_a_compiled_step_of_two_rows_or_more_multiplies_by_the_dequantized_int8_weight(rows):
+def test_a_compiled_step_of_two_rows_or_more_multiplies_by_the_dequantized_int8_weight(rows, own):
     """Inside torch.compile (`meshlm serve --compile`) the crossing is COMPILED_DEQUANTIZE_ROWS: one row keeps the
     packed kernel, two and more the dequantized weight (on a CPU with AMX every size keeps the kernel, which
     Inductor lowers to its AMX template; on one without native bf16 the crossing is the eager one,
-    DEQUANTIZE_ROWS, and the dequantized product is fp32), the same q·s either way."""
+    DEQUANTIZE_ROWS, and the dequantized product is fp32), the same q·s either way. A layer that takes meshlm's
+    kernel in eager steps takes PyTorch's inside a graph."""
     torch.manual_seed(0)
     linear = nn.Linear(96, 80)
     graphs = []
@@ -93,10 +126,11 @@ def test_a_compiled_step_of_two_rows_or_more_multiplies_by_the_dequantized_int8_
         return gm.forward
 
     x = torch.randn(rows, 96)
-    layer = Int8Linear(linear, torch.bfloat16)
+    layer = Int8Linear(linear, torch.bfloat16, own=own)
     out = torch.compile(layer, backend=capture, dynamic=False)(x)
-    kernel = any("_weight_int8pack_mm" in str(node.target) for g in graphs for node in g.graph.nodes)
-    assert graphs and kernel == (rows < COMPILED_DEQUANTIZE_ROWS)
+    targets = [str(node.target) for g in graphs for node in g.graph.nodes]
+    kernel = any("_weight_int8pack_mm" in t for t in targets)
+    assert graphs and kernel == (rows < COMPILED_DEQUANTIZE_ROWS) and not any("int8_rows" in t for t in targets)
     assert COMPILED_DEQUANTIZE_ROWS == (2 if NATIVE_BF16 else DEQUANTIZE_ROWS) or torch.cpu._is_amx_tile_supported()
     product = torch.bfloat16 if kernel else layer.dequantize_dtype
     ref = x.to(product).double() @ int8_reference(linear.weight, torch.bfloat16).T + linear.bias.double()
@@ -105,9 +139,9 @@ def test_a_compiled_step_of_two_rows_or_more_multiplies_by_the_dequantized_int8_
 
 def test_a_compiled_int8_layer_computes_its_dequantized_weights_product():
     """Through Inductor as `meshlm serve --compile` compiles (`COMPILE_CONFIG`: autotuned products), 16 rows: the
-    host's branch (the dequantized weight; the kernel on a CPU without native bf16, where the
-    crossing is DEQUANTIZE_ROWS; on a CPU with AMX Inductor's own int8 template) gives x (q·s)ᵀ + b
-    within bf16's rounding."""
+    host's branch (the dequantized weight; the kernel on a CPU without native bf16, where the crossing is
+    DEQUANTIZE_ROWS, PyTorch's even where eager steps take meshlm's; on a CPU with AMX Inductor's own int8 template)
+    gives x (q·s)ᵀ + b within bf16's rounding."""
     from torch._inductor import config as inductor_config
 
     from meshlm.infer.runner import COMPILE_CONFIG
@@ -119,19 +153,101 @@ def test_a_compiled_int8_layer_computes_its_dequantized_weights_product():
     torch._dynamo.reset()
     with torch.no_grad(), inductor_config.patch(COMPILE_CONFIG):
         out = torch.compile(layer, dynamic=False)(x)
+    assert layer.own == own_kernel()
     ref = x.to(torch.bfloat16).double() @ int8_reference(linear.weight, torch.bfloat16).T + linear.bias.double()
     assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
 
 
+@KERNEL
 @COMPUTE
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_int4_linear_equals_its_dequantized_weights(group_size, dtype):
+def test_int4_linear_equals_its_dequantized_weights(group_size, dtype, own):
+    """7 rows through the kernel (PyTorch's, x in the compute dtype; meshlm's, x in 8-bit blocks for the codes' part)
+    and, for meshlm's, a prefill of DEQUANTIZE_ROWS rows through the weight dequantized from its own packing, in
+    `dequantize_dtype`."""
     torch.manual_seed(1)
     linear = nn.Linear(256, 48, bias=False)
-    x = torch.randn(7, 256)
-    out = Int4Linear(linear, group_size, dtype)(x)
-    ref = x.to(dtype).double() @ int4_reference(linear.weight, group_size, dtype).T
-    assert out.shape == (7, 48) and relative_error(out, ref) < TOLERANCE[dtype]
+    layer = Int4Linear(linear, group_size, dtype, own=own)
+    for rows in (7, DEQUANTIZE_ROWS) if own else (7,):
+        x = torch.randn(rows, 256)
+        product = (torch.float32 if own else dtype) if rows < DEQUANTIZE_ROWS else layer.dequantize_dtype
+        ref = x.to(product).double() @ int4_reference(linear.weight, group_size, dtype).T
+        if own and rows < DEQUANTIZE_ROWS:
+            ref = own_int4_reference(x, linear.weight, group_size, dtype)
+        out = layer(x)
+        assert out.shape == (rows, 48) and relative_error(out, ref) < TOLERANCE[product]
+
+
+@pytest.mark.skipif(NO_OWN, reason=f"meshlm's int8/int4 kernel: {native.unavailable('quant_rows')}")
+@pytest.mark.parametrize("rows", [3, DEQUANTIZE_ROWS])
+def test_a_compiled_int4_layer_of_meshlms_kernel_is_one_operator_below_the_crossing(rows):
+    """Compiled through Inductor as `meshlm serve --compile` compiles, an int4 layer in meshlm's layout calls the kernel
+    as one opaque operator below COMPILED_DEQUANTIZE_ROWS rows (on a CPU without native bf16: the eager crossing)
+    and multiplies by its dequantized weight from there on: each within its product's rounding of its reference."""
+    from torch._inductor import config as inductor_config
+
+    from meshlm.infer.runner import COMPILE_CONFIG
+
+    torch.manual_seed(3)
+    linear = nn.Linear(128, 48)
+    layer = Int4Linear(linear, 32, torch.bfloat16, own=True).eval()
+    x = torch.randn(rows, 128)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(layer, backend=capture, dynamic=False)(x)
+    kernel = any("int4_rows" in str(node.target) for g in graphs for node in g.graph.nodes)
+    assert kernel == (rows < COMPILED_DEQUANTIZE_ROWS)
+    torch._dynamo.reset()
+    with torch.no_grad(), inductor_config.patch(COMPILE_CONFIG):
+        out = torch.compile(layer, dynamic=False)(x)
+    product = torch.float32 if kernel else layer.dequantize_dtype  # bf16 where the CPU computes it natively
+    if kernel:
+        ref = own_int4_reference(x, linear.weight, 32, torch.bfloat16)
+    else:
+        ref = x.to(product).double() @ int4_reference(linear.weight, 32, torch.bfloat16).T
+    assert relative_error(out, ref + linear.bias.double()) < TOLERANCE[product]
+
+
+@pytest.mark.skipif(NO_OWN, reason=f"meshlm's int8/int4 kernel: {native.unavailable('quant_rows')}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-scales", "bf16-scales"])
+def test_own_kernel_takes_every_row_block_and_channel_tile(dtype):
+    """meshlm's kernel quantizes up to 4 rows in each thread and more once for all, splits rows into blocks of up to
+    4 and output channels into tiles of 4 (one row) or 2: 1-9 rows of 37 channels, K = 96 (int8; int4 in groups
+    of 32: an odd number of blocks), 128 (int4 in one group), a block of zeros among them, each row within fp32
+    rounding of its reference; against the unrounded x the 8-bit blocks cost about 0.5% of the largest output.
+    The int4 packing is undone exactly; an input width that is not a multiple of 32 keeps PyTorch's kernel."""
+    torch.manual_seed(2)
+    int8 = Int8Linear(nn.Linear(96, 37, bias=False), dtype, own=True)
+    linears = {g: nn.Linear(k, 37, bias=False) for g, k in ((32, 96), (128, 128))}
+    int4 = {g: Int4Linear(linear, g, dtype, own=True) for g, linear in linears.items()}
+    codes = torch.randint(0, 16, (37, 96))
+    assert torch.equal(unpack_int4(pack_int4(codes)).long(), codes) and int4[32].packed.shape == (37, 48)
+    assert int8.own and not Int8Linear(nn.Linear(100, 37), dtype, own=True).own
+    w8 = int8.qweight.double() * int8.scales.double()[:, None]
+    for rows in range(1, 10):
+        x = torch.randn(rows, 128)
+        x[0, 32:64] = 0  # a block whose scale is 0
+        out = int8(x[:, :96])
+        assert relative_error(out, rows8(x[:, :96]) @ w8.T) < 1e-5, rows
+        assert 1e-4 < relative_error(out, x[:, :96].double() @ w8.T) < 2e-2, rows
+        for g, linear in linears.items():
+            k = linear.in_features
+            assert relative_error(int4[g](x[:, :k]), own_int4_reference(x[:, :k], linear.weight, g, dtype)) < 1e-5
+
+
+def test_own_kernel_is_the_default_where_bf16_is_not_native(monkeypatch):
+    """The default kernel (`own_kernel`): meshlm's where the CPU lacks native bf16 and the kernel builds, PyTorch's
+    elsewhere; MESHLM_QUANT_KERNEL=0 refuses the build with its reason; an fp16 layer keeps PyTorch's kernel."""
+    assert own_kernel() == (not NATIVE_BF16 and not NO_OWN)
+    assert Int8Linear(nn.Linear(64, 16), torch.bfloat16).own == own_kernel()
+    assert not Int8Linear(nn.Linear(64, 16), torch.float16, own=True).own
+    monkeypatch.setenv("MESHLM_QUANT_KERNEL", "0")
+    assert native._load_quant() == (None, "MESHLM_QUANT_KERNEL=0")
 
 
 def tiny_model(**model):
@@ -177,7 +293,8 @@ def test_int8_output_head_is_quantized_and_the_embedding_is_not(mode):
     assert isinstance(model.layers[0].mlp.fc, Int8Linear if mode == "int8" else Int4Linear)
     assert torch.equal(model.tok_emb.weight, embedding)  # the embedding keeps its float weights
     x = torch.randn(3, GPT_MODEL["hidden_size"])
-    assert relative_error(model.lm_head(x), x.double() @ int8_reference(head).T) < 1e-5
+    given = rows8(x) if model.lm_head.own else x.double()  # meshlm's kernel: x in 8-bit blocks
+    assert relative_error(model.lm_head(x), given @ int8_reference(head).T) < 1e-5
 
 
 def lora_adapter(model, cfg):
@@ -212,7 +329,8 @@ def test_lora_adapter_adds_to_the_quantized_base_product():
             m.weight.data = int8_reference(m.weight).float()
     merged = apply_adapter(copy.deepcopy(dequantized), cfg, adapter)  # merged into the dequantized weights
     served = AdapterSet(model, cfg, [("a", adapter)])
-    quantize_model(model, "int8", head=False, compute_dtype=torch.float32)  # float32: the reference's arithmetic
+    # PyTorch's kernel in float32: the reference's arithmetic (meshlm's would round x to 8-bit blocks)
+    quantize_model(model, "int8", head=False, compute_dtype=torch.float32, own=False)
     idx = torch.randint(0, 50257, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad(), served.batch([1, 0]):
         out = model(idx)

@@ -189,3 +189,15 @@ def test_the_library_is_built_once_into_its_cache(tmp_path, monkeypatch):
     assert first.parent == tmp_path and first.exists() and list(tmp_path.iterdir()) == [first]
     stamp = first.stat().st_mtime_ns
     assert native._build(cxx) == first and first.stat().st_mtime_ns == stamp
+
+
+def test_the_int8_int4_kernel_builds_on_every_cpu_with_avx2_and_fma(tmp_path, monkeypatch):
+    """`kernels/quant_rows.cpp` builds beside the attention kernel, under its own name, and loads wherever the CPU
+    has AVX2 and FMA (the quantized layers' default on CPUs without native bf16 hangs on it: a failed build would
+    silently leave them on PyTorch's slower kernels)."""
+    monkeypatch.setenv("MESHLM_KERNEL_CACHE", str(tmp_path))
+    built = native._build(native.compiler(), native.QUANT_SOURCE)
+    assert built.name.startswith("quant_rows-") and built.parent == tmp_path
+    flags = native._cpu_flags().split()
+    if "avx2" in flags and "fma" in flags:
+        assert native.quant_rows() is not None, native.unavailable("quant_rows")
