@@ -3,15 +3,16 @@
 
 Every matrix product of one SmolLM2-135M decoding step and nothing else: 30 blocks of four linears (576 → 960
 query/key/value, 576 → 576 output, 576 → 3,072 gate and up, 1,536 → 576 down) and the 576 → 49,152 output head,
-random weights (the time does not depend on their values), 214 MB in int8 and 128 MB in int4 (its head in int8, as
-`--quantize int4` keeps it): more than this host's caches, so each pass reads its codes from memory, as a served
-step does. Each form runs `--rows` fp32 rows through the quantized layers themselves (`infer.quantize.Int8Linear`,
+random weights (the time does not depend on their values), 134 MB of codes in int8 and 95 MB in int4 with its scales
+(its head in int8, as `--quantize int4` keeps it): more than this host's caches, so each pass reads its codes from
+memory, as a served step does. Each form runs `--rows` fp32 rows through the quantized layers themselves (`infer.quantize.Int8Linear`,
 `Int4Linear`), eagerly:
 
 - `fp32`: the float weights (`F.linear`), 4 bytes a weight: the reference row;
 - `int8 aten`, `int4 aten`: PyTorch's kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), x rounded to
   bf16 (`own=False`);
-- `int8 own`, `int4 own`: meshlm's kernel, x in fp32 (`own=True`; the default on a CPU without native bf16).
+- `int8 own`, `int4 own`: meshlm's kernel, x rounded to 8-bit blocks of 32 (`own=True`; the default on a CPU
+  without native bf16).
 
 Printed: ms per pass (median of `--repeats` timings of `--passes` passes each), the codes' GB/s (their bytes,
 scales included, over the time), and each meshlm row against PyTorch's at the same precision.

@@ -162,6 +162,15 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([runs & 15, runs >> 4], dim=2).reshape(n, 2 * half)
 
 
+def _branches(compute_dtype: torch.dtype, in_features: int, own: bool | None) -> tuple[torch.dtype, bool]:
+    """A quantized layer's (dequantize_dtype, own): its dequantized product in fp32 where its compute dtype is bf16
+    and the CPU does not compute bf16 natively; meshlm's kernel (`own`, default `own_kernel()`) where it takes the
+    layer: scales in fp32 or bf16, inputs in blocks of 32."""
+    emulated = compute_dtype == torch.bfloat16 and not NATIVE_BF16
+    own = (own_kernel() if own is None else own) and compute_dtype in native.DTYPES and in_features % 32 == 0
+    return (torch.float32 if emulated else compute_dtype), own
+
+
 def _crossings(module: nn.Module) -> tuple[float, float]:
     """(eager, compiled) row counts from which `module` multiplies by its dequantized weight: DEQUANTIZE_ROWS and
     COMPILED_DEQUANTIZE_ROWS (the same where meshlm's kernel is the default), except for PyTorch's int4 kernel,
@@ -194,11 +203,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.compute_dtype = compute_dtype or linear.weight.dtype
-        emulated = self.compute_dtype == torch.bfloat16 and not NATIVE_BF16
-        self.dequantize_dtype = torch.float32 if emulated else self.compute_dtype
-        # meshlm's kernel: scales in fp32 or bf16, inputs in blocks of 32
-        self.own = ((own_kernel() if own is None else own) and self.compute_dtype in native.DTYPES
-                    and self.in_features % 32 == 0)
+        self.dequantize_dtype, self.own = _branches(self.compute_dtype, self.in_features, own)
         q, scales = int8_codes(linear.weight)
         self.register_buffer("qweight", q)  # (N, K) int8
         self.register_buffer("scales", scales.to(self.compute_dtype))  # (N,): the kernel takes them in x's dtype
@@ -234,11 +239,7 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.group_size, self.compute_dtype = group_size, compute_dtype or linear.weight.dtype
-        emulated = self.compute_dtype == torch.bfloat16 and not NATIVE_BF16
-        self.dequantize_dtype = torch.float32 if emulated else self.compute_dtype
-        # meshlm's kernel: scales in fp32 or bf16, inputs in blocks of 32
-        self.own = ((own_kernel() if own is None else own) and self.compute_dtype in native.DTYPES
-                    and self.in_features % 32 == 0)
+        self.dequantize_dtype, self.own = _branches(self.compute_dtype, self.in_features, own)
         q, scales, zeros = int4_codes(linear.weight, group_size)
         pairs = torch.stack([scales, zeros], dim=-1).to(self.compute_dtype)  # (N, K/g, 2): [scale, zero]
         if self.own:
@@ -261,7 +262,7 @@ class Int4Linear(nn.Module):
             y = F.linear(flat.to(d), weight.reshape(self.out_features, self.in_features))
         elif self.own:
             y = torch.ops.meshlm.int4_rows.default(flat.float().contiguous(), self.packed, self.scales_and_zeros,
-                                           self.group_size)
+                                                   self.group_size)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(self.compute_dtype).contiguous(), self.packed,
                                                            self.group_size, self.scales_and_zeros)

@@ -91,16 +91,24 @@ def _build(cxx: str, source: Path | None = None) -> Path:
     return target
 
 
-def _load():
-    if not enabled():
-        return None, "MESHLM_PAGED_KERNEL=0"
+def _open(source: Path | None, switch: str):
+    """(the library built from `source` (None: SOURCE), '') or (None, why not): off when the environment variable
+    `switch` is 0, no compiler, or a failed build or load."""
+    if os.environ.get(switch, "1") == "0":
+        return None, f"{switch}=0"
     cxx = compiler()
     if cxx is None:
         return None, "no C++ compiler on the PATH (set CXX)"
     try:
-        lib = ctypes.CDLL(str(_build(cxx)))
+        return ctypes.CDLL(str(_build(cxx, source))), ""
     except (OSError, RuntimeError) as err:
         return None, str(err)
+
+
+def _load():
+    lib, why = _open(None, "MESHLM_PAGED_KERNEL")  # `enabled()`'s switch
+    if lib is None:
+        return None, why
     fn = lib.meshlm_paged_decode
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
@@ -133,15 +141,9 @@ def unavailable(kernel: str = "paged_decode") -> str:
 
 
 def _load_quant():
-    if os.environ.get("MESHLM_QUANT_KERNEL", "1") == "0":
-        return None, "MESHLM_QUANT_KERNEL=0"
-    cxx = compiler()
-    if cxx is None:
-        return None, "no C++ compiler on the PATH (set CXX)"
-    try:
-        lib = ctypes.CDLL(str(_build(cxx, QUANT_SOURCE)))
-    except (OSError, RuntimeError) as err:
-        return None, str(err)
+    lib, why = _open(QUANT_SOURCE, "MESHLM_QUANT_KERNEL")
+    if lib is None:
+        return None, why
     if not hasattr(lib, "meshlm_int8_rows"):
         return None, "this CPU lacks AVX2 and FMA"
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

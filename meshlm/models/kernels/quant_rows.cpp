@@ -84,9 +84,9 @@ void quantize_row(const float* x, int64_t K, int8_t* xq, float* d, float* sums) 
 
 // The rows' codes, scales and sums (rows after each other; per-thread buffers reused across calls).
 struct Rows {
-    const int8_t* q;
-    const float* d;
-    const float* sums;
+    int8_t* q;
+    float* d;
+    float* sums;
     int64_t K;
 };
 
@@ -184,8 +184,8 @@ void int4_block(int nr, Rows x, const uint8_t* p, const S* sz, int64_t group, fl
     }
 }
 
-// Rows r .. r + nr of `rows` quantized into `codes` and `scales` (resized to fit): their Rows view.
-Rows quantize_rows(const float* x, int64_t R, int64_t K, std::vector<int8_t>& codes, std::vector<float>& scales) {
+// Room for R rows of K in `codes` and `scales` (resized to fit), as a Rows view; `quantize_row` fills it.
+Rows room(int64_t R, int64_t K, std::vector<int8_t>& codes, std::vector<float>& scales) {
     const int64_t nb = K / BLOCK;
     codes.resize(R * K);
     scales.resize(2 * R * nb);
@@ -204,7 +204,7 @@ void run(const float* x, int64_t R, int64_t K, int64_t N, int threads, Tile&& ti
     static thread_local std::vector<float> scales;
     const int64_t nb = K / BLOCK;
     const bool alone = R <= MAX_ROWS;
-    const Rows shared = alone ? Rows{} : quantize_rows(x, R, K, codes, scales);  // sized here, filled below
+    const Rows shared = alone ? Rows{} : room(R, K, codes, scales);  // this thread's buffers, filled by the team
     const int64_t nt = R == 1 ? 4 : 2;
     const int64_t tiles = (N + nt - 1) / nt;
 #pragma omp parallel num_threads(threads)
@@ -212,17 +212,14 @@ void run(const float* x, int64_t R, int64_t K, int64_t N, int threads, Tile&& ti
         const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t lo = tiles * me / team, hi = tiles * (me + 1) / team;
         if (hi > lo) first(lo * nt, AHEAD * nt);
-        Rows rows = shared;
+        const Rows rows = alone ? room(R, K, codes, scales) : shared;  // alone: each thread's own buffers
         if (alone) {
-            rows = quantize_rows(x, R, K, codes, scales);  // this thread's own buffers
             for (int64_t r = 0; r < R; ++r)
-                quantize_row(x + r * K, K, const_cast<int8_t*>(rows.q) + r * K, const_cast<float*>(rows.d) + r * nb,
-                             const_cast<float*>(rows.sums) + r * nb);
+                quantize_row(x + r * K, K, rows.q + r * K, rows.d + r * nb, rows.sums + r * nb);
         } else {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < R; ++r)
-                quantize_row(x + r * K, K, const_cast<int8_t*>(rows.q) + r * K, const_cast<float*>(rows.d) + r * nb,
-                             const_cast<float*>(rows.sums) + r * nb);
+                quantize_row(x + r * K, K, rows.q + r * K, rows.d + r * nb, rows.sums + r * nb);
         }
         for (int64_t i = lo; i < hi; ++i) {
             const int64_t n = i * nt;
