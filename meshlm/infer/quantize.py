@@ -118,33 +118,17 @@ COMPILED_DEQUANTIZE_ROWS = _compiled_dequantize_rows()
 # On such a CPU the decoding rows (fewer than DEQUANTIZE_ROWS) of an eager step multiply through meshlm's own kernel
 # (`models/kernels/quant_rows.cpp`): the activations rounded to 8 bits per block of 32, products of bytes summed in
 # AVX2 registers, the codes read once. One row of SmolLM2's block linears and int8 head took 17.2 ms in int8 against
-# PyTorch's kernel's 27.9 (int4 15.4 against 19.7). Inside a compiled step the two were level (a decoding row 13.6
-# against 14.7 ms in int8, 19.6 against 19.3 in int4) and the 8-bit activations cost perplexity (every scored row
-# through the kernel: int8 +0.75% against PyTorch's +0.50%, int4 +1.34% against +0.24%), so a compiled int8 step
-# keeps PyTorch's kernel; int4, whose codes are packed once in the kernel's own layout, keeps meshlm's (RESULTS.md,
-# "int8 and int4 rows of meshlm's own"). With native bf16 PyTorch's kernels stay (not measured against it there).
+# PyTorch's kernel's 27.9 (int4 15.4 against 19.7). Inside a compiled step PyTorch's int8 product (Inductor's own
+# code there) stays faster even with meshlm's called from C++ (a one-row step 10.4-11.7 ms against 12.2-13.5), and
+# the 8-bit activations cost perplexity (every scored row through the kernel: int8 +0.75% against PyTorch's +0.50%,
+# int4 +1.34% against +0.24%), so a compiled int8 step keeps PyTorch's kernel; int4, whose codes are packed once in
+# the kernel's own layout, keeps meshlm's (RESULTS.md, "int8 and int4 rows of meshlm's own" and "The quantized rows
+# as C++ operators"). With native bf16 PyTorch's kernels stay (not measured against it there).
 # `own_kernel()` says which; MESHLM_QUANT_KERNEL=0 keeps PyTorch's anywhere.
 def own_kernel() -> bool:
     """Whether quantized layers built now take meshlm's own few-row kernel: on a CPU without native bf16, where the
     kernel builds (AVX2 and FMA, a compiler; `native.unavailable("quant_rows")` says why not)."""
     return not NATIVE_BF16 and native.quant_rows() is not None
-
-
-LIBRARY = torch.library.Library("meshlm", "FRAGMENT")  # the kernels as operators a compiled step calls opaquely
-LIBRARY.define("int8_rows(Tensor x, Tensor q, Tensor s) -> Tensor")
-LIBRARY.define("int4_rows(Tensor x, Tensor packed, Tensor scales_and_zeros, int group) -> Tensor")
-LIBRARY.impl("int8_rows", native.int8_rows, "CompositeExplicitAutograd")
-LIBRARY.impl("int4_rows", native.int4_rows, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("meshlm::int8_rows", lib=LIBRARY)
-def _int8_rows_shape(x, q, s):
-    return x.new_empty(x.shape[0], q.shape[0])
-
-
-@torch.library.register_fake("meshlm::int4_rows", lib=LIBRARY)
-def _int4_rows_shape(x, packed, scales_and_zeros, group):
-    return x.new_empty(x.shape[0], packed.shape[0])
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

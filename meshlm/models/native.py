@@ -1,4 +1,5 @@
-"""meshlm's own CPU kernels: C++ sources in `models/kernels/`, compiled on first use and loaded with ctypes.
+"""meshlm's own CPU kernels: C++ sources in `models/kernels/`, compiled on first use and loaded (ctypes, or the
+dispatcher for the operators registered from C++).
 
 Decoding rows attend over the paged pool in place (`kernels/paged_decode.cpp`): each row's keys and values are
 read through its block table where they lie, instead of being gathered into a copy first (models/paged.py). The
@@ -14,8 +15,12 @@ Where no compiler is found or the build fails, `paged_decode()` is None, the rea
 attention takes the gathering path it always had; `MESHLM_PAGED_KERNEL=0` chooses that path on purpose.
 
 Matrix products of a few rows with int8/int4 weights (`kernels/quant_rows.cpp`, for CPUs with AVX2 and FMA) are
-built the same way from their own source: `quant_rows()` gives them (None, and `unavailable("quant_rows")` the
-reason, where they cannot be built; `MESHLM_QUANT_KERNEL=0` turns them off); `infer/quantize.py` decides where.
+the operators `meshlm::int8_rows` and `meshlm::int4_rows`, whose schemas this module defines and whose CPU kernels
+are registered from C++ (`kernels/quant_ops.cpp`, built with the kernel against the installed PyTorch's headers
+and libraries, about 12 s the first time, and loaded with `torch.ops.load_library`): a compiled step calls them
+without any Python in between (a call costs about 4 µs instead of 11 through a Python function and ctypes).
+`quant_rows()` loads them (None, and `unavailable("quant_rows")` the reason, where they cannot be built;
+`MESHLM_QUANT_KERNEL=0` turns them off); `infer/quantize.py` decides where they run.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch
 
 SOURCE = Path(__file__).resolve().parent / "kernels" / "paged_decode.cpp"
 QUANT_SOURCE = SOURCE.parent / "quant_rows.cpp"
+QUANT_OPS_SOURCE = SOURCE.parent / "quant_ops.cpp"  # its operators, registered from C++
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared",
          "-fPIC"]
 # positions one work item reads before a row is split across work items (split-K: `kernels/paged_decode.cpp`);
@@ -70,20 +76,26 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build(cxx: str, source: Path | None = None) -> Path:
+def _build(cxx: str, source: Path | None = None, extra: tuple[Path, ...] = (), link: tuple[str, ...] = ()) -> Path:
+    """The shared library of `source` (None: SOURCE) and the sources `extra`, compiled with FLAGS and the flags
+    `link` (after the sources), in the cache: built once per digest of their texts, the flags, the compiler and this
+    CPU's feature flags."""
     source = source or SOURCE  # read at call time: a benchmark may point SOURCE at another version
+    sources = [source, *extra]
     version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True).stdout
-    digest = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode())
-    target = cache_dir() / f"{source.stem}-{digest.hexdigest()[:16]}.so"
+    digest = hashlib.sha256("\0".join([*(s.read_text() for s in sources), " ".join(FLAGS), " ".join(link), version,
+                                       _cpu_flags()]).encode())
+    target = cache_dir() / f"{sources[-1].stem}-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *FLAGS, str(source), "-o", tmp], check=False, capture_output=True, text=True)
+        done = subprocess.run([cxx, *FLAGS, *map(str, sources), *link, "-o", tmp], check=False, capture_output=True,
+                              text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{cxx} failed on {source.name}: {done.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{cxx} failed on {' and '.join(s.name for s in sources)}: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -140,23 +152,34 @@ def unavailable(kernel: str = "paged_decode") -> str:
     return _state["why"]
 
 
+def torch_build_flags() -> tuple[str, ...]:
+    """What a source that includes PyTorch's headers needs after the sources: the installed torch's include
+    folder, its C++ ABI, and its libraries (found again at load time, where torch has already loaded them)."""
+    root = Path(torch.__file__).resolve().parent
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    return (f"-I{root / 'include'}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DMESHLM_TORCH={torch.__version__}",
+            f"-L{root / 'lib'}", f"-Wl,-rpath,{root / 'lib'}", "-lc10", "-ltorch_cpu")
+
+
 def _load_quant():
-    lib, why = _open(QUANT_SOURCE, "MESHLM_QUANT_KERNEL")
-    if lib is None:
-        return None, why
-    if not hasattr(lib, "meshlm_int8_rows"):
-        return None, "this CPU lacks AVX2 and FMA"
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    int8, int4 = lib.meshlm_int8_rows, lib.meshlm_int4_rows
-    int8.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, i64, i64, ctypes.c_int]
-    int4.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, i64, i64, i64, ctypes.c_int]
-    int8.restype = int4.restype = ctypes.c_int
-    return (int8, int4), ""
+    """quant_rows.cpp and its operators (quant_ops.cpp) as one library, loaded into PyTorch's dispatcher."""
+    if os.environ.get("MESHLM_QUANT_KERNEL", "1") == "0":
+        return None, "MESHLM_QUANT_KERNEL=0"
+    if (cxx := compiler()) is None:
+        return None, "no C++ compiler on the PATH (set CXX)"
+    try:
+        path = _build(cxx, QUANT_SOURCE, (QUANT_OPS_SOURCE,), torch_build_flags())
+        if hasattr(ctypes.CDLL(str(path)), "meshlm_quant_rows_missing"):
+            return None, "this CPU lacks AVX2 and FMA"
+        torch.ops.load_library(str(path))  # registers the operators' CPU kernels
+    except (OSError, RuntimeError) as err:
+        return None, str(err)
+    return str(path), ""
 
 
 def quant_rows():
-    """(meshlm_int8_rows, meshlm_int4_rows) as ctypes functions, built and loaded once per process; None where they
-    cannot be (`unavailable("quant_rows")` says why)."""
+    """The library of the operators `meshlm::int8_rows` and `meshlm::int4_rows` (its path), built and loaded once
+    per process; None where it cannot be (`unavailable("quant_rows")` says why): then nothing may call them."""
     if "quant" not in _state:
         with _lock:
             if "quant" not in _state:
@@ -164,29 +187,35 @@ def quant_rows():
     return _state["quant"]
 
 
+# The operators' schemas and shapes (their CPU kernels come with `quant_rows()`): what a compiled step traces.
+LIBRARY = torch.library.Library("meshlm", "FRAGMENT")
+LIBRARY.define("int8_rows(Tensor x, Tensor q, Tensor s) -> Tensor")
+LIBRARY.define("int4_rows(Tensor x, Tensor packed, Tensor scales_and_zeros, int group) -> Tensor")
+
+
+@torch.library.register_fake("meshlm::int8_rows", lib=LIBRARY)
+def _int8_rows_shape(x, q, s):
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+@torch.library.register_fake("meshlm::int4_rows", lib=LIBRARY)
+def _int4_rows_shape(x, packed, scales_and_zeros, group):
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
 def int8_rows(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x (R, K) fp32 contiguous times the int8 weight q (N, K) scaled per channel by `scales` (N,) in fp32 or bf16,
-    transposed: (R, N) fp32, x (q·s)ᵀ. Call only where `quant_rows()` is not None."""
-    R, K = x.shape
-    N = q.shape[0]
-    y = torch.empty((R, N), dtype=torch.float32)
-    if quant_rows()[0](x.data_ptr(), q.data_ptr(), scales.data_ptr(), DTYPES[scales.dtype], y.data_ptr(), R, K, N,
-                       torch.get_num_threads()) != 0:
-        raise RuntimeError(f"meshlm_int8_rows refused its arguments: x {tuple(x.shape)}, q {tuple(q.shape)}")
-    return y
+    """x (R, K) fp32 times the int8 weight q (N, K) scaled per channel by `scales` (N,) in fp32 or bf16,
+    transposed: (R, N) fp32, x (q·s)ᵀ (the operator `meshlm::int8_rows`). Call only where `quant_rows()` is not
+    None."""
+    return torch.ops.meshlm.int8_rows.default(x, q, scales)
 
 
 def int4_rows(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
-    """x (R, K) fp32 contiguous times the int4 weight W = (q - 8)·s + z, transposed: (R, N) fp32, x Wᵀ. `packed` (N,
-    K/2) uint8 holds the codes q in `kernels/quant_rows.cpp`'s layout, `scales_and_zeros` (N, K/group, 2) the
-    groups' (s, z) in fp32 or bf16. Call only where `quant_rows()` is not None."""
-    R, K = x.shape
-    N = packed.shape[0]
-    y = torch.empty((R, N), dtype=torch.float32)
-    if quant_rows()[1](x.data_ptr(), packed.data_ptr(), scales_and_zeros.data_ptr(),
-                       DTYPES[scales_and_zeros.dtype], y.data_ptr(), R, K, N, group, torch.get_num_threads()) != 0:
-        raise RuntimeError(f"meshlm_int4_rows refused its arguments: x {tuple(x.shape)}, group {group}")
-    return y
+    """x (R, K) fp32 times the int4 weight W = (q - 8)·s + z, transposed: (R, N) fp32, x Wᵀ (the operator
+    `meshlm::int4_rows`). `packed` (N, K/2) uint8 holds the codes q in `kernels/quant_rows.cpp`'s layout,
+    `scales_and_zeros` (N, K/group, 2) the groups' (s, z) in fp32 or bf16. Call only where `quant_rows()` is not
+    None."""
+    return torch.ops.meshlm.int4_rows.default(x, packed, scales_and_zeros, group)
 
 
 def takes_pool(pool: torch.Tensor, n_heads: int) -> bool:

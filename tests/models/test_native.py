@@ -192,12 +192,16 @@ def test_the_library_is_built_once_into_its_cache(tmp_path, monkeypatch):
 
 
 def test_the_int8_int4_kernel_builds_on_every_cpu_with_avx2_and_fma(tmp_path, monkeypatch):
-    """`kernels/quant_rows.cpp` builds beside the attention kernel, under its own name, and loads wherever the CPU
-    has AVX2 and FMA (the quantized layers' default on CPUs without native bf16 hangs on it: a failed build would
-    silently leave them on PyTorch's slower kernels)."""
+    """`kernels/quant_rows.cpp` and its operators (`quant_ops.cpp`, PyTorch's headers) build beside the attention
+    kernel as one library under its own name, and load into the dispatcher wherever the CPU has AVX2 and FMA (the
+    quantized layers' default on CPUs without native bf16 hangs on it: a failed build would silently leave them on
+    PyTorch's slower kernels). Each operator then runs in C++: its CPU kernel is not a Python function."""
     monkeypatch.setenv("MESHLM_KERNEL_CACHE", str(tmp_path))
-    built = native._build(native.compiler(), native.QUANT_SOURCE)
-    assert built.name.startswith("quant_rows-") and built.parent == tmp_path
+    built = native._build(native.compiler(), native.QUANT_SOURCE, (native.QUANT_OPS_SOURCE,), native.torch_build_flags())
+    assert built.name.startswith("quant_ops-") and built.parent == tmp_path
     flags = native._cpu_flags().split()
     if "avx2" in flags and "fma" in flags:
         assert native.quant_rows() is not None, native.unavailable("quant_rows")
+        for op in ("int8_rows", "int4_rows"):
+            cpu = [line for line in torch._C._dispatch_dump(f"meshlm::{op}").splitlines() if line.startswith("CPU:")]
+            assert len(cpu) == 1 and "quant_ops.cpp" in cpu[0], cpu

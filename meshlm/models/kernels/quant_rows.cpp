@@ -15,8 +15,10 @@
 // widening each code to fp32 (a first version, compute-bound for int4). An int4 group's offset (z - 8s) multiplies
 // the block's sum of the unrounded activations. Up to 4 rows share each weight vector loaded; output channels are
 // split over the threads in contiguous shares of tiles. Measured in benchmarks/RESULTS.md, "int8 and int4 rows of
-// meshlm's own": faster than PyTorch's kernels in an eager step, level with them inside a compiled one.
-// Plain C++ (no PyTorch headers), compiled with the OpenMP runtime PyTorch has loaded, as paged_decode.cpp is.
+// meshlm's own" and "The quantized rows as C++ operators": faster than PyTorch's kernels in an eager step; inside a
+// compiled one faster in int4 and slower in int8 than the code Inductor generates. Plain C++ (no PyTorch headers),
+// compiled with the OpenMP runtime PyTorch has loaded, as paged_decode.cpp is; quant_ops.cpp, built with it into one
+// library, registers these functions as the operators meshlm::int8_rows and meshlm::int4_rows.
 
 #include <cstdint>
 #include <vector>
