@@ -271,14 +271,16 @@ class QuantizeReport:
     bytes_before: int
     bytes_after: int
     compute_dtype: torch.dtype = torch.float32
+    own: int = 0  # layers whose decoding rows go through meshlm's kernel (x in 8-bit blocks there)
 
     def line(self) -> str:
         kind = f"int4 (groups of {self.group_size})" if self.mode == "int4" else "int8 (per channel)"
         also = " and the output head (int8)" if self.head else ""
         kept = f", {self.kept} kept in float" if self.kept else ""
         compute = str(self.compute_dtype).removeprefix("torch.")
+        own = f" (8-bit blocks in meshlm's kernel for the decoding rows of {self.own} layers)" if self.own else ""
         return (f"weights quantized to {kind}: {self.layers - self.head} block linears{also}{kept}, {compute} "
-                f"activations; weight bytes "
+                f"activations{own}; weight bytes "
                 f"{self.bytes_before / 2**20:,.1f} MiB -> {self.bytes_after / 2**20:,.1f} MiB")
 
 
@@ -370,7 +372,8 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32, head: bool
         replaced += 1
     model.requires_grad_(False)
     head = any(path == "lm_head" for path, _ in targets)  # asked for, and a plain linear to replace
-    return QuantizeReport(mode, group_size, replaced, kept, head, before, weight_bytes(model), compute_dtype)
+    own = sum(1 for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear)) and m.own)
+    return QuantizeReport(mode, group_size, replaced, kept, head, before, weight_bytes(model), compute_dtype, own)
 
 
 @dataclass(frozen=True)

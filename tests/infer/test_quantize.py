@@ -290,6 +290,9 @@ def test_int8_output_head_is_quantized_and_the_embedding_is_not(mode):
     embedding, head = model.tok_emb.weight.detach().clone(), model.lm_head.weight.detach().clone()
     report = quantize_model(model, mode, head=True, compute_dtype=torch.float32)
     assert isinstance(model.lm_head, Int8Linear) and report.layers == 4 * GPT_MODEL["n_layers"] + 1
+    # the start-up line says where the decoding rows' activations are rounded to 8 bits (meshlm's kernel)
+    assert report.own == (report.layers if model.lm_head.own else 0)
+    assert ("8-bit blocks in meshlm's kernel" in report.line()) == bool(model.lm_head.own)
     assert isinstance(model.layers[0].mlp.fc, Int8Linear if mode == "int8" else Int4Linear)
     assert torch.equal(model.tok_emb.weight, embedding)  # the embedding keeps its float weights
     x = torch.randn(3, GPT_MODEL["hidden_size"])
