@@ -103,22 +103,22 @@ def _build(cxx: str, source: Path | None = None, extra: tuple[Path, ...] = (), l
     return target
 
 
-def _open(source: Path | None, switch: str):
-    """(the library built from `source` (None: SOURCE), '') or (None, why not): off when the environment variable
-    `switch` is 0, no compiler, or a failed build or load."""
+def _open(switch: str, source: Path | None = None, extra: tuple[Path, ...] = (), link: tuple[str, ...] = ()):
+    """(the library `_build` makes of `source` (None: SOURCE), `extra` and `link`, loaded with ctypes, '') or (None,
+    why not): off when the environment variable `switch` is 0, no compiler, or a failed build or load."""
     if os.environ.get(switch, "1") == "0":
         return None, f"{switch}=0"
     cxx = compiler()
     if cxx is None:
         return None, "no C++ compiler on the PATH (set CXX)"
     try:
-        return ctypes.CDLL(str(_build(cxx, source))), ""
+        return ctypes.CDLL(str(_build(cxx, source, extra, link))), ""
     except (OSError, RuntimeError) as err:
         return None, str(err)
 
 
 def _load():
-    lib, why = _open(None, "MESHLM_PAGED_KERNEL")  # `enabled()`'s switch
+    lib, why = _open("MESHLM_PAGED_KERNEL")  # `enabled()`'s switch
     if lib is None:
         return None, why
     fn = lib.meshlm_paged_decode
@@ -154,7 +154,8 @@ def unavailable(kernel: str = "paged_decode") -> str:
 
 def torch_build_flags() -> tuple[str, ...]:
     """What a source that includes PyTorch's headers needs after the sources: the installed torch's include
-    folder, its C++ ABI, and its libraries (found again at load time, where torch has already loaded them)."""
+    folder, its C++ ABI, and its libraries (found again at load time, where torch has already loaded them); its
+    version as a define too, so that another torch builds a library of its own (`_build`'s digest)."""
     root = Path(torch.__file__).resolve().parent
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     return (f"-I{root / 'include'}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DMESHLM_TORCH={torch.__version__}",
@@ -163,18 +164,16 @@ def torch_build_flags() -> tuple[str, ...]:
 
 def _load_quant():
     """quant_rows.cpp and its operators (quant_ops.cpp) as one library, loaded into PyTorch's dispatcher."""
-    if os.environ.get("MESHLM_QUANT_KERNEL", "1") == "0":
-        return None, "MESHLM_QUANT_KERNEL=0"
-    if (cxx := compiler()) is None:
-        return None, "no C++ compiler on the PATH (set CXX)"
+    lib, why = _open("MESHLM_QUANT_KERNEL", QUANT_SOURCE, (QUANT_OPS_SOURCE,), torch_build_flags())
+    if lib is None:
+        return None, why
+    if hasattr(lib, "meshlm_quant_rows_missing"):
+        return None, "this CPU lacks AVX2 and FMA"
     try:
-        path = _build(cxx, QUANT_SOURCE, (QUANT_OPS_SOURCE,), torch_build_flags())
-        if hasattr(ctypes.CDLL(str(path)), "meshlm_quant_rows_missing"):
-            return None, "this CPU lacks AVX2 and FMA"
-        torch.ops.load_library(str(path))  # registers the operators' CPU kernels
+        torch.ops.load_library(lib._name)  # registers the operators' CPU kernels
     except (OSError, RuntimeError) as err:
         return None, str(err)
-    return str(path), ""
+    return lib._name, ""
 
 
 def quant_rows():
@@ -188,6 +187,10 @@ def quant_rows():
 
 
 # The operators' schemas and shapes (their CPU kernels come with `quant_rows()`): what a compiled step traces.
+# int8_rows: x (R, K) fp32 times the int8 weight q (N, K) scaled per channel by s (N,) in fp32 or bf16, transposed:
+# (R, N) fp32, x (q·s)ᵀ. int4_rows: x (R, K) fp32 times W = (q - 8)·s + z, transposed: (R, N) fp32; `packed` (N,
+# K/2) uint8 holds the codes q in `kernels/quant_rows.cpp`'s layout, `scales_and_zeros` (N, K/group, 2) the groups'
+# (s, z) in fp32 or bf16. Call them only where `quant_rows()` is not None.
 LIBRARY = torch.library.Library("meshlm", "FRAGMENT")
 LIBRARY.define("int8_rows(Tensor x, Tensor q, Tensor s) -> Tensor")
 LIBRARY.define("int4_rows(Tensor x, Tensor packed, Tensor scales_and_zeros, int group) -> Tensor")
@@ -201,21 +204,6 @@ def _int8_rows_shape(x, q, s):
 @torch.library.register_fake("meshlm::int4_rows", lib=LIBRARY)
 def _int4_rows_shape(x, packed, scales_and_zeros, group):
     return x.new_empty(x.shape[0], packed.shape[0])
-
-
-def int8_rows(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x (R, K) fp32 times the int8 weight q (N, K) scaled per channel by `scales` (N,) in fp32 or bf16,
-    transposed: (R, N) fp32, x (q·s)ᵀ (the operator `meshlm::int8_rows`). Call only where `quant_rows()` is not
-    None."""
-    return torch.ops.meshlm.int8_rows.default(x, q, scales)
-
-
-def int4_rows(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
-    """x (R, K) fp32 times the int4 weight W = (q - 8)·s + z, transposed: (R, N) fp32, x Wᵀ (the operator
-    `meshlm::int4_rows`). `packed` (N, K/2) uint8 holds the codes q in `kernels/quant_rows.cpp`'s layout,
-    `scales_and_zeros` (N, K/group, 2) the groups' (s, z) in fp32 or bf16. Call only where `quant_rows()` is not
-    None."""
-    return torch.ops.meshlm.int4_rows.default(x, packed, scales_and_zeros, group)
 
 
 def takes_pool(pool: torch.Tensor, n_heads: int) -> bool:

@@ -7,6 +7,7 @@ A wrong slot, a missed position or a head read from the wrong KV head moves an o
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -205,3 +206,28 @@ def test_the_int8_int4_kernel_builds_on_every_cpu_with_avx2_and_fma(tmp_path, mo
         for op in ("int8_rows", "int4_rows"):
             cpu = [line for line in torch._C._dispatch_dump(f"meshlm::{op}").splitlines() if line.startswith("CPU:")]
             assert len(cpu) == 1 and "quant_ops.cpp" in cpu[0], cpu
+
+
+@pytest.mark.skipif(native.quant_rows() is None, reason=f"meshlm's int8/int4 kernel: {native.unavailable('quant_rows')}")
+def test_the_int8_int4_operators_refuse_bad_arguments_by_name():
+    """Arguments the kernel cannot take are refused in C++ before it runs, each error naming the operator and what
+    it needs: an input width not a multiple of 32, a weight of another width, a bf16 input, scales of another
+    dtype or count, and int4 groups that do not divide the width."""
+    x = torch.randn(2, 64)
+    q, s = torch.zeros(8, 64, dtype=torch.int8), torch.ones(8)
+    packed, pairs = torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 2, 2)
+    assert torch.ops.meshlm.int8_rows.default(x, q, s).shape == (2, 8)  # the good call, for contrast
+    assert torch.ops.meshlm.int4_rows.default(x, packed, pairs, 32).shape == (2, 8)
+    bad = [(lambda: torch.ops.meshlm.int8_rows.default(torch.randn(2, 48), q[:, :48].contiguous(), s),
+            "meshlm::int8_rows: x must be a non-empty (rows, K) float32 CPU tensor with K a multiple of 32"),
+           (lambda: torch.ops.meshlm.int8_rows.default(x, torch.zeros(8, 32, dtype=torch.int8), s),
+            "meshlm::int8_rows: q must be contiguous (N, 64) int8"),
+           (lambda: torch.ops.meshlm.int8_rows.default(x.bfloat16(), q, s), "float32 CPU tensor"),
+           (lambda: torch.ops.meshlm.int8_rows.default(x, q, s.half()), "scales must be float32 or bfloat16"),
+           (lambda: torch.ops.meshlm.int8_rows.default(x, q, torch.ones(7)), "s must hold 8 contiguous scales"),
+           (lambda: torch.ops.meshlm.int4_rows.default(x, packed, pairs, 48), "group 48 must be a multiple of 32"),
+           (lambda: torch.ops.meshlm.int4_rows.default(x, packed, torch.ones(8, 1, 2), 32),
+            "scales_and_zeros must be contiguous (8, 2, 2)")]
+    for call, message in bad:
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            call()
