@@ -40,6 +40,10 @@ HELPERS = {
 # Scripts that cannot run a smoke run, with the reason: none.
 NO_SMOKE: dict[str, str] = {}
 
+# Scripts whose smoke run another test file makes and checks more closely (its rows, not only its table): not run
+# here a second time.
+SMOKED_ELSEWHERE = {"gpu_train.py": "tests/train/test_gpu_benchmark.py"}
+
 # A line of each script's table (or report) that only a finished run prints. A script not listed here must
 # print a Markdown table (a `| ... |` header line followed by its `|---|` line).
 HEADERS = {
@@ -60,7 +64,6 @@ HEADERS = {
     "gguf_llamacpp.py": "meshlm logits:",
     "gguf_tokenizer.py": "| reader | works with meshlm's ids |",
     "gloo_collectives.py": "| run | full tensor | all-reduce ms |",
-    "gpu_train.py": "| variant  | sdpa  | AdamW   | compile |",
     "init_memory.py": "| layout | build | rank | baseline GiB |",
     "moe_vs_dense.py": "| gpt-moe-tiny, 2 processes (gloo), 2 steps | tokens/s | wall |",
     "pipeline_bubble.py": "| pp | vpp | m | theory (p−1)/(v·m) |",
@@ -88,7 +91,7 @@ def _is_script(path: Path) -> bool:
 
 
 def _scripts() -> list[str]:
-    return sorted(p.name for p in BENCHMARKS.glob("*.py") if p.name not in HELPERS)
+    return sorted(p.name for p in BENCHMARKS.glob("*.py") if p.name not in HELPERS and p.name not in SMOKED_ELSEWHERE)
 
 
 def _has_markdown_table(text: str) -> bool:
@@ -138,6 +141,14 @@ def test_helpers_listed_are_modules_not_scripts():
         path = BENCHMARKS / name
         assert path.exists(), f"benchmarks/{name} is listed in HELPERS but does not exist; remove it from the list"
         assert not _is_script(path), f"benchmarks/{name} has a __main__ block: it is a script, not a helper"
+
+
+def test_scripts_smoked_elsewhere_are_run_there():
+    """Each script of SMOKED_ELSEWHERE exists and the test file named for it runs it with --smoke."""
+    for name, test_file in SMOKED_ELSEWHERE.items():
+        assert (BENCHMARKS / name).exists(), f"benchmarks/{name} is gone: remove it from SMOKED_ELSEWHERE"
+        text = (ROOT / test_file).read_text(encoding="utf-8")
+        assert f"benchmarks/{name}" in text and "--smoke" in text, f"{test_file} no longer runs benchmarks/{name} --smoke"
 
 
 @pytest.mark.parametrize("name", _scripts())

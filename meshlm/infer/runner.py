@@ -12,7 +12,9 @@ differs every step, is one opaque operator inside the graph (`models.paged.paged
 the step's caches, which the runner hands it beside the graph (`models.paged.STEP`); a step of one token past
 its first (one client's decoding) attends inside its own graph instead (`models.paged.RowCache`: the pool and
 the row's slot index are graph inputs, written in place and read by generated kernels, or by meshlm's in-place
-kernel as the operator `row_decode`; no Python between the layers). The graphs (one per size class) are compiled at start (`compile_s`). Which tokens run, and in which blocks, is the scheduler's business
+kernel as the operator `row_decode`, whose CPU kernel is registered from C++ where `native.row_ops()` builds: no
+Python between the layers). The graphs (one per size class) are compiled at start (`compile_s`). Which tokens
+run, and in which blocks, is the scheduler's business
 (`infer/scheduler.py`); what becomes of the logits the engine's (`infer/engine.py`).
 """
 
@@ -82,6 +84,9 @@ class Runner:
             from torch._inductor import config as inductor_config
 
             Runner.compiled_runners += 1
+            if self.kv.rows_in_place and native.row_ops() is None:  # the one-token graph's attention from C++
+                log.info("the one-token graph's attention calls its kernel through Python (%s)",
+                         native.unavailable("row_ops"))
             self.step_fn = self._compiled(torch.compile(self._dense, dynamic=True))
             with inductor_config.patch(COMPILE_CONFIG), dynamo_config.patch(recompile_limit=RECOMPILE_LIMIT):
                 self.compile_s = self.warm()

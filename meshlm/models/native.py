@@ -12,7 +12,10 @@ Its OpenMP calls go to the runtime PyTorch has already loaded (`libgomp.so.1` is
 kernel's parallel regions run on the engine thread's one pool (`infer/openmp.py`).
 
 Where no compiler is found or the build fails, `paged_decode()` is None, the reason is in `unavailable()`, and
-attention takes the gathering path it always had; `MESHLM_PAGED_KERNEL=0` chooses that path on purpose.
+attention takes the gathering path it always had; `MESHLM_PAGED_KERNEL=0` chooses that path on purpose. A
+compiled one-token step calls the same kernel as the operator `meshlm::row_decode` (models/paged.py), whose CPU
+kernel `row_ops()` registers from C++ (`kernels/paged_ops.cpp`, built with a second copy of the kernel against
+PyTorch's headers; where that fails the operator keeps its Python kernel, which calls `decode`).
 
 Matrix products of a few rows with int8/int4 weights (`kernels/quant_rows.cpp`, for CPUs with AVX2 and FMA) are
 the operators `meshlm::int8_rows` and `meshlm::int4_rows`, whose schemas this module defines and whose CPU kernels
@@ -39,6 +42,7 @@ import torch
 SOURCE = Path(__file__).resolve().parent / "kernels" / "paged_decode.cpp"
 QUANT_SOURCE = SOURCE.parent / "quant_rows.cpp"
 QUANT_OPS_SOURCE = SOURCE.parent / "quant_ops.cpp"  # its operators, registered from C++
+PAGED_OPS_SOURCE = SOURCE.parent / "paged_ops.cpp"  # SOURCE's operator `row_decode`, registered from C++
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared",
          "-fPIC"]
 # positions one work item reads before a row is split across work items (split-K: `kernels/paged_decode.cpp`);
@@ -144,10 +148,14 @@ def paged_decode():
 
 
 def unavailable(kernel: str = "paged_decode") -> str:
-    """Why `paged_decode()` (or `quant_rows()`, kernel="quant_rows") is None ('' when it is not)."""
+    """Why `paged_decode()` (or `quant_rows()`, kernel="quant_rows"; `row_ops()`, kernel="row_ops") is None (''
+    when it is not)."""
     if kernel == "quant_rows":
         quant_rows()
         return _state["quant_why"]
+    if kernel == "row_ops":
+        row_ops()
+        return _state["row_ops_why"]
     paged_decode()
     return _state["why"]
 
@@ -162,18 +170,24 @@ def torch_build_flags() -> tuple[str, ...]:
             f"-L{root / 'lib'}", f"-Wl,-rpath,{root / 'lib'}", "-lc10", "-ltorch_cpu")
 
 
-def _load_quant():
-    """quant_rows.cpp and its operators (quant_ops.cpp) as one library, loaded into PyTorch's dispatcher."""
-    lib, why = _open("MESHLM_QUANT_KERNEL", QUANT_SOURCE, (QUANT_OPS_SOURCE,), torch_build_flags())
+def _into_dispatcher(lib, why: str):
+    """(the path of `lib`, a library of operators' CPU kernels opened by `_open`, once loaded into PyTorch's
+    dispatcher, '') or (None, why not)."""
     if lib is None:
         return None, why
-    if hasattr(lib, "meshlm_quant_rows_missing"):
-        return None, "this CPU lacks AVX2 and FMA"
     try:
         torch.ops.load_library(lib._name)  # registers the operators' CPU kernels
     except (OSError, RuntimeError) as err:
         return None, str(err)
     return lib._name, ""
+
+
+def _load_quant():
+    """quant_rows.cpp and its operators (quant_ops.cpp) as one library, loaded into PyTorch's dispatcher."""
+    lib, why = _open("MESHLM_QUANT_KERNEL", QUANT_SOURCE, (QUANT_OPS_SOURCE,), torch_build_flags())
+    if lib is not None and hasattr(lib, "meshlm_quant_rows_missing"):
+        return None, "this CPU lacks AVX2 and FMA"
+    return _into_dispatcher(lib, why)
 
 
 def quant_rows():
@@ -184,6 +198,21 @@ def quant_rows():
             if "quant" not in _state:
                 _state["quant"], _state["quant_why"] = _load_quant()
     return _state["quant"]
+
+
+def row_ops():
+    """The library whose CPU kernel of `meshlm::row_decode` (models/paged.py) is paged_decode.cpp's, called from C++
+    (paged_ops.cpp; its path), built and loaded once per process; None where it cannot be (`unavailable("row_ops")`
+    says why): then the operator keeps its Python kernel, which calls `decode`. A compiled one-token step's 30
+    attention calls (SmolLM2) skip Python and ctypes with it. The plain kernel (`paged_decode()`) stays a library of
+    its own, free of PyTorch's headers (a second to build, not 12)."""
+    if "row_ops" not in _state:
+        with _lock:
+            if "row_ops" not in _state:
+                lib, why = _open("MESHLM_PAGED_KERNEL", SOURCE, (PAGED_OPS_SOURCE,),
+                                 (*torch_build_flags(), f"-DMESHLM_CHUNK={CHUNK}"))
+                _state["row_ops"], _state["row_ops_why"] = _into_dispatcher(lib, why)
+    return _state["row_ops"]
 
 
 # The operators' schemas and shapes (their CPU kernels come with `quant_rows()`): what a compiled step traces.

@@ -60,8 +60,8 @@ def test_compiled_and_eager_steps_give_the_single_request_tokens(model, compile)
         assert out.output_ids == alone(model, prompt, 10)
 
 
-@pytest.mark.parametrize("in_place", [False, True], ids=["cascade", "in-place"])
-@pytest.mark.parametrize("kv_heads", [2, 4])
+@pytest.mark.parametrize("kv_heads, in_place", [(2, False), (4, False), (2, True)],
+                         ids=["2-cascade", "4-cascade", "2-in-place"])
 def test_a_step_of_cascade_rows_only_runs_as_one_forward(kv_heads, in_place, monkeypatch):
     """Decoding rows that all share a prompt's first blocks are one cascade group where the kernel cannot read
     them in place, and the attention operator returns that group's output as the layer's: with one query head
@@ -69,7 +69,8 @@ def test_a_step_of_cascade_rows_only_runs_as_one_forward(kv_heads, in_place, mon
     each such step failed and ran again one request at a time (the same tokens, slowly; counted in
     `split_steps`). The operator's result is contiguous. Where every layer reads the pool in place
     (`models/native.py`) there is no cascade: each row's whole table (the shared blocks, then its own) goes to the
-    kernel. One forward a step either way, the same tokens."""
+    kernel. One forward a step either way, the same tokens (in place with GQA only: the view's strides were the
+    cascade's)."""
     from meshlm.models import native, paged
 
     calls = {"cascade": 0, "kernel": 0}
@@ -174,8 +175,10 @@ def test_a_second_compiled_runner_keeps_each_models_tokens(model):
 def test_a_single_row_attends_inside_the_graph(model, in_place, monkeypatch):
     """A step of one token past the first attends inside the compiled graph (`RowCache`: the pool written by the
     graph, read by its own kernels through the slot index, or in place by meshlm's kernel as the operator
-    `row_decode`): the eager attention operator runs for the prompt's chunk only, and every token is still the
-    single request's."""
+    `row_decode`, whose CPU kernel is C++ where `native.row_ops()` builds, else a Python function calling
+    `native.decode`): the eager attention operator runs for the prompt's chunk only, every layer of every one-token
+    step calls `row_decode` (counted by the profiler, which sees the dispatcher's calls), and every token is still
+    the single request's."""
     from meshlm.models import native, paged
 
     calls, placed = [], []
@@ -189,10 +192,14 @@ def test_a_single_row_attends_inside_the_graph(model, in_place, monkeypatch):
     calls.clear()
     placed.clear()
     prompt = [3, 1, 4, 1, 5, 9]
-    out = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     assert out.output_ids == alone(model, prompt, 12)
     assert len(calls) == CONFIG.n_layers  # the prompt's one chunk; none of the eleven one-token steps
-    assert len(placed) == (11 * CONFIG.n_layers if in_place else 0)
+    rows = sum(e.name == "meshlm::row_decode" for e in prof.events())
+    assert rows == (11 * CONFIG.n_layers if in_place else 0)
+    cpp = in_place and native.row_ops() is not None  # loaded by the compiled runner: no Python in the call
+    assert len(placed) == (11 * CONFIG.n_layers if in_place and not cpp else 0)
 
 
 GC_SCRIPT = textwrap.dedent("""

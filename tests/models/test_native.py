@@ -231,3 +231,33 @@ def test_the_int8_int4_operators_refuse_bad_arguments_by_name():
     for call, message in bad:
         with pytest.raises(RuntimeError, match=re.escape(message)):
             call()
+
+
+def test_row_decode_runs_in_cpp_and_equals_the_kernel_called_from_python():
+    """`native.row_ops()` builds `kernels/paged_ops.cpp` with the kernel against PyTorch's headers and loads it:
+    the operator `meshlm::row_decode` (the compiled one-token step's attention, models/paged.py) then has a CPU
+    kernel registered from C++ in place of its Python one, which gives the same output bit for bit as
+    `native.decode` (the same kernel, the same chunks and threads) in fp32 and bf16; arguments it cannot take are
+    refused in C++, each error naming the operator and what it needs."""
+    from meshlm.models import paged  # noqa: F401  (defines the operator's schema)
+
+    assert native.row_ops() is not None, native.unavailable("row_ops")
+    cpu = [line for line in torch._C._dispatch_dump("meshlm::row_decode").splitlines() if line.startswith("CPU:")]
+    assert len(cpu) == 1 and "paged_ops.cpp" in cpu[0], cpu
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v, table, lens = pool_and_rows(3, 9, 3, 64, [1, 130, 300], dtype)
+        out = torch.ops.meshlm.row_decode.default(q, k, v, table, lens, 16, 0.11)
+        assert out.dtype == dtype and torch.equal(out, native.decode(q, k, v, table, lens, 16, 0.11))
+    q, k, v, table, lens = pool_and_rows(2, 4, 2, 32, [5, 40], torch.float32)
+    bad = [((q.half(), k, v, table, lens, 16), "q must be float32 or bfloat16"),
+           ((torch.randn(2, 4, 1, 64)[..., ::2], k, v, table, lens, 16), "q must be (rows, heads, 1, head_dim) with each head's values"),
+           ((q, k.transpose(0, 1).contiguous().transpose(0, 1), v, table, lens, 16),
+            "k and v must be contiguous (kv_heads, slots, 32)"),
+           ((q, k, v[:1].contiguous(), table, lens, 16), "pools of one shape"),
+           ((q, k, v, table.int(), lens, 16), "table must be (2, blocks) int64"),
+           ((q, k, v, table, lens[:1], 16), "lens must hold 2 int64 lengths"),
+           ((q, k, v, table, lens, 0), "block_size must be positive"),
+           ((torch.randn(2, 5, 1, 32), k, v, table, lens, 16), "5 query heads over 2 KV heads")]
+    for args, message in bad:
+        with pytest.raises(RuntimeError, match="meshlm::row_decode: .*" + re.escape(message)):
+            torch.ops.meshlm.row_decode.default(*args, 0.1)
