@@ -10,7 +10,8 @@ Each ATen operator's self time goes to one of:
 - attention: the attention kernel (`scaled_dot_product_attention`'s CPU implementations, or the math path's
   softmax and products inside it) and the pool's reads and writes (the block gathers, `index_select`, `index`,
   `index_put_`, `index_copy_`: the copies in-place attention would remove); in the compiled step also the
-  Python of the attention operator (`meshlm::paged_attention`'s own time);
+  Python of the attention operator (`meshlm::paged_attention`'s own time) and the one-token step's C++ attention
+  operator (`meshlm::row_decode`);
 - other operators: norms, RoPE, activations, residual adds, sampling's argmax, casts;
 - compiled kernels (`--compile`): the compiled graph's own time, Inductor's fused loops and its matrix-product
   kernels;
@@ -49,7 +50,7 @@ MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_weigh
           "aten::_weight_int4pack_mm_for_cpu", "aten::matmul", "mkldnn::_linear_pointwise",
           "mkldnn::_linear_pointwise.binary", "mkl::_mkl_linear", "meshlm::int8_rows", "meshlm::int4_rows")
 ATTENTION = ("scaled_dot_product", "flash_attention", "aten::index_select", "aten::index", "aten::index_put_",
-             "aten::index_copy_", "aten::_softmax", "aten::gather", "meshlm::paged_attention")
+             "aten::index_copy_", "aten::_softmax", "aten::gather", "meshlm::paged_attention", "meshlm::row_decode")
 COMPILED = "## Call CompiledFxGraph"  # the compiled step's own kernels (Inductor's loops and matrix products)
 
 

@@ -6,7 +6,8 @@ slots, attention read through the block tables) and returns the fp32 logits of t
 Under tensor parallelism rank 0's runner broadcasts each plan to the other ranks first (`DistributedRunner`),
 which replay it in `worker_loop`. With `compile=True` the whole step (embedding, every layer, the head) is one
 `torch.compile` graph with dynamic token counts (`COMPILE_CONFIG`: the weights frozen in as constants, each
-linear layer's product the faster of oneDNN's on a prepacked weight and Inductor's own C++ kernel, the norms,
+linear layer's product the faster of oneDNN's on a prepacked weight and Inductor's own C++ kernel, or oneDNN's
+alone for bf16 weights on a CPU whose native bf16 is AVX512-BF16 without AMX: `compile_config`; the norms,
 RoPE, casts and residual adds around them fused into a few loops). Each layer's paged attention, whose layout
 differs every step, is one opaque operator inside the graph (`models.paged.paged_attention`), run eagerly over
 the step's caches, which the runner hands it beside the graph (`models.paged.STEP`); a step of one token past
@@ -28,6 +29,7 @@ import time
 import torch
 
 from meshlm.core.kv_cache import kv_groups
+from meshlm.core.precision import cpu_bf16_support
 from meshlm.infer.quantize import compiled_crossing
 from meshlm.infer.scheduler import ForwardPlan
 from meshlm.models import native
@@ -39,8 +41,28 @@ log = logging.getLogger(__name__)
 # the weights in as constants (serving never changes them; adapters, which would, are refused with compile), so
 # linear layers get prepacked weights, and `max_autotune` times Inductor's own CPU matrix-product kernels
 # against oneDNN's for each shape and keeps the faster (on a CPU Inductor's reach memory bandwidth at a few
-# rows, where oneDNN's do not); measured in docs/serving.md ("The compiled step")
+# rows, where oneDNN's do not); measured in docs/serving.md ("The compiled step"). Not so for bf16 weights on a
+# CPU with AVX512-BF16 and no AMX (`compile_config`)
 COMPILE_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+# on a CPU whose native bf16 is AVX512-BF16 alone, Inductor's C++ kernels multiply bf16 weights at about fp32's
+# speed (one SmolLM2 row: 270 MB of weights read in 16.5 ms, 16 GB/s, where the memory gives 36) and the autotuner,
+# timing each product alone on a weight it has just read into the cache, still picks them; oneDNN's bf16 products
+# read them at 26 GB/s. There a bf16 model's compiled step takes ATen's products alone (SmolLM2 bf16 in process:
+# the step of one row 21.4 -> 13.9 ms, of 16 rows 40.9 -> 32.7 ms; served, one client +23-28% output tokens/s, the
+# demo model +5-49% at 1, 16 and 64 clients; benchmarks/RESULTS.md, "Every pair on the AVX512-BF16 EPYC after the
+# serving rounds")
+BF16_ATEN_ONLY = cpu_bf16_support() == "AVX512-BF16"
+
+
+def compile_config(model: torch.nn.Module) -> dict:
+    """Inductor's settings for `model`'s compiled step: `COMPILE_CONFIG`, its products from ATen alone where the
+    model multiplies by bf16 weights of its own (a `nn.Linear` in bf16), `BF16_ATEN_ONLY` holds and the products
+    are autotuned at all."""
+    config = dict(COMPILE_CONFIG)
+    bf16 = any(isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.bfloat16 for m in model.modules())
+    if BF16_ATEN_ONLY and bf16 and "max_autotune_gemm_backends" in config:
+        config["max_autotune_gemm_backends"] = "ATEN"
+    return config
 # dynamo compiles at most this many graphs per code object: a runner needs three or four (`warm`), and a process
 # may build several runners (tests; an engine per run): without room the later ones would run eagerly
 RECOMPILE_LIMIT = 64
@@ -88,7 +110,7 @@ class Runner:
                 log.info("the one-token graph's attention calls its kernel through Python (%s)",
                          native.unavailable("row_ops"))
             self.step_fn = self._compiled(torch.compile(self._dense, dynamic=True))
-            with inductor_config.patch(COMPILE_CONFIG), dynamo_config.patch(recompile_limit=RECOMPILE_LIMIT):
+            with inductor_config.patch(compile_config(model)), dynamo_config.patch(recompile_limit=RECOMPILE_LIMIT):
                 self.compile_s = self.warm()
             log.info("compiled the serving step in %.1f s", self.compile_s)
 

@@ -118,6 +118,30 @@ def test_bf16_engine_decodes_as_the_bf16_model_recomputing_everything(cfg, rows,
     assert abs(reqs[0].output[0].logprob - float(first[reqs[0].output[0].id])) <= 0.1
 
 
+@pytest.mark.parametrize("aten_only", [True, False], ids=["avx512-bf16", "other-cpus"])
+def test_compiled_bf16_products_come_from_aten_alone_on_an_avx512_bf16_cpu(aten_only, monkeypatch):
+    """`runner.compile_config`: a bf16 model's compiled step on a CPU whose native bf16 is AVX512-BF16 alone takes
+    ATen's products (oneDNN's bf16 kernels), not Inductor's C++ ones; fp32 weights, a model quantized to int8 (its
+    products are the int8 layers'), untuned settings and every other CPU keep `COMPILE_CONFIG`, whose other
+    settings are kept."""
+    from meshlm.infer import runner
+    from meshlm.infer.quantize import QuantizeOptions
+
+    monkeypatch.setattr(runner, "BF16_ATEN_ONLY", aten_only)
+    fp32, bf16 = models()
+    quantized = copy.deepcopy(bf16)
+    QuantizeOptions("int8").apply(quantized)
+    assert not any(isinstance(m, torch.nn.Linear) for m in quantized.modules())
+    tuned = runner.COMPILE_CONFIG
+    assert tuned["max_autotune_gemm_backends"] == "CPP,ATEN"
+    assert runner.compile_config(fp32) == tuned and runner.compile_config(quantized) == tuned
+    assert runner.compile_config(bf16) == ({**tuned, "max_autotune_gemm_backends": "ATEN"} if aten_only else tuned)
+    assert tuned["max_autotune_gemm_backends"] == "CPP,ATEN"  # the default itself left as it was
+    untuned = {"freezing": True}  # the compiled-step tests' own settings (test_compiled_step.py's `untuned`)
+    monkeypatch.setattr(runner, "COMPILE_CONFIG", untuned)
+    assert runner.compile_config(bf16) == untuned
+
+
 @pytest.mark.parametrize("T", [1, 3])
 def test_masked_attention_equals_the_kernel_in_float64(T):
     """`models.paged.masked_attention` (the bf16 decode path) is softmax attention: equal to PyTorch's kernel in
