@@ -56,10 +56,11 @@ BF16_ATEN_ONLY = cpu_bf16_support() == "AVX512-BF16"
 
 def compile_config(model: torch.nn.Module) -> dict:
     """Inductor's settings for `model`'s compiled step: `COMPILE_CONFIG`, its products from ATen alone where the
-    model multiplies by bf16 weights of its own (a `nn.Linear` in bf16), `BF16_ATEN_ONLY` holds and the products
-    are autotuned at all."""
+    model multiplies by bf16 weights of its own on the CPU (a `nn.Linear` in bf16 there), `BF16_ATEN_ONLY` holds
+    and the products are autotuned at all."""
     config = dict(COMPILE_CONFIG)
-    bf16 = any(isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.bfloat16 for m in model.modules())
+    bf16 = any(isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"
+               for m in model.modules())
     if BF16_ATEN_ONLY and bf16 and "max_autotune_gemm_backends" in config:
         config["max_autotune_gemm_backends"] = "ATEN"
     return config

@@ -137,6 +137,8 @@ def test_compiled_bf16_products_come_from_aten_alone_on_an_avx512_bf16_cpu(aten_
     assert runner.compile_config(fp32) == tuned and runner.compile_config(quantized) == tuned
     assert runner.compile_config(bf16) == ({**tuned, "max_autotune_gemm_backends": "ATEN"} if aten_only else tuned)
     assert tuned["max_autotune_gemm_backends"] == "CPP,ATEN"  # the default itself left as it was
+    on_meta = copy.deepcopy(bf16).to("meta")  # a bf16 model off the CPU (a GPU's) keeps the default
+    assert runner.compile_config(on_meta) == tuned
     untuned = {"freezing": True}  # the compiled-step tests' own settings (test_compiled_step.py's `untuned`)
     monkeypatch.setattr(runner, "COMPILE_CONFIG", untuned)
     assert runner.compile_config(bf16) == untuned
