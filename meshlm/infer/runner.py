@@ -53,17 +53,6 @@ COMPILE_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_bac
 # serving rounds")
 BF16_ATEN_ONLY = cpu_bf16_support() == "AVX512-BF16"
 
-
-def compile_config(model: torch.nn.Module) -> dict:
-    """Inductor's settings for `model`'s compiled step: `COMPILE_CONFIG`, its products from ATen alone where the
-    model multiplies by bf16 weights of its own on the CPU (a `nn.Linear` in bf16 there), `BF16_ATEN_ONLY` holds
-    and the products are autotuned at all."""
-    config = dict(COMPILE_CONFIG)
-    bf16 = any(isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"
-               for m in model.modules())
-    if BF16_ATEN_ONLY and bf16 and "max_autotune_gemm_backends" in config:
-        config["max_autotune_gemm_backends"] = "ATEN"
-    return config
 # dynamo compiles at most this many graphs per code object: a runner needs three or four (`warm`), and a process
 # may build several runners (tests; an engine per run): without room the later ones would run eagerly
 RECOMPILE_LIMIT = 64
@@ -78,6 +67,18 @@ WARM_ROWS = 16
 WARM_ROWS_FP32 = 64
 # the warm-up's several-token steps are rows of at most this many positions (a model's length may be short)
 WARM_ROW_LENGTH = 16
+
+
+def compile_config(model: torch.nn.Module) -> dict:
+    """Inductor's settings for `model`'s compiled step: `COMPILE_CONFIG`, its products from ATen alone where the
+    model multiplies by bf16 weights of its own on the CPU (a `nn.Linear` in bf16 there), `BF16_ATEN_ONLY` holds
+    and the products are autotuned at all."""
+    config = dict(COMPILE_CONFIG)
+    bf16 = any(isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"
+               for m in model.modules())
+    if BF16_ATEN_ONLY and bf16 and "max_autotune_gemm_backends" in config:
+        config["max_autotune_gemm_backends"] = "ATEN"
+    return config
 
 
 class Runner:

@@ -133,7 +133,6 @@ def test_compiled_bf16_products_come_from_aten_alone_on_an_avx512_bf16_cpu(aten_
     QuantizeOptions("int8").apply(quantized)
     assert not any(isinstance(m, torch.nn.Linear) for m in quantized.modules())
     tuned = runner.COMPILE_CONFIG
-    assert tuned["max_autotune_gemm_backends"] == "CPP,ATEN"
     assert runner.compile_config(fp32) == tuned and runner.compile_config(quantized) == tuned
     assert runner.compile_config(bf16) == ({**tuned, "max_autotune_gemm_backends": "ATEN"} if aten_only else tuned)
     assert tuned["max_autotune_gemm_backends"] == "CPP,ATEN"  # the default itself left as it was
