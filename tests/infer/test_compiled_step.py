@@ -185,6 +185,26 @@ def test_a_second_compiled_runner_keeps_each_models_tokens(model):
             assert out.output_ids == alone(m, prompt, 8)
 
 
+@pytest.mark.parametrize("specialize", [True, False], ids=["committed", "unspecialized"])
+def test_the_compiled_step_takes_its_norms_eps_as_constants(model, specialize, monkeypatch):
+    """The runner compiles with dynamo's floats and ints specialized (`runner.SPECIALIZE`): a norm's eps or a
+    cache's block size is a constant of the graph, not an input converted to a tensor before every call (61 of
+    them made up most of the 0.3 ms of Python before SmolLM2's compiled one-token graph). The same check fails
+    without it, so it sees the conversion where there is one."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from meshlm.infer import runner as runner_module
+
+    if not specialize:
+        monkeypatch.setattr(runner_module, "SPECIALIZE", {})
+    torch._dynamo.reset()  # this case's graphs alone
+    Engine(model, Ids(), max_seqs=2, options=CacheOptions(block_size=4, max_batched_tokens=16, compile=True))
+    entries = _debug_get_cache_entry_list(Runner._dense.__code__)
+    assert len(entries) >= 3  # one token at 0, one past it, several
+    converted = ["_as_tensor_fullprec" in e.code.co_names for e in entries]
+    assert not any(converted) if specialize else all(converted)
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["slot-index", "in-place"])
 def test_a_single_row_attends_inside_the_graph(model, in_place, monkeypatch):
     """A step of one token past the first attends inside the compiled graph (`RowCache`: the pool written by the
