@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from checkpoints import load_run  # benchmarks/checkpoints.py, beside this script
-from smoke import add_smoke_flag, skipped, tiny_checkpoint
+from smoke import add_smoke_flag, skipped, tiny_checkpoint, tiny_tokenizer
 
 from meshlm.checkpoint.load import open_checkpoint
 from meshlm.data.chat import encode_chat, render, stop_strings, template_for
@@ -290,7 +290,12 @@ def main() -> int:
         skipped("the greedy samples (meshlm generate)")
         with tempfile.TemporaryDirectory() as tmp:
             args.work = tmp
-            args.base = str(tiny_checkpoint(Path(tmp) / "base", n_layers=1, hidden_size=32, n_heads=2, seq_len=256))
+            # a 512-token byte-level BPE, not GPT-2's 50,257 tokens, whose output layer would be most of every step
+            # and evaluation; a conversation then takes more tokens: rows and positions of 512
+            tok, vocab = tiny_tokenizer(Path(tmp) / "tokenizer")
+            args.base = str(tiny_checkpoint(Path(tmp) / "base", tokenizer=str(tok), vocab_size=vocab, n_layers=1,
+                                            hidden_size=32, n_heads=2, seq_len=512))
+            args.max_length = args.align_max_length = 512
             return run_task(args)
     return run_task(args)
 

@@ -6,7 +6,7 @@ each judged on the held-out play by chat_task.py's own functions.
     .venv/bin/python benchmarks/chat_task_smollm2.py [--work runs/chat-task-smollm2] [--steps 30]
         [--micro-batch 4] [--max-length 200] [--lr 1e-3] [--rank 8] [--alpha 16] [--dropout 0]
         [--dpo-steps 8] [--dpo-batch 4] [--dpo-pairs 32] [--dpo-lr 1e-4] [--beta 0.1] [--samples 1] [--skip-trl]
-    .venv/bin/python benchmarks/chat_task_smollm2.py --smoke   # a tiny random Llama written as GGUF, 2 steps
+    .venv/bin/python benchmarks/chat_task_smollm2.py --smoke   # a tiny random Llama (and BPE) written as GGUF, 2 steps
 
 The stages, each its own process, run back to back (the load average is printed before and after each):
 
@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import chat_task as ct  # benchmarks/chat_task.py: the task's data, metrics and sampling
 from checkpoints import load_run
-from smoke import add_smoke_flag, skipped, tiny_checkpoint
+from smoke import add_smoke_flag, skipped, tiny_gguf
 
 from meshlm.data.chat import BUILTIN_TEMPLATE, render, stop_strings, template_for
 from meshlm.data.tokenizers import get_tokenizer
@@ -223,18 +223,15 @@ def parse_args() -> argparse.Namespace:
     if args.smoke:
         args.data_args = "--train 8 --pref-train 4 --valid 4 --pref-valid 4 --test 4 --pref-test 4"
         args.steps, args.micro_batch, args.dpo_steps, args.dpo_batch, args.dpo_pairs = 2, 2, 1, 2, 4
+        args.max_length = 512  # the smoke base's small vocabulary takes more tokens a conversation (smoke_gguf)
         args.samples = 0
     return args
 
 
 def smoke_gguf(tmp: Path) -> str:
-    """A tiny random Llama (1 layer, width 32, the GPT-2 vocabulary) written as an f32 GGUF file."""
-    base = tiny_checkpoint(tmp / "tiny", "llama-tiny", n_layers=1, hidden_size=32, n_heads=2, n_kv_heads=1,
-                           seq_len=256)
-    out = tmp / "tiny.gguf"
-    ct.run([sys.executable, "-m", "meshlm", "convert", "--checkpoint", base, "--to-gguf", out, "--outtype", "f32"],
-           tmp / "to_gguf.log")
-    return str(out)
+    """A tiny random Llama written as an f32 GGUF file (`smoke.tiny_gguf`: 1 layer, 512 positions, a 512-token
+    BPE split as SmolLM2's; GPT-2's 50,257 tokens would cost seconds of GGUF parsing in every reader)."""
+    return str(tiny_gguf(tmp, digits=True))
 
 
 def main() -> int:

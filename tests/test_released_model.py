@@ -240,7 +240,7 @@ def test_tp2_refused_in_one_line(smol):
 def readme_run(smol, tmp_path_factory):
     """The README's "Use a released model" section as typed, as one shell script (its variable carries over;
     the server a background job, waited for): outputs under a temporary directory, the chat task narrowed, the
-    LoRA run two steps at a rate that moves the adapter visibly. What it printed, and where."""
+    LoRA run two steps of one conversation at a rate that moves the adapter visibly. What it printed, and where."""
     from tests.test_readme_commands import _section_commands
 
     root = tmp_path_factory.mktemp("readme")
@@ -256,8 +256,9 @@ def readme_run(smol, tmp_path_factory):
         line = line.replace("8004", port)
         if "make_chat_task.py" in line:
             line += " --train 4 --valid 2 --test 2 --pref-train 2 --pref-valid 2 --pref-test 2"
-        if " tune " in line:
-            line += " " + " ".join(QUIET) + " --optim.lr=2e-2 --optim.warmup_steps=0"
+        if " tune " in line:  # one conversation a step: a row of 256 positions through 135M parameters is seconds
+            line += " " + " ".join(QUIET) + " --train.micro_batch_size=1 --train.global_batch_size=1"
+            line += " --optim.lr=2e-2 --optim.warmup_steps=0"
         lines.append(line)
         if line.endswith("&"):
             lines.append(wait)
