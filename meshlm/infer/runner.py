@@ -8,8 +8,8 @@ which replay it in `worker_loop`. With `compile=True` the whole step (embedding,
 `torch.compile` graph with dynamic token counts (the model's Python numbers constants: `SPECIALIZE`;
 `COMPILE_CONFIG`: the weights frozen in as constants, each linear layer's product the faster of oneDNN's on a
 prepacked weight and Inductor's own C++ kernel, or oneDNN's alone for bf16 weights on a CPU whose native bf16 is
-AVX512-BF16 without AMX: `compile_config`; the norms, RoPE, casts and residual adds around them fused into a few
-loops). Each layer's paged attention, whose layout
+AVX512-BF16 without AMX: `compile_config`, where the one-token graph's bf16 products are meshlm's own operator
+instead, `infer/rows.py`; the norms, RoPE, casts and residual adds around them fused into a few loops). Each layer's paged attention, whose layout
 differs every step, is one opaque operator inside the graph (`models.paged.paged_attention`), run eagerly over
 the step's caches, which the runner hands it beside the graph (`models.paged.STEP`); a step of one token past
 its first (one client's decoding) attends inside its own graph instead (`models.paged.RowCache`: the pool and
@@ -32,6 +32,7 @@ import torch
 from meshlm.core.kv_cache import kv_groups
 from meshlm.core.precision import cpu_bf16_support
 from meshlm.infer.quantize import compiled_crossing
+from meshlm.infer.rows import use_bf16_rows
 from meshlm.infer.scheduler import ForwardPlan
 from meshlm.models import native
 from meshlm.models.paged import STEP, Batch, PagedKV
@@ -108,6 +109,8 @@ class Runner:
         if self.device.type == "cpu" and native.paged_decode() is None and native.enabled():  # built once, at start
             log.warning("decoding rows copy their keys out of the KV cache (the in-place kernel is unavailable: %s)",
                         native.unavailable())
+        if turned := use_bf16_rows(model):  # before compiling: the graphs call the kernel
+            log.info("bf16 products of a few rows through meshlm's kernel in %d linears", turned)
         self.step_fn = self._dense
         self.compile_s = 0.0
         if compile and adapters is None and tp_group is None:

@@ -151,7 +151,7 @@ class GPT(nn.Module):
         if self.mtp is None or not self.training:
             return self.normed_loss(h, targets)
         rope = self.rope(self.rope_len)
-        if type(self.lm_head) is nn.Linear:  # the whole head: the main loss and every depth's in one fused call, which
+        if isinstance(self.lm_head, nn.Linear):  # the whole head: the main loss and every depth's in one fused call, which
             states, goals = self.mtp.states(h, targets, self.tok_emb, rope)  # keeps one weight gradient, not 1 + D
             D = len(self.mtp)
             total, values = linear_cross_entropy_sum([h, *states], self.lm_head.weight, [targets, *goals],
@@ -166,7 +166,7 @@ class GPT(nn.Module):
     def normed_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The output layer's mean cross-entropy on normed states h (B, T, h): fused for the whole layer, else
         `logits_loss` on its split logits (set by tensor parallelism for the model's own loss path)."""
-        if type(self.lm_head) is nn.Linear:
+        if isinstance(self.lm_head, nn.Linear):  # (a serving subclass too: infer/rows.py's, the same product)
             return linear_cross_entropy(h, self.lm_head.weight, targets, target_rows=self.loss_on_target_rows)
         if self.logits_loss is None:
             raise RuntimeError("forward(targets=...) fuses the whole output layer; with parallel.tp > 1 compute "

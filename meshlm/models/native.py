@@ -24,6 +24,11 @@ and libraries, about 12 s the first time, and loaded with `torch.ops.load_librar
 without any Python in between (a call costs about 4 µs instead of 11 through a Python function and ctypes).
 `quant_rows()` loads them (None, and `unavailable("quant_rows")` the reason, where they cannot be built;
 `MESHLM_QUANT_KERNEL=0` turns them off); `infer/quantize.py` decides where they run.
+
+Matrix products of a few bf16 rows with a bf16 weight (`kernels/bf16_rows.cpp`, for CPUs with AVX512-BF16: 32
+inputs' pair products a `vdpbf16ps`) are the operator `meshlm::bf16_rows`, registered from C++ the same way
+(`kernels/bf16_ops.cpp`); `bf16_rows()` loads it (`MESHLM_BF16_KERNEL=0` turns it off) and `infer/rows.py` decides
+where it runs.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ import torch
 SOURCE = Path(__file__).resolve().parent / "kernels" / "paged_decode.cpp"
 QUANT_SOURCE = SOURCE.parent / "quant_rows.cpp"
 QUANT_OPS_SOURCE = SOURCE.parent / "quant_ops.cpp"  # its operators, registered from C++
+BF16_SOURCE = SOURCE.parent / "bf16_rows.cpp"
+BF16_OPS_SOURCE = SOURCE.parent / "bf16_ops.cpp"  # its operator, registered from C++
 PAGED_OPS_SOURCE = SOURCE.parent / "paged_ops.cpp"  # SOURCE's operator `row_decode`, registered from C++
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared",
          "-fPIC"]
@@ -148,14 +155,17 @@ def paged_decode():
 
 
 def unavailable(kernel: str = "paged_decode") -> str:
-    """Why `paged_decode()` (or `quant_rows()`, kernel="quant_rows"; `row_ops()`, kernel="row_ops") is None (''
-    when it is not)."""
+    """Why `paged_decode()` (or `quant_rows()`, kernel="quant_rows"; `row_ops()`, kernel="row_ops"; `bf16_rows()`,
+    kernel="bf16_rows") is None ('' when it is not)."""
     if kernel == "quant_rows":
         quant_rows()
         return _state["quant_why"]
     if kernel == "row_ops":
         row_ops()
         return _state["row_ops_why"]
+    if kernel == "bf16_rows":
+        bf16_rows()
+        return _state["bf16_why"]
     paged_decode()
     return _state["why"]
 
@@ -200,6 +210,20 @@ def quant_rows():
     return _state["quant"]
 
 
+def bf16_rows():
+    """The library of the operator `meshlm::bf16_rows` (its path), built and loaded once per process; None where it
+    cannot be (`unavailable("bf16_rows")` says why: no AVX512-BF16, no compiler, `MESHLM_BF16_KERNEL=0`): then
+    nothing may call it."""
+    if "bf16" not in _state:
+        with _lock:
+            if "bf16" not in _state:
+                lib, why = _open("MESHLM_BF16_KERNEL", BF16_SOURCE, (BF16_OPS_SOURCE,), torch_build_flags())
+                if lib is not None and hasattr(lib, "meshlm_bf16_rows_missing"):
+                    lib, why = None, "this CPU lacks AVX512-BF16"
+                _state["bf16"], _state["bf16_why"] = _into_dispatcher(lib, why)
+    return _state["bf16"]
+
+
 def row_ops():
     """The library whose CPU kernel of `meshlm::row_decode` (models/paged.py) is paged_decode.cpp's, called from C++
     (paged_ops.cpp; its path), built and loaded once per process; None where it cannot be (`unavailable("row_ops")`
@@ -223,11 +247,19 @@ def row_ops():
 LIBRARY = torch.library.Library("meshlm", "FRAGMENT")
 LIBRARY.define("int8_rows(Tensor x, Tensor q, Tensor s) -> Tensor")
 LIBRARY.define("int4_rows(Tensor x, Tensor packed, Tensor scales_and_zeros, int group) -> Tensor")
+# bf16_rows: x (R, K) bf16 times the bf16 weight w (N, K), transposed: (R, N) bf16, the sums in fp32 rounded once.
+# Call it only where `bf16_rows()` is not None.
+LIBRARY.define("bf16_rows(Tensor x, Tensor w) -> Tensor")
 
 
 @torch.library.register_fake("meshlm::int8_rows", lib=LIBRARY)
 def _int8_rows_shape(x, q, s):
     return x.new_empty(x.shape[0], q.shape[0])
+
+
+@torch.library.register_fake("meshlm::bf16_rows", lib=LIBRARY)
+def _bf16_rows_shape(x, w):
+    return x.new_empty(x.shape[0], w.shape[0])
 
 
 @torch.library.register_fake("meshlm::int4_rows", lib=LIBRARY)
