@@ -5,8 +5,8 @@ The engine (`infer.engine.Engine`, in process, no HTTP) prefills `--rows` prompt
 decodes a few warm-up steps, times `--steps` decode steps, then runs `--steps` more under `torch.profiler`.
 Each ATen operator's self time goes to one of:
 
-- matrix products: `mm`, `addmm`, `bmm`, `linear`'s products, the packed int8/int4 kernels, oneDNN's and MKL's
-  products on prepacked weights (the compiled step's);
+- matrix products: `mm`, `addmm`, `bmm`, `linear`'s products, the packed int8/int4 kernels, meshlm's int8, int4
+  and bf16 rows, oneDNN's and MKL's products on prepacked weights (the compiled step's);
 - attention: the attention kernel (`scaled_dot_product_attention`'s CPU implementations, or the math path's
   softmax and products inside it) and the pool's reads and writes (the block gathers, `index_select`, `index`,
   `index_put_`, `index_copy_`: the copies in-place attention would remove); in the compiled step also the
@@ -48,7 +48,8 @@ FORMS = {"fp32": ("fp32", None), "bf16": ("bf16", None), "int8": ("fp32", "int8"
          "bf16-int8": ("bf16", "int8"), "bf16-int4": ("bf16", "int4")}
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_weight_int8pack_mm",
           "aten::_weight_int4pack_mm_for_cpu", "aten::matmul", "mkldnn::_linear_pointwise",
-          "mkldnn::_linear_pointwise.binary", "mkl::_mkl_linear", "meshlm::int8_rows", "meshlm::int4_rows")
+          "mkldnn::_linear_pointwise.binary", "mkl::_mkl_linear", "meshlm::int8_rows", "meshlm::int4_rows",
+          "meshlm::bf16_rows")
 ATTENTION = ("scaled_dot_product", "flash_attention", "aten::index_select", "aten::index", "aten::index_put_",
              "aten::index_copy_", "aten::_softmax", "aten::gather", "meshlm::paged_attention", "meshlm::row_decode")
 COMPILED = "## Call CompiledFxGraph"  # the compiled step's own kernels (Inductor's loops and matrix products)
