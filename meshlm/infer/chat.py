@@ -107,8 +107,12 @@ class ReplyStream:
         self._prefix, self._read = self._read, len(self.ids)
         return self._visible()
 
-    def finish(self) -> str:
-        """The rest of the text: what was held back (a stop-string prefix, an incomplete character)."""
+    def finish(self, cut: bool = False) -> str:
+        """The rest of the text: what was held back (a stop-string prefix, an incomplete character). `cut` (the
+        reply was interrupted): an incomplete character's bytes so far are dropped, not shown as U+FFFD, so what
+        was shown is a prefix of the reply it would have been (its next token may have completed the character)."""
+        if cut:
+            self.ids = self.ids[:self._read]
         if not self.stopped and self._read < len(self.ids):
             before = self.decode(self.ids[self._prefix:self._read])
             self.text += self.decode(self.ids[self._prefix:])[len(before):]
@@ -207,7 +211,7 @@ def reply(decoder: Decoder, prompt: list[int], settings: ChatSettings, stream_ou
                 break
     except KeyboardInterrupt:
         decoder.engine = None
-        write(stream_out.finish())
+        write(stream_out.finish(cut=True))
         return True
     write(stream_out.finish())
     return False

@@ -205,7 +205,7 @@ def test_a_compiled_bf16_engine_decodes_through_the_kernel_as_the_model_recomput
     monkeypatch.setattr(runner_module, "COMPILE_CONFIG", {k: v for k, v in runner_module.COMPILE_CONFIG.items()
                                                           if not k.startswith("max_autotune")})
     monkeypatch.setattr(rows_module, "cpu_bf16_support", lambda: "AVX512-BF16")  # `wanted` on any CPU that builds it
-    cfg = ModelConfig(n_layers=2, hidden_size=64, n_heads=4, n_kv_heads=2, seq_len=64, vocab_size=97,
+    cfg = ModelConfig(n_layers=1, hidden_size=64, n_heads=4, n_kv_heads=2, seq_len=64, vocab_size=97,
                       position="rope", norm="rmsnorm", activation="swiglu", bias=False, tie_embeddings=True)
     torch.manual_seed(0)
     model = GPT(cfg).eval().bfloat16()

@@ -213,3 +213,21 @@ def test_the_stream_shows_multi_byte_characters_whole_and_holds_back_a_stop_stri
     assert "".join(pieces) == text and stream.text == text and stream.stopped
     assert all("\ufffd" not in p for p in pieces)
     assert len([p for p in pieces if p]) > 3  # streamed, not all at the end
+
+
+def test_a_reply_cut_inside_a_character_shows_a_prefix_of_the_whole_reply():
+    """Ctrl-C between two tokens of one character (`reply` then calls `finish(cut=True)`): its bytes so far are
+    dropped, so what was shown, and what the conversation keeps, is a prefix of the reply it would have been (the
+    SIGINT test above once landed inside a two-byte character and saw U+FFFD where the whole reply had it whole).
+    A reply that ends there on its own (its last token) still shows the U+FFFD."""
+    tok = get_tokenizer("gpt2")
+    text = "café — naïve ✓ 日本"
+    ids = tok.encode(text)
+    inside = 0
+    for k in range(1, len(ids) + 1):
+        cut, ended = ReplyStream(tok.decode), ReplyStream(tok.decode)
+        shown = "".join(cut.push(i) for i in ids[:k]) + cut.finish(cut=True)
+        assert text.startswith(shown) and cut.text == shown, (k, shown)
+        whole = "".join(ended.push(i) for i in ids[:k]) + ended.finish()
+        inside += whole.endswith("\ufffd")
+    assert inside >= 2  # the text has cuts inside characters (each of 日 and 本 is three bytes over two tokens)
