@@ -64,9 +64,9 @@ def _targets(model: nn.Module) -> list[nn.Linear]:
 def use_bf16_rows(model: nn.Module, force: bool = False) -> int:
     """Turn `model`'s plain bf16 CPU linears into `Bf16RowsLinear`s in place where `wanted(model)` (or `force`, for
     tests, where the kernel is built); the number turned."""
-    if not (force and native.bf16_rows() is not None) and not wanted(model):
-        return 0
     found = _targets(model)
+    if not found or not (force or cpu_bf16_support() == "AVX512-BF16") or native.bf16_rows() is None:
+        return 0
     for module in found:
         module.__class__ = Bf16RowsLinear
     return len(found)

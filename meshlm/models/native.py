@@ -192,12 +192,19 @@ def _into_dispatcher(lib, why: str):
     return lib._name, ""
 
 
-def _load_quant():
-    """quant_rows.cpp and its operators (quant_ops.cpp) as one library, loaded into PyTorch's dispatcher."""
-    lib, why = _open("MESHLM_QUANT_KERNEL", QUANT_SOURCE, (QUANT_OPS_SOURCE,), torch_build_flags())
-    if lib is not None and hasattr(lib, "meshlm_quant_rows_missing"):
-        return None, "this CPU lacks AVX2 and FMA"
+def _load_ops(switch: str, source: Path, ops: Path, missing: str, lacks: str):
+    """A kernel `source` and its operators `ops` as one library, loaded into PyTorch's dispatcher (`_into_dispatcher`);
+    (None, `lacks`) where the build for this CPU defines the symbol `missing` instead of the kernel."""
+    lib, why = _open(switch, source, (ops,), torch_build_flags())
+    if lib is not None and hasattr(lib, missing):
+        return None, lacks
     return _into_dispatcher(lib, why)
+
+
+def _load_quant():
+    """quant_rows.cpp and its operators (quant_ops.cpp)."""
+    return _load_ops("MESHLM_QUANT_KERNEL", QUANT_SOURCE, QUANT_OPS_SOURCE, "meshlm_quant_rows_missing",
+                     "this CPU lacks AVX2 and FMA")
 
 
 def quant_rows():
@@ -217,10 +224,8 @@ def bf16_rows():
     if "bf16" not in _state:
         with _lock:
             if "bf16" not in _state:
-                lib, why = _open("MESHLM_BF16_KERNEL", BF16_SOURCE, (BF16_OPS_SOURCE,), torch_build_flags())
-                if lib is not None and hasattr(lib, "meshlm_bf16_rows_missing"):
-                    lib, why = None, "this CPU lacks AVX512-BF16"
-                _state["bf16"], _state["bf16_why"] = _into_dispatcher(lib, why)
+                _state["bf16"], _state["bf16_why"] = _load_ops("MESHLM_BF16_KERNEL", BF16_SOURCE, BF16_OPS_SOURCE,
+                                                               "meshlm_bf16_rows_missing", "this CPU lacks AVX512-BF16")
     return _state["bf16"]
 
 

@@ -11,15 +11,16 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 
-extern "C" int meshlm_bf16_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, void* y, int y_dtype, int64_t R,
-                                int64_t K, int64_t N, int threads);
+extern "C" int meshlm_bf16_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* y, int64_t R, int64_t K,
+                                int64_t N, int threads);
 
 namespace {
 
-// x (R, K) bf16, each row contiguous; w (N, K) bf16 contiguous → x wᵀ (R, N) in bf16 (sums in fp32, rounded once).
+// x (R, K) bf16 (rows read in place where each is contiguous); w (N, K) bf16 contiguous → x wᵀ (R, N) in bf16 (sums
+// in fp32, rounded once).
 at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& w) {
     TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) > 0 &&
-                    x.size(1) > 0 && (x.size(0) == 1 || x.stride(1) == 1),
+                    x.size(1) > 0,
                 "meshlm::bf16_rows: x must be a non-empty (rows, K) bfloat16 CPU tensor, got ", x.sizes(), " ",
                 x.scalar_type());
     const int64_t R = x.size(0), K = x.size(1);
@@ -31,8 +32,8 @@ at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& w) {
     const int64_t N = w.size(0);
     at::Tensor y = at::empty({R, N}, x.options());
     const int rc = meshlm_bf16_rows(static_cast<const uint16_t*>(xc.data_ptr()), R == 1 ? K : xc.stride(0),
-                                    static_cast<const uint16_t*>(w.data_ptr()), y.data_ptr(), 1, R, K, N,
-                                    at::get_num_threads());
+                                    static_cast<const uint16_t*>(w.data_ptr()), static_cast<uint16_t*>(y.data_ptr()),
+                                    R, K, N, at::get_num_threads());
     TORCH_CHECK(rc == 0, "meshlm::bf16_rows refused its arguments (", rc, ")");
     return y;
 }
