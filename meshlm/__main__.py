@@ -1,5 +1,3 @@
-import sys
+from meshlm.cli import run
 
-from meshlm.cli import main
-
-sys.exit(main())
+run()

@@ -11,6 +11,8 @@ and exits with 130 or 143.
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import os
 import sys
 from typing import NoReturn
@@ -30,6 +32,38 @@ from meshlm.commands.serve import add_serve_command
 from meshlm.commands.train import add_train_command
 from meshlm.commands.tune import add_tune_command
 from meshlm.core.config import ConfigError
+
+# The exit code `leave_at_exit` was given; None: the interpreter's usual exit.
+_LEAVE_CODE: int | None = None
+
+
+def _leave() -> None:
+    """The last exit handler (registered when this module loads, before any command registers its own: atexit runs
+    them last-in, first-out, after the interpreter has joined every thread that is not a daemon): once
+    `leave_at_exit` asked for it, collect what the command left in reference cycles (their finalizers run), flush
+    stdout and stderr, and end the process with `os._exit`, skipping the interpreter's
+    teardown (clearing every module of torch, sympy and dynamo, with garbage collections over them: about 1 s of
+    CPU per process, more than a small command's own work; RESULTS.md, "A command's exit")."""
+    if _LEAVE_CODE is None:
+        return
+    gc.collect()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`meshlm generate | head`) or a closed stream
+            pass
+    os._exit(_LEAVE_CODE)
+
+
+atexit.register(_leave)
+
+
+def leave_at_exit(code: int) -> None:
+    """End this process with `code` once its exit handlers have run, without the interpreter's teardown (`_leave`).
+    For a process whose work is done (the console script after `main`); a library caller's process keeps its own
+    exit."""
+    global _LEAVE_CODE
+    _LEAVE_CODE = code
 
 
 def one_line(message: str) -> str:
@@ -110,5 +144,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run() -> NoReturn:
+    """The `meshlm` console script and `python -m meshlm` (torchrun's workers too): `main`, then its exit code
+    through `leave_at_exit`. A command that raised leaves the usual way, with its traceback."""
+    code = main()
+    code = 0 if code is None else code
+    if isinstance(code, int):
+        leave_at_exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -19,10 +19,12 @@ import tempfile
 from pathlib import Path
 
 # The program of the batch process: each argv through meshlm.cli.main, outputs captured per command; the first
-# failure stops the batch (later commands of a documented sequence build on the earlier ones).
+# failure stops the batch (later commands of a documented sequence build on the earlier ones). Once the results
+# are written it leaves as the console script does (`meshlm.cli.leave_at_exit`: exit handlers, then os._exit
+# without the interpreter's teardown); a runner that failed exits the usual way.
 _RUNNER = """
 import contextlib, io, json, os, sys, traceback
-from meshlm.cli import main
+from meshlm.cli import leave_at_exit, main
 
 commands, results = json.loads(open(sys.argv[1]).read()), []
 for argv, env in commands:
@@ -41,7 +43,9 @@ for argv, env in commands:
     results.append({"code": code or 0, "stdout": out.getvalue(), "stderr": err.getvalue()})
     if code:
         break
-open(sys.argv[2], "w").write(json.dumps(results))
+with open(sys.argv[2], "w") as f:
+    f.write(json.dumps(results))
+leave_at_exit(0)
 """
 
 
