@@ -2,6 +2,7 @@
 
     python benchmarks/busy_step.py [--steps 10] [--warmup 3] [--settings default,passive,...] [--batch 16]
     python benchmarks/busy_step.py --smoke     # the default setting, one step of one row of a 1-layer demo model
+                                               # (its busy process sleeps: the numbers mean nothing)
 
 On a small CPU a training step uses every core through OpenMP; when another process holds one of them,
 OpenMP's threads that wait for each other (libgomp spins 300,000 iterations before it sleeps) burn their
@@ -55,6 +56,10 @@ SETTINGS = {
 ADAPTIVE = {"adaptive"}  # settings whose child calls the trainer's thread governor after each step, as its loop does
 
 BUSY = "while True:\n    pass\n"  # one core's worth of pure Python, no threads
+# --smoke's busy process: started and killed around the child as BUSY is, but asleep. A smoke run's numbers mean
+# nothing, and BUSY would spin on a core for the whole child (its torch import and trainer set-up included),
+# taking that core from whatever else runs beside the smoke test.
+SMOKE_BUSY = "import time\nwhile True:\n    time.sleep(60)\n"
 
 
 def clean_env() -> dict[str, str]:
@@ -100,7 +105,7 @@ def measure(name: str, args: argparse.Namespace, busy: bool) -> dict:
     cmd = [sys.executable, __file__, "--child", f"--steps={args.steps}", f"--warmup={args.warmup}",
            f"--threads={threads}", f"--batch={args.batch}"] + (["--adapt"] if name in ADAPTIVE else []) + \
         (["--smoke"] if args.smoke else [])
-    hog = subprocess.Popen([sys.executable, "-c", BUSY]) if busy else None
+    hog = subprocess.Popen([sys.executable, "-c", SMOKE_BUSY if args.smoke else BUSY]) if busy else None
     try:
         result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     finally:
@@ -135,7 +140,7 @@ def main() -> None:
     shape = f"a 1-layer, 64-wide demo model, batch {args.batch} × 64" if args.smoke else \
         f"demo model, batch {args.batch} × 256"
     print(f"{os.cpu_count()} CPUs; {shape}, {args.warmup} warm-up + {args.steps} timed "
-          "steps per measurement; busy: one pure-Python loop")
+          f"steps per measurement; busy: one pure-Python loop{' (smoke: asleep)' if args.smoke else ''}")
     print(f"{'setting':<16} {'threads':>7} {'alone s/step':>12} {'busy s/step':>11} {'slowdown':>8} "
           f"{'vs default alone':>16}  what")
     reference = None  # the default setting's step alone: the quiet machine's speed every setting is held to
