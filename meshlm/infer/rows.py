@@ -53,7 +53,12 @@ def wanted(model: nn.Module) -> bool:
     """Whether `use_bf16_rows` changes `model`: bf16 linear weights on the CPU, a CPU whose native bf16 is
     AVX512-BF16 without AMX (there oneDNN's one-row products were measured below memory speed; with AMX they were
     not measured against the kernel), and the kernel built (`native.unavailable("bf16_rows")` says why not)."""
-    return (bool(_targets(model)) and cpu_bf16_support() == "AVX512-BF16" and native.bf16_rows() is not None)
+    return bool(_targets(model)) and _kernel_for(force=False)
+
+
+def _kernel_for(force: bool) -> bool:
+    """`wanted`'s rule for the CPU (or `force`, for tests), and the kernel built."""
+    return (force or cpu_bf16_support() == "AVX512-BF16") and native.bf16_rows() is not None
 
 
 def _targets(model: nn.Module) -> list[nn.Linear]:
@@ -65,7 +70,7 @@ def use_bf16_rows(model: nn.Module, force: bool = False) -> int:
     """Turn `model`'s plain bf16 CPU linears into `Bf16RowsLinear`s in place where `wanted(model)` (or `force`, for
     tests, where the kernel is built); the number turned."""
     found = _targets(model)
-    if not found or not (force or cpu_bf16_support() == "AVX512-BF16") or native.bf16_rows() is None:
+    if not found or not _kernel_for(force):
         return 0
     for module in found:
         module.__class__ = Bf16RowsLinear
